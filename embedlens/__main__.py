@@ -1,0 +1,5 @@
+"""`python -m embedlens`."""
+
+from embedlens.cli import main
+
+main()

@@ -1,0 +1,285 @@
+"""Tensor names, shapes, dtypes and byte positions from checkpoint headers, without torch.
+
+Safetensors: the 8-byte header length and the JSON header of each file (sharded checkpoints
+through model.safetensors.index.json). GGUF: the header parsed by `gguf_header`. A hub repo whose
+weights are not cached has its headers read over HTTP ranges by huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from embedlens.errors import CheckpointError, SourceError
+from embedlens.gguf_header import GGUFHeader, read_gguf_header
+from embedlens.source import WEIGHT_INDEX, WEIGHT_SINGLE, ModelSource, hub_offline
+
+# Bits per element of each safetensors dtype.
+SAFETENSORS_BITS: dict[str, int] = {
+    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8,
+    "U64": 64, "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8,
+    "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
+}  # fmt: skip
+TORCH_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+_MAX_HEADER = 100_000_000  # safetensors itself refuses headers above 100 MB
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One stored tensor: its shape in row-major order and where its bytes are."""
+
+    name: str
+    dtype: str
+    """Safetensors dtype ('BF16') or ggml type ('Q4_1')."""
+    shape: tuple[int, ...]
+    file: str
+    """The file's name within the checkpoint (a shard name, or the .gguf file's name)."""
+    path: Path | None
+    """The file on disk, or None for a hub file whose header was read remotely."""
+    file_offset: int | None
+    """Absolute offset of the tensor's first byte in the file (None when not known)."""
+    nbytes: int
+    block: tuple[int, int] | None = None
+    """GGUF quantisation block: (elements, bytes); None for plain element types."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the last dimension) as stored."""
+        if not self.shape:
+            return self.nbytes
+        rows = self.numel // self.shape[-1] if self.shape[-1] else 0
+        return self.nbytes // rows if rows else 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """All tensors of a checkpoint, by name."""
+
+    format: Literal["safetensors", "gguf"]
+    tensors: dict[str, TensorEntry]
+    files: tuple[str, ...]
+    gguf: GGUFHeader | None = None
+    header_lengths: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed safetensors header."""
+
+    header_length: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+def read_safetensors_header(path: Path, name: str | None = None) -> SafetensorsHeader:
+    """Parse and check one safetensors file's header; CheckpointError if it is corrupt."""
+    name = name or path.name
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(0)
+            if size < 8:
+                raise CheckpointError(
+                    f"'{name}' is truncated: {size} bytes, not even the 8-byte header length"
+                )
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise CheckpointError(
+                    f"'{name}' is truncated or corrupt: its header claims {n} bytes "
+                    f"but the file has {size - 8} after the length"
+                )
+            if n > _MAX_HEADER:
+                raise CheckpointError(f"'{name}' claims a header of {n} bytes (over 100 MB)")
+            raw = fh.read(n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read '{name}': {e.strerror or e}") from e
+    return parse_safetensors_header(raw, name, path=path, data_size=size - 8 - n)
+
+
+def parse_safetensors_header(
+    raw: bytes, name: str, *, path: Path | None, data_size: int | None
+) -> SafetensorsHeader:
+    """Check a header's JSON against the spec and the size of the data that follows it."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"'{name}' has a corrupt header (not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"'{name}' has a corrupt header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"'{name}' has a corrupt header (__metadata__ is not an object)")
+    base = 8 + len(raw)
+    tensors: dict[str, TensorEntry] = {}
+    for tname, info in header.items():
+        tensors[tname] = _entry(tname, info, name, path, base, data_size)
+    return SafetensorsHeader(len(raw), tensors, {str(k): str(v) for k, v in metadata.items()})
+
+
+def _entry(
+    tname: str, info: object, name: str, path: Path | None, base: int, data_size: int | None
+) -> TensorEntry:
+    bad = f"'{name}' has a corrupt header entry for '{tname}'"
+    if not isinstance(info, dict):
+        raise CheckpointError(bad)
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in SAFETENSORS_BITS:
+        raise CheckpointError(f"{bad}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise CheckpointError(f"{bad}: shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(f"{bad}: data_offsets {offsets!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    expected = (numel * SAFETENSORS_BITS[str(dtype)] + 7) // 8
+    begin, end = offsets
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{bad}: {end - begin} bytes for a {dtype} tensor of shape {shape} ({expected} needed)"
+        )
+    if data_size is not None and end > data_size:
+        raise CheckpointError(
+            f"'{name}' is truncated: tensor '{tname}' ends at byte {end} of the data, "
+            f"which has {data_size}"
+        )
+    return TensorEntry(
+        name=tname,
+        dtype=str(dtype),
+        shape=tuple(shape),
+        file=name,
+        path=path,
+        file_offset=base + begin,
+        nbytes=end - begin,
+    )
+
+
+def gguf_checkpoint(path: Path) -> Checkpoint:
+    """The tensors of a GGUF file, shapes in row-major order."""
+    header = read_gguf_header(path)
+    tensors = {
+        t.name: TensorEntry(
+            name=t.name,
+            dtype=t.type_name,
+            shape=t.shape,
+            file=path.name,
+            path=path,
+            file_offset=t.offset,
+            nbytes=t.nbytes,
+            block=t.block if t.block != (1, t.block[1]) else None,
+        )
+        for t in header.tensors.values()
+    }
+    return Checkpoint("gguf", tensors, (path.name,), gguf=header)
+
+
+def safetensors_files(source: ModelSource) -> list[str] | None:
+    """Names of the safetensors files holding the weights (via the index when sharded)."""
+    index = source.find(WEIGHT_INDEX)
+    if index is not None:
+        weight_map = _read_index(index)
+        return sorted(set(weight_map.values()))
+    if source.find(WEIGHT_SINGLE) is not None:
+        return [WEIGHT_SINGLE]
+    listing = source.listing() or []
+    shards = [n for n in listing if n.endswith(".safetensors") and "adapter" not in n]
+    return shards or None
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise TypeError("weight_map is not a mapping of names to files")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"'{path.name}' is not a valid safetensors index ({e})") from e
+    for shard in weight_map.values():
+        if "/" in shard or "\\" in shard or shard.startswith("."):
+            raise CheckpointError(f"'{path.name}' names a shard outside the model: '{shard}'")
+    return weight_map
+
+
+def open_checkpoint(source: ModelSource) -> Checkpoint | None:
+    """Read every tensor's header entry; None when the weights are not in safetensors or GGUF."""
+    if source.is_gguf:
+        assert source.path is not None
+        return gguf_checkpoint(source.path)
+    names = safetensors_files(source)
+    if names is None:
+        return None
+    tensors: dict[str, TensorEntry] = {}
+    lengths: dict[str, int] = {}
+    remote: list[str] = []
+    for shard in names:
+        path = source.cached(shard) if source.kind == "hub" else source.find(shard)
+        if path is None:
+            if source.kind != "hub":
+                raise CheckpointError(
+                    f"shard '{shard}' named in {WEIGHT_INDEX} is missing from '{source.spec}'"
+                )
+            remote.append(shard)
+            continue
+        header = read_safetensors_header(path, shard)
+        lengths[shard] = header.header_length
+        tensors.update(header.tensors)
+    if remote:
+        tensors.update(_remote_headers(source, remote))
+    return Checkpoint("safetensors", tensors, tuple(names), header_lengths=lengths)
+
+
+def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorEntry]:
+    """Headers of hub files that are not cached, read over HTTP ranges (no weights downloaded)."""
+    if hub_offline():
+        raise SourceError(
+            f"the weights of '{source.spec}' are not in the local hub cache and HF_HUB_OFFLINE is set",
+            hint="use --meta-only to count from the config alone, or unset HF_HUB_OFFLINE",
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    assert source.repo_id is not None
+    try:
+        meta = HfApi().get_safetensors_metadata(source.repo_id, revision=source.revision)
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise SourceError(f"could not read the safetensors headers of '{source.spec}': {e}") from e
+    out: dict[str, TensorEntry] = {}
+    for shard, file_meta in meta.files_metadata.items():
+        if shard not in shards:
+            continue
+        for tname, info in file_meta.tensors.items():
+            begin, end = info.data_offsets
+            out[tname] = TensorEntry(
+                name=tname,
+                dtype=info.dtype,
+                shape=tuple(info.shape),
+                file=shard,
+                path=None,
+                file_offset=None,
+                nbytes=end - begin,
+            )
+    return out

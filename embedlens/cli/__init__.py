@@ -1,0 +1,70 @@
+"""The `embedlens` command line: Typer app, command registration, and usage-error handling."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from embedlens.cli import params as _params
+from embedlens.cli import tied as _tied
+from embedlens.cli._errors import print_error
+
+
+class _Group(TyperGroup):
+    """Report usage errors as one `error:` line (exit 2) instead of Typer's panel."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        try:
+            rv = super().main(
+                args=args,
+                prog_name=prog_name,
+                complete_var=complete_var,
+                standalone_mode=False,
+                **extra,
+            )
+        except Exception as e:
+            code = getattr(e, "exit_code", None)
+            if not hasattr(e, "format_message") or not isinstance(code, int):
+                raise
+            ctx = getattr(e, "ctx", None)
+            if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+                sys.stdout.write(ctx.get_help() + "\n")
+                code = 0
+            else:
+                command = ctx.command_path if ctx is not None else "embedlens"
+                print_error(e.format_message(), f"see '{command} --help'")
+            if not standalone_mode:
+                raise
+            sys.exit(code)
+        if standalone_mode:
+            sys.exit(rv if isinstance(rv, int) else 0)
+        return rv
+
+
+app = typer.Typer(
+    cls=_Group,
+    name="embedlens",
+    help="Open up both ends of a causal LM: the embedding table, the LM head, the logit lens.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+app.command(epilog=_params.EXAMPLES)(_params.params)
+app.command(epilog=_tied.EXAMPLES)(_tied.tied)
+
+
+def main() -> None:
+    """Console entry point."""
+    app()

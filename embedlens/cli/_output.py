@@ -1,0 +1,91 @@
+"""Output conventions: Rich tables on stdout, one JSON object with --json, notes on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console, RenderableType
+from rich.text import Text
+
+from embedlens.reports import Report, to_json_dict
+
+console = Console(highlight=False, soft_wrap=False)
+err_console = Console(stderr=True, highlight=False)
+
+_state = {"quiet": False}
+
+
+def set_quiet(quiet: bool) -> None:
+    """Silence progress and notes on stderr (errors are always shown)."""
+    _state["quiet"] = quiet
+
+
+def write_json(report: Report) -> None:
+    """Write the report as exactly one JSON object on stdout, never through Rich."""
+    text = json.dumps(to_json_dict(report), ensure_ascii=False, allow_nan=False)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def emit(report: Report, *, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
+    """Print a report: JSON on request, else its Rich rendering."""
+    if as_json:
+        write_json(report)
+    else:
+        console.print(render(report))
+
+
+def note(message: str, *, style: str = "yellow") -> None:
+    """A note on stderr (silenced by --quiet)."""
+    if not _state["quiet"]:
+        err_console.print(Text(message, style=style), soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    """A warning on stderr that --quiet does not silence: something the user must know."""
+    err_console.print(Text("warning: " + message, style="bold red"), soft_wrap=True)
+
+
+@contextmanager
+def progress(message: str) -> Iterator[None]:
+    """A spinner on stderr while work runs, only on a terminal and without --quiet."""
+    if _state["quiet"] or not err_console.is_terminal:
+        yield
+        return
+    with err_console.status(Text(message), spinner="dots"):
+        yield
+
+
+_CONTROL = {i: f"\\x{i:02x}" for i in range(32)} | {0x7F: "\\x7f"}
+_CONTROL.update({ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"})
+
+
+def quoted(token: str) -> Text:
+    """A token in single quotes with control characters escaped, never read as markup."""
+    return Text("'" + token.translate(_CONTROL) + "'")
+
+
+def count(n: int) -> str:
+    """An integer with thousands separators."""
+    return f"{n:,}"
+
+
+def share(x: float) -> str:
+    """A fraction as a percentage."""
+    return f"{100 * x:.2f}%"
+
+
+def size(n: int | None) -> str:
+    """Bytes in binary units."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"

@@ -1,0 +1,252 @@
+"""A small, bounds-checked reader of GGUF headers: metadata and tensor infos, no tensor data.
+
+gguf-py's GGUFReader decodes every token string up front (seconds for a 49k vocabulary); this
+reader walks the same layout with `struct` over a memory map, decodes scalars and short arrays,
+and leaves long arrays as lazy views. Every length field is checked against the bytes left, so a
+corrupt file ends in CheckpointError, never in a huge allocation or a foreign exception.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embedlens.errors import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+_SCALARS: dict[int, tuple[str, int]] = {
+    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+_EAGER_ARRAY_LIMIT = 256
+_MAX_DIMS = 8
+
+# ggml type id -> (name, elements per block, bytes per block). From ggml.h / gguf-py constants.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LazyArray:
+    """A long metadata array left in the file: its element type, count and byte span."""
+
+    path: Path
+    item_type: int
+    count: int
+    start: int
+    end: int
+
+    def read(self) -> list[Any]:
+        """Decode the array (e.g. the tokenizer's token strings)."""
+        with open(self.path, "rb") as fh:
+            fh.seek(self.start)
+            buf = fh.read(self.end - self.start)
+        cursor = _Cursor(buf, 0, str(self.path))
+        return [cursor.value(self.item_type) for _ in range(self.count)]
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's record in a GGUF header (shape in ggml order: fastest dimension first)."""
+
+    name: str
+    ggml_shape: tuple[int, ...]
+    type_id: int
+    offset: int
+    """Absolute byte offset of the data in the file."""
+
+    @property
+    def type_name(self) -> str:
+        """ggml type name, e.g. 'Q4_1'."""
+        return GGML_TYPES[self.type_id][0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape in row-major (PyTorch) order."""
+        return tuple(reversed(self.ggml_shape))
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.ggml_shape:
+            n *= d
+        return n
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(elements per block, bytes per block) of its type."""
+        _, elems, size = GGML_TYPES[self.type_id]
+        return elems, size
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the fastest dimension) in the file's quantised layout."""
+        elems, size = self.block
+        return (self.ggml_shape[0] // elems) * size if self.ggml_shape else size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return self.row_bytes * (self.numel // self.ggml_shape[0] if self.ggml_shape else 1)
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A parsed GGUF header."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    data_offset: int
+    alignment: int
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """A metadata value, with `{arch}` standing for general.architecture."""
+        arch = self.metadata.get("general.architecture", "")
+        return self.metadata.get(key.replace("{arch}", str(arch)), default)
+
+
+class _Cursor:
+    def __init__(self, buf: Any, pos: int, where: str) -> None:
+        self.buf, self.pos, self.where, self.size = buf, pos, where, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise CheckpointError(
+                f"'{self.where}' is truncated or corrupt: {what} runs past the end of the file "
+                f"(needs {n} bytes at offset {self.pos}, file has {self.size})"
+            )
+
+    def scalar(self, fmt: str, size: int, what: str) -> Any:
+        self.need(size, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self, what: str) -> int:
+        return int(self.scalar("<I", 4, what))
+
+    def u64(self, what: str) -> int:
+        return int(self.scalar("<Q", 8, what))
+
+    def string(self, what: str = "a string") -> str:
+        n = self.u64(what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="surrogateescape")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            fmt, size = _SCALARS[vtype]
+            return self.scalar(fmt, size, "a metadata value")
+        if vtype == _STRING:
+            return self.string("a metadata string")
+        raise CheckpointError(f"'{self.where}' has an unknown GGUF value type {vtype}")
+
+    def skip_array(self, item_type: int, count: int) -> None:
+        if item_type in _SCALARS:
+            self.need(count * _SCALARS[item_type][1], "a metadata array")
+            self.pos += count * _SCALARS[item_type][1]
+            return
+        if item_type != _STRING:
+            raise CheckpointError(f"'{self.where}' has an unsupported GGUF array type {item_type}")
+        self.need(count * 8, "a string array")  # every string has at least its 8-byte length
+        for _ in range(count):
+            n = self.u64("a string array")
+            self.need(n, "a string array")
+            self.pos += n
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """Parse the header of a GGUF file; CheckpointError on anything malformed."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            if size < 24:
+                raise CheckpointError(
+                    f"'{path.name}' is too short to be a GGUF file ({size} bytes)"
+                )
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _parse(path, buf)
+    except OSError as e:
+        raise CheckpointError(f"cannot read '{path}': {e.strerror or e}") from e
+
+
+def _parse(path: Path, buf: Any) -> GGUFHeader:
+    where = path.name
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise CheckpointError(f"'{where}' is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur = _Cursor(buf, 4, where)
+    version = cur.u32("the version")
+    if version not in (2, 3):
+        raise CheckpointError(f"'{where}' has GGUF version {version}; versions 2 and 3 are read")
+    n_tensors = cur.u64("the tensor count")
+    n_kv = cur.u64("the metadata count")
+    # Each metadata pair takes at least 8 + 4 + 1 bytes, each tensor info at least 8 + 4 + 4 + 8.
+    cur.need(n_kv * 13 + n_tensors * 24, "the header's entries")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string("a metadata key")
+        vtype = cur.u32("a metadata type")
+        if vtype == _ARRAY:
+            item_type = cur.u32("an array type")
+            count = cur.u64("an array length")
+            start = cur.pos
+            if count <= _EAGER_ARRAY_LIMIT:
+                if item_type == _ARRAY:
+                    raise CheckpointError(f"'{where}' has nested arrays, which are not read")
+                metadata[key] = [cur.value(item_type) for _ in range(count)]
+            else:
+                cur.skip_array(item_type, count)
+                metadata[key] = LazyArray(path, item_type, count, start, cur.pos)
+        else:
+            metadata[key] = cur.value(vtype)
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(f"'{where}' has an invalid alignment {alignment!r}")
+    infos: list[tuple[str, tuple[int, ...], int, int]] = []
+    for _ in range(n_tensors):
+        name = cur.string("a tensor name")
+        n_dims = cur.u32("a tensor's rank")
+        if n_dims > _MAX_DIMS:
+            raise CheckpointError(f"'{where}': tensor '{name}' claims {n_dims} dimensions")
+        dims = tuple(cur.u64("a tensor's shape") for _ in range(n_dims))
+        type_id = cur.u32("a tensor's type")
+        offset = cur.u64("a tensor's offset")
+        infos.append((name, dims, type_id, offset))
+    data_offset = (cur.pos + alignment - 1) // alignment * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, type_id, offset in infos:
+        if type_id not in GGML_TYPES:
+            raise CheckpointError(
+                f"'{where}': tensor '{name}' has ggml type {type_id}, which embedlens cannot read"
+            )
+        info = GGUFTensorInfo(name, dims, type_id, data_offset + offset)
+        elems, _ = info.block
+        if dims and (dims[0] == 0 or dims[0] % elems):
+            raise CheckpointError(
+                f"'{where}': tensor '{name}' rows of {dims[0]} do not fill {info.type_name} blocks"
+            )
+        if info.offset + info.nbytes > len(buf):
+            raise CheckpointError(
+                f"'{where}' is truncated: tensor '{name}' ends at byte {info.offset + info.nbytes}"
+                f" but the file has {len(buf)}"
+            )
+        tensors[name] = info
+    return GGUFHeader(path, version, metadata, tensors, data_offset, alignment)

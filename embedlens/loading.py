@@ -1,0 +1,184 @@
+"""The one place that hands a model to transformers: configs, meta builds, full loads, tokenizers.
+
+Everything here imports torch and transformers inside its functions, so importing this module is
+free. Errors from transformers are translated into embedlens errors at this boundary.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Literal
+
+from embedlens.errors import (
+    CheckpointError,
+    ConfigError,
+    MissingDependencyError,
+    SourceError,
+    UsageError,
+)
+from embedlens.source import ModelSource
+
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+
+
+def _where(source: ModelSource) -> tuple[str, dict[str, Any]]:
+    """What to pass to from_pretrained: a local folder, or a repo id and revision."""
+    if source.kind == "gguf":
+        assert source.path is not None
+        return str(source.path.parent), {"gguf_file": source.path.name}
+    if source.kind == "hub":
+        assert source.repo_id is not None
+        return source.repo_id, {"revision": source.revision}
+    return str(source.path), {}
+
+
+@contextmanager
+def _translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
+    """Turn the exceptions transformers raises into one clear embedlens error."""
+    try:
+        yield
+    except (SourceError, ConfigError, CheckpointError, UsageError):
+        raise
+    except ImportError as e:
+        if "gguf" in str(e).lower():
+            raise MissingDependencyError(
+                "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
+            ) from e
+        raise MissingDependencyError(f"{what} needs a missing package: {e}") from e
+    except MemoryError as e:
+        from embedlens.errors import ResourceError
+
+        raise ResourceError(
+            f"out of memory while {what}",
+            hint="try --dtype bfloat16, --device-map auto, or --meta-only",
+        ) from e
+    except ValueError as e:
+        text = str(e)
+        if "Unrecognized configuration class" in text or "not supported" in text.lower():
+            raise ConfigError(
+                f"'{source.spec}' is not a causal LM that transformers can build ({_first_line(text)})"
+            ) from e
+        if "trust_remote_code" in text:
+            raise ConfigError(
+                f"'{source.spec}' needs code from its repository",
+                hint="embedlens never runs a model's own code unless you pass --trust-remote-code",
+            ) from e
+        raise CheckpointError(f"{what} failed: {_first_line(text)}") from e
+    except (OSError, RuntimeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{what} failed: {_first_line(str(e)) or type(e).__name__}") from e
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config object (class defaults applied)."""
+    _quiet_transformers()
+    from transformers import AutoConfig
+
+    where, kwargs = _where(source)
+    if source.kind == "hub":
+        assert source.path is not None
+        where, kwargs = str(source.path), {}
+    with _translated(source, "reading the config"):
+        return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
+    """Build the model from its config on the meta device: no weights read, no memory used."""
+    config = hf_config(source, trust_remote_code=trust_remote_code)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with _translated(source, "building the model from its config"), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' becomes cuda, mps or cpu, whichever is there; others are checked."""
+    import torch
+
+    if device not in DEVICES:
+        raise UsageError(f"unknown device '{device}'", hint="use one of: " + ", ".join(DEVICES))
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for, but no CUDA device is available")
+    if device == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise UsageError("--device mps was asked for, but MPS is not available")
+    return device
+
+
+def torch_dtype(name: str) -> Any:
+    """A dtype name as torch's dtype ('auto' stays 'auto')."""
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype '{name}'", hint="use one of: " + ", ".join(DTYPES))
+    if name == "auto":
+        return "auto"
+    import torch
+
+    return getattr(torch, name)
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    device_map: str | None = None,
+    max_memory: dict[Any, str] | None = None,
+    offload_folder: str | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
+    """Load the causal LM with its weights, in eval mode, gradients off."""
+    _quiet_transformers()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    where, kwargs = _where(source)
+    kwargs["dtype"] = torch_dtype(dtype)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
+        if offload_folder is not None:
+            kwargs["offload_folder"] = offload_folder
+    with _translated(source, "loading the model"):
+        model = AutoModelForCausalLM.from_pretrained(
+            where, trust_remote_code=trust_remote_code, use_safetensors=None, **kwargs
+        )
+    if device_map is None:
+        model.to(resolve_device(device))
+    model.eval()
+    torch.set_grad_enabled(False)
+    return model
+
+
+def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer through transformers (GGUF: rebuilt from the file's metadata)."""
+    _quiet_transformers()
+    from transformers import AutoTokenizer
+
+    where, kwargs = _where(source)
+    with _translated(source, "loading the tokenizer"):
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)

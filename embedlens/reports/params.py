@@ -1,0 +1,77 @@
+"""The `params` report: who owns the parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+ParamsSource = Literal["header", "meta", "weights"]
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """A row of the share table."""
+
+    name: str
+    params: int
+    fraction: float
+    bytes: int | None
+    """Bytes at the checkpoint's dtype (None when unknown)."""
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    """One decoder block's parameters by part."""
+
+    layer: int
+    params: int
+    attention: int
+    mlp: int
+    experts: int
+    router: int
+    norms: int
+    other: int
+
+
+@dataclass(frozen=True)
+class MoEInfo:
+    """Mixture-of-experts figures: what a token actually uses."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_params: int
+    """Parameters of all routed experts, all layers."""
+    active_params: int
+    """Parameters used per token: everything but the routed experts a token skips."""
+    active_fraction: float
+
+
+@dataclass(frozen=True)
+class ParamsReport:
+    """Parameter shares of a model, tied matrices counted once."""
+
+    command: ClassVar[str] = "params"
+    model: str
+    source: ParamsSource
+    total: int
+    embedding: int
+    lm_head: int
+    tied: bool
+    embedding_fraction: float
+    embedding_lm_head_fraction: float
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: str | None
+    total_bytes: int | None
+    head_flops_per_token: int
+    """2·V·d: multiply-adds of the LM head (or a one-hot lookup) for one position."""
+    groups: list[ParamGroup]
+    block_parts: list[ParamGroup]
+    """The decoder blocks split by part (attention, mlp, experts, router, norms, other)."""
+    moe: MoEInfo | None = None
+    blocks: list[BlockRow] = field(default_factory=list)
+    """Per-block rows, filled when asked for (--per-block)."""
+    skipped: list[str] = field(default_factory=list)
+    """Stored tensors that are buffers, not parameters (e.g. rotary caches), left out."""
+    notes: list[str] = field(default_factory=list)
