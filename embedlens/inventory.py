@@ -107,7 +107,9 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
         if n not in skipped and n != stored_head
     ]
     dtypes = {t.dtype for n, t in ckpt.tensors.items() if n not in skipped}
-    dtype = TORCH_DTYPE_NAMES.get(next(iter(dtypes)), next(iter(dtypes))) if len(dtypes) == 1 else None
+    dtype = (
+        TORCH_DTYPE_NAMES.get(next(iter(dtypes)), next(iter(dtypes))) if len(dtypes) == 1 else None
+    )
     if ckpt.format == "gguf" and len(dtypes) > 1:
         dtype = "mixed (" + ", ".join(sorted(dtypes)) + ")"
     _warn_packed(config, dtypes, notes)
@@ -212,7 +214,9 @@ def take_inventory(
     Returns the inventory, the mode used, and the built model (None in header mode).
     """
     if mode in (None, "header"):
-        config = None if source.is_gguf else read_config(source, trust_remote_code=trust_remote_code)
+        config = (
+            None if source.is_gguf else read_config(source, trust_remote_code=trust_remote_code)
+        )
         ckpt = open_checkpoint(source)
         if ckpt is not None:
             config = config or read_config(source, ckpt)

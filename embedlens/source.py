@@ -91,7 +91,9 @@ class ModelSource:
 def resolve(spec: str, revision: str | None = None) -> ModelSource:
     """Turn MODEL as typed into a ModelSource, or raise SourceError saying what was tried."""
     if not spec or not spec.strip():
-        raise SourceError("MODEL is empty", hint="give a hub repo id, a local folder or a .gguf file")
+        raise SourceError(
+            "MODEL is empty", hint="give a hub repo id, a local folder or a .gguf file"
+        )
     path = Path(spec).expanduser()
     if path.exists():
         return _local(spec, path)
@@ -115,7 +117,7 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
 def _looks_like_path(spec: str) -> bool:
     if spec.startswith((".", "/", "~")) or spec.lower().endswith((".gguf", ".safetensors")):
         return True
-    return spec.count("/") > 1 or os.sep != "/" and os.sep in spec
+    return spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
 
 
 def _local(spec: str, path: Path) -> ModelSource:

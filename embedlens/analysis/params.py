@@ -78,7 +78,9 @@ def params_report(
         block_parts=group_rows(by_part, PART_ORDER),
         moe=moe,
         blocks=[
-            BlockRow(layer=layer, params=sum(parts.values()), **{k: parts.get(k, 0) for k in PART_ORDER})
+            BlockRow(
+                layer=layer, params=sum(parts.values()), **{k: parts.get(k, 0) for k in PART_ORDER}
+            )
             for layer, parts in sorted(per_layer.items())
         ]
         if per_block

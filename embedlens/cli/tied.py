@@ -76,7 +76,9 @@ def tied(
             inv, _, model_obj = take_inventory(
                 source, mode, trust_remote_code=trust_remote_code, dtype=dtype, device=device
             )
-            check = "parameter identity on meta" if meta_only else "data_ptr() of the loaded weights"
+            check = (
+                "parameter identity on meta" if meta_only else "data_ptr() of the loaded weights"
+            )
         assert inv is not None
         flag = (header_inv or inv).config.tie_word_embeddings
         if flag is None and model_obj is not None:
