@@ -283,3 +283,24 @@ def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorE
                 nbytes=end - begin,
             )
     return out
+
+
+def same_bytes(a: TensorEntry, b: TensorEntry, *, chunk: int = 1 << 20) -> bool | None:
+    """Whether two stored tensors hold identical bytes; None when either is not on disk."""
+    if a.path is None or b.path is None or a.file_offset is None or b.file_offset is None:
+        return None
+    if (a.dtype, a.shape, a.nbytes) != (b.dtype, b.shape, b.nbytes):
+        return False
+    try:
+        with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
+            fa.seek(a.file_offset)
+            fb.seek(b.file_offset)
+            left = a.nbytes
+            while left > 0:
+                n = min(chunk, left)
+                if fa.read(n) != fb.read(n):
+                    return False
+                left -= n
+    except OSError as e:
+        raise CheckpointError(f"cannot read '{a.file}': {e.strerror or e}") from e
+    return True

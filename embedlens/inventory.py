@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from embedlens.anatomy import find_embedding, find_head, is_buffer_name
-from embedlens.checkpoint import TORCH_DTYPE_NAMES, Checkpoint, gguf_checkpoint, open_checkpoint
+from embedlens.checkpoint import (
+    TORCH_DTYPE_NAMES,
+    Checkpoint,
+    gguf_checkpoint,
+    open_checkpoint,
+    same_bytes,
+)
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.gguf_header import GGUFHeader, LazyArray
 from embedlens.modelconfig import ModelConfig, from_dict, parse_config
@@ -89,13 +95,20 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     head = find_head(shapes, embedding)
     notes: list[str] = []
     stored_head = None
-    tied = head is None or config.tie_word_embeddings is True
-    if head is not None and tied:
-        stored_head, head = head, None
-        notes.append(
-            f"the config ties the head to the embedding, yet the checkpoint stores "
-            f"'{stored_head}' as well; it is counted once"
-        )
+    tied = head is None
+    if head is not None and config.tie_word_embeddings is True:
+        equal = same_bytes(ckpt.tensors[embedding], ckpt.tensors[head])
+        if equal is False:
+            notes.append(
+                f"the config ties the head to the embedding, but the checkpoint stores a "
+                f"different '{head}'; transformers keeps the two apart, so it is counted as untied"
+            )
+        else:
+            tied, stored_head, head = True, head, None
+            notes.append(
+                f"the checkpoint stores '{stored_head}' as a copy of the embedding although the "
+                "head is tied; it is counted once"
+            )
     elif head is None and config.tie_word_embeddings is False:
         notes.append(
             "the config says the head is untied, but the checkpoint stores no head matrix; "

@@ -23,7 +23,7 @@ def tied_report(
     model_name: str,
     inv: Inventory,
     *,
-    checkpoint_read: bool,
+    checkpoint_has_head: bool | None,
     config_flag: bool | None,
     same_storage: bool | None,
     storage_check: str | None = None,
@@ -31,9 +31,9 @@ def tied_report(
     """Combine the evidence into a verdict and the savings of sharing one matrix.
 
     `inv` is the inventory the figures come from (headers, meta build or loaded model);
-    `checkpoint_read` says whether it came from checkpoint headers.
+    `checkpoint_has_head` is None when the checkpoint's headers were not read.
     """
-    has_head = (inv.head is not None or inv.stored_head is not None) if checkpoint_read else None
+    has_head = checkpoint_has_head
     notes = list(inv.notes)
     if same_storage is not None:
         tied = same_storage
@@ -41,9 +41,9 @@ def tied_report(
     elif has_head is False:
         tied = True
         how = "the checkpoint stores no head matrix, so the head must reuse the embedding"
-    elif has_head and config_flag is True:
+    elif has_head and inv.tied and inv.stored_head is not None:
         tied = True
-        how = "the config ties the head to the embedding (the stored head copy is not used)"
+        how = "the checkpoint's head is a byte-identical copy of the embedding, and the config ties them"
     else:
         tied = inv.tied
         how = "the checkpoint stores a head matrix of its own" if has_head else "the config says so"

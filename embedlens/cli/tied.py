@@ -83,12 +83,13 @@ def tied(
         flag = (header_inv or inv).config.tie_word_embeddings
         if flag is None and model_obj is not None:
             flag = bool(getattr(model_obj.config.get_text_config(), "tie_word_embeddings", False))
-        if header_inv is not None and inv is not header_inv:
-            inv.stored_head = header_inv.head or header_inv.stored_head
+        has_head = None
+        if header_inv is not None:
+            has_head = header_inv.head is not None or header_inv.stored_head is not None
         report = tied_report(
             model,
             inv,
-            checkpoint_read=header_inv is not None,
+            checkpoint_has_head=has_head,
             config_flag=flag,
             same_storage=None if model_obj is None else storage_shared(model_obj, loaded=load),
             storage_check=check,
