@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,15 +17,28 @@ from tests import models
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# huggingface_hub reads these when it is first imported, so they are set before any test runs:
+# no test reaches a hub, and the hub cache is a fresh folder of this session's.
+HF_HOME = Path(tempfile.mkdtemp(prefix="embedlens-hf-home-"))
+os.environ["HF_HOME"] = str(HF_HOME)
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.pop("HF_TOKEN", None)
+
 
 @pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """No test reaches a hub: offline mode, and an empty hub cache of its own."""
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts offline, without a token, without debug output."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("EMBEDLENS_DEBUG", raising=False)
+
+
+@pytest.fixture
+def hf_home() -> Path:
+    """The session's hub cache folder (HF_HOME); give each test its own repo names."""
+    return HF_HOME
 
 
 @pytest.fixture(scope="session")
