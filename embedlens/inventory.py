@@ -35,6 +35,7 @@ class Item:
     shape: tuple[int, ...]
     numel: int
     nbytes: int | None
+    dtype: str | None = None
 
 
 @dataclass
@@ -115,7 +116,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
             "transformers would tie it or start it from random values"
         )
     items = [
-        Item(n, t.shape, t.numel, t.nbytes)
+        Item(n, t.shape, t.numel, t.nbytes, TORCH_DTYPE_NAMES.get(t.dtype, t.dtype))
         for n, t in ckpt.tensors.items()
         if n not in skipped and n != stored_head
     ]
@@ -172,7 +173,8 @@ def from_model(model: Any, config: ModelConfig, *, loaded: bool) -> Inventory:
     for name, p in model.named_parameters():  # remove_duplicate=True: tied weights once
         names[id(p)] = name
         size = p.element_size() if loaded else DTYPE_BYTES.get(_config_dtype(config), 4)
-        items.append(Item(name, tuple(p.shape), p.numel(), p.numel() * size))
+        kind = str(p.dtype).removeprefix("torch.") if loaded else _config_dtype(config)
+        items.append(Item(name, tuple(p.shape), p.numel(), p.numel() * size, kind))
     embedding = names.get(id(embed_module.weight))
     head_weight = getattr(head_module, "weight", None) if head_module is not None else None
     tied = head_weight is not None and head_weight is embed_module.weight

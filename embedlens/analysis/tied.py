@@ -75,14 +75,14 @@ def tied_report(
         shape=[v, d],
         saved_params=saved,
         saved_bytes=saved_bytes,
-        dtype=inv.dtype,
+        dtype=embed_item.dtype if embed_item is not None else inv.dtype,
         evidence=TiedEvidence(
             config=config_flag, checkpoint_has_lm_head=has_head, same_storage=same_storage
         ),
         saved_fraction=saved / total if total else 0.0,
         embedding_name=inv.embedding,
         head_name=inv.head or inv.stored_head,
-        verdict=("tied: " if tied else "untied: ") + how,
+        verdict=how,
         consistent=consistent,
         notes=notes,
     )

@@ -121,7 +121,7 @@ def render_tied(r: TiedReport) -> RenderableType:
     )
     table.add_row("built model: head is the embedding", _yes_no(r.evidence.same_storage))
     v, d = r.shape
-    verdict = Text(("TIED" if r.tied else "UNTIED") + f" — {r.verdict}", style="bold")
+    verdict = Text(("TIED" if r.tied else "UNTIED") + f": {r.verdict}.", style="bold")
     lines: list[RenderableType] = [table, verdict]
     if r.tied:
         lines.append(
