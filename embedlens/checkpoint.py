@@ -196,16 +196,36 @@ def gguf_checkpoint(path: Path) -> Checkpoint:
 
 
 def safetensors_files(source: ModelSource) -> list[str] | None:
-    """Names of the safetensors files holding the weights (via the index when sharded)."""
+    """Names of the safetensors files holding the weights (via the index when sharded).
+
+    Only the index (a small JSON file) is ever downloaded here; weight files are not.
+    """
     index = source.find(WEIGHT_INDEX)
     if index is not None:
         weight_map = _read_index(index)
         return sorted(set(weight_map.values()))
-    if source.find(WEIGHT_SINGLE) is not None:
+    if source.kind == "hub":
+        if source.cached(WEIGHT_SINGLE) is not None or _hub_has(source, WEIGHT_SINGLE):
+            return [WEIGHT_SINGLE]
+    elif source.find(WEIGHT_SINGLE) is not None:
         return [WEIGHT_SINGLE]
     listing = source.listing() or []
     shards = [n for n in listing if n.endswith(".safetensors") and "adapter" not in n]
     return shards or None
+
+
+def _hub_has(source: ModelSource, name: str) -> bool:
+    """Whether a hub repo holds a file, asked without downloading it (False when offline)."""
+    if hub_offline():
+        return False
+    from huggingface_hub import file_exists
+    from huggingface_hub.errors import HfHubHTTPError
+
+    assert source.repo_id is not None
+    try:
+        return bool(file_exists(source.repo_id, name, revision=source.revision))
+    except (HfHubHTTPError, OSError) as e:
+        raise SourceError(f"could not reach the hub for '{source.spec}': {e}") from e
 
 
 def _read_index(path: Path) -> dict[str, str]:
