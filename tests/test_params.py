@@ -38,6 +38,10 @@ def test_qwen3_0_6b_from_config(cli, reference):
     assert data["embedding_lm_head_fraction"] == data["embedding_fraction"]
     assert (data["vocab_size"], data["hidden_size"], data["num_layers"]) == (151936, 1024, 28)
     assert data["head_flops_per_token"] == 2 * 151936 * 1024  # about 311 million
+    # The seed's "about a quarter of each token's computation": 2·V·d against 2 per block weight.
+    blocks = 596_049_920 - 155_582_464
+    assert data["forward_flops_per_token"] == 2 * blocks + 2 * 151936 * 1024
+    assert round(data["head_flops_fraction"], 2) == 0.26
     assert data["dtype"] == "bfloat16" and data["total_bytes"] == 2 * 596_049_920
 
 

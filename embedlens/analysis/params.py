@@ -59,6 +59,11 @@ def params_report(
     head_matrix = next((i.numel for i in inv.items if i.name == inv.head), 0)
     v, d = inv.vocab_size, inv.hidden_size
     moe = _moe(inv, total, sum(n for n, _ in by_part.get("experts", [])))
+    head_flops = 2 * inv.embedding_shape[0] * inv.embedding_shape[-1]
+    gathered = embedding + sum(n for n, _ in by_role.get("position_embedding", []))
+    used = moe.active_params if moe is not None else total
+    head_weights = sum(n for n, _ in by_role.get("lm_head", []))
+    forward = 2 * (used - gathered - head_weights) + head_flops
     return ParamsReport(
         model=model,
         source=source,
@@ -73,7 +78,9 @@ def params_report(
         num_layers=inv.num_layers,
         dtype=inv.dtype,
         total_bytes=sum(b or 0 for _, _, b in placed) if bytes_known else None,
-        head_flops_per_token=2 * inv.embedding_shape[0] * inv.embedding_shape[-1],
+        head_flops_per_token=head_flops,
+        forward_flops_per_token=forward,
+        head_flops_fraction=head_flops / forward,
         groups=group_rows(by_role, GROUP_ORDER),
         block_parts=group_rows(by_part, PART_ORDER),
         moe=moe,

@@ -120,7 +120,9 @@ def render_params(r: ParamsReport) -> RenderableType:
     lines.append(
         Text(
             f"{head}: {share(r.embedding_lm_head_fraction)} of all parameters. "
-            f"LM head per token: 2·V·d = {count(r.head_flops_per_token)} operations."
+            f"LM head per token: 2·V·d = {count(r.head_flops_per_token)} operations, "
+            f"{share(r.head_flops_fraction)} of a token's forward pass "
+            "(about 2 per weight used; attention over the context aside)."
         )
     )
     if r.moe is not None:

@@ -65,7 +65,12 @@ class ParamsReport:
     dtype: str | None
     total_bytes: int | None
     head_flops_per_token: int
-    """2·V·d: multiply-adds of the LM head (or a one-hot lookup) for one position."""
+    """2·V·d: operations of the LM head (or of a one-hot lookup) for one position."""
+    forward_flops_per_token: int
+    """About 2 operations per weight a token passes through (the blocks, the head; the embedding
+    is a gather), attention over the context left out."""
+    head_flops_fraction: float
+    """The head's share of forward_flops_per_token."""
     groups: list[ParamGroup]
     block_parts: list[ParamGroup]
     """The decoder blocks split by part (attention, mlp, experts, router, norms, other)."""
