@@ -1,0 +1,171 @@
+"""One matrix out of a checkpoint, without torch: the embedding table or the LM head.
+
+`locate` finds the tensor from the headers alone (no weights read). `open_rows` then maps just that
+tensor: a numpy memory map over the safetensors data in its stored dtype (bfloat16 widened to
+float32 block by block), or over a GGUF tensor's quantised blocks, dequantised by the `gguf`
+package block by block. A hub repo downloads only the shard that holds the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+from embedlens.checkpoint import Checkpoint, TensorEntry, open_checkpoint, read_safetensors_header
+from embedlens.errors import CheckpointError, UnsupportedError, UsageError
+from embedlens.inventory import from_checkpoint, read_config
+from embedlens.modelconfig import ModelConfig
+from embedlens.source import ModelSource
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+Which = Literal["input", "output"]
+MATRICES: tuple[str, ...] = ("input", "output")
+
+# Stored safetensors dtypes read as numpy arrays (BF16 as its raw 16 bits, widened on the fly).
+_SAFETENSORS_NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
+_BLOCK_BYTES = 32 << 20  # float32 bytes per block when converting or dequantising
+
+
+@dataclass(frozen=True)
+class Table:
+    """The matrix a command works on, as the headers describe it."""
+
+    which: Which
+    entry: TensorEntry
+    tied: bool
+    """The model's head is its embedding matrix."""
+    checkpoint: Checkpoint
+    config: ModelConfig
+    notes: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The tensor's name in the checkpoint."""
+        return self.entry.name
+
+    @property
+    def rows(self) -> int:
+        """V: the number of rows."""
+        return self.entry.shape[0]
+
+    @property
+    def width(self) -> int:
+        """d: the length of a row."""
+        return self.entry.shape[-1]
+
+
+def check_matrix(which: str) -> Which:
+    """Validate --matrix."""
+    if which not in MATRICES:
+        raise UsageError(f"unknown matrix '{which}'", hint="use --matrix input or --matrix output")
+    return "input" if which == "input" else "output"
+
+
+def locate(
+    source: ModelSource, which: Which = "input", *, trust_remote_code: bool = False
+) -> Table:
+    """Find the embedding (or the head) from the checkpoint's headers; no weights are read."""
+    ckpt = open_checkpoint(source)
+    if ckpt is None:
+        raise CheckpointError(
+            f"'{source.spec}' has no safetensors or GGUF weights",
+            hint="embedlens reads the table straight from safetensors or GGUF files",
+        )
+    config = (
+        read_config(source, ckpt)
+        if source.is_gguf
+        else read_config(source, trust_remote_code=trust_remote_code)
+    )
+    inv = from_checkpoint(ckpt, config)
+    assert inv.embedding is not None
+    notes: list[str] = []
+    name = inv.embedding
+    if which == "output":
+        if inv.head is not None:
+            name = inv.head
+        else:
+            notes.append(
+                "the LM head is tied to the embedding: the output matrix is the input matrix"
+            )
+    entry = ckpt.tensors[name]
+    if len(entry.shape) != 2:
+        raise CheckpointError(f"'{name}' has shape {list(entry.shape)}, not [V, d]")
+    return Table(which, entry, inv.tied, ckpt, config, tuple(notes))
+
+
+def on_disk(source: ModelSource, entry: TensorEntry) -> TensorEntry:
+    """The entry with its file on disk and its absolute offset, fetching only its shard."""
+    if entry.path is not None and entry.file_offset is not None:
+        return entry
+    path = source.file(entry.file)
+    header = read_safetensors_header(path, entry.file)
+    found = header.tensors.get(entry.name)
+    if found is None:
+        raise CheckpointError(f"shard '{entry.file}' does not hold '{entry.name}'")
+    return replace(found, path=path)
+
+
+class Rows:
+    """Float32 rows of one [V, d] tensor, read block by block from a memory map."""
+
+    def __init__(self, entry: TensorEntry, fmt: str) -> None:
+        import numpy as np
+
+        if entry.path is None or entry.file_offset is None:
+            raise CheckpointError(f"'{entry.name}' is not on disk")
+        self.entry = entry
+        self.shape = (entry.shape[0], entry.shape[-1])
+        v, d = self.shape
+        self._qtype: object | None = None
+        if fmt == "gguf":
+            import gguf
+
+            try:
+                self._qtype = gguf.GGMLQuantizationType[entry.dtype]
+            except KeyError as e:
+                raise UnsupportedError(f"gguf cannot read ggml type {entry.dtype}") from e
+            self._map = np.memmap(
+                entry.path, np.uint8, "r", offset=entry.file_offset, shape=(v, entry.row_bytes)
+            )
+        else:
+            np_dtype = _SAFETENSORS_NUMPY.get(entry.dtype)
+            if np_dtype is None:
+                raise UnsupportedError(
+                    f"'{entry.name}' is stored as {entry.dtype}; embedlens reads F32, F16, BF16 "
+                    "and F64 tables"
+                )
+            self._map = np.memmap(
+                entry.path, np.dtype(np_dtype), "r", offset=entry.file_offset, shape=(v, d)
+            )
+        self.block_rows = max(1, _BLOCK_BYTES // (4 * d))
+
+    def _convert(self, raw: npt.NDArray[np.generic]) -> npt.NDArray[np.float32]:
+        import numpy as np
+
+        if self._qtype is not None:
+            from gguf.quants import dequantize
+
+            out = dequantize(np.ascontiguousarray(raw), self._qtype)  # type: ignore[arg-type]
+            return np.asarray(out, dtype=np.float32).reshape(raw.shape[0], self.shape[1])
+        if self.entry.dtype == "BF16":
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        return np.asarray(raw, dtype=np.float32)
+
+    def block(self, start: int, stop: int) -> npt.NDArray[np.float32]:
+        """Rows start..stop-1 as float32."""
+        return self._convert(self._map[start:stop])
+
+    def take(self, ids: list[int]) -> npt.NDArray[np.float32]:
+        """The given rows as float32, in order."""
+        import numpy as np
+
+        return self._convert(self._map[np.asarray(ids, dtype=np.int64)])
+
+
+def open_rows(source: ModelSource, table: Table) -> Rows:
+    """Map the table's tensor (downloading its shard alone for a hub repo)."""
+    entry = on_disk(source, table.entry)
+    return Rows(entry, table.checkpoint.format)

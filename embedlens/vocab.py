@@ -1,0 +1,296 @@
+"""A model's tokenizer without transformers: `tokenizers` over tokenizer.json or GGUF metadata.
+
+`neighbors` and `addr` need three things from a tokenizer: encode a word without special tokens,
+show one token's text, and know which ids are real tokens (below the tokenizer's length) and
+which are special. The `tokenizers` library does all three in a fraction of the time transformers
+takes to import. A GGUF file carries its vocabulary as metadata: byte-level BPE (`gpt2`) and
+SentencePiece BPE (`llama`) vocabularies are rebuilt here the way transformers rebuilds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from embedlens.errors import CheckpointError, UnsupportedError
+from embedlens.gguf_header import GGUFHeader, LazyArray, read_gguf_header
+from embedlens.source import ModelSource
+from embedlens.tokens import readable
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_STRING = 8  # GGUF metadata value type of a string
+_SPACE = "\u2581"  # SentencePiece's stand-in for a space
+
+# Split patterns for `tokenizer.ggml.pre` values whose merges were learned on a split other than
+# GPT-2's (as transformers' GGUF loader sets them); any other value keeps GPT-2's byte-level split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_SPLITS = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A loaded tokenizer and the facts about its ids that the table commands need."""
+
+    tokenizer: Tokenizer
+    size: int
+    """len(tokenizer): the ids below it are real tokens, rows at or beyond it are padding."""
+    special_ids: frozenset[int]
+    unk_id: int | None
+    origin: str
+    """Where it came from: 'tokenizer.json' or 'GGUF metadata'."""
+    _text: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`, no special tokens added (no BOS)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary entry as stored ('Ġking', '▁king'), or None outside the vocabulary."""
+        return self.tokenizer.id_to_token(token_id)
+
+    def text(self, token_id: int) -> str:
+        """One token's exact decoded text, its bytes as \\xNN when it is a partial UTF-8 sequence."""
+        if token_id in self._text:
+            return self._text[token_id]
+        piece = self.piece(token_id)
+        decoded = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if piece is not None and piece.startswith(_SPACE) and not decoded.startswith(" "):
+            # A SentencePiece decoder strips the first token's leading space: a lone token keeps it.
+            decoded = " " + decoded
+        shown = readable(decoded, piece)
+        self._text[token_id] = shown
+        return shown
+
+    def lookup(self, text: str) -> int | None:
+        """The id of the vocabulary entry spelled exactly `text` (stored form), if there is one."""
+        return self.tokenizer.token_to_id(text)
+
+
+def load_vocab(source: ModelSource, gguf: GGUFHeader | None = None) -> Vocab:
+    """The model's tokenizer: tokenizer.json beside the weights, or a GGUF file's metadata."""
+    if source.is_gguf:
+        assert source.path is not None
+        return vocab_from_gguf(gguf or read_gguf_header(source.path))
+    path = source.find("tokenizer.json")
+    if path is None:
+        raise UnsupportedError(
+            f"'{source.spec}' has no tokenizer.json",
+            hint="embedlens reads fast tokenizers (tokenizer.json); save one with "
+            "AutoTokenizer.from_pretrained(...).save_pretrained(folder)",
+        )
+    return vocab_from_file(path)
+
+
+def vocab_from_file(path: Path) -> Vocab:
+    """Load tokenizer.json with the `tokenizers` library."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception for a malformed file
+        raise CheckpointError(f"cannot read tokenizer.json: {_first_line(str(e))}") from e
+    return _wrap(tok, "tokenizer.json", unk=_unk_token(tok))
+
+
+def vocab_from_gguf(header: GGUFHeader) -> Vocab:
+    """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE)."""
+    kind = header.meta("tokenizer.ggml.model")
+    tokens = _array(header, "tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise UnsupportedError(f"'{header.path.name}' carries no tokenizer in its metadata")
+    types = _array(header, "tokenizer.ggml.token_type") or []
+    merges = _array(header, "tokenizer.ggml.merges")
+    if kind == "gpt2":
+        tok = _byte_level(tokens, merges, header.meta("tokenizer.ggml.pre"))
+    elif kind == "llama":
+        scores = _array(header, "tokenizer.ggml.scores")
+        add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
+        tok = _sentencepiece(tokens, merges, scores, add_space=bool(add_space))
+    else:
+        raise UnsupportedError(
+            f"'{header.path.name}' has a '{kind}' tokenizer; embedlens rebuilds 'gpt2' (byte-level "
+            "BPE) and 'llama' (SentencePiece BPE) vocabularies from GGUF metadata",
+            hint="use the model's folder with its tokenizer.json instead",
+        )
+    _add_gguf_tokens(tok, tokens, types, byte_level=kind == "gpt2")
+    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    special = {i for i, t in enumerate(types) if t == _CONTROL}
+    return _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
+
+
+def _wrap(
+    tok: Tokenizer, origin: str, *, unk: int | None, special: Iterable[int] | None = None
+) -> Vocab:
+    ids = set(special or ())
+    ids.update(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    return Vocab(tok, size, frozenset(ids), unk, origin)
+
+
+def _unk_token(tok: Tokenizer) -> int | None:
+    unk = getattr(tok.model, "unk_token", None)
+    return tok.token_to_id(unk) if isinstance(unk, str) else None
+
+
+def _array(header: GGUFHeader, key: str) -> list[Any] | None:
+    value = header.metadata.get(key)
+    if isinstance(value, LazyArray):
+        return _strings(value) if value.item_type == _STRING else value.read()
+    return list(value) if isinstance(value, list) else None
+
+
+def _strings(array: LazyArray) -> list[str]:
+    """A long string array (tokens, merges), decoded in one tight loop."""
+    with open(array.path, "rb") as fh:
+        fh.seek(array.start)
+        buf = fh.read(array.end - array.start)
+    out: list[str] = []
+    pos, unpack = 0, struct.unpack_from
+    for _ in range(array.count):
+        (n,) = unpack("<Q", buf, pos)
+        pos += 8
+        out.append(buf[pos : pos + n].decode("utf-8", "surrogateescape"))
+        pos += n
+    if pos != len(buf):
+        raise CheckpointError(f"'{array.path.name}' has a corrupt string array in its metadata")
+    return out
+
+
+@functools.cache
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode table: each byte's printable stand-in."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if merges is None:
+        raise UnsupportedError("this GGUF byte-level vocabulary has no merges")
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:  # stored as text: respell it in the byte alphabet
+            token = "".join(spelling[b] for b in token.encode("utf-8", "surrogateescape"))
+        vocab.setdefault(token, index)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)  # type: ignore[arg-type]
+    tok = Tokenizer(bpe)
+    split = _GGUF_SPLITS.get(str(pre))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece(
+    tokens: list[str],
+    merges: list[str] | None,
+    scores: list[float] | None,
+    *,
+    add_space: bool,
+) -> Tokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    elif scores is not None:
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
+    else:
+        raise UnsupportedError("this GGUF SentencePiece vocabulary has neither merges nor scores")
+    unk = "<unk>" if "<unk>" in vocab else None
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=pairs,  # type: ignore[arg-type]
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if add_space else "never", split=False
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a scored vocabulary: every split of a token into two tokens,
+    best-scored token first (what transformers' generate_merges does)."""
+    found: list[tuple[str, str, float]] = []
+    for merged, score in scores.items():
+        local = [
+            (merged[:i], merged[i:], score)
+            for i in range(1, len(merged))
+            if merged[:i] in vocab and merged[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        found.extend(local)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
+
+
+def _add_gguf_tokens(
+    tok: Tokenizer, tokens: list[str], types: list[int], *, byte_level: bool
+) -> None:
+    """Control tokens become special added tokens, user-defined ones plain added tokens."""
+    from tokenizers import AddedToken
+
+    alphabet = set(_byte_alphabet().values()) if byte_level else None
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)
+    ]
+    if control:
+        tok.add_special_tokens(control)
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _USER_DEFINED and tok.token_to_id(t) is not None
+    ]
+    if user:
+        tok.add_tokens(user)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "unknown error"
