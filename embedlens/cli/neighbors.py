@@ -1,0 +1,201 @@
+"""`embedlens neighbors`: the nearest rows of the embedding table by cosine."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import typer
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from embedlens.cli._errors import handles_errors
+from embedlens.cli._options import (
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    QuietOpt,
+    RevisionOpt,
+    TrustOpt,
+    common,
+)
+from embedlens.cli._output import count, emit, note, progress, quoted
+from embedlens.reports.neighbors import NeighborsReport, QueryResult
+
+EXAMPLES = (
+    "Examples:\n\n"
+    "  $ embedlens neighbors ./SmolLM2-135M-Instruct.Q4_1.gguf ' king' ' cat' -k 5\n\n"
+    "  $ embedlens neighbors Qwen/Qwen3-0.6B \"' king' - ' man' + ' woman'\"\n\n"
+    "  $ embedlens neighbors ./my-model --id 42 --matrix output --json"
+)
+
+
+@handles_errors
+def neighbors(
+    model: ModelArg,
+    queries: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="QUERY...",
+            help="Words (the first token of each is queried) or expressions such as "
+            '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'").',
+            show_default=False,
+        ),
+    ] = None,
+    k: Annotated[int, typer.Option("-k", "--top-k", help="Neighbours per query.")] = 5,
+    ids: Annotated[
+        list[int] | None,
+        typer.Option("--id", help="Query a row by id (repeatable).", show_default=False),
+    ] = None,
+    matrix: Annotated[
+        str, typer.Option("--matrix", help="input (the embedding) or output (the LM head).")
+    ] = "input",
+    include_special: Annotated[
+        bool, typer.Option("--include-special", help="Search special tokens' rows too.")
+    ] = False,
+    as_json: JsonOpt = False,
+    revision: RevisionOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    trust_remote_code: TrustOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Find the nearest tokens to each query by cosine in the embedding (or head) matrix.
+
+    Only that one matrix is read (memory-mapped from safetensors, or dequantised from GGUF),
+    and only real tokens' rows are searched: padding rows past the tokenizer's length never
+    are, special tokens only with --include-special, and a query's own rows never appear.
+    """
+    from embedlens.errors import UsageError
+
+    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    if k < 1:
+        raise UsageError(f"-k must be at least 1 (got {k})")
+    from embedlens.analysis.neighbors import neighbors_report, resolve, searchable
+    from embedlens.matrix import check_matrix, locate, open_rows
+    from embedlens.source import resolve as resolve_source
+    from embedlens.vocab import load_vocab
+
+    which = check_matrix(matrix)
+    with progress(f"Reading {model}"):
+        source = resolve_source(model, revision)
+        table = locate(source, which, trust_remote_code=trust_remote_code)
+        vocab = load_vocab(source, table.checkpoint.gguf)
+        real = min(vocab.size, table.rows)
+        found = resolve(vocab, list(queries or []), list(ids or []), real=real, total=table.rows)
+        allowed = searchable(vocab, real, include_special=include_special)
+        searched = int(allowed.sum())
+        if k > searched:
+            raise UsageError(
+                f"-k {k} is more than the {searched:,} rows searched",
+                hint=f"use -k between 1 and {searched:,}",
+            )
+        notes = list(table.notes)
+        if vocab.size > table.rows:
+            notes.append(
+                f"the tokenizer has {vocab.size:,} tokens but the matrix only {table.rows:,} "
+                "rows: the tokens past them have no row"
+            )
+        rows = open_rows(source, table)
+        report = neighbors_report(
+            model,
+            table,
+            rows,
+            vocab,
+            found,
+            allowed,
+            k=k,
+            include_special=include_special,
+            notes=notes,
+        )
+    if dtype != "auto":
+        note("note: neighbors computes in float32 from the stored rows; --dtype is not used")
+    if device not in ("auto", "cpu"):
+        note("note: neighbors runs on the CPU (one matrix product); --device is not used")
+    for text in report.notes:
+        note("note: " + text)
+    emit(report, as_json=as_json, render=render_neighbors)
+
+
+def _cosine(value: float) -> str:
+    return f"{value:.4f}" if math.isfinite(value) else "n/a"
+
+
+def _title(q: QueryResult) -> Text:
+    title = Text("Nearest to ", style="bold")
+    if q.kind == "id":
+        title.append(f"row {q.token_id} ")
+        title.append_text(quoted(q.token or ""))
+        return title
+    if q.kind == "expression":
+        for i, t in enumerate(q.terms):
+            if i or t.sign < 0:
+                title.append(" - " if t.sign < 0 else " + ")
+            title.append_text(quoted(t.token))
+        return title
+    title.append_text(quoted(q.query))
+    if q.kind == "word":
+        title.append(f" (id {q.token_id}")
+        if q.token != q.query:
+            title.append(", token ")
+            title.append_text(quoted(q.token or ""))
+        title.append(")")
+    return title
+
+
+def _caption(q: QueryResult) -> list[Text]:
+    parts: list[Text] = []
+    if q.kind == "expression":
+        rows = ", ".join(str(t.token_id) for t in q.terms)
+        parts.append(
+            Text(f"unit rows {rows} combined and normalised; those rows are left out", style="dim")
+        )
+    for t in q.terms if q.kind == "expression" else []:
+        if len(t.tokens) > 1:
+            parts.append(_split_note(t.text, [x.token for x in t.tokens]))
+    if q.kind == "word" and len(q.tokens) > 1:
+        parts.append(_split_note(q.query, [x.token for x in q.tokens]))
+    return parts
+
+
+def _split_note(word: str, tokens: list[str]) -> Text:
+    line = quoted(word)
+    line.append(f" splits into {len(tokens)} tokens:")
+    for tok in tokens:
+        line.append(" ")
+        line.append_text(quoted(tok))
+    line.append("; the first is queried")
+    line.stylize("yellow")
+    return line
+
+
+def render_neighbors(r: NeighborsReport) -> RenderableType:
+    """One table per query: rank, id, token, cosine."""
+    parts: list[RenderableType] = []
+    for q in r.queries:
+        parts.append(_title(q))
+        table = Table()
+        table.add_column("#", justify="right")
+        table.add_column("id", justify="right")
+        table.add_column("token")
+        table.add_column("cosine", justify="right")
+        for rank, n in enumerate(q.neighbors, 1):
+            table.add_row(str(rank), str(n.id), quoted(n.token), _cosine(n.cosine))
+        parts.append(table)
+        parts.extend(_caption(q))
+    left_out = [f"{count(r.padding_rows)} padding rows"] if r.padding_rows else []
+    if r.special_excluded:
+        left_out.append(f"{count(r.special_excluded)} special tokens")
+    summary = (
+        f"Cosine over {count(r.searched_rows)} rows of {r.tensor} "
+        f"({'embedding' if r.matrix == 'input' else 'LM head'}"
+        f"{', tied' if r.tied and r.matrix == 'output' else ''})"
+    )
+    if left_out:
+        summary += "; left out: " + ", ".join(left_out)
+    parts.append(Text(summary + ".", style="dim"))
+    return Group(*parts)
