@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from embedlens.cli import addr as _addr
 from embedlens.cli import neighbors as _neighbors
 from embedlens.cli import params as _params
 from embedlens.cli import tied as _tied
@@ -66,6 +67,7 @@ app = typer.Typer(
 app.command(epilog=_params.EXAMPLES)(_params.params)
 app.command(epilog=_tied.EXAMPLES)(_tied.tied)
 app.command(epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
+app.command(epilog=_addr.EXAMPLES)(_addr.addr)
 
 
 def main() -> None:

@@ -1,0 +1,248 @@
+"""Row addresses in the embedding table: in the tensor, in the checkpoint file, across TP ranks.
+
+The arithmetic reads headers only. A row starts at row x row_bytes from the tensor's first byte;
+row_bytes is d x element size for plain dtypes and d / block elements x block bytes for GGUF
+quantised blocks. The proof reads the row's bytes at its file offset and compares them with the
+row as the format's own library loads it (safetensors' `safe_open`, gguf's `GGUFReader`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from embedlens.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
+from embedlens.errors import CheckpointError, UsageError
+from embedlens.matrix import Table
+from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlace, TpSplit
+from embedlens.vocab import Vocab
+
+VLLM_PAD_TO = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+_ID = re.compile(r"^[+-]?\d+$")
+# Safetensors' numpy loader names these dtypes, which numpy itself lacks; their raw bits are
+# compared instead, read as unsigned integers of the same width.
+_RAW_ALIASES = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1"}
+_LOOKUP_SCALES = {
+    "gemma": "sqrt(d)",
+    "gemma2": "sqrt(d)",
+    "gemma3": "sqrt(d)",
+    "gemma3_text": "sqrt(d)",
+    "granite": "embedding_multiplier",
+    "granitemoe": "embedding_multiplier",
+}
+
+
+def element_size(entry: TensorEntry) -> int | float:
+    """Bytes per element as stored: row_bytes / d (fractional for quantised blocks)."""
+    d = entry.shape[-1]
+    size = entry.row_bytes / d if d else 0.0
+    return int(size) if float(size).is_integer() else size
+
+
+def tp_split(rows: int, size: int, row_bytes: int) -> TpSplit:
+    """vLLM's VocabParallelEmbedding: V padded to a multiple of 64, then cut into equal shards."""
+    if size < 1:
+        raise UsageError(f"--tp must be at least 1 (got {size})")
+    padded = -(-rows // VLLM_PAD_TO) * VLLM_PAD_TO
+    if padded % size:
+        raise UsageError(
+            f"--tp {size} does not divide the padded vocabulary: V = {rows:,} rounds up to "
+            f"{padded:,} (a multiple of {VLLM_PAD_TO}), which vLLM splits into equal shards",
+            hint="use a tensor-parallel size that divides " + f"{padded:,}",
+        )
+    per = padded // size
+    return TpSplit(size, VLLM_PAD_TO, padded, per, per * row_bytes)
+
+
+def tp_place(row: int, split: TpSplit, row_bytes: int) -> TpPlace:
+    """The rank holding a row and its place in that rank's shard."""
+    rank, local = divmod(row, split.rows_per_rank)
+    return TpPlace(rank, local, local * row_bytes)
+
+
+def costs(rows: int, width: int, row_bytes: int, tokens: int | None) -> Costs:
+    """Bytes a lookup reads against the operations of a one-hot product, per token and batch."""
+    if tokens is not None and tokens < 1:
+        raise UsageError(f"--tokens must be at least 1 (got {tokens})")
+    onehot = 2 * rows * width
+    return Costs(
+        lookup_bytes_per_token=row_bytes,
+        onehot_ops_per_token=onehot,
+        tokens=tokens,
+        batch_bytes=None if tokens is None else tokens * row_bytes,
+        batch_onehot_ops=None if tokens is None else tokens * onehot,
+    )
+
+
+def resolve_rows(
+    given: Sequence[str], vocab: Vocab | None, total: int
+) -> list[tuple[str, int, list[int]]]:
+    """(as given, row, whole encoding) for each ROW: an id, or a token's text."""
+    out: list[tuple[str, int, list[int]]] = []
+    for text in given:
+        if text == "":
+            raise UsageError("empty ROW", hint="give a row id or a token's text")
+        if _ID.match(text.strip()):
+            row = int(text)
+            if row < 0:
+                raise UsageError(f"row {row} is negative", hint=f"rows run from 0 to {total - 1}")
+            if row >= total:
+                raise UsageError(
+                    f"row {row} is out of range: the table has {total:,} rows",
+                    hint=f"rows run from 0 to {total - 1}",
+                )
+            out.append((text, row, [row]))
+            continue
+        if vocab is None:
+            raise UsageError(f"'{text}' is not a row id, and the model has no tokenizer to read it")
+        ids = vocab.encode(text)
+        if len(ids) != 1 and vocab.lookup(text) is not None:
+            ids = [vocab.lookup(text) or 0]
+        if not ids:
+            raise UsageError(f"'{text}' encodes to no tokens", hint="give a row id instead")
+        if vocab.unk_id is not None and ids[0] == vocab.unk_id and vocab.lookup(text) is None:
+            raise UsageError(
+                f"'{text}' is not in the vocabulary: it encodes to the unknown token",
+                hint="give a row id instead",
+            )
+        if ids[0] >= total:
+            raise UsageError(f"'{text}' is token {ids[0]}, beyond the table's {total:,} rows")
+        out.append((text, ids[0], ids))
+    if not out:
+        raise UsageError("no ROW given", hint="give a row id or a token's text")
+    return out
+
+
+def raw_row(entry: TensorEntry, row: int) -> bytes:
+    """The row's bytes read straight from the file at its absolute offset."""
+    assert entry.path is not None and entry.file_offset is not None
+    with open(entry.path, "rb") as fh:
+        fh.seek(entry.file_offset + row * entry.row_bytes)
+        return fh.read(entry.row_bytes)
+
+
+@contextmanager
+def _raw_dtype_names() -> Iterator[None]:
+    """Let numpy resolve the dtype names safetensors uses for bf16 and fp8 (as raw bits)."""
+    import numpy as np
+
+    added = [n for n in _RAW_ALIASES if n not in np.sctypeDict]
+    for name in added:
+        np.sctypeDict[name] = np.dtype(_RAW_ALIASES[name]).type
+    try:
+        yield
+    finally:
+        for name in added:
+            np.sctypeDict.pop(name, None)
+
+
+def reference_rows(path: Path, fmt: str, name: str, rows: Sequence[int]) -> tuple[str, list[bytes]]:
+    """Each row's bytes as the format's own library loads the tensor."""
+    if fmt == "gguf":
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"gguf's reader cannot read '{path.name}': {e}") from e
+        tensor = next((t for t in reader.tensors if t.name == name), None)
+        if tensor is None:
+            raise CheckpointError(f"gguf's reader finds no tensor '{name}' in '{path.name}'")
+        return "gguf.GGUFReader", [tensor.data[r].tobytes() for r in rows]
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with _raw_dtype_names(), safe_open(str(path), framework="numpy") as f:
+            tensor_slice = f.get_slice(name)
+            return "safetensors.safe_open(framework='numpy')", [
+                tensor_slice[r : r + 1].tobytes() for r in rows
+            ]
+    except (SafetensorError, OSError, TypeError) as e:
+        raise CheckpointError(f"safetensors cannot read '{name}' from '{path.name}': {e}") from e
+
+
+def addr_report(
+    model: str,
+    table: Table,
+    vocab: Vocab | None,
+    given: Sequence[str],
+    *,
+    tokens: int | None,
+    tp: int | None,
+    check: bool,
+    notes: list[str],
+) -> AddrReport:
+    """Addresses of the given rows, the table's layout and costs, and the read-back proof."""
+    entry = table.entry
+    v, d = table.rows, table.width
+    found = resolve_rows(given, vocab, v)
+    split = None if tp is None else tp_split(v, tp, entry.row_bytes)
+    cost = costs(v, d, entry.row_bytes, tokens)
+    real = min(vocab.size, v) if vocab is not None else v
+    results: list[bool | None] = [None] * len(found)
+    method: str | None = None
+    skipped: str | None = None
+    if not check:
+        skipped = "--no-check"
+    elif entry.path is None or entry.file_offset is None:
+        skipped = f"'{entry.file}' is not downloaded: its header was read from the hub"
+    else:
+        method, refs = reference_rows(
+            entry.path, table.checkpoint.format, entry.name, [r for _, r, _ in found]
+        )
+        results = [raw_row(entry, r) == ref for (_, r, _), ref in zip(found, refs, strict=True)]
+    rows = [
+        AddrRow(
+            row=r,
+            query=text,
+            token=vocab.text(r) if vocab is not None and r < real else None,
+            token_ids=ids,
+            padding=r >= real,
+            offset_bytes=r * entry.row_bytes,
+            file=entry.file,
+            file_offset=None
+            if entry.file_offset is None
+            else entry.file_offset + r * entry.row_bytes,
+            tp=None if split is None else tp_place(r, split, entry.row_bytes),
+            check=ok,
+        )
+        for (text, r, ids), ok in zip(found, results, strict=True)
+    ]
+    checked = [ok for ok in results if ok is not None]
+    scale = _LOOKUP_SCALES.get(str(table.config.model_type))
+    if scale is not None:
+        notes.append(
+            f"{table.config.model_type} multiplies the looked-up row by {scale}: the layer's "
+            "output is not the stored row"
+        )
+    if any(r.padding for r in rows) and vocab is not None:
+        notes.append(f"rows from {real:,} on are padding: the tokenizer has {vocab.size:,} tokens")
+    is_gguf = table.checkpoint.format == "gguf"
+    return AddrReport(
+        model=model,
+        matrix=table.which,
+        tensor=entry.name,
+        format=table.checkpoint.format,
+        shape=[v, d],
+        dtype=entry.dtype if is_gguf else TORCH_DTYPE_NAMES.get(entry.dtype, entry.dtype),
+        element_size=element_size(entry),
+        block=list(entry.block) if entry.block is not None else None,
+        stride=[d, 1],
+        row_bytes=entry.row_bytes,
+        table_bytes=entry.nbytes,
+        file=entry.file,
+        tensor_file_offset=entry.file_offset,
+        tokenizer_size=vocab.size if vocab is not None else None,
+        rows=rows,
+        costs=cost,
+        tp=split,
+        check=ReadCheck(
+            method=method,
+            rows_checked=len(checked),
+            all_equal=all(checked) if checked else None,
+            skipped=skipped,
+        ),
+        notes=notes,
+    )
