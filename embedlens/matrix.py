@@ -26,7 +26,11 @@ MATRICES: tuple[str, ...] = ("input", "output")
 
 # Stored safetensors dtypes read as numpy arrays (BF16 as its raw 16 bits, widened on the fly).
 _SAFETENSORS_NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
-_BLOCK_BYTES = 32 << 20  # float32 bytes per block when converting or dequantising
+# Float32 bytes per block: small enough to stay in cache between widening and the product
+# (2 MiB blocks score Qwen3-0.6B's table three times faster than 32 MiB ones); GGUF blocks are
+# larger because each dequantize() call has a fixed cost.
+_BLOCK_BYTES = 2 << 20
+_GGUF_BLOCK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -140,29 +144,45 @@ class Rows:
             self._map = np.memmap(
                 entry.path, np.dtype(np_dtype), "r", offset=entry.file_offset, shape=(v, d)
             )
-        self.block_rows = max(1, _BLOCK_BYTES // (4 * d))
+        block_bytes = _GGUF_BLOCK_BYTES if fmt == "gguf" else _BLOCK_BYTES
+        self.block_rows = max(1, block_bytes // (4 * d))
+        self._buffer: npt.NDArray[np.uint32] | None = None
 
-    def _convert(self, raw: npt.NDArray[np.generic]) -> npt.NDArray[np.float32]:
+    def _convert(
+        self, raw: npt.NDArray[np.generic], out: npt.NDArray[np.uint32] | None = None
+    ) -> npt.NDArray[np.float32]:
         import numpy as np
 
         if self._qtype is not None:
             from gguf.quants import dequantize
 
-            out = dequantize(np.ascontiguousarray(raw), self._qtype)  # type: ignore[arg-type]
-            return np.asarray(out, dtype=np.float32).reshape(raw.shape[0], self.shape[1])
-        if self.entry.dtype == "BF16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return np.asarray(raw, dtype=np.float32)
+            rows = dequantize(np.ascontiguousarray(raw), self._qtype)  # type: ignore[arg-type]
+            return np.asarray(rows, dtype=np.float32).reshape(raw.shape[0], self.shape[1])
+        if self.entry.dtype == "F32":
+            return np.asarray(raw, dtype=np.float32)
+        if out is None:
+            out = np.empty(raw.shape, dtype=np.uint32)
+        if self.entry.dtype == "BF16":  # bfloat16 is the top half of a float32
+            np.left_shift(raw, 16, out=out, dtype=np.uint32)
+            return out.view(np.float32)
+        widened = out.view(np.float32)
+        np.copyto(widened, raw, casting="same_kind")
+        return widened
 
     def block(self, start: int, stop: int) -> npt.NDArray[np.float32]:
-        """Rows start..stop-1 as float32."""
-        return self._convert(self._map[start:stop])
-
-    def take(self, ids: list[int]) -> npt.NDArray[np.float32]:
-        """The given rows as float32, in order."""
+        """Rows start..stop-1 as float32, in a buffer reused by the next call."""
         import numpy as np
 
-        return self._convert(self._map[np.asarray(ids, dtype=np.int64)])
+        raw = self._map[start:stop]
+        if self._buffer is None or self._buffer.shape[0] < raw.shape[0]:
+            self._buffer = np.empty((max(raw.shape[0], self.block_rows), self.shape[1]), np.uint32)
+        return self._convert(raw, self._buffer[: raw.shape[0]])
+
+    def take(self, ids: list[int]) -> npt.NDArray[np.float32]:
+        """The given rows as float32, in order (a new array)."""
+        import numpy as np
+
+        return self._convert(self._map[np.asarray(ids, dtype=np.int64)]).copy()
 
 
 def open_rows(source: ModelSource, table: Table) -> Rows:

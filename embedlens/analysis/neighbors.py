@@ -166,8 +166,9 @@ def cosines(rows: Rows, vectors: npt.NDArray[np.float32], real: int) -> npt.NDAr
         stop = min(real, start + rows.block_rows)
         block = rows.block(start, stop)
         norms = np.sqrt(np.einsum("ij,ij->i", block, block))
+        dots = block @ qt
         with np.errstate(divide="ignore", invalid="ignore"):
-            out[start:stop] = (block @ qt) / norms[:, None]
+            np.divide(dots, norms[:, None], out=out[start:stop])
     return out
 
 
