@@ -39,7 +39,7 @@ def addr(
         list[str],
         typer.Argument(
             metavar="ROW...",
-            help="A row id, or a token's text (its first token is used).",
+            help="A row id (an integer), or a token's text (its first token is used).",
             show_default=False,
         ),
     ],
