@@ -7,6 +7,7 @@ free. Errors from transformers are translated into embedlens errors at this boun
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -33,6 +34,10 @@ def _quiet_transformers() -> None:
     from huggingface_hub.utils import disable_progress_bars
 
     disable_progress_bars()
+    # accelerate warns through plain logging that offloaded weights sit on the meta device
+    import logging as stdlib_logging
+
+    stdlib_logging.getLogger("accelerate").setLevel(stdlib_logging.ERROR)
 
 
 def _where(source: ModelSource) -> tuple[str, dict[str, Any]]:
@@ -95,7 +100,7 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     if source.kind == "hub":
         assert source.path is not None
         where, kwargs = str(source.path), {}
-    with _translated(source, "reading the config"):
+    with _translated(source, "reading the config"), _gguf_reads_shared(source):
         return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
 
 
@@ -149,21 +154,27 @@ def load_model(
     max_memory: dict[Any, str] | None = None,
     offload_folder: str | None = None,
     trust_remote_code: bool = False,
+    config: Any = None,
 ) -> Any:
-    """Load the causal LM with its weights, in eval mode, gradients off."""
+    """Load the causal LM with its weights, in eval mode, gradients off.
+
+    `config`, a transformers config already read from the same source, saves reading it again.
+    """
     _quiet_transformers()
     import torch
     from transformers import AutoModelForCausalLM
 
     where, kwargs = _where(source)
     kwargs["dtype"] = torch_dtype(dtype)
+    if config is not None:
+        kwargs["config"] = config
     if device_map is not None:
         kwargs["device_map"] = device_map
         if max_memory is not None:
             kwargs["max_memory"] = max_memory
         if offload_folder is not None:
             kwargs["offload_folder"] = offload_folder
-    with _translated(source, "loading the model"):
+    with _translated(source, "loading the model"), _gguf_reads_shared(source):
         model = AutoModelForCausalLM.from_pretrained(
             where, trust_remote_code=trust_remote_code, use_safetensors=None, **kwargs
         )
@@ -180,5 +191,104 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
     from transformers import AutoTokenizer
 
     where, kwargs = _where(source)
-    with _translated(source, "loading the tokenizer"):
+    with _translated(source, "loading the tokenizer"), _gguf_reads_shared(source):
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+
+
+_shared: dict[str, Any] = {"depth": 0}
+
+
+@contextmanager
+def sharing_gguf_reads() -> Iterator[None]:
+    """While open, transformers parses a GGUF file once for its config, tokenizer and weights.
+
+    transformers' GGUF loader builds a `gguf.GGUFReader` (parsing every metadata field, some
+    49k-long token lists) for the config, again for the tokenizer and again for the weights, and
+    rebuilds gguf's tensor-name table for every submodule of the model. Inside this context the
+    reader is kept per file (and parses a plain ndarray view of the file: the same bytes, without
+    numpy's per-slice memmap overhead), the name table per (architecture, blocks), and the
+    metadata-only parse per file (handed out as deep copies). Re-entrant; the caches go when the
+    outermost context closes.
+    """
+    if _shared["depth"] == 0:
+        _shared.update(patches=_install_gguf_caches())
+    _shared["depth"] += 1
+    try:
+        yield
+    finally:
+        _shared["depth"] -= 1
+        if _shared["depth"] == 0:
+            for owner, name, original in _shared.pop("patches"):
+                setattr(owner, name, original)
+
+
+@contextmanager
+def _gguf_reads_shared(source: ModelSource) -> Iterator[None]:
+    if source.kind != "gguf":
+        yield
+        return
+    with sharing_gguf_reads():
+        yield
+
+
+def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
+    """Patch the three repeated GGUF reads with per-context caches; return how to undo it."""
+    import copy
+
+    try:
+        import gguf
+        import numpy as np
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:
+        return []
+    readers: dict[tuple[str, str], Any] = {}
+    name_maps: dict[tuple[Any, int], Any] = {}
+    metadata: dict[str, Any] = {}
+    reader_cls, name_map_fn, load_fn = (
+        gguf.GGUFReader,
+        gguf.get_tensor_name_map,
+        hf_gguf.load_gguf_checkpoint,
+    )
+
+    class PlainReader(reader_cls):  # type: ignore[misc,valid-type]
+        """The same parse over a plain ndarray view of the file: numpy's memmap subclass runs
+        Python code on every slice, and the reader slices once per vocabulary string."""
+
+        @property
+        def data(self) -> Any:
+            return self._plain
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = PlainReader(path, mode)
+        return readers[key]
+
+    def name_map(arch: Any, n_blocks: int) -> Any:
+        if (arch, n_blocks) not in name_maps:
+            name_maps[(arch, n_blocks)] = name_map_fn(arch, n_blocks)
+        return name_maps[(arch, n_blocks)]
+
+    def load(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        if return_tensors or args or kwargs:
+            return load_fn(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = load_fn(path, False)
+        return copy.deepcopy(metadata[key])
+
+    patches = [
+        (gguf, "GGUFReader", reader_cls),
+        (gguf, "get_tensor_name_map", name_map_fn),
+        (hf_gguf, "load_gguf_checkpoint", load_fn),
+        (hf_gguf, "tqdm", hf_gguf.tqdm),
+    ]
+    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = name_map  # type: ignore[assignment]
+    hf_gguf.load_gguf_checkpoint = load  # type: ignore[assignment]
+    return patches

@@ -10,6 +10,7 @@ import typer
 from typer.core import TyperGroup
 
 from embedlens.cli import addr as _addr
+from embedlens.cli import lens as _lens
 from embedlens.cli import neighbors as _neighbors
 from embedlens.cli import params as _params
 from embedlens.cli import tied as _tied
@@ -66,6 +67,7 @@ app = typer.Typer(
 
 app.command(epilog=_params.EXAMPLES)(_params.params)
 app.command(epilog=_tied.EXAMPLES)(_tied.tied)
+app.command(epilog=_lens.EXAMPLES)(_lens.lens)
 app.command(epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
 app.command(epilog=_addr.EXAMPLES)(_addr.addr)
 

@@ -1,0 +1,477 @@
+"""The logit lens: decode the residual stream after every block through the model's own tail.
+
+Generic by construction. The decoder blocks are found as the model's ModuleList of blocks; hooks
+capture the input of the first block (layer 0, the embedding output) and the output of each block
+asked for, at the positions asked for only. To decode a residual h, the model's own forward is run
+once more on a dummy batch with its block list cut to the last block, whose output a hook replaces
+with h: whatever the model does after its blocks (a final norm of any name or none, OPT's
+project_out, the head and its bias, softcapping, logit scales, code that is not a module at all)
+then runs exactly as the model wrote it, exactly once. A self-check compares the decoding of the
+last block's output with the model's real logits, and says which step is suspect if they differ.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from embedlens.errors import UnsupportedError
+
+CHUNK_BYTES = 256 * 2**20
+"""Logits decoded at once (float32 bytes): rows are decoded in chunks of at most this size."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Where the decoder blocks live: parent.attr is the ModuleList."""
+
+    parent: nn.Module
+    attr: str
+    modules: nn.ModuleList
+    name: str
+
+
+@dataclass(frozen=True)
+class Top:
+    """The top-k predictions of one row: ids and probabilities, best first."""
+
+    ids: list[int]
+    probs: list[float]
+    target_prob: float | None = None
+    target_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Check:
+    """Decoding the last block's output vs the model's own logits."""
+
+    max_abs_logit_diff: float
+    tolerance: float
+    top1_agrees: bool
+    suspect: str | None
+    """None when the check passes; else the step that does not reproduce the model."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the lens reproduced the model within tolerance."""
+        return self.max_abs_logit_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class LensResult:
+    """Every (layer, position) asked for, decoded; the last layer is the model's own logits."""
+
+    num_layers: int
+    vocab_size: int
+    """Rows of the model's output."""
+    positions: list[int]
+    layers: list[int]
+    rows: dict[tuple[int, int], Top]
+    """(layer, position) -> predictions."""
+    check: Check
+    steps: list[str]
+    """What runs after the last block, in order: modules by name, then post-head steps."""
+    full_tail: bool
+    """True when the tail had to run with every block in place (cutting the list failed)."""
+
+
+def find_blocks(model: nn.Module) -> Blocks:
+    """The ModuleList of decoder blocks: the largest one with as many entries as the config says."""
+    root = model
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            found = get_decoder()
+        except Exception:
+            found = None
+        if isinstance(found, nn.Module):
+            root = found
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    expected = getattr(text, "num_hidden_layers", None)
+    names = {id(m): n for n, m in model.named_modules()}
+    candidates: list[tuple[bool, int, str, nn.ModuleList]] = []
+    for name, module in root.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = sum(p.numel() for p in module.parameters())
+            candidates.append((len(module) == expected, size, name, module))
+    if not candidates:
+        raise UnsupportedError(
+            f"cannot find the decoder blocks of this model ({type(model).__name__})"
+        )
+    _, _, _, blocks = max(candidates, key=lambda c: (c[0], c[1]))
+    full = names[id(blocks)]
+    parent_name, _, attr = full.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return Blocks(parent=parent, attr=attr, modules=blocks, name=full)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _replace_first(value: Any, tensor: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tensor
+    if isinstance(value, tuple):
+        return (tensor, *value[1:])
+    if isinstance(value, list):
+        return [tensor, *value[1:]]
+    raise UnsupportedError(
+        f"a decoder block returns {type(value).__name__}; the lens needs a tensor"
+    )
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where input ids go: the embedding's device (accelerate moves them on if it offloads)."""
+    try:
+        weight = model.get_input_embeddings().weight  # type: ignore[operator]
+        device = weight.device
+    except Exception:
+        device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The model's logits, [batch, kept positions, V]."""
+    kwargs: dict[str, Any] = {"use_cache": False}
+    params = inspect.signature(model.forward).parameters
+    if keep is not None and "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = keep.to(ids.device)
+    out = model(input_ids=ids, **kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    if keep is not None and "logits_to_keep" not in params:
+        logits = logits[:, keep.to(logits.device)]
+    return logits
+
+
+@contextmanager
+def _hooks(handles: list[Any]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class _Capture:
+    """What the real forward pass leaves behind, at the positions asked for."""
+
+    residual: dict[int, torch.Tensor]
+    head_in: torch.Tensor | None = None
+    head_out: torch.Tensor | None = None
+    steps: list[str] = field(default_factory=list)
+
+
+def _capture(
+    model: nn.Module,
+    blocks: Blocks,
+    ids: torch.Tensor,
+    layers: Sequence[int],
+    positions: torch.Tensor,
+) -> tuple[_Capture, torch.Tensor]:
+    """Run the model once; keep the residual at each layer and position, and its logits there."""
+    cap = _Capture(residual={})
+    handles: list[Any] = []
+
+    def keep(layer: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            t = _first_tensor(out)
+            if t is None:
+                raise UnsupportedError(f"block {layer} returns no tensor the lens can read")
+            cap.residual[layer] = t[0, positions.to(t.device)].detach()
+
+        return hook
+
+    def keep_input(_m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        t = _first_tensor(args) if args else kwargs.get("hidden_states")
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedError("the first block's input is not a tensor the lens can read")
+        cap.residual[0] = t[0, positions.to(t.device)].detach()
+
+    if 0 in layers:
+        handles.append(blocks.modules[0].register_forward_pre_hook(keep_input, with_kwargs=True))
+    for layer in sorted(set(layers) - {0}):
+        handles.append(blocks.modules[layer - 1].register_forward_hook(keep(layer)))
+    handles += _head_hooks(model, cap)
+    with _hooks(handles):
+        logits = _forward(model, ids, positions)
+    for name in ("head_in", "head_out"):
+        t = getattr(cap, name)
+        if t is not None and t.shape[0] != len(positions):  # the model ignored logits_to_keep
+            setattr(cap, name, t[positions.to(t.device)])
+    return cap, logits[0]
+
+
+def _head_hooks(model: nn.Module, cap: _Capture) -> list[Any]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        return []
+
+    def pre(_m: nn.Module, args: Any) -> None:
+        t = _first_tensor(args)
+        if t is not None:
+            cap.head_in = t.detach().reshape(-1, t.shape[-1])
+
+    def post(_m: nn.Module, _args: Any, out: Any) -> None:
+        t = _first_tensor(out)
+        if t is not None:
+            cap.head_out = t.detach().reshape(-1, t.shape[-1])
+
+    return [head.register_forward_pre_hook(pre), head.register_forward_hook(post)]
+
+
+class Tail:
+    """Runs the model's own code after its last block on residual vectors of our choosing."""
+
+    def __init__(self, model: nn.Module, blocks: Blocks, dummy_id: int) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.dummy_id = dummy_id
+        self.full = False
+        """Run every block (slower) instead of the last one only: set when cutting fails."""
+
+    def __call__(self, rows: torch.Tensor, cap: _Capture | None = None) -> torch.Tensor:
+        """Logits [n, V] for residual rows [n, d]; `cap` also receives the head's input/output."""
+        if not self.full:
+            try:
+                return self._run(rows, cap, cut=True)
+            except UnsupportedError:
+                raise
+            except Exception:
+                self.full = True
+        return self._run(rows, cap, cut=False)
+
+    def _run(self, rows: torch.Tensor, cap: _Capture | None, *, cut: bool) -> torch.Tensor:
+        last = self.blocks.modules[-1]
+
+        def replace(_m: nn.Module, _args: Any, out: Any) -> Any:
+            t = _first_tensor(out)
+            assert t is not None
+            h = rows.to(device=t.device, dtype=t.dtype).reshape(rows.shape[0], 1, -1)
+            return _replace_first(out, h)
+
+        handles = [last.register_forward_hook(replace)]
+        if cap is not None:
+            handles += _head_hooks(self.model, cap)
+        ids = torch.full(
+            (rows.shape[0], 1), self.dummy_id, dtype=torch.long, device=input_device(self.model)
+        )
+        parent, attr = self.blocks.parent, self.blocks.attr
+        with _hooks(handles):
+            if not cut:
+                return _forward(self.model, ids, None)[:, 0]
+            setattr(parent, attr, nn.ModuleList([last]))
+            try:
+                return _forward(self.model, ids, None)[:, 0]
+            finally:
+                setattr(parent, attr, self.blocks.modules)
+
+
+def tail_steps(model: nn.Module, blocks: Blocks, tail: Tail, row: torch.Tensor) -> _Capture:
+    """Run the tail on one row, noting the modules that run after the last block (outermost only).
+
+    Returns the head's input and output for that row, with the module names in `steps`.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    last = blocks.modules[-1]
+    after = [False]
+    started: list[int] = []
+    finished: list[str] = []
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        if after[0] and id(module) in names:
+            started.append(id(module))
+
+    def post(module: nn.Module, _args: Any, _out: Any) -> None:
+        if module is last:
+            after[0] = True
+        elif after[0] and id(module) in started:
+            finished.append(names[id(module)])
+
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    probe = _Capture(residual={})
+    with _hooks([register_module_forward_pre_hook(pre), register_module_forward_hook(post)]):
+        tail(row[None], probe)
+    outer: list[str] = []
+    for name in finished:  # children finish before their parents
+        if not any(name.startswith(o + ".") for o in outer):
+            outer = [o for o in outer if not o.startswith(name + ".")]
+            outer.append(name)
+    probe.steps = outer
+    return probe
+
+
+def post_head_step(head_out: torch.Tensor, logits: torch.Tensor, tol: float) -> str | None:
+    """Describe what the model does to the head's output, found by comparing the two.
+
+    Both come from the same tail run, so in float32 the relation holds to rounding: a candidate
+    (a scale, or a softcap c·tanh(x/c)) must fit to 1e-5 relative, or to `tol` in 16-bit dtypes.
+    """
+    x, y = head_out.double(), logits.double()
+    fit = max(min(tol, 1e-5 * max(1.0, float(y.abs().max()))), 1e-7)
+    if float((y - x).abs().max()) <= fit:
+        return None
+    denom = float((x * x).sum())
+    if denom > 0:
+        c = float((x * y).sum()) / denom
+        if float((y - c * x).abs().max()) <= fit:
+            return f"logits scaled by {c:.6g}"
+    i = int(x.abs().argmax())
+    xi, yi = abs(float(x.flatten()[i])), abs(float(y.flatten()[i]))
+    if 0 < yi < xi:
+        lo, hi = yi, yi * 1e6
+        for _ in range(200):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if mid * math.tanh(xi / mid) < yi else (lo, mid)
+        c = math.sqrt(lo * hi)
+        if float((y - c * torch.tanh(x / c)).abs().max()) <= fit:
+            return f"softcapping c·tanh(logits/c), c = {c:.4g}"
+    return "a step after the head (neither a plain scale nor a softcap)"
+
+
+def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
+    """1e-3 in float32; in a 16-bit dtype, what its rounding allows at these logits' size."""
+    if dtype in (torch.float32, torch.float64):
+        return 1e-3
+    scale = max(1.0, float(logits.abs().max()))
+    return max(1e-3, 8 * torch.finfo(dtype).eps * scale)
+
+
+def _top(
+    logits: torch.Tensor, k: int, real_vocab: int, target: int | None
+) -> Iterator[tuple[list[int], list[float], float | None, int | None]]:
+    """Softmax over the model's whole output; predictions only among the tokenizer's ids."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    real = probs[:, :real_vocab]
+    values, indices = real.topk(min(k, real_vocab), dim=-1)
+    tp = trank = None
+    if target is not None:
+        tp = probs[:, target]
+        trank = (real > tp[:, None]).sum(-1) + 1
+    for i in range(probs.shape[0]):
+        yield (
+            indices[i].tolist(),
+            values[i].tolist(),
+            None if tp is None else float(tp[i]),
+            None if trank is None else int(trank[i]),
+        )
+
+
+def run_lens(
+    model: nn.Module,
+    input_ids: Sequence[int],
+    *,
+    layers: Sequence[int],
+    positions: Sequence[int],
+    k: int,
+    real_vocab: int,
+    target: int | None = None,
+) -> LensResult:
+    """Decode `layers` (0 = embedding output, L = the model's output) at `positions`.
+
+    Positions are absolute indices into `input_ids`. `real_vocab` is the tokenizer's length: rows
+    past it are padding and never predicted, though the softmax runs over every row.
+    """
+    blocks = find_blocks(model)
+    n_layers = len(blocks.modules)
+    bad = [x for x in layers if not 0 <= x <= n_layers]
+    if bad:
+        raise UnsupportedError(f"layer {bad[0]} does not exist: the model has {n_layers} blocks")
+    device = input_device(model)
+    ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
+    pos = torch.tensor(list(positions), dtype=torch.long)
+    wanted = sorted(set(layers) | {n_layers})
+    with torch.inference_mode():
+        cap, logits = _capture(model, blocks, ids, wanted, pos)
+        tail = Tail(model, blocks, dummy_id=int(input_ids[0]))
+        order = [(layer, j) for layer in wanted for j in range(len(pos))]
+        residual = torch.stack([cap.residual[layer][j].to(device) for layer, j in order])
+        decoded = _decode(tail, residual, logits.shape[-1])
+        at = {key: i for i, key in enumerate(order)}
+        last = torch.stack([decoded[at[(n_layers, j)]] for j in range(len(pos))])
+        real = logits.float().to(last.device)
+        dtype = next(model.parameters()).dtype
+        first = residual[at[(n_layers, 0)]]
+        check, steps = _check(model, blocks, tail, cap, first, last, real, dtype)
+        rows: dict[tuple[int, int], Top] = {}
+        for (layer, j), i in at.items():
+            if layer not in layers:
+                continue
+            source = real[j : j + 1] if layer == n_layers else decoded[i : i + 1]
+            for top_ids, top_p, tp, tr in _top(source, k, real_vocab, target):
+                rows[(layer, int(pos[j]))] = Top(top_ids, top_p, tp, tr)
+    return LensResult(
+        num_layers=n_layers,
+        vocab_size=int(logits.shape[-1]),
+        positions=[int(p) for p in pos],
+        layers=sorted(set(layers)),
+        rows=rows,
+        check=check,
+        steps=steps,
+        full_tail=tail.full,
+    )
+
+
+def _decode(tail: Tail, residual: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Decode residual rows [n, d] to float32 logits [n, V], in chunks of bounded size."""
+    chunk = max(1, CHUNK_BYTES // (4 * vocab))
+    parts = [tail(residual[i : i + chunk]).float() for i in range(0, residual.shape[0], chunk)]
+    return torch.cat(parts)
+
+
+def _check(
+    model: nn.Module,
+    blocks: Blocks,
+    tail: Tail,
+    cap: _Capture,
+    first: torch.Tensor,
+    last: torch.Tensor,
+    real: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[Check, list[str]]:
+    """Compare the lens at the last block with the model's logits; find the suspect if they differ.
+
+    `first` is the last block's output at the first position read, `last` the lens's logits for
+    the last block at every position read, `real` the model's logits there.
+    """
+    tol = tolerance(dtype, real)
+    diff = float((last - real).abs().max())
+    agrees = bool((last.argmax(-1) == real.argmax(-1)).all())
+    probe = tail_steps(model, blocks, tail, first)
+    steps = list(probe.steps)
+    if probe.head_out is not None:
+        post = post_head_step(probe.head_out.float(), last[:1], tol)
+        if post is not None:
+            steps.append(post)
+    suspect = _suspect(cap, probe, tol) if diff > tol else None
+    return Check(diff, tol, agrees, suspect), steps
+
+
+def _suspect(real: _Capture, probe: _Capture, tol: float) -> str:
+    """Name the first step whose result differs between the real pass and the lens's tail."""
+    modules = ", ".join(probe.steps) or "none found"
+    if real.head_in is None or probe.head_in is None:
+        return f"the steps after the last block ({modules})"
+    if float((real.head_in[:1] - probe.head_in[:1]).abs().max()) > tol:
+        return f"the steps between the last block and the head ({modules})"
+    assert real.head_out is not None and probe.head_out is not None
+    if float((real.head_out[:1] - probe.head_out[:1]).abs().max()) > tol:
+        return "the head itself"
+    return "the steps after the head (code that turns the head's output into logits)"

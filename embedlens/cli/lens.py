@@ -1,0 +1,634 @@
+"""`embedlens lens`: what each layer would predict if it were the last (the logit lens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from embedlens.cli._errors import handles_errors
+from embedlens.cli._options import (
+    DebugOpt,
+    DeviceOpt,
+    JsonOpt,
+    ModelArg,
+    QuietOpt,
+    RevisionOpt,
+    TrustOpt,
+    common,
+)
+from embedlens.cli._output import emit, note, progress, quoted, warn
+from embedlens.errors import UsageError
+from embedlens.reports.lens import LensReport
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens import LensResult
+
+EXAMPLES = (
+    "Examples:\n\n"
+    '  $ embedlens lens ./SmolLM2-135M-Instruct.Q4_1.gguf "The capital of France is"\n\n'
+    '  $ embedlens lens Qwen/Qwen3-0.6B "中国的首都是" --chat "中国的首都是哪里？" --no-thinking'
+    " --target 北京\n\n"
+    '  $ embedlens lens ./my-model "The capital of France is" --position all --plot lens.png\n\n'
+    '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json'
+)
+
+PLOT_SUFFIXES = (".png", ".svg", ".html")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+LayerItem = int | tuple[int | None, int | None, int | None]
+
+
+def parse_layer_spec(spec: str) -> list[LayerItem]:
+    """Parse `0,4,8`, `20:`, `:10`, `4:12:2`, `-1` (Python indexing, stop exclusive)."""
+    items: list[LayerItem] = []
+    for raw in spec.split(","):
+        part = raw.strip()
+        if not part:
+            raise UsageError(f"malformed --layers '{spec}': empty item", hint=_LAYERS_HINT)
+        try:
+            if ":" in part:
+                bits = part.split(":")
+                if len(bits) > 3:
+                    raise ValueError
+                nums = [int(b) if b.strip() else None for b in bits] + [None] * (3 - len(bits))
+                if nums[2] is not None and nums[2] <= 0:
+                    raise UsageError(f"malformed --layers '{spec}': a step must be positive")
+                items.append((nums[0], nums[1], nums[2]))
+            else:
+                items.append(int(part))
+        except ValueError:
+            raise UsageError(
+                f"malformed --layers '{spec}': '{part}' is not a layer or a range",
+                hint=_LAYERS_HINT,
+            ) from None
+    return items
+
+
+_LAYERS_HINT = (
+    "use layer numbers and ranges, e.g. --layers 0,4,8 or --layers 20: or --layers 0:10:2"
+)
+
+
+def resolve_layers(items: list[LayerItem], num_layers: int) -> list[int]:
+    """Layer numbers in 0..num_layers (the last is the model's output); out of range is an error."""
+    top = num_layers
+    out: list[int] = []
+
+    def check(n: int, *, stop: bool = False) -> int:
+        limit = top + 1
+        if not (-limit <= n <= (limit if stop else top)):
+            raise UsageError(
+                f"layer {n} is out of range: the model has layers 0..{top} "
+                f"(0 = embedding output, {top} = the model's output)"
+            )
+        return n
+
+    for item in items:
+        if isinstance(item, int):
+            n = check(item)
+            out.append(n % (top + 1))
+        else:
+            start, stop, step = item
+            for n in (start, stop):
+                if n is not None:
+                    check(n, stop=n is stop)
+            out.extend(range(top + 1)[slice(start, stop, step)])
+    if not out:
+        raise UsageError("--layers selects no layer")
+    return sorted(set(out))
+
+
+def parse_position(value: str) -> int | None:
+    """An integer position (negative counts from the end), or None for `all`."""
+    if value.strip().lower() == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(
+            f"--position must be an integer or 'all', not '{value}'",
+            hint="-1 is the last token, 0 the first",
+        ) from None
+
+
+def parse_max_memory(spec: str | None) -> dict[Any, str] | None:
+    """`cpu=2GiB,0=20GiB` -> {'cpu': '2GiB', 0: '20GiB'} (accelerate's max_memory)."""
+    if spec is None:
+        return None
+    out: dict[Any, str] = {}
+    for part in spec.split(","):
+        key, sep, amount = part.partition("=")
+        if not sep or not key.strip() or not amount.strip():
+            raise UsageError(
+                f"malformed --max-memory '{spec}'",
+                hint="write DEVICE=AMOUNT pairs: cpu=8GiB,0=20GiB",
+            )
+        k = key.strip()
+        out[int(k) if k.isdigit() else k] = amount.strip()
+    return out
+
+
+def template_switches(no_thinking: bool, pairs: list[str]) -> dict[str, Any]:
+    """Chat-template variables: --no-thinking and --template-arg KEY=VALUE (JSON-ish values)."""
+    import json
+
+    out: dict[str, Any] = {}
+    if no_thinking:
+        out["enable_thinking"] = False
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"malformed --template-arg '{pair}': write KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+DtypeLensOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="Dtype the model is loaded and the lens computed in: float32 by default "
+        "(auto, float32, bfloat16, float16).",
+    ),
+]
+
+
+@handles_errors
+def lens(
+    model: ModelArg,
+    prompt: Annotated[
+        str,
+        typer.Argument(
+            metavar="PROMPT",
+            help="Text to run (with --chat: the start of the assistant's answer).",
+            show_default=False,
+        ),
+    ],
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Predictions per layer.")] = 5,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            "--layers",
+            help="Layers to show: 0,4,8 or 20: or 0:10:2 (0 = embedding output, "
+            "the last = the model's output). All by default.",
+        ),
+    ] = None,
+    position: Annotated[
+        str,
+        typer.Option(
+            "--position",
+            help="Token position read (-1 = last); 'all' adds a layer x position grid of top-1 "
+            "predictions.",
+        ),
+    ] = "-1",
+    target: Annotated[
+        str | None,
+        typer.Option("--target", help="Follow this token's probability and rank at every layer."),
+    ] = None,
+    chat: Annotated[
+        str | None,
+        typer.Option(
+            "--chat",
+            metavar="MESSAGE",
+            help="Apply the chat template to this user message (with the generation prompt); "
+            "PROMPT then starts the assistant's answer.",
+        ),
+    ] = None,
+    no_thinking: Annotated[
+        bool,
+        typer.Option(
+            "--no-thinking", help="With --chat: pass enable_thinking=False to the template."
+        ),
+    ] = False,
+    template_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--template-arg", metavar="KEY=VALUE", help="With --chat: another template variable."
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE",
+            help="Draw the layer x position grid as a heatmap (.png, .svg or .html; needs "
+            "matplotlib: pip install 'embedlens[plot]').",
+        ),
+    ] = None,
+    device_map: Annotated[
+        str | None,
+        typer.Option(
+            "--device-map",
+            help="'auto' spreads the model over GPUs, CPU and disk (accelerate).",
+        ),
+    ] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory", help="With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB."
+        ),
+    ] = None,
+    offload_folder: Annotated[
+        Path | None,
+        typer.Option(
+            "--offload-folder",
+            help="With --device-map: where weights that fit nowhere go (a temporary folder, "
+            "removed afterwards, by default).",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    revision: RevisionOpt = None,
+    dtype: DtypeLensOpt = "float32",
+    device: DeviceOpt = "cpu",
+    trust_remote_code: TrustOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
+
+    Layer 0 is the embedding output, layer i the output of block i, the last row the model's own
+    output. The lens runs in float32 unless --dtype says otherwise. Every run checks itself:
+    decoding the last block's output must reproduce the model's logits.
+    """
+    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    if top_k < 1:
+        raise UsageError(f"-k must be at least 1, not {top_k}")
+    layer_items = parse_layer_spec(layers) if layers is not None else None
+    pos = parse_position(position)
+    switches = template_switches(no_thinking, template_arg or [])
+    if switches and chat is None:
+        raise UsageError("--no-thinking and --template-arg only apply with --chat")
+    if not prompt.strip() and chat is None:
+        raise UsageError("the prompt is empty")
+    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot '{plot}': unknown format", hint="name a .png, .svg or .html file")
+    if plot is not None:
+        from embedlens.plot import require_matplotlib
+
+        require_matplotlib()
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        raise UsageError("--max-memory and --offload-folder only apply with --device-map")
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise UsageError(
+            f"unknown --device-map '{device_map}'", hint="use one of: " + ", ".join(DEVICE_MAPS)
+        )
+    memory = parse_max_memory(max_memory)
+
+    from embedlens import loading
+    from embedlens.source import resolve
+
+    with progress(f"Loading {model}"), loading.sharing_gguf_reads():
+        source = resolve(model, revision)
+        tokenizer = loading.load_tokenizer(source, trust_remote_code=trust_remote_code)
+        text, ids = _prompt_ids(tokenizer, prompt, chat, switches)
+        target_id = _target_id(tokenizer, target) if target is not None else None
+        config = loading.hf_config(source, trust_remote_code=trust_remote_code)
+        text_config = config.get_text_config()
+        n_layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+        context = getattr(text_config, "max_position_embeddings", None)
+        if isinstance(context, int) and len(ids) > context:
+            raise UsageError(
+                f"the prompt is {len(ids)} tokens, longer than the model's context ({context})"
+            )
+        if layer_items is not None and n_layers:
+            resolve_layers(layer_items, n_layers)  # fail before loading the weights
+        index = _position_index(pos, len(ids))
+        with _offload_dir(device_map, offload_folder) as folder:
+            model_obj = loading.load_model(
+                source,
+                dtype=dtype,
+                device=device,
+                device_map=device_map,
+                max_memory=memory,
+                offload_folder=folder,
+                trust_remote_code=trust_remote_code,
+                config=config,
+            )
+            with progress("Running the lens"):
+                grid = pos is None or plot is not None
+                result = _run(
+                    model_obj, ids, layer_items, index, grid, top_k, len(tokenizer), target_id
+                )
+            report = _report(
+                model, tokenizer, model_obj, result, ids, text, chat, pos, index, target, target_id
+            )
+    if not report.check.ok:
+        warn(
+            f"the lens does not reproduce this model's logits (max |Δ| = "
+            f"{report.check.max_abs_logit_diff:.3g} > {report.check.tolerance:.3g}): its rows are "
+            f"not faithful for this architecture; suspect: {report.check.suspect}"
+        )
+    for text_note in report.notes:
+        note("note: " + text_note)
+    if plot is not None:
+        from embedlens.plot import save_heatmap
+
+        save_heatmap(report, plot)
+        note(f"wrote {plot}")
+    emit(report, as_json=as_json, render=render_lens)
+
+
+def _prompt_ids(
+    tokenizer: Any, prompt: str, chat: str | None, switches: dict[str, Any]
+) -> tuple[str, list[int]]:
+    """The text run and its ids: PROMPT as the tokenizer encodes it by default, or after a chat
+    template (whose output already holds the special tokens, so none are added again)."""
+    if chat is None:
+        ids = list(tokenizer(prompt)["input_ids"])
+        text = prompt
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError(
+                "this model's tokenizer has no chat template, so --chat cannot be used",
+                hint="run without --chat and write the whole prompt yourself",
+            )
+        messages = [{"role": "user", "content": chat}]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **switches
+            )
+        except Exception as e:
+            raise UsageError(f"the chat template failed: {e}") from e
+        text = str(text) + prompt
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise UsageError("the prompt is empty: it encodes to no tokens")
+    return text, ids
+
+
+def _target_id(tokenizer: Any, target: str) -> int:
+    ids = list(tokenizer(target, add_special_tokens=False)["input_ids"])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if len(ids) == 1 and (ids[0] != unk or target == tokenizer.unk_token):
+        return int(ids[0])
+    if len(ids) == 1:
+        raise UsageError(
+            f"--target '{target}' is not in the vocabulary: it encodes to the unknown token "
+            f"'{tokenizer.unk_token}'"
+        )
+    if not ids:
+        raise UsageError(f"--target '{target}' encodes to no token")
+    pieces = ", ".join(repr(_token_text(tokenizer, i)) for i in ids)
+    raise UsageError(
+        f"--target '{target}' is not a single token: it splits into {len(ids)} ({pieces})",
+        hint="give one of those tokens, or a variant that is one token (a leading space often "
+        "matters)",
+    )
+
+
+def _position_index(pos: int | None, n_tokens: int) -> int:
+    if pos is None:
+        return n_tokens - 1
+    if not -n_tokens <= pos < n_tokens:
+        raise UsageError(
+            f"position {pos} is out of range: the prompt has {n_tokens} tokens "
+            f"(positions 0..{n_tokens - 1}, or -{n_tokens}..-1)"
+        )
+    return pos % n_tokens
+
+
+class _offload_dir:
+    """The offload folder to use with --device-map: the user's, or a temporary one."""
+
+    def __init__(self, device_map: str | None, folder: Path | None) -> None:
+        self.device_map, self.folder = device_map, folder
+        self.tmp: Any = None
+
+    def __enter__(self) -> str | None:
+        if self.device_map is None:
+            return None
+        if self.folder is not None:
+            return str(self.folder)
+        import tempfile
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="embedlens-offload-")
+        return str(self.tmp.name)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def _run(
+    model: Any,
+    ids: list[int],
+    layer_items: list[LayerItem] | None,
+    index: int,
+    grid: bool,
+    k: int,
+    real_vocab: int,
+    target_id: int | None,
+) -> LensResult:
+    """Run the lens on the layers asked for, at one position or (for the grid) at all of them."""
+    from embedlens.analysis.lens import find_blocks, run_lens
+
+    n_blocks = len(find_blocks(model).modules)
+    everything = list(range(n_blocks + 1))
+    layers = everything if layer_items is None else resolve_layers(layer_items, n_blocks)
+    return run_lens(
+        model,
+        ids,
+        layers=layers,
+        positions=list(range(len(ids))) if grid else [index],
+        k=k,
+        real_vocab=real_vocab,
+        target=target_id,
+    )
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    from embedlens.tokens import readable
+
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    return readable(tokenizer.decode([int(token_id)]), piece if isinstance(piece, str) else None)
+
+
+def _report(
+    model_name: str,
+    tokenizer: Any,
+    model: Any,
+    result: LensResult,
+    ids: list[int],
+    text: str,
+    chat: str | None,
+    pos: int | None,
+    index: int,
+    target: str | None,
+    target_id: int | None,
+) -> LensReport:
+    from embedlens.reports.lens import (
+        GridCell,
+        GridRow,
+        LensCheck,
+        LensLayer,
+        LensTarget,
+        LensToken,
+        Prediction,
+        TargetAt,
+    )
+
+    cache: dict[int, str] = {}
+
+    def tok(i: int) -> str:
+        if i not in cache:
+            cache[i] = _token_text(tokenizer, i)
+        return cache[i]
+
+    rows = []
+    for layer in result.layers:
+        top = result.rows[(layer, index)]
+        rows.append(
+            LensLayer(
+                layer=layer,
+                top=[Prediction(i, tok(i), p) for i, p in zip(top.ids, top.probs, strict=True)],
+                target=None
+                if top.target_prob is None or top.target_rank is None
+                else TargetAt(top.target_prob, top.target_rank),
+            )
+        )
+    grid = None
+    if len(result.positions) > 1 or pos is None:
+        grid = [
+            GridRow(
+                layer=layer,
+                cells=[
+                    GridCell(
+                        position=p,
+                        id=result.rows[(layer, p)].ids[0],
+                        token=tok(result.rows[(layer, p)].ids[0]),
+                        prob=result.rows[(layer, p)].probs[0],
+                    )
+                    for p in sorted(result.positions)
+                ],
+            )
+            for layer in result.layers
+        ]
+    c = result.check
+    notes = []
+    if result.full_tail:
+        notes.append("the model's tail could not run on its last block alone: it ran every block")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    placement: dict[str, int] | None = None
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict) and device_map:
+        placement = {}
+        for where in device_map.values():
+            placement[str(where)] = placement.get(str(where), 0) + 1
+        if "disk" in placement:
+            notes.append("some weights are offloaded to disk: the run reads them back as it goes")
+    return LensReport(
+        model=model_name,
+        tokens=[LensToken(i, tok(i)) for i in ids],
+        position=-1 if pos is None else pos,
+        position_index=index,
+        num_layers=result.num_layers,
+        layers=rows,
+        check=LensCheck(
+            max_abs_logit_diff=c.max_abs_logit_diff,
+            tolerance=c.tolerance,
+            ok=c.ok,
+            top1_agrees=c.top1_agrees,
+            suspect=c.suspect,
+        ),
+        steps=result.steps,
+        dtype=dtype,
+        vocab_size=result.vocab_size,
+        tokenizer_size=len(tokenizer),
+        prompt=text,
+        chat=chat,
+        target=None
+        if target is None or target_id is None
+        else LensTarget(text=target, id=target_id, token=tok(target_id)),
+        grid=grid,
+        placement=placement,
+        notes=notes,
+    )
+
+
+def _prob(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def render_lens(r: LensReport) -> RenderableType:
+    """The prompt's tokens, one row per layer, the grid, and the self-check."""
+    parts: list[RenderableType] = []
+    tokens = Text("tokens: ")
+    for i, t in enumerate(r.tokens):
+        piece = quoted(t.token)
+        if i == r.position_index:
+            piece.stylize("bold reverse")
+        tokens.append_text(piece).append(" ")
+    parts.append(tokens)
+    read = r.tokens[r.position_index].token
+    name = Path(r.model).name if Path(r.model).exists() else r.model
+    table = Table(
+        title=f"Logit lens of {name} after {quoted(read)} (position {r.position_index}, {r.dtype})"
+    )
+    table.add_column("layer", justify="right")
+    table.add_column("top-1")
+    table.add_column("p", justify="right")
+    if r.layers and len(r.layers[0].top) > 1:
+        table.add_column("next")
+    if r.target is not None:
+        table.add_column(f"p({quoted(r.target.token)})", justify="right")
+        table.add_column("rank", justify="right")
+    for row in r.layers:
+        label = str(row.layer)
+        if row.layer == 0:
+            label += " emb"
+        elif row.layer == r.num_layers:
+            label += " out"
+        cells: list[Text | str] = [label, quoted(row.top[0].token), _prob(row.top[0].prob)]
+        if len(row.top) > 1:
+            rest = Text()
+            for pred in row.top[1:]:
+                rest.append_text(quoted(pred.token)).append(f" {_prob(pred.prob)}  ", style="dim")
+            cells.append(rest)
+        if r.target is not None and row.target is not None:
+            cells += [_prob(row.target.prob), str(row.target.rank)]
+        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
+    parts.append(table)
+    if r.grid is not None:
+        parts.append(_render_grid(r))
+    parts.append(_render_check(r))
+    return Group(*parts)
+
+
+def _render_grid(r: LensReport) -> Table:
+    assert r.grid is not None
+    grid = Table(title="Top-1 at every layer (rows) and position (columns)")
+    grid.add_column("layer", justify="right")
+    for cell in r.grid[0].cells:
+        grid.add_column(quoted(r.tokens[cell.position].token), justify="left")
+    for row in r.grid:
+        grid.add_row(
+            str(row.layer),
+            *(quoted(c.token).append(f" {c.prob:.2f}", style="dim") for c in row.cells),
+        )
+    return grid
+
+
+def _render_check(r: LensReport) -> Text:
+    c = r.check
+    steps = " → ".join(["block " + str(r.num_layers), *r.steps])
+    if c.ok:
+        line = Text("✓ ", style="green")
+        line.append(
+            f"self-check: decoding block {r.num_layers}'s output reproduces the model's logits "
+            f"(max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). Decode: {steps}."
+        )
+    else:
+        line = Text("✗ NOT FAITHFUL ", style="bold red")
+        line.append(
+            f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
+            f"suspect: {c.suspect}. Decode: {steps}."
+        )
+    return line

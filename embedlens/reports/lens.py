@@ -1,0 +1,111 @@
+"""The `lens` report: what each layer would predict if it were the last."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class LensToken:
+    """One token of the prompt."""
+
+    id: int
+    token: str
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A token and its probability under the model's full softmax."""
+
+    id: int
+    token: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class TargetAt:
+    """The --target token at one layer: its probability and rank (1 = top) among real tokens."""
+
+    prob: float
+    rank: int
+
+
+@dataclass(frozen=True)
+class LensLayer:
+    """One row of the lens: layer 0 is the embedding output, the last the model's own output."""
+
+    layer: int
+    top: list[Prediction]
+    target: TargetAt | None = None
+
+
+@dataclass(frozen=True)
+class LensTarget:
+    """The token followed with --target."""
+
+    text: str
+    id: int
+    token: str
+
+
+@dataclass(frozen=True)
+class GridCell:
+    """The top-1 prediction of one (layer, position)."""
+
+    position: int
+    id: int
+    token: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class GridRow:
+    """One layer across every position."""
+
+    layer: int
+    cells: list[GridCell]
+
+
+@dataclass(frozen=True)
+class LensCheck:
+    """The lens's decoding of the last block's output against the model's real logits."""
+
+    max_abs_logit_diff: float
+    tolerance: float
+    ok: bool
+    top1_agrees: bool
+    suspect: str | None
+    """When not ok: the step that failed to reproduce the model."""
+
+
+@dataclass(frozen=True)
+class LensReport:
+    """The logit lens at one position (and optionally the layer x position grid)."""
+
+    command: ClassVar[str] = "lens"
+    model: str
+    tokens: list[LensToken]
+    position: int
+    """The position `layers` reads, as given (-1 by default)."""
+    position_index: int
+    """The same position counted from 0."""
+    num_layers: int
+    layers: list[LensLayer]
+    check: LensCheck
+    steps: list[str]
+    """What the lens runs after the last block: module names in order, then post-head steps."""
+    dtype: str
+    vocab_size: int
+    """Rows of the model's output (the softmax runs over all of them)."""
+    tokenizer_size: int
+    """Ids at or past this are padding rows: never shown as predictions."""
+    prompt: str
+    """The text that was tokenized (with --chat: the template's output followed by PROMPT)."""
+    chat: str | None = None
+    target: LensTarget | None = None
+    grid: list[GridRow] | None = None
+    """With --position all (or --plot): the top-1 prediction at every layer and position."""
+    placement: dict[str, int] | None = None
+    """With --device-map: how many of the model's placed modules went to each device."""
+    notes: list[str] = field(default_factory=list)
