@@ -29,6 +29,7 @@ TORCH_DTYPE_NAMES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
 _MAX_HEADER = 100_000_000  # safetensors itself refuses headers above 100 MB
+_U64 = 1 << 64
 
 
 @dataclass(frozen=True)
@@ -117,63 +118,105 @@ def parse_safetensors_header(
     """Check a header's JSON against the spec and the size of the data that follows it."""
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"'{name}' has a corrupt header (not JSON: {e})") from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError and integers past Python's digit limit;
+        # RecursionError, arrays nested thousands deep.
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise CheckpointError(f"'{name}' has a corrupt header (not JSON: {reason})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"'{name}' has a corrupt header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict):
         raise CheckpointError(f"'{name}' has a corrupt header (__metadata__ is not an object)")
     base = 8 + len(raw)
     tensors: dict[str, TensorEntry] = {}
     for tname, info in header.items():
         tensors[tname] = _entry(tname, info, name, path, base, data_size)
+    _check_layout(tensors, name, base, data_size)
     return SafetensorsHeader(len(raw), tensors, {str(k): str(v) for k, v in metadata.items()})
+
+
+def _check_layout(
+    tensors: dict[str, TensorEntry], name: str, base: int, data_size: int | None
+) -> None:
+    """Tensors must tile the data without gaps or overlaps, as the safetensors library requires."""
+    end = 0
+    for t in sorted(tensors.values(), key=lambda t: (t.file_offset or 0, t.nbytes)):
+        begin = (t.file_offset or 0) - base
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else "leaves a gap before it"
+            raise CheckpointError(
+                f"'{name}' has a corrupt header: tensor {_short(t.name)} at data offset {begin} "
+                + what
+            )
+        end = begin + t.nbytes
+    if data_size is not None and end != data_size:
+        raise CheckpointError(
+            f"'{name}' is corrupt: its tensors cover {end} bytes of data, the file holds {data_size}"
+        )
 
 
 def _entry(
     tname: str, info: object, name: str, path: Path | None, base: int, data_size: int | None
 ) -> TensorEntry:
-    bad = f"'{name}' has a corrupt header entry for '{tname}'"
+    bad = f"'{name}' has a corrupt header entry for {_short(tname)}"
     if not isinstance(info, dict):
         raise CheckpointError(bad)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in SAFETENSORS_BITS:
-        raise CheckpointError(f"{bad}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise CheckpointError(f"{bad}: shape {shape!r}")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_BITS:
+        raise CheckpointError(f"{bad}: unknown dtype {_short(dtype)}")
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise CheckpointError(f"{bad}: shape {_short(shape)}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
+        or not all(_is_u64(o) for o in offsets)
+        or not offsets[0] <= offsets[1]
     ):
-        raise CheckpointError(f"{bad}: data_offsets {offsets!r}")
-    numel = 1
-    for d in shape:
+        raise CheckpointError(f"{bad}: data_offsets {_short(offsets)}")
+    numel = 0 if 0 in shape else 1
+    for d in shape if numel else ():
         numel *= d
-    expected = (numel * SAFETENSORS_BITS[str(dtype)] + 7) // 8
+        if numel >= _U64:  # checked as the safetensors library does: no giant products
+            raise CheckpointError(f"{bad}: shape {_short(shape)} has over 2**64 elements")
+    bits = numel * SAFETENSORS_BITS[dtype]
+    if bits % 8:
+        raise CheckpointError(f"{bad}: {numel} {dtype} elements do not fill whole bytes")
     begin, end = offsets
-    if end - begin != expected:
+    if end - begin != bits // 8:
         raise CheckpointError(
-            f"{bad}: {end - begin} bytes for a {dtype} tensor of shape {shape} ({expected} needed)"
+            f"{bad}: {end - begin} bytes for a {dtype} tensor of shape {_short(shape)} "
+            f"({bits // 8} needed)"
         )
     if data_size is not None and end > data_size:
         raise CheckpointError(
-            f"'{name}' is truncated: tensor '{tname}' ends at byte {end} of the data, "
+            f"'{name}' is truncated: tensor {_short(tname)} ends at byte {end} of the data, "
             f"which has {data_size}"
         )
     return TensorEntry(
         name=tname,
-        dtype=str(dtype),
+        dtype=dtype,
         shape=tuple(shape),
         file=name,
         path=path,
         file_offset=base + begin,
         nbytes=end - begin,
     )
+
+
+def _is_u64(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U64
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def gguf_checkpoint(path: Path) -> Checkpoint:

@@ -22,8 +22,15 @@ _SCALARS: dict[int, tuple[str, int]] = {
     6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _EAGER_ARRAY_LIMIT = 256
 _MAX_DIMS = 8
+# Bounds on what a header may claim, whatever the file's size, so that a corrupt count costs
+# neither minutes of parsing nor gigabytes of memory. Real files stay far below them: the largest
+# vocabularies hold about 262k tokens, the largest models a few thousand tensors.
+MAX_ENTRIES = 1 << 20  # metadata pairs, tensors
+MAX_ARRAY = 1 << 22  # items in one metadata array
+MAX_STRING_BYTES = 16 << 20  # bytes of keys, names and metadata strings decoded in all
 
 # ggml type id -> (name, elements per block, bytes per block). From ggml.h / gguf-py constants.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -54,7 +61,7 @@ class LazyArray:
         with open(self.path, "rb") as fh:
             fh.seek(self.start)
             buf = fh.read(self.end - self.start)
-        cursor = _Cursor(buf, 0, str(self.path))
+        cursor = _Cursor(buf, 0, str(self.path), budget=len(buf))
         return [cursor.value(self.item_type) for _ in range(self.count)]
 
 
@@ -122,8 +129,9 @@ class GGUFHeader:
 
 
 class _Cursor:
-    def __init__(self, buf: Any, pos: int, where: str) -> None:
+    def __init__(self, buf: Any, pos: int, where: str, budget: int = MAX_STRING_BYTES) -> None:
         self.buf, self.pos, self.where, self.size = buf, pos, where, len(buf)
+        self.budget = budget
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -144,12 +152,25 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return int(self.scalar("<Q", 8, what))
 
-    def string(self, what: str = "a string") -> str:
+    def string(self, what: str = "a string", *, strict: bool = False) -> str:
         n = self.u64(what)
         self.need(n, what)
+        if n > self.budget:
+            raise CheckpointError(
+                f"'{self.where}' is corrupt: {what} at offset {self.pos - 8} claims {n} bytes, "
+                f"past the {MAX_STRING_BYTES >> 20} MiB its header's strings may take in all"
+            )
+        self.budget -= n
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
-        return raw.decode("utf-8", errors="surrogateescape")
+        if not strict:
+            return raw.decode("utf-8", errors="surrogateescape")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(
+                f"'{self.where}' is corrupt: {what} at offset {self.pos - n} is not UTF-8"
+            ) from None
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
@@ -160,6 +181,11 @@ class _Cursor:
         raise CheckpointError(f"'{self.where}' has an unknown GGUF value type {vtype}")
 
     def skip_array(self, item_type: int, count: int) -> None:
+        if count > MAX_ARRAY:
+            raise CheckpointError(
+                f"'{self.where}' is corrupt: a metadata array at offset {self.pos} claims "
+                f"{count} items (at most {MAX_ARRAY} are read)"
+            )
         if item_type in _SCALARS:
             self.need(count * _SCALARS[item_type][1], "a metadata array")
             self.pos += count * _SCALARS[item_type][1]
@@ -167,10 +193,25 @@ class _Cursor:
         if item_type != _STRING:
             raise CheckpointError(f"'{self.where}' has an unsupported GGUF array type {item_type}")
         self.need(count * 8, "a string array")  # every string has at least its 8-byte length
-        for _ in range(count):
-            n = self.u64("a string array")
-            self.need(n, "a string array")
-            self.pos += n
+        pos, size, buf, unpack = self.pos, self.size, self.buf, _U64.unpack_from
+        for _ in range(count):  # one tight loop: a vocabulary has 10^5 strings
+            if pos + 8 > size:
+                break
+            pos += 8 + unpack(buf, pos)[0]
+            if pos > size:
+                break
+        else:
+            self.pos = pos
+            return
+        raise CheckpointError(
+            f"'{self.where}' is truncated or corrupt: a string array starting at offset "
+            f"{self.pos} runs past the end of the file ({size} bytes)"
+        )
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
@@ -198,11 +239,18 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
         raise CheckpointError(f"'{where}' has GGUF version {version}; versions 2 and 3 are read")
     n_tensors = cur.u64("the tensor count")
     n_kv = cur.u64("the metadata count")
+    if max(n_tensors, n_kv) > MAX_ENTRIES:
+        raise CheckpointError(
+            f"'{where}' is corrupt: its header claims {n_tensors} tensors and {n_kv} metadata "
+            f"pairs (at most {MAX_ENTRIES} of each are read)"
+        )
     # Each metadata pair takes at least 8 + 4 + 1 bytes, each tensor info at least 8 + 4 + 4 + 8.
     cur.need(n_kv * 13 + n_tensors * 24, "the header's entries")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
-        key = cur.string("a metadata key")
+        key = cur.string("a metadata key", strict=True)
+        if key in metadata:
+            raise CheckpointError(f"'{where}' is corrupt: metadata key {_short(key)} appears twice")
         vtype = cur.u32("a metadata type")
         if vtype == _ARRAY:
             item_type = cur.u32("an array type")
@@ -218,14 +266,19 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
         else:
             metadata[key] = cur.value(vtype)
     alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise CheckpointError(f"'{where}' has an invalid alignment {alignment!r}")
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
+        raise CheckpointError(f"'{where}' has an invalid alignment {_short(alignment)}")
     infos: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(n_tensors):
-        name = cur.string("a tensor name")
+        name = cur.string("a tensor name", strict=True)
         n_dims = cur.u32("a tensor's rank")
         if n_dims > _MAX_DIMS:
-            raise CheckpointError(f"'{where}': tensor '{name}' claims {n_dims} dimensions")
+            raise CheckpointError(f"'{where}': tensor {_short(name)} claims {n_dims} dimensions")
         dims = tuple(cur.u64("a tensor's shape") for _ in range(n_dims))
         type_id = cur.u32("a tensor's type")
         offset = cur.u64("a tensor's offset")
@@ -233,19 +286,22 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
     data_offset = (cur.pos + alignment - 1) // alignment * alignment
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, dims, type_id, offset in infos:
+        label = _short(name)
+        if name in tensors:
+            raise CheckpointError(f"'{where}' is corrupt: tensor {label} appears twice")
         if type_id not in GGML_TYPES:
             raise CheckpointError(
-                f"'{where}': tensor '{name}' has ggml type {type_id}, which embedlens cannot read"
+                f"'{where}': tensor {label} has ggml type {type_id}, which embedlens cannot read"
             )
         info = GGUFTensorInfo(name, dims, type_id, data_offset + offset)
         elems, _ = info.block
         if dims and (dims[0] == 0 or dims[0] % elems):
             raise CheckpointError(
-                f"'{where}': tensor '{name}' rows of {dims[0]} do not fill {info.type_name} blocks"
+                f"'{where}': tensor {label} rows of {dims[0]} do not fill {info.type_name} blocks"
             )
         if info.offset + info.nbytes > len(buf):
             raise CheckpointError(
-                f"'{where}' is truncated: tensor '{name}' ends at byte {info.offset + info.nbytes}"
+                f"'{where}' is truncated: tensor {label} ends at byte {info.offset + info.nbytes}"
                 f" but the file has {len(buf)}"
             )
         tensors[name] = info
