@@ -15,7 +15,15 @@ from typing import Literal
 
 from embedlens.errors import CheckpointError, SourceError
 from embedlens.gguf_header import GGUFHeader, read_gguf_header
-from embedlens.source import WEIGHT_INDEX, WEIGHT_SINGLE, ModelSource, hub_offline
+from embedlens.source import (
+    WEIGHT_INDEX,
+    WEIGHT_SINGLE,
+    ModelSource,
+    hub_error,
+    hub_file_exists,
+    hub_offline,
+    quiet_hub,
+)
 
 # Bits per element of each safetensors dtype.
 SAFETENSORS_BITS: dict[str, int] = {
@@ -261,14 +269,8 @@ def _hub_has(source: ModelSource, name: str) -> bool:
     """Whether a hub repo holds a file, asked without downloading it (False when offline)."""
     if hub_offline():
         return False
-    from huggingface_hub import file_exists
-    from huggingface_hub.errors import HfHubHTTPError
-
     assert source.repo_id is not None
-    try:
-        return bool(file_exists(source.repo_id, name, revision=source.revision))
-    except (HfHubHTTPError, OSError) as e:
-        raise SourceError(f"could not reach the hub for '{source.spec}': {e}") from e
+    return hub_file_exists(source.repo_id, name, source.revision)
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -323,13 +325,21 @@ def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorE
             hint="use --meta-only to count from the config alone, or unset HF_HUB_OFFLINE",
         )
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
 
     assert source.repo_id is not None
+    quiet_hub()
     try:
         meta = HfApi().get_safetensors_metadata(source.repo_id, revision=source.revision)
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise SourceError(f"could not read the safetensors headers of '{source.spec}': {e}") from e
+    except (SafetensorsParsingError, NotASafetensorsRepoError) as e:
+        raise CheckpointError(
+            f"could not read the safetensors headers of '{source.spec}': {_first_line(e)}"
+        ) from e
+    except Exception as e:
+        error = hub_error(e, source.repo_id, shards[0], source.revision)
+        if error is None:
+            raise
+        raise error from e
     out: dict[str, TensorEntry] = {}
     for shard, file_meta in meta.files_metadata.items():
         if shard not in shards:

@@ -156,54 +156,181 @@ def hub_offline() -> bool:
     )
 
 
+def quiet_hub() -> None:
+    """Silence huggingface_hub's retry warnings and progress bars: stderr keeps one error line.
+
+    With --debug (EMBEDLENS_DEBUG=1) its warnings are left on.
+    """
+    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import logging as hub_logging
+
+    if os.environ.get("EMBEDLENS_DEBUG", "").strip().lower() not in {"1", "true", "yes", "on"}:
+        hub_logging.set_verbosity_error()
+    disable_progress_bars()
+
+
 def _hub_file(repo_id: str, filename: str, revision: str | None, *, required: bool) -> Path | None:
     """Fetch one file of a hub repo through the huggingface_hub cache, with clear errors."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    quiet_hub()
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except LocalEntryNotFoundError as e:
+        # Offline (no cause): a file that is not cached counts as absent unless it is needed.
+        if _cause(e) is None and filename != "config.json" and not required:
+            return None
+        raise hub_error(e, repo_id, filename, revision) from e
+    except EntryNotFoundError as e:
+        if not required:
+            return None
+        at = f" at revision '{revision}'" if revision else ""
+        raise SourceError(f"'{repo_id}'{at} has no file '{filename}'") from e
+    except Exception as e:
+        error = hub_error(e, repo_id, filename, revision)
+        if error is None:
+            raise
+        raise error from e
+
+
+def hub_file_exists(repo_id: str, filename: str, revision: str | None) -> bool:
+    """Whether a hub repo has a file, asked with a HEAD request (nothing downloaded)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError
+
+    quiet_hub()
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision))
+    except EntryNotFoundError:
+        return False
+    except Exception as e:
+        error = hub_error(e, repo_id, filename, revision)
+        if error is None:
+            raise
+        raise error from e
+    return True
+
+
+def _http_errors() -> tuple[type[BaseException], type[BaseException], type[BaseException]]:
+    """(connect, timeout, transport) error classes of the HTTP client huggingface_hub uses."""
+    try:
+        import httpx2 as http  # huggingface_hub >= 2
+    except ImportError:  # pragma: no cover - huggingface_hub 1.x
+        import httpx as http  # type: ignore[no-redef]
+    return http.ConnectError, http.TimeoutException, http.TransportError
+
+
+def _cause(e: BaseException) -> BaseException | None:
+    """The network failure behind a LocalEntryNotFoundError; None when offline mode was the cause."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    cause = e.__cause__
+    for _ in range(10):
+        if cause is None or isinstance(cause, OfflineModeIsEnabled):
+            return None
+        if not isinstance(cause, LocalEntryNotFoundError):
+            return cause
+        cause = cause.__cause__
+    return None
+
+
+def hub_error(
+    e: BaseException, repo_id: str, filename: str, revision: str | None
+) -> SourceError | None:
+    """The embedlens error for a huggingface_hub failure; None for one it does not know."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
-        EntryNotFoundError,
+        FileMetadataError,
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
+    connect, timeout, transport = _http_errors()
     at = f" at revision '{revision}'" if revision else ""
-    try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
-    except GatedRepoError as e:
-        raise SourceError(
+    endpoint = constants.ENDPOINT
+    if isinstance(e, LocalEntryNotFoundError):
+        cause = _cause(e)
+        if cause is None:
+            if hub_offline():
+                return SourceError(
+                    f"'{repo_id}'{at} is not in the local hub cache ({filename}) and "
+                    "HF_HUB_OFFLINE is set",
+                    hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
+                )
+            return SourceError(f"'{repo_id}'{at} is not in the local hub cache ({filename})")
+        return hub_error(cause, repo_id, filename, revision) or SourceError(
+            f"'{repo_id}'{at} is not in the local hub cache and the hub could not be reached "
+            f"({type(cause).__name__})",
+            hint="check the network, or give a local folder",
+        )
+    if isinstance(e, OfflineModeIsEnabled):
+        return SourceError(
+            f"'{repo_id}'{at} is not in the local hub cache ({filename}) and HF_HUB_OFFLINE is set",
+            hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
+        )
+    if isinstance(e, GatedRepoError):
+        return SourceError(
             f"'{repo_id}' is a gated repository and no token with access to it was found",
             hint="accept its terms on the hub, then set HF_TOKEN or run 'hf auth login'",
-        ) from e
-    except RepositoryNotFoundError as e:
-        raise SourceError(
+        )
+    if isinstance(e, RepositoryNotFoundError):
+        return SourceError(
             f"hub repository '{repo_id}' was not found (or it is private)",
             hint="check the spelling; for a private repo set HF_TOKEN",
-        ) from e
-    except RevisionNotFoundError as e:
-        raise SourceError(f"revision '{revision}' was not found in '{repo_id}'") from e
-    except LocalEntryNotFoundError as e:
-        if filename != "config.json" and not required:
-            return None
-        if hub_offline():
-            raise SourceError(
-                f"'{repo_id}'{at} is not in the local hub cache ({filename}) and HF_HUB_OFFLINE is set",
-                hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
-            ) from e
-        raise SourceError(
-            f"'{repo_id}'{at} is not in the local hub cache and the hub could not be reached",
-            hint="check the network, or give a local folder",
-        ) from e
-    except EntryNotFoundError as e:
-        if not required:
-            return None
-        raise SourceError(f"'{repo_id}'{at} has no file '{filename}'") from e
-    except HfHubHTTPError as e:
+        )
+    if isinstance(e, RevisionNotFoundError):
+        return SourceError(
+            f"revision '{revision}' was not found in '{repo_id}'",
+            hint="give a branch, a tag or a commit hash of the repository",
+        )
+    if isinstance(e, HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None)
-        raise SourceError(
-            f"the hub answered {status or 'an error'} for '{repo_id}/{filename}'",
+        if isinstance(status, int) and status >= 500:
+            return SourceError(
+                f"the hub at {endpoint} answered {status} (a server error) for "
+                f"'{repo_id}/{filename}'{at}",
+                hint="the hub is failing or down: try again later, or give a local folder",
+            )
+        if status == 429:
+            return SourceError(
+                f"the hub at {endpoint} refused more requests for now (429) for '{repo_id}'",
+                hint="wait a minute and retry; requests with HF_TOKEN get a higher limit",
+            )
+        if status in (401, 403):
+            return SourceError(
+                f"the hub at {endpoint} refused access ({status}) to '{repo_id}/{filename}'",
+                hint="check that HF_TOKEN holds a token with read access to this repository",
+            )
+        return SourceError(
+            f"the hub at {endpoint} answered {status or 'an error'} for '{repo_id}/{filename}'{at}",
             hint="try again later, or give a local folder",
-        ) from e
-    except OSError as e:
-        raise SourceError(f"could not fetch '{repo_id}/{filename}': {e}") from e
+        )
+    if isinstance(e, connect):
+        return SourceError(
+            f"could not connect to the hub at {endpoint} to fetch '{repo_id}/{filename}'",
+            hint="check the network (and HF_ENDPOINT, if set); with HF_HUB_OFFLINE=1 only the "
+            "local hub cache is read",
+        )
+    if isinstance(e, timeout):
+        return SourceError(
+            f"the hub at {endpoint} did not answer in time for '{repo_id}/{filename}'",
+            hint="try again later; HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT set the limits",
+        )
+    if isinstance(e, FileMetadataError):
+        return SourceError(
+            f"{endpoint} does not answer as a Hugging Face hub does (for '{repo_id}/{filename}')",
+            hint="check HF_ENDPOINT, your proxy and your certificates",
+        )
+    if isinstance(e, transport) or (isinstance(e, OSError) and "Consistency check" in str(e)):
+        return SourceError(
+            f"the download of '{repo_id}/{filename}' was cut off before the end",
+            hint="run the command again; the partial file was not kept in the hub cache",
+        )
+    if isinstance(e, OSError):
+        return SourceError(f"could not fetch '{repo_id}/{filename}': {e.strerror or e}")
+    return None

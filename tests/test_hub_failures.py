@@ -1,0 +1,179 @@
+"""Hub failures against a local stand-in for the hub (tests.hubserver) on 127.0.0.1.
+
+huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, when it is imported, so every command
+runs in a fresh interpreter with the endpoint pointed at the stand-in and offline mode unset.
+huggingface_hub retries a failing hub with a backoff of about 25 s; these runs replace its sleep
+with a no-op (the retries still happen, only the waits are skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.hubserver import COMMIT, FakeHub, closed_port
+
+_NO_WAIT = (
+    "import sys, time, types\n"
+    "import huggingface_hub.file_download as fd, huggingface_hub.utils._http as http\n"
+    "fd.time = http.time = types.SimpleNamespace(**{**vars(time), 'sleep': lambda s: None})\n"
+    "from embedlens.cli import main\n"
+    "sys.argv[0] = 'embedlens'\n"
+    "main()\n"
+)
+
+
+def run(endpoint: str, hf_home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run embedlens in a fresh interpreter against a hub endpoint, with an empty cache."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "EMBEDLENS_DEBUG")
+    }
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), COLUMNS="140")
+    return subprocess.run(
+        [sys.executable, "-c", _NO_WAIT, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def fails(result: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """Assert the error contract on a finished run; return its stderr."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[0].startswith("error: "), result.stderr
+    assert len(lines) <= 2 and all(line.startswith(("error: ", "hint: ")) for line in lines), (
+        result.stderr
+    )
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def hub(tiny):
+    """The stand-in hub, serving the tiny Llama under several behaviours."""
+    with FakeHub(lifetime_s=600) as server:
+        folder = tiny("llama-tied")
+        server.add("org/ok", folder)
+        server.add("org/missing", behaviour="missing")
+        server.add("org/gated", folder, behaviour="gated")
+        server.add("org/gated403", folder, behaviour="gated403")
+        yield server
+
+
+def test_repo_not_found(hub, tmp_path):
+    err = fails(run(hub.url, tmp_path, "params", "org/missing"))
+    assert "error: hub repository 'org/missing' was not found (or it is private)" in err
+    assert "hint: check the spelling; for a private repo set HF_TOKEN" in err
+
+
+@pytest.mark.parametrize("repo", ["org/gated", "org/gated403"])
+def test_gated_repo(hub, tmp_path, repo):
+    err = fails(run(hub.url, tmp_path, "tied", repo))
+    assert f"error: '{repo}' is a gated repository and no token with access to it was found" in err
+    assert "hint: accept its terms on the hub, then set HF_TOKEN" in err
+
+
+def test_revision_not_found(hub, tmp_path):
+    err = fails(run(hub.url, tmp_path, "params", "org/ok", "--revision", "v9"))
+    assert "error: revision 'v9' was not found in 'org/ok'" in err
+    assert "hint: give a branch, a tag or a commit hash" in err
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "error", "hint"),
+    [
+        (
+            "error",
+            "answered 500 (a server error) for 'org/b-error/config.json'",
+            "is failing or down",
+        ),
+        ("ratelimit", "refused more requests for now (429)", "wait a minute and retry"),
+        ("nothub", "does not answer as a Hugging Face hub does", "check HF_ENDPOINT"),
+    ],
+)
+def test_server_errors(hub, tmp_path, behaviour, error, hint):
+    hub.add(f"org/b-{behaviour}", behaviour=behaviour)
+    err = fails(run(hub.url, tmp_path, "params", f"org/b-{behaviour}"))
+    assert f"error: the hub at {hub.url} " + error in err or f"error: {hub.url} " + error in err
+    assert "hint: " in err and hint in err
+
+
+def test_connection_refused(tmp_path):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    err = fails(run(endpoint, tmp_path, "params", "org/ok"))
+    assert f"error: could not connect to the hub at {endpoint}" in err
+    assert "hint: check the network" in err
+
+
+def test_headers_read_over_ranges_without_downloading_weights(hub, tmp_path, tiny, cli):
+    result = run(hub.url, tmp_path, "params", "org/ok", "--json")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    data = json.loads(result.stdout)
+    assert data["source"] == "header"
+    assert data["total"] == cli.json("params", tiny("llama-tied"))["total"]
+    weights = [r for r in hub.log if r[0] == "GET" and r[1].endswith("/model.safetensors")]
+    assert weights and all(r[2].startswith("bytes=0-") for r in weights), weights
+    assert not list(tmp_path.rglob("model.safetensors"))
+
+
+def _cache_files(hf_home: Path, repo: str) -> list[Path]:
+    root = hf_home / "hub" / ("models--" + repo.replace("/", "--"))
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [("params", "config.json"), ("neighbors", "model.safetensors")],
+)
+def test_a_cut_download_never_looks_complete(hub, tmp_path, tiny, command, name):
+    """The connection drops mid-file on every try: the command fails and the cache holds no part
+    of the file; once the hub answers again, the next run downloads it whole."""
+    folder = tiny("llama-tied")
+    repo = f"org/drop-{command}"
+    hub.add(repo, folder, behaviour="drop:" + name)
+    args = [command, repo] + (["king"] if command == "neighbors" else [])
+    err = fails(run(hub.url, tmp_path, *args))
+    assert f"error: the download of '{repo}/{name}' was cut off before the end" in err
+    original = (folder / name).read_bytes()
+    for f in _cache_files(tmp_path, repo):
+        assert not f.name.endswith(".incomplete"), f
+        assert f.read_bytes() != original[: len(original) // 2], f
+    snapshot = tmp_path / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / COMMIT
+    assert not (snapshot / name).exists()
+
+    hub.repos[repo].behaviour = "ok"
+    result = run(hub.url, tmp_path, *args, "--json")
+    assert result.returncode == 0, result.stderr
+    assert (snapshot / name).read_bytes() == original
+
+
+def test_a_retried_download_is_whole(hub, tmp_path, tiny):
+    """The first try is cut mid-file; huggingface_hub tries again and the file cached is whole.
+
+    (It resumes from the bytes it kept; with its 10 MB read chunks a small file starts over.)
+    """
+    folder = tiny("llama-tied")
+    hub.add("org/flaky", folder, behaviour="flaky:model.safetensors")
+    result = run(hub.url, tmp_path, "neighbors", "org/flaky", "king", "--json")
+    assert result.returncode == 0, result.stderr
+    snapshot = tmp_path / "hub" / "models--org--flaky" / "snapshots" / COMMIT
+    cached = (snapshot / "model.safetensors").read_bytes()
+    assert cached == (folder / "model.safetensors").read_bytes()
+    tries = [
+        r
+        for r in hub.log
+        if r[0] == "GET" and r[1] == "/org/flaky/resolve/main/model.safetensors"
+        if not r[2] or r[2].endswith("-")
+    ]
+    assert len(tries) == 2, tries
