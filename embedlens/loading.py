@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
+from embedlens import preflight
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -174,6 +175,7 @@ def load_model(
             kwargs["max_memory"] = max_memory
         if offload_folder is not None:
             kwargs["offload_folder"] = offload_folder
+    preflight.check_load(source, dtype=dtype, device=None if device_map else resolve_device(device))
     with _translated(source, "loading the model"), _gguf_reads_shared(source):
         model = AutoModelForCausalLM.from_pretrained(
             where, trust_remote_code=trust_remote_code, use_safetensors=None, **kwargs

@@ -1,0 +1,223 @@
+"""Memory pre-flight: refuse a load that would not fit, before the kernel's OOM killer ends it.
+
+The estimate comes from the checkpoint's headers and the dtype asked for: the weights at that
+dtype, plus the largest tensor once more for the copy a conversion makes on the way. The memory
+available is /proc/meminfo's MemAvailable, lowered to the headroom of a cgroup limit when the
+process runs under one (containers), or torch.cuda.mem_get_info() for a CUDA device.
+EMBEDLENS_MEMORY_LIMIT (bytes, or with a unit: 512MiB, 8GB) overrides what is read, on every
+device. Where nothing can be read (no /proc, MPS) the load goes ahead unchecked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedlens.errors import EmbedlensError, ResourceError, UsageError
+from embedlens.source import ModelSource
+
+MEMORY_LIMIT_ENV = "EMBEDLENS_MEMORY_LIMIT"
+_UNITS = {
+    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}  # fmt: skip
+_FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+_STORED_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a load is expected to take."""
+
+    weights: int
+    """Bytes of all weights at the dtype they will have once loaded."""
+    largest: int
+    """Bytes of the largest tensor (the copy a conversion makes of one tensor at a time)."""
+    dtype: str
+    """The dtype the floating-point weights will have ('bfloat16', or 'as stored')."""
+
+    @property
+    def needed(self) -> int:
+        """Bytes the load is expected to need at its peak."""
+        return self.weights + self.largest
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512 MB', '1e9' or '123456' as bytes; ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if m is None or m.group(2) not in _UNITS:
+        raise ValueError(f"not a size: {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units, e.g. '1.50 GiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def meminfo_available(text: str) -> int | None:
+    """MemAvailable from the text of /proc/meminfo, in bytes."""
+    m = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, re.MULTILINE)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2, else v1); None without a limit."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(int(limit) - usage, 0)
+    return None
+
+
+def host_memory_available() -> int | None:
+    """Bytes of memory a new allocation may take on this host, or None when it cannot be read."""
+    found: int | None = None
+    with contextlib.suppress(OSError):
+        found = meminfo_available(Path("/proc/meminfo").read_text())
+    if found is None:
+        try:
+            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            found = None
+    headroom = cgroup_headroom()
+    if headroom is not None:
+        found = headroom if found is None else min(found, headroom)
+    return found
+
+
+def memory_limit_override() -> int | None:
+    """EMBEDLENS_MEMORY_LIMIT in bytes, when set."""
+    text = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise UsageError(
+            f"{MEMORY_LIMIT_ENV}={text!r} is not a size",
+            hint=f"give bytes or a size with a unit, e.g. {MEMORY_LIMIT_ENV}=16GiB",
+        ) from None
+
+
+def available(device: str) -> tuple[int | None, str]:
+    """Bytes available for weights on a device ('cpu', 'cuda', 'cuda:1', 'mps'), and its name."""
+    override = memory_limit_override()
+    if device.startswith("cuda"):
+        where = "GPU memory" + (f" on {device}" if ":" in device else "")
+        if override is not None:
+            return override, where
+        import torch
+
+        index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+        free, _total = torch.cuda.mem_get_info(index)
+        return int(free), where
+    if override is not None:
+        return override, "memory"
+    if device == "mps":  # unified memory: the system's own accounting is not readable here
+        return None, "memory"
+    return host_memory_available(), "memory"
+
+
+def estimate(source: ModelSource, dtype: str) -> Estimate | None:
+    """The bytes a load at `dtype` takes, from the headers; None when they cannot be read."""
+    from embedlens.checkpoint import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(source)
+    except EmbedlensError:
+        return None  # the load itself will say what is wrong
+    if ckpt is None or not ckpt.tensors:
+        return None
+    target = _FLOAT_BYTES.get(dtype)
+    label = dtype
+    if target is None:  # auto: the config's dtype, else as stored (GGUF: dequantised to float32)
+        configured = _config_dtype(source)
+        target = _FLOAT_BYTES.get(configured or "")
+        label = configured if target else "float32" if ckpt.format == "gguf" else "as stored"
+        if target is None and ckpt.format == "gguf":
+            target = 4
+    weights = largest = 0
+    for t in ckpt.tensors.values():
+        if ckpt.format == "gguf":
+            size = (
+                t.numel * (target or 4) if t.dtype not in ("I8", "I16", "I32", "I64") else t.nbytes
+            )
+        elif t.dtype in _STORED_FLOATS:
+            size = t.numel * (target or _STORED_FLOATS[t.dtype])
+        else:
+            size = t.nbytes  # integers (packed quantisations) are not converted
+        weights += size
+        largest = max(largest, size)
+    return Estimate(weights, largest, label)
+
+
+def _config_dtype(source: ModelSource) -> str | None:
+    if source.is_gguf:
+        return None
+    try:
+        path = source.find("config.json")
+        raw = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+    except (OSError, ValueError, EmbedlensError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    for part in (raw.get("text_config"), raw):
+        if isinstance(part, dict):
+            value = part.get("dtype") or part.get("torch_dtype")
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def check_load(source: ModelSource, *, dtype: str, device: str | None) -> Estimate | None:
+    """Refuse (ResourceError) a load onto `device` that would not fit; device None: unchecked.
+
+    A CUDA load passes through host memory first (transformers builds the model there, then
+    moves it), so both must hold it.
+    """
+    if device is None:
+        return None
+    est = estimate(source, dtype)
+    if est is None:
+        return None
+    checks = [("cpu", est.needed)]
+    if device.startswith("cuda"):
+        checks.append((device, est.weights))
+    for where, needed in checks:
+        free, label = available(where)
+        if free is not None and needed > free:
+            raise ResourceError(
+                f"loading '{source.spec}' needs about {format_bytes(needed)} of {label} "
+                f"({format_bytes(est.weights)} of weights at {est.dtype}), but only "
+                f"{format_bytes(free)} is available",
+                hint=_hint(est),
+            )
+    return est
+
+
+def _hint(est: Estimate) -> str:
+    options = []
+    if est.dtype not in ("bfloat16", "float16"):
+        options.append("--dtype bfloat16 (half the bytes of float32)")
+    options.append("--device-map auto (lens: spread the weights over GPU, CPU and disk)")
+    options.append("--meta-only (params, tied: no weights at all)")
+    return "try " + ", ".join(options) + f"; {MEMORY_LIMIT_ENV} sets the memory assumed available"
