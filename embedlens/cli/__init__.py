@@ -6,15 +6,18 @@ import os
 import sys
 from typing import Any
 
-import typer
-from typer.core import TyperGroup
+try:
+    import typer
+    from typer.core import TyperGroup
 
-from embedlens.cli import addr as _addr
-from embedlens.cli import lens as _lens
-from embedlens.cli import neighbors as _neighbors
-from embedlens.cli import params as _params
-from embedlens.cli import tied as _tied
-from embedlens.cli._errors import print_error
+    from embedlens.cli import addr as _addr
+    from embedlens.cli import lens as _lens
+    from embedlens.cli import neighbors as _neighbors
+    from embedlens.cli import params as _params
+    from embedlens.cli import tied as _tied
+    from embedlens.cli._errors import print_error
+except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
+    raise SystemExit(130) from None
 
 
 class _Group(TyperGroup):

@@ -13,7 +13,14 @@ from rich.text import Text
 
 from embedlens.reports import Report, to_json_dict
 
-console = Console(highlight=False, soft_wrap=False)
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A closed pipe ends a table as it ends JSON (quietly, exit 0), not with Rich's exit 1."""
+        raise BrokenPipeError
+
+
+console = _Console(highlight=False, soft_wrap=False)
 err_console = Console(stderr=True, highlight=False)
 
 _state = {"quiet": False}
