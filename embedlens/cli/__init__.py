@@ -82,6 +82,9 @@ def main() -> None:
     finalisation that nothing here needs; after flushing the output, the process leaves at once.
     """
     code: int | str | None = 0
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # a path that is not UTF-8 is printed as its bytes, as ls does
+        reconfigure(errors="surrogateescape")
     try:
         app()
     except SystemExit as e:

@@ -13,7 +13,7 @@ import typer
 from rich.text import Text
 
 from embedlens.cli._output import err_console
-from embedlens.errors import EmbedlensError
+from embedlens.errors import EmbedlensError, UsageError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -24,12 +24,39 @@ def debug_enabled() -> bool:
     return os.environ.get("EMBEDLENS_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+# Control characters (C0, DEL, C1) are shown escaped: a query or a file name must not reach the
+# terminal as an escape sequence, nor a NUL byte.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), *range(0x7F, 0xA0))}
+
+
+def one_line(text: str) -> str:
+    """Whitespace runs as one space, control characters escaped."""
+    return " ".join(text.split()).translate(_CONTROL)
+
+
 def print_error(message: str, hint: str | None = None) -> None:
     """Print `error: ...` (and `hint: ...`) on stderr, one line each."""
-    one_line = " ".join(message.split())
-    err_console.print(Text("error: " + one_line, style="red"), soft_wrap=True)
+    err_console.print(Text("error: " + one_line(message), style="red"), soft_wrap=True)
     if hint:
-        err_console.print(Text("hint: " + " ".join(hint.split()), style="dim"), soft_wrap=True)
+        err_console.print(Text("hint: " + one_line(hint), style="dim"), soft_wrap=True)
+
+
+_PATH_PARAMS = {"model"}  # the file system may hold names that are not UTF-8
+
+
+def check_text_arguments(kwargs: dict[str, object]) -> None:
+    """Refuse text arguments that are not UTF-8 (Python keeps their bytes as lone surrogates)."""
+    for name, value in kwargs.items():
+        if name in _PATH_PARAMS:
+            continue
+        for text in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(text, str) and any("\udc80" <= ch <= "\udcff" for ch in text):
+                raw = text.encode("utf-8", "surrogateescape")
+                raise UsageError(
+                    f"{raw!r} is not valid UTF-8 text",
+                    hint="pass queries, prompts and tokens in UTF-8 (check the terminal's or "
+                    "the script's encoding)",
+                )
 
 
 def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -38,6 +65,7 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
+            check_text_arguments(kwargs)
             return fn(*args, **kwargs)
         except typer.Exit:
             raise

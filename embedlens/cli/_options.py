@@ -44,5 +44,5 @@ def common(*, quiet: bool, debug: bool, dtype: str, device: str) -> None:
         os.environ["EMBEDLENS_DEBUG"] = "1"
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype '{dtype}'", hint="use one of: " + ", ".join(DTYPES))
-    if device not in DEVICES and not device.startswith("cuda:"):
+    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UsageError(f"unknown device '{device}'", hint="use one of: " + ", ".join(DEVICES))

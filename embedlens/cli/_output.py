@@ -33,7 +33,12 @@ def set_quiet(quiet: bool) -> None:
 
 def write_json(report: Report) -> None:
     """Write the report as exactly one JSON object on stdout, never through Rich."""
-    text = json.dumps(to_json_dict(report), ensure_ascii=False, allow_nan=False)
+    data = to_json_dict(report)
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a MODEL path that is not UTF-8: all escaped, still valid JSON
+        text = json.dumps(data, ensure_ascii=True, allow_nan=False)
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 

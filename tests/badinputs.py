@@ -1,0 +1,224 @@
+"""Bad model inputs, each built in a fresh folder from a copy of a good one (never in place).
+
+A maker takes (tmp, tiny, smollm2): a folder of its own, the tiny-model factory, and the path of
+the real SmolLM2 GGUF, and returns the path to give as MODEL.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.fileformats import gguf_bytes
+
+Maker = Callable[[Path, Callable[..., Path], Path], Path]
+MAKERS: dict[str, Maker] = {}
+
+
+def maker(fn: Maker) -> Maker:
+    MAKERS[fn.__name__.replace("_", "-")] = fn
+    return fn
+
+
+def _copy(tmp: Path, tiny: Callable[..., Path], **kwargs: Any) -> Path:
+    dst = tmp / "model"
+    shutil.copytree(tiny("llama-tied", **kwargs), dst)
+    return dst
+
+
+def _st_header(path: Path) -> tuple[dict[str, Any], bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _st_write(path: Path, header: dict[str, Any], data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@maker
+def missing_path(tmp, tiny, smol):
+    return tmp / "no-such-model"
+
+
+@maker
+def empty_folder(tmp, tiny, smol):
+    (tmp / "empty").mkdir()
+    return tmp / "empty"
+
+
+@maker
+def no_config(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "config.json").unlink()
+    return folder
+
+
+@maker
+def config_empty(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "config.json").write_bytes(b"")
+    return folder
+
+
+@maker
+def config_not_utf8(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
+    return folder
+
+
+@maker
+def config_a_list(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "config.json").write_text("[1, 2, 3]")
+    return folder
+
+
+@maker
+def encoder_only(tmp, tiny, smol):
+    """A BERT config (no architectures listed) beside the tiny model's weights and tokenizer."""
+    folder = _copy(tmp, tiny)
+    config = {"model_type": "bert", "vocab_size": 72, "hidden_size": 32, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "intermediate_size": 64}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@maker
+def st_truncated(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return folder
+
+
+@maker
+def st_header_beyond_file(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+    return folder
+
+
+@maker
+def st_header_not_json(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    weights = folder / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[8:16] = b"\xff\xfe{[<<>>"
+    weights.write_bytes(bytes(raw))
+    return folder
+
+
+@maker
+def st_offsets_outside(tmp, tiny, smol):
+    """One tensor's data_offsets moved past the end of the data."""
+    folder = _copy(tmp, tiny)
+    weights = folder / "model.safetensors"
+    header, data = _st_header(weights)
+    name = next(k for k in sorted(header) if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin + len(data), end + len(data)]
+    _st_write(weights, header, data)
+    return folder
+
+
+@maker
+def st_overlapping(tmp, tiny, smol):
+    """Two tensors of the same size sharing their bytes (the data left with a hole)."""
+    folder = _copy(tmp, tiny)
+    weights = folder / "model.safetensors"
+    header, data = _st_header(weights)
+    names = [k for k in sorted(header) if k != "__metadata__" and k.endswith("norm.weight")]
+    header[names[1]]["data_offsets"] = header[names[0]]["data_offsets"]
+    _st_write(weights, header, data)
+    return folder
+
+
+@maker
+def shard_missing(tmp, tiny, smol):
+    folder = _copy(tmp, tiny, max_shard_size="20KB")
+    sorted(folder.glob("model-*.safetensors"))[-1].unlink()
+    return folder
+
+
+@maker
+def index_not_json(tmp, tiny, smol):
+    folder = _copy(tmp, tiny, max_shard_size="20KB")
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": ')
+    return folder
+
+
+@maker
+def index_shard_outside(tmp, tiny, smol):
+    folder = _copy(tmp, tiny, max_shard_size="20KB")
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = "../../etc/passwd"
+    index.write_text(json.dumps(data))
+    return folder
+
+
+@maker
+def gguf_empty(tmp, tiny, smol):
+    (tmp / "empty.gguf").write_bytes(b"")
+    return tmp / "empty.gguf"
+
+
+@maker
+def gguf_fake(tmp, tiny, smol):
+    (tmp / "fake.gguf").write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\xff" * 64)
+    return tmp / "fake.gguf"
+
+
+@maker
+def gguf_not_gguf(tmp, tiny, smol):
+    (tmp / "text.gguf").write_text("this is a text file named like a model\n" * 4)
+    return tmp / "text.gguf"
+
+
+@maker
+def gguf_truncated(tmp, tiny, smol):
+    with open(smol, "rb") as fh:
+        (tmp / "short.gguf").write_bytes(fh.read(5000))
+    return tmp / "short.gguf"
+
+
+@maker
+def gguf_version_1(tmp, tiny, smol):
+    (tmp / "v1.gguf").write_bytes(gguf_bytes([], [("w", (32,), 0)], version=1))
+    return tmp / "v1.gguf"
+
+
+@maker
+def gguf_unsupported_quant(tmp, tiny, smol):
+    """SmolLM2's header with its embedding's ggml type changed to 99 (no such type); the tensor
+    data stands as a hole of the same size (a sparse file)."""
+    from embedlens.gguf_header import read_gguf_header
+
+    header = read_gguf_header(smol)
+    with open(smol, "rb") as fh:
+        raw = bytearray(fh.read(header.data_offset))
+    name = b"token_embd.weight"
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", raw, at)
+    struct.pack_into("<I", raw, at + 4 + 8 * n_dims, 99)
+    out = tmp / "q99.gguf"
+    with open(out, "wb") as fh:
+        fh.write(raw)
+        fh.truncate(smol.stat().st_size)
+    return out
+
+
+@maker
+def not_a_model_file(tmp, tiny, smol):
+    (tmp / "notes.txt").write_text("hello")
+    return tmp / "notes.txt"

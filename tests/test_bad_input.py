@@ -1,0 +1,191 @@
+"""The bad-input suite: broken models and bad arguments across the five commands.
+
+Every case must end in the contract's error: one `error:` line (and maybe a `hint:` line) on
+stderr, nothing on stdout, no traceback, exit 1 (run time) or 2 (usage). Each case runs in an
+empty working folder that must stay empty; broken models are built from copies
+(tests.badinputs), and the last test checks that the good inputs every case read (the tiny model
+folders and the SmolLM2 file) are byte for byte what they were before the suite.
+(test_bad_input_structure.py holds the older params/tied cases; these do not repeat them.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from tests.badinputs import MAKERS
+
+COMMANDS = ("params", "tied", "neighbors", "addr", "lens")
+# What each command needs besides MODEL to get going.
+TAIL = {"params": [], "tied": [], "neighbors": ["king"], "addr": ["3"], "lens": ["the king"]}
+
+# Broken models: the part of the error line every command must give.
+BROKEN = {
+    "missing-path": "no such file or directory",
+    "empty-folder": "has no config.json (it holds nothing)",
+    "no-config": "has no config.json (it holds chat_template.jinja",
+    "config-empty": "config.json' is not valid JSON",
+    "config-not-utf8": "config.json': 'utf-8' codec can't decode byte 0xff",
+    "config-a-list": "config.json' does not hold a JSON object",
+    "encoder-only": "model type 'bert' is an encoder-only model, not a causal LM",
+    "st-truncated": "'model.safetensors' is truncated",
+    "st-header-beyond-file": "its header claims 1099511627776 bytes",
+    "st-header-not-json": "'model.safetensors' has a corrupt header (not JSON",
+    "st-offsets-outside": "'model.safetensors' is truncated: tensor",
+    "st-overlapping": "overlaps the tensor before it",
+    "shard-missing": "named in model.safetensors.index.json is missing from",
+    "index-not-json": "'model.safetensors.index.json' is not a valid safetensors index",
+    "index-shard-outside": "names a shard outside the model: '../../etc/passwd'",
+    "gguf-empty": "'empty.gguf' is too short to be a GGUF file",
+    "gguf-fake": "'fake.gguf' is corrupt",
+    "gguf-not-gguf": "'text.gguf' is not a GGUF file",
+    "gguf-truncated": "'short.gguf' is truncated or corrupt",
+    "gguf-version-1": "'v1.gguf' has GGUF version 1",
+    "gguf-unsupported-quant": "tensor 'token_embd.weight' has ggml type 99, which embedlens cannot",
+    "not-a-model-file": "is a file but not a model",
+}
+assert set(BROKEN) == set(MAKERS)
+
+# Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
+T, S = "{tiny}", "{smol}"
+BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
+    ("params", "", [], 1, "MODEL is empty"),
+    ("tied", "   ", [], 1, "MODEL is empty"),
+    ("params", T, ["--device", "cuda:x"], 2, "unknown device 'cuda:x'"),
+    ("neighbors", T, [""], 2, "empty query"),
+    ("neighbors", T, ["   "], 2, "' ' encodes to no tokens"),
+    ("neighbors", T, ["\x00\x07"], 2, "'\\x00\\x07' is not in the vocabulary"),
+    ("neighbors", S, ["ki\udcffng"], 2, "b'ki\\xffng' is not valid UTF-8 text"),
+    ("neighbors", T, ["king", "-k", "0"], 2, "-k must be at least 1 (got 0)"),
+    ("neighbors", T, ["king", "-k", str(10**12)], 2, "-k 1000000000000 is more than the 54 rows"),
+    ("neighbors", T, ["--id", "999999"], 2, "row 999999 is out of range"),
+    ("neighbors", T, ["--id", "-1"], 2, "row -1 is negative"),
+    ("neighbors", T, ["king", "--matrix", "sideways"], 2, "unknown matrix 'sideways'"),
+    ("neighbors", T, ["zzzunknownword"], 2, "'zzzunknownword' is not in the vocabulary"),
+    ("neighbors", T, ["king - "], 2, "cannot parse the expression 'king - '"),
+    ("neighbors", T, [], 2, "no query given"),
+    ("neighbors", S, ["king", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
+    ("neighbors", S, ["king", "--device", "tpu"], 2, "unknown device 'tpu'"),
+    ("addr", T, ["72"], 2, "row 72 is out of range: the table has 72 rows"),
+    ("addr", S, [str(10**30)], 2, f"row {10**30} is out of range"),
+    ("addr", T, [""], 2, "empty ROW"),
+    ("addr", T, [" \t "], 2, "encodes to no tokens"),
+    ("addr", S, ["\udcff\udcfe"], 2, "b'\\xff\\xfe' is not valid UTF-8 text"),
+    ("addr", T, ["3", "--tp", "0"], 2, "--tp must be at least 1 (got 0)"),
+    ("addr", T, ["3", "--tokens", "-5"], 2, "--tokens must be at least 1 (got -5)"),
+    ("addr", T, ["3", "--matrix", "x"], 2, "unknown matrix 'x'"),
+    ("lens", T, [""], 2, "the prompt is empty"),
+    ("lens", T, ["  \t  "], 2, "the prompt is empty"),
+    ("lens", T, [" ".join(["king"] * 100)], 2, "is 100 tokens, longer than the model's context"),
+    ("lens", T, ["the king", "--layers", "99"], 2, "layer 99 is out of range"),
+    ("lens", T, ["the king", "--layers", "a-b"], 2, "malformed --layers 'a-b'"),
+    ("lens", T, ["the king", "-k", "0"], 2, "-k must be at least 1, not 0"),
+    ("lens", T, ["the king", "--position", "1000"], 2, "position 1000 is out of range"),
+    ("lens", T, ["ki\udcffng"], 2, "b'ki\\xffng' is not valid UTF-8 text"),
+    ("lens", T, ["the king", "--target", ""], 2, "--target '' encodes to no token"),
+    ("lens", T, ["the king", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
+    ("lens", T, ["the king", "--device", "tpu"], 2, "unknown device 'tpu'"),
+]
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted([path] if path.is_file() else path.rglob("*")):
+        h.update(str(f).encode())
+        if f.is_file():
+            with open(f, "rb") as fh:
+                for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def originals(tiny, smollm2) -> dict[Path, str]:
+    """The good inputs the suite reads, hashed before its first case (module scope)."""
+    paths = [tiny("llama-tied"), tiny("llama-tied", max_shard_size="20KB"), smollm2]
+    return {p: _digest(p) for p in paths}
+
+
+@pytest.fixture
+def run_in_empty_folder(cli, tmp_path, monkeypatch, originals):
+    """Run a command from an empty working folder, then check the folder is still empty."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+
+    def run(*args: str, code: int) -> str:
+        err = cli.fails(*args, code=code)
+        assert not list(cwd.iterdir()), list(cwd.iterdir())
+        return err
+
+    return run
+
+
+# lens hands the model to transformers before embedlens' own checks have read it (the fix, in
+# loading.py, waits for that file's owner to commit); strict: these fail once it lands.
+LENS_PENDING = {b for b in BROKEN if b not in ("missing-path", "empty-folder", "no-config",
+                                               "not-a-model-file")}  # fmt: skip
+
+
+def _broken_cases() -> list[object]:
+    out: list[object] = []
+    for broken in sorted(BROKEN):
+        for command in COMMANDS:
+            marks = []
+            if command == "lens" and broken in LENS_PENDING:
+                marks.append(pytest.mark.xfail(strict=True, reason="lens: checks pending"))
+            out.append(pytest.param(broken, command, marks=marks, id=f"{broken}-{command}"))
+    return out
+
+
+@pytest.mark.parametrize(("broken", "command"), _broken_cases())
+def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, command):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = MAKERS[broken](work, tiny, smollm2)
+    before = _digest(work)
+    err = run_in_empty_folder(command, model, *TAIL[command], code=1)
+    assert BROKEN[broken] in err.splitlines()[0], err
+    assert _digest(work) == before  # the broken copy itself is left as it was
+
+
+@pytest.mark.parametrize(
+    ("command", "model", "args", "code", "says"),
+    BAD_ARGS,
+    ids=[f"{c}-{i}" for i, (c, *_) in enumerate(BAD_ARGS)],
+)
+def test_bad_arguments(run_in_empty_folder, tiny, smollm2, command, model, args, code, says):
+    model = model.format(tiny=tiny("llama-tied"), smol=smollm2)
+    err = run_in_empty_folder(command, model, *args, code=code)
+    assert says in err.splitlines()[0], err
+
+
+def test_a_model_path_that_is_not_utf8(tiny, tmp_path):
+    """A path whose name is not UTF-8 works, with stdout in strict UTF-8: JSON escapes it (and
+    gives its bytes back through surrogateescape), a table prints its bytes as ls does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    link = os.fsencode(tmp_path) + b"/model-\xff"
+    os.symlink(tiny("llama-tied"), link)
+    env = {
+        **os.environ,
+        "PYTHONIOENCODING": "utf-8:strict",
+        "HF_HUB_OFFLINE": "1",
+        "COLUMNS": "300",
+    }
+    command = [os.fsencode(sys.executable), b"-m", b"embedlens", b"params", link]
+    result = subprocess.run([*command, b"--json"], capture_output=True, env=env, check=False)
+    assert (result.returncode, result.stderr) == (0, b"")
+    assert json.loads(result.stdout)["model"].encode("utf-8", "surrogateescape") == link
+    result = subprocess.run(command, capture_output=True, env=env, check=False)
+    assert (result.returncode, result.stderr) == (0, b"") and b"\xff" in result.stdout
+
+
+def test_inputs_unchanged_after_the_suite(originals):
+    """Runs last in this module: the good inputs all cases read are as they were."""
+    assert {p: _digest(p) for p in originals} == originals
