@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Literal
 
 from embedlens import preflight
@@ -45,7 +45,10 @@ def _where(source: ModelSource) -> tuple[str, dict[str, Any]]:
     """What to pass to from_pretrained: a local folder, or a repo id and revision."""
     if source.kind == "gguf":
         assert source.path is not None
-        return str(source.path.parent), {"gguf_file": source.path.name}
+        # An absolute gguf_file: from_pretrained tries gguf_file relative to the working
+        # directory first, so a bare name would load a same-named file from there instead.
+        path = source.path.resolve()
+        return str(path.parent), {"gguf_file": str(path)}
     if source.kind == "hub":
         assert source.repo_id is not None
         return source.repo_id, {"revision": source.revision}
@@ -209,8 +212,10 @@ def sharing_gguf_reads() -> Iterator[None]:
     rebuilds gguf's tensor-name table for every submodule of the model. Inside this context the
     reader is kept per file (and parses a plain ndarray view of the file: the same bytes, without
     numpy's per-slice memmap overhead), the name table per (architecture, blocks), and the
-    metadata-only parse per file (handed out as deep copies). Re-entrant; the caches go when the
-    outermost context closes.
+    metadata-only parse per file (handed out as deep copies) until the weights are read. While
+    the weights are dequantised, the file pages each tensor was read from are released once the
+    next tensor starts (they would otherwise stay counted in the process's memory until the end
+    of the load). Re-entrant; the caches go when the outermost context closes.
     """
     if _shared["depth"] == 0:
         _shared.update(patches=_install_gguf_caches())
@@ -234,8 +239,9 @@ def _gguf_reads_shared(source: ModelSource) -> Iterator[None]:
 
 
 def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
-    """Patch the three repeated GGUF reads with per-context caches; return how to undo it."""
+    """Patch the repeated GGUF reads with per-context caches; return how to undo it."""
     import copy
+    import mmap
 
     try:
         import gguf
@@ -246,10 +252,15 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
     readers: dict[tuple[str, str], Any] = {}
     name_maps: dict[tuple[Any, int], Any] = {}
     metadata: dict[str, Any] = {}
-    reader_cls, name_map_fn, load_fn = (
+    mapped: list[tuple[int, int, Any]] = []
+    """(address, size, mmap) of each file a reader maps."""
+    read: list[tuple[Any, int, int]] = []
+    """(mmap, offset, length) of the bytes the last dequantisation read."""
+    reader_cls, name_map_fn, load_fn, dequantize_fn = (
         gguf.GGUFReader,
         gguf.get_tensor_name_map,
         hf_gguf.load_gguf_checkpoint,
+        gguf.dequantize,
     )
 
     class PlainReader(reader_cls):  # type: ignore[misc,valid-type]
@@ -262,10 +273,14 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
 
         @data.setter
         def data(self, value: Any) -> None:
-            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+            if isinstance(value, np.memmap):
+                if getattr(value, "_mmap", None) is not None:
+                    mapped.append((value.ctypes.data, value.nbytes, value._mmap))
+                value = value.view(np.ndarray)
+            self._plain = value
 
     def reader(path: Any, mode: str = "r") -> Any:
-        key = (os.fspath(path), mode)
+        key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = PlainReader(path, mode)
         return readers[key]
@@ -277,11 +292,30 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
 
     def load(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
         if return_tensors or args or kwargs:
+            metadata.clear()  # loading the weights comes last: free the parse before it
             return load_fn(path, return_tensors, *args, **kwargs)
-        key = os.fspath(path)
+        key = os.path.realpath(path)
         if key not in metadata:
             metadata[key] = load_fn(path, False)
         return copy.deepcopy(metadata[key])
+
+    def release() -> None:
+        for mm, offset, length in read:
+            with suppress(OSError, ValueError):
+                mm.madvise(mmap.MADV_DONTNEED, offset, length)
+        read.clear()
+
+    def dequantize(data: Any, qtype: Any) -> Any:
+        """gguf's dequantize; the file pages the previous tensor was read from are let go
+        (transformers has copied that tensor by then), so they do not add up in memory."""
+        release()
+        out = dequantize_fn(data, qtype)
+        address = data.ctypes.data
+        for base, size, mm in mapped:
+            if base <= address < base + size:
+                start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
+                read.append((mm, start, address - base + data.nbytes - start))
+        return out
 
     patches = [
         (gguf, "GGUFReader", reader_cls),
@@ -289,8 +323,11 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
         (hf_gguf, "load_gguf_checkpoint", load_fn),
         (hf_gguf, "tqdm", hf_gguf.tqdm),
     ]
-    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
     gguf.GGUFReader = reader  # type: ignore[misc,assignment]
     gguf.get_tensor_name_map = name_map  # type: ignore[assignment]
     hf_gguf.load_gguf_checkpoint = load  # type: ignore[assignment]
+    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
+    if hasattr(mmap, "MADV_DONTNEED"):
+        patches.append((gguf, "dequantize", dequantize_fn))
+        gguf.dequantize = dequantize
     return patches

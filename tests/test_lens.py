@@ -223,16 +223,22 @@ def smollm2_plain(smollm2: Path) -> tuple[Any, Any]:
 
     from embedlens.loading import sharing_gguf_reads
 
-    where, name = str(smollm2.parent), smollm2.name
+    where, name = str(smollm2.parent), str(smollm2)
     with sharing_gguf_reads():
         tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     return model.eval(), tok
 
 
-def test_smollm2_paris_and_every_layer_as_plain_transformers(smollm2, smollm2_plain, cli):
+def test_smollm2_paris_and_every_layer_as_plain_transformers(
+    smollm2, smollm2_plain, cli, tmp_path, monkeypatch
+):
     model, tok = smollm2_plain
     prompt = "The capital of France is"
+    # from_pretrained looks for gguf_file in the working directory first: a same-named file
+    # there must not be what gets loaded
+    (tmp_path / smollm2.name).write_bytes(b"not the model")
+    monkeypatch.chdir(tmp_path)
     data = cli.json("lens", smollm2, prompt, "--target", " Paris")
     ids = list(tok(prompt)["input_ids"])
     assert [t["id"] for t in data["tokens"]] == ids

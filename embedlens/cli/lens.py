@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -285,23 +288,16 @@ def lens(
     from embedlens import loading
     from embedlens.source import resolve
 
-    with progress(f"Loading {model}"), loading.sharing_gguf_reads():
-        source = resolve(model, revision)
-        tokenizer = loading.load_tokenizer(source, trust_remote_code=trust_remote_code)
-        text, ids = _prompt_ids(tokenizer, prompt, chat, switches)
-        target_id = _target_id(tokenizer, target) if target is not None else None
-        config = loading.hf_config(source, trust_remote_code=trust_remote_code)
-        text_config = config.get_text_config()
-        n_layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
-        context = getattr(text_config, "max_position_embeddings", None)
-        if isinstance(context, int) and len(ids) > context:
-            raise UsageError(
-                f"the prompt is {len(ids)} tokens, longer than the model's context ({context})"
-            )
-        if layer_items is not None and n_layers:
-            resolve_layers(layer_items, n_layers)  # fail before loading the weights
-        index = _position_index(pos, len(ids))
-        with _offload_dir(device_map, offload_folder) as folder:
+    with _offload_dir(device_map, offload_folder) as folder:
+        # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
+        with progress(f"Loading {model}"), loading.sharing_gguf_reads():
+            source = resolve(model, revision)
+            tokenizer = loading.load_tokenizer(source, trust_remote_code=trust_remote_code)
+            text, ids = _prompt_ids(tokenizer, prompt, chat, switches)
+            target_id = _target_id(tokenizer, target) if target is not None else None
+            config = loading.hf_config(source, trust_remote_code=trust_remote_code)
+            _check_fits(config, ids, layer_items)  # fail before reading the weights
+            index = _position_index(pos, len(ids))
             model_obj = loading.load_model(
                 source,
                 dtype=dtype,
@@ -312,14 +308,14 @@ def lens(
                 trust_remote_code=trust_remote_code,
                 config=config,
             )
-            with progress("Running the lens"):
-                grid = pos is None or plot is not None
-                result = _run(
-                    model_obj, ids, layer_items, index, grid, top_k, len(tokenizer), target_id
-                )
-            report = _report(
-                model, tokenizer, model_obj, result, ids, text, chat, pos, index, target, target_id
+        with progress("Running the lens"):
+            grid = pos is None or plot is not None
+            result = _run(
+                model_obj, ids, layer_items, index, grid, top_k, len(tokenizer), target_id
             )
+        report = _report(
+            model, tokenizer, model_obj, result, ids, text, chat, pos, index, target, target_id
+        )
     if not report.check.ok:
         warn(
             f"the lens does not reproduce this model's logits (max |Δ| = "
@@ -395,26 +391,27 @@ def _position_index(pos: int | None, n_tokens: int) -> int:
     return pos % n_tokens
 
 
-class _offload_dir:
-    """The offload folder to use with --device-map: the user's, or a temporary one."""
+@contextmanager
+def _offload_dir(device_map: str | None, folder: Path | None) -> Iterator[str | None]:
+    """The offload folder for --device-map: the user's, or a temporary one removed afterwards."""
+    if device_map is None or folder is not None:
+        yield None if folder is None else str(folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="embedlens-offload-") as tmp:
+        yield tmp
 
-    def __init__(self, device_map: str | None, folder: Path | None) -> None:
-        self.device_map, self.folder = device_map, folder
-        self.tmp: Any = None
 
-    def __enter__(self) -> str | None:
-        if self.device_map is None:
-            return None
-        if self.folder is not None:
-            return str(self.folder)
-        import tempfile
-
-        self.tmp = tempfile.TemporaryDirectory(prefix="embedlens-offload-")
-        return str(self.tmp.name)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.tmp is not None:
-            self.tmp.cleanup()
+def _check_fits(config: Any, ids: list[int], layer_items: list[LayerItem] | None) -> None:
+    """The prompt fits the model's context, and --layers names layers it has."""
+    text_config = config.get_text_config()
+    context = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(context, int) and len(ids) > context:
+        raise UsageError(
+            f"the prompt is {len(ids)} tokens, longer than the model's context ({context})"
+        )
+    n_layers = getattr(text_config, "num_hidden_layers", None)
+    if layer_items is not None and isinstance(n_layers, int):
+        resolve_layers(layer_items, n_layers)
 
 
 def _run(
