@@ -94,7 +94,7 @@ def figure(report: LensReport) -> Any:
     ax.set_yticklabels([_layer_label(report, row.layer) for row in rows], fontsize=7)
     ax.set_xlabel("input token (the cell shows the prediction for the next one)")
     ax.set_ylabel("layer")
-    title = ax.set_title(f"Logit lens: {report.model}", fontsize=10)
+    title = ax.set_title(f"Logit lens: {report.display_model}", fontsize=10)
     title.set_parse_math(False)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02, label="top-1 probability")
     fig.tight_layout()
@@ -145,7 +145,7 @@ def _write(path: Path, data: bytes) -> None:
 def _page(report: LensReport, svg: str) -> str:
     svg = svg[svg.index("<svg") :]
     prompt = html.escape(report.prompt)
-    title = html.escape(f"Logit lens: {report.model}")
+    title = html.escape(f"Logit lens: {report.display_model}")
     check = report.check
     verdict = "reproduces" if check.ok else "does NOT reproduce"
     return (

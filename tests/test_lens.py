@@ -403,3 +403,46 @@ def test_chat_without_template(tiny, cli, tmp_path):
     (folder / "chat_template.jinja").unlink()
     err = cli.fails("lens", folder, "Paris", "--chat", "hello", code=2)
     assert "no chat template" in err
+
+
+def test_chunked_decoding_matches_one_pass(tiny, monkeypatch):
+    """Rows decoded a few at a time give what one pass gives (the grid never holds all logits)."""
+    from embedlens.analysis import lens as analysis
+
+    model = _load(tiny("qwen3"))
+    ids = _ids(tiny("qwen3"))
+    args = {"layers": [0, 1, 2, 3], "positions": list(range(len(ids))), "k": 4}
+    whole = analysis.run_lens(model, ids, real_vocab=TOKENIZER_LEN, target=20, **args)
+    monkeypatch.setattr(analysis, "CHUNK_BYTES", 3 * 4 * VOCAB)  # three rows at a time
+    parts = analysis.run_lens(model, ids, real_vocab=TOKENIZER_LEN, target=20, **args)
+    assert whole.rows.keys() == parts.rows.keys()
+    for key, top in whole.rows.items():
+        assert parts.rows[key].ids == top.ids
+        assert parts.rows[key].probs == pytest.approx(top.probs, abs=1e-6)
+        assert parts.rows[key].target_rank == top.target_rank
+    assert parts.check.ok and parts.check.max_abs_logit_diff == pytest.approx(
+        whole.check.max_abs_logit_diff, abs=1e-6
+    )
+
+
+def test_tail_that_counts_its_blocks_runs_them_all(tiny):
+    """A model whose code after the blocks depends on how many there are: the lens notices that
+    the shortened tail does not reproduce it and decodes with every block in place instead."""
+    from embedlens.analysis.lens import run_lens
+
+    model = _load(tiny("llama-tied"))
+
+    def by_depth(module: Any, _args: Any, out: Any) -> Any:
+        out.last_hidden_state = out.last_hidden_state * len(module.layers)
+        return out
+
+    model.model.register_forward_hook(by_depth)
+    ids = _ids(tiny("llama-tied"))
+    result = run_lens(model, ids, layers=[0, 3], positions=[4], k=3, real_vocab=TOKENIZER_LEN)
+    assert result.full_tail and result.check.ok
+    with torch.no_grad():
+        h = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[0][0, -1]
+        probs = model.lm_head(model.model.norm(h) * 3).softmax(-1)
+    assert result.rows[(0, 4)].probs == pytest.approx(
+        probs[:TOKENIZER_LEN].topk(3).values.tolist(), abs=1e-6
+    )

@@ -175,6 +175,7 @@ class _Capture:
     head_in: torch.Tensor | None = None
     head_out: torch.Tensor | None = None
     steps: list[str] = field(default_factory=list)
+    logits: torch.Tensor | None = None
 
 
 def _capture(
@@ -310,7 +311,7 @@ def tail_steps(model: nn.Module, blocks: Blocks, tail: Tail, row: torch.Tensor) 
 
     probe = _Capture(residual={})
     with _hooks([register_module_forward_pre_hook(pre), register_module_forward_hook(post)]):
-        tail(row[None], probe)
+        probe.logits = tail(row[None], probe).float()
     outer: list[str] = []
     for name in finished:  # children finish before their parents
         if not any(name.startswith(o + ".") for o in outer):
@@ -356,24 +357,19 @@ def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
     return max(1e-3, 8 * torch.finfo(dtype).eps * scale)
 
 
-def _top(
-    logits: torch.Tensor, k: int, real_vocab: int, target: int | None
-) -> Iterator[tuple[list[int], list[float], float | None, int | None]]:
+def _top(logits: torch.Tensor, k: int, real_vocab: int, target: int | None) -> list[Top]:
     """Softmax over the model's whole output; predictions only among the tokenizer's ids."""
     probs = torch.softmax(logits.float(), dim=-1)
     real = probs[:, :real_vocab]
     values, indices = real.topk(min(k, real_vocab), dim=-1)
-    tp = trank = None
-    if target is not None:
-        tp = probs[:, target]
-        trank = (real > tp[:, None]).sum(-1) + 1
-    for i in range(probs.shape[0]):
-        yield (
-            indices[i].tolist(),
-            values[i].tolist(),
-            None if tp is None else float(tp[i]),
-            None if trank is None else int(trank[i]),
-        )
+    if target is None:
+        return [Top(i.tolist(), v.tolist()) for i, v in zip(indices, values, strict=True)]
+    tp = probs[:, target]
+    rank = (real > tp[:, None]).sum(-1) + 1
+    return [
+        Top(i.tolist(), v.tolist(), float(p), int(r))
+        for i, v, p, r in zip(indices, values, tp, rank, strict=True)
+    ]
 
 
 def run_lens(
@@ -399,36 +395,91 @@ def run_lens(
     device = input_device(model)
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
     pos = torch.tensor(list(positions), dtype=torch.long)
-    wanted = sorted(set(layers) | {n_layers})
-    with torch.inference_mode(), _threads_for(model, len(ids[0])):
-        cap, logits = _capture(model, blocks, ids, wanted, pos)
+    with torch.inference_mode(), _threads_for(model, len(input_ids)):
+        cap, logits = _capture(model, blocks, ids, sorted(set(layers) | {n_layers}), pos)
+        real = logits.float()
+        vocab = int(real.shape[-1])
+        if target is not None and not 0 <= target < vocab:
+            raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
+        job = _Job(layers, n_layers, pos, k, min(real_vocab, vocab), target, real)
         tail = Tail(model, blocks, dummy_id=int(input_ids[0]))
-        order = [(layer, j) for layer in wanted for j in range(len(pos))]
-        residual = torch.stack([cap.residual[layer][j].to(device) for layer, j in order])
-        decoded = _decode(tail, residual, logits.shape[-1])
-        at = {key: i for i, key in enumerate(order)}
-        last = torch.stack([decoded[at[(n_layers, j)]] for j in range(len(pos))])
-        real = logits.float().to(last.device)
-        dtype = next(model.parameters()).dtype
-        first = residual[at[(n_layers, 0)]]
-        check, steps = _check(model, blocks, tail, cap, first, last, real, dtype)
-        rows: dict[tuple[int, int], Top] = {}
-        for (layer, j), i in at.items():
-            if layer not in layers:
-                continue
-            source = real[j : j + 1] if layer == n_layers else decoded[i : i + 1]
-            for top_ids, top_p, tp, tr in _top(source, k, real_vocab, target):
-                rows[(layer, int(pos[j]))] = Top(top_ids, top_p, tp, tr)
+        rows, diff, agrees = job.decode(tail, cap.residual, device)
+        tol = tolerance(next(model.parameters()).dtype, real)
+        if diff > tol and not tail.full:  # cutting the block list may have changed the tail
+            tail.full = True
+            retry = job.decode(tail, cap.residual, device)
+            if retry[1] < diff:
+                rows, diff, agrees = retry
+            else:
+                tail.full = False
+        first = cap.residual[n_layers][0].to(device)
+        probe = tail_steps(model, blocks, tail, first)
+        steps = list(probe.steps)
+        if probe.head_out is not None and probe.logits is not None:
+            post = post_head_step(probe.head_out.float(), probe.logits, tol)
+            if post is not None:
+                steps.append(post)
+        suspect = _suspect(cap, probe, tol) if diff > tol else None
     return LensResult(
         num_layers=n_layers,
-        vocab_size=int(logits.shape[-1]),
+        vocab_size=vocab,
         positions=[int(p) for p in pos],
         layers=sorted(set(layers)),
         rows=rows,
-        check=check,
+        check=Check(diff, tol, agrees, suspect),
         steps=steps,
         full_tail=tail.full,
     )
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What to decode, and how to reduce each row as soon as it is decoded."""
+
+    layers: Sequence[int]
+    n_layers: int
+    pos: torch.Tensor
+    k: int
+    real_vocab: int
+    target: int | None
+    real: torch.Tensor
+    """The model's own logits at `pos`, float32 [P, V]."""
+
+    def decode(
+        self, tail: Tail, residual: dict[int, torch.Tensor], device: torch.device
+    ) -> tuple[dict[tuple[int, int], Top], float, bool]:
+        """Every (layer, position) reduced to its top-k, plus the self-check on the last block.
+
+        Rows go through the tail in chunks of bounded size and only their top-k is kept, so a
+        layer x position grid never holds more than one chunk of logits.
+        """
+        wanted = sorted(set(self.layers) | {self.n_layers})
+        order = [(layer, j) for layer in wanted for j in range(len(self.pos))]
+        chunk = max(1, CHUNK_BYTES // (4 * int(self.real.shape[-1])))
+        rows: dict[tuple[int, int], Top] = {}
+        diff, agrees = 0.0, True
+        for start in range(0, len(order), chunk):
+            part = order[start : start + chunk]
+            h = torch.stack([residual[layer][j].to(device) for layer, j in part])
+            out = tail(h).float()
+            last = [i for i, (layer, _) in enumerate(part) if layer == self.n_layers]
+            if last:
+                mine = out[last]
+                theirs = self.real[[part[i][1] for i in last]].to(mine.device)
+                diff = max(diff, float((mine - theirs).abs().max()))
+                agrees = agrees and bool((mine.argmax(-1) == theirs.argmax(-1)).all())
+            keep = [i for i, (layer, _) in enumerate(part) if layer != self.n_layers]
+            keep = [i for i in keep if part[i][0] in self.layers]
+            if keep:
+                for i, top in zip(keep, self._top(out[keep]), strict=True):
+                    rows[(part[i][0], int(self.pos[part[i][1]]))] = top
+        if self.n_layers in self.layers:  # the last layer is the model's own output
+            for j, top in enumerate(self._top(self.real)):
+                rows[(self.n_layers, int(self.pos[j]))] = top
+        return rows, diff, agrees
+
+    def _top(self, logits: torch.Tensor) -> list[Top]:
+        return _top(logits, self.k, self.real_vocab, self.target)
 
 
 @contextmanager
@@ -451,41 +502,6 @@ def _threads_for(model: nn.Module, n_tokens: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _decode(tail: Tail, residual: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Decode residual rows [n, d] to float32 logits [n, V], in chunks of bounded size."""
-    chunk = max(1, CHUNK_BYTES // (4 * vocab))
-    parts = [tail(residual[i : i + chunk]).float() for i in range(0, residual.shape[0], chunk)]
-    return torch.cat(parts)
-
-
-def _check(
-    model: nn.Module,
-    blocks: Blocks,
-    tail: Tail,
-    cap: _Capture,
-    first: torch.Tensor,
-    last: torch.Tensor,
-    real: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[Check, list[str]]:
-    """Compare the lens at the last block with the model's logits; find the suspect if they differ.
-
-    `first` is the last block's output at the first position read, `last` the lens's logits for
-    the last block at every position read, `real` the model's logits there.
-    """
-    tol = tolerance(dtype, real)
-    diff = float((last - real).abs().max())
-    agrees = bool((last.argmax(-1) == real.argmax(-1)).all())
-    probe = tail_steps(model, blocks, tail, first)
-    steps = list(probe.steps)
-    if probe.head_out is not None:
-        post = post_head_step(probe.head_out.float(), last[:1], tol)
-        if post is not None:
-            steps.append(post)
-    suspect = _suspect(cap, probe, tol) if diff > tol else None
-    return Check(diff, tol, agrees, suspect), steps
 
 
 def _suspect(real: _Capture, probe: _Capture, tol: float) -> str:

@@ -565,9 +565,8 @@ def render_lens(r: LensReport) -> RenderableType:
         tokens.append_text(piece).append(" ")
     parts.append(tokens)
     read = r.tokens[r.position_index].token
-    name = Path(r.model).name if Path(r.model).exists() else r.model
     table = Table(
-        title=f"Logit lens of {name} after {quoted(read)} (position {r.position_index}, {r.dtype})"
+        title=f"Logit lens of {r.display_model} after {quoted(read)} (position {r.position_index}, {r.dtype})"
     )
     table.add_column("layer", justify="right")
     table.add_column("top-1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 
@@ -109,3 +110,9 @@ class LensReport:
     placement: dict[str, int] | None = None
     """With --device-map: how many of the model's placed modules went to each device."""
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def display_model(self) -> str:
+        """The model as titles show it: a local path by its last part, a repo id whole."""
+        path = Path(self.model)
+        return path.name if path.exists() else self.model
