@@ -7,6 +7,9 @@ free. Errors from transformers are translated into embedlens errors at this boun
 from __future__ import annotations
 
 import os
+import pickle
+import re
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Literal
@@ -15,6 +18,7 @@ from embedlens import preflight
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
+    EmbedlensError,
     MissingDependencyError,
     SourceError,
     UsageError,
@@ -87,12 +91,58 @@ def _translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
                 hint="embedlens never runs a model's own code unless you pass --trust-remote-code",
             ) from e
         raise CheckpointError(f"{what} failed: {_first_line(text)}") from e
-    except (OSError, RuntimeError, KeyError, TypeError) as e:
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise CheckpointError(
+            f"'{source.spec}' holds more than weights: the weights-only loader refused its "
+            f"pickle ({'it calls ' + refused.group(1) if refused else _first_line(str(e))})",
+            hint="embedlens never runs code from a checkpoint; use a safetensors copy of the model",
+        ) from e
+    except Exception as e:
+        hub = _hub_failure(source, e)
+        if hub is not None:
+            raise hub from e
+        if not isinstance(e, (OSError, RuntimeError, KeyError, TypeError, struct.error)) and (
+            type(e).__module__.split(".")[0] != "safetensors"
+        ):
+            raise
         raise CheckpointError(f"{what} failed: {_first_line(str(e)) or type(e).__name__}") from e
+
+
+def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None:
+    """A hub failure behind what transformers raised (it wraps them in OSError), as embedlens
+    says it elsewhere."""
+    if source.kind != "hub" or source.repo_id is None:
+        return None
+    from embedlens.source import hub_error
+
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return None
+        module = type(seen).__module__.split(".")[0]
+        if module in ("huggingface_hub", "httpx", "httpx2", "httpcore"):
+            return hub_error(seen, source.repo_id, "", source.revision)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> None:
+    """Read the config and every checkpoint header with embedlens' own checks (once per source)
+    before transformers reads the model: a corrupt file, an encoder-only config or one that needs
+    remote code ends in embedlens' error, not in transformers' (or in a crash)."""
+    if trust_remote_code in source._checked:
+        return
+    from embedlens.checkpoint import open_checkpoint
+    from embedlens.inventory import read_config
+
+    ckpt = open_checkpoint(source)
+    read_config(source, ckpt, trust_remote_code=trust_remote_code)
+    source._checked.add(trust_remote_code)
 
 
 def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
@@ -122,6 +172,13 @@ def resolve_device(device: str) -> str:
     """'auto' becomes cuda, mps or cpu, whichever is there; others are checked."""
     import torch
 
+    if device.startswith("cuda:") and device[5:].isdigit():
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(device[5:]) >= count:
+            raise UsageError(
+                f"--device {device} was asked for, but this machine has {count} CUDA devices"
+            )
+        return device
     if device not in DEVICES:
         raise UsageError(f"unknown device '{device}'", hint="use one of: " + ", ".join(DEVICES))
     if device == "auto":
@@ -164,6 +221,7 @@ def load_model(
 
     `config`, a transformers config already read from the same source, saves reading it again.
     """
+    check_source(source, trust_remote_code=trust_remote_code)
     _quiet_transformers()
     import torch
     from transformers import AutoModelForCausalLM
@@ -192,6 +250,7 @@ def load_model(
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     """The model's tokenizer through transformers (GGUF: rebuilt from the file's metadata)."""
+    check_source(source, trust_remote_code=trust_remote_code)
     _quiet_transformers()
     from transformers import AutoTokenizer
 

@@ -34,6 +34,8 @@ class ModelSource:
     repo_id: str | None = None
     revision: str | None = None
     _missing: set[str] = field(default_factory=set, compare=False, repr=False)
+    _checked: set[bool] = field(default_factory=set, compare=False, repr=False)
+    """Whether loading.check_source passed, by its trust_remote_code."""
 
     @property
     def is_gguf(self) -> bool:
@@ -238,7 +240,10 @@ def _cause(e: BaseException) -> BaseException | None:
 def hub_error(
     e: BaseException, repo_id: str, filename: str, revision: str | None
 ) -> SourceError | None:
-    """The embedlens error for a huggingface_hub failure; None for one it does not know."""
+    """The embedlens error for a huggingface_hub failure; None for one it does not know.
+
+    filename "" stands for files the caller does not know by name (transformers fetched them).
+    """
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         FileMetadataError,
@@ -252,17 +257,19 @@ def hub_error(
 
     connect, timeout, transport = _http_errors()
     at = f" at revision '{revision}'" if revision else ""
+    where = f"'{repo_id}/{filename}'" if filename else f"'{repo_id}'"
+    which = f" ({filename})" if filename else ""
     endpoint = constants.ENDPOINT
     if isinstance(e, LocalEntryNotFoundError):
         cause = _cause(e)
         if cause is None:
             if hub_offline():
                 return SourceError(
-                    f"'{repo_id}'{at} is not in the local hub cache ({filename}) and "
+                    f"'{repo_id}'{at} is not in the local hub cache{which} and "
                     "HF_HUB_OFFLINE is set",
                     hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
                 )
-            return SourceError(f"'{repo_id}'{at} is not in the local hub cache ({filename})")
+            return SourceError(f"'{repo_id}'{at} is not in the local hub cache{which}")
         return hub_error(cause, repo_id, filename, revision) or SourceError(
             f"'{repo_id}'{at} is not in the local hub cache and the hub could not be reached "
             f"({type(cause).__name__})",
@@ -270,7 +277,7 @@ def hub_error(
         )
     if isinstance(e, OfflineModeIsEnabled):
         return SourceError(
-            f"'{repo_id}'{at} is not in the local hub cache ({filename}) and HF_HUB_OFFLINE is set",
+            f"'{repo_id}'{at} is not in the local hub cache{which} and HF_HUB_OFFLINE is set",
             hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
         )
     if isinstance(e, GatedRepoError):
@@ -292,8 +299,7 @@ def hub_error(
         status = getattr(getattr(e, "response", None), "status_code", None)
         if isinstance(status, int) and status >= 500:
             return SourceError(
-                f"the hub at {endpoint} answered {status} (a server error) for "
-                f"'{repo_id}/{filename}'{at}",
+                f"the hub at {endpoint} answered {status} (a server error) for {where}{at}",
                 hint="the hub is failing or down: try again later, or give a local folder",
             )
         if status == 429:
@@ -303,34 +309,34 @@ def hub_error(
             )
         if status in (401, 403):
             return SourceError(
-                f"the hub at {endpoint} refused access ({status}) to '{repo_id}/{filename}'",
+                f"the hub at {endpoint} refused access ({status}) to {where}",
                 hint="check that HF_TOKEN holds a token with read access to this repository",
             )
         return SourceError(
-            f"the hub at {endpoint} answered {status or 'an error'} for '{repo_id}/{filename}'{at}",
+            f"the hub at {endpoint} answered {status or 'an error'} for {where}{at}",
             hint="try again later, or give a local folder",
         )
     if isinstance(e, connect):
         return SourceError(
-            f"could not connect to the hub at {endpoint} to fetch '{repo_id}/{filename}'",
+            f"could not connect to the hub at {endpoint} to fetch {where}",
             hint="check the network (and HF_ENDPOINT, if set); with HF_HUB_OFFLINE=1 only the "
             "local hub cache is read",
         )
     if isinstance(e, timeout):
         return SourceError(
-            f"the hub at {endpoint} did not answer in time for '{repo_id}/{filename}'",
+            f"the hub at {endpoint} did not answer in time for {where}",
             hint="try again later; HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT set the limits",
         )
     if isinstance(e, FileMetadataError):
         return SourceError(
-            f"{endpoint} does not answer as a Hugging Face hub does (for '{repo_id}/{filename}')",
+            f"{endpoint} does not answer as a Hugging Face hub does (for {where})",
             hint="check HF_ENDPOINT, your proxy and your certificates",
         )
     if isinstance(e, transport) or (isinstance(e, OSError) and "Consistency check" in str(e)):
         return SourceError(
-            f"the download of '{repo_id}/{filename}' was cut off before the end",
+            f"the download of {where} was cut off before the end",
             hint="run the command again; the partial file was not kept in the hub cache",
         )
     if isinstance(e, OSError):
-        return SourceError(f"could not fetch '{repo_id}/{filename}': {e.strerror or e}")
+        return SourceError(f"could not fetch {where}: {e.strerror or e}")
     return None

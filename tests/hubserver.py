@@ -12,6 +12,9 @@ and reads the hub's headers: X-Repo-Commit, ETag, Content-Length, and, on failur
   half its bytes, then the connection is closed; closed ranges (header reads) are answered;
 - "flaky:NAME": the first download of NAME is cut so; the resumed one is answered.
 
+`/api/models/{repo}` (model_info) and its `tree` listing answer too, as the hub does for a repo
+whose files all sit at the top: a sub-folder is 404 EntryNotFound.
+
 Revisions other than "main" and the repo's commit answer 404 RevisionNotFound. The server lives in
 a daemon thread, answers at most `max_requests` requests and shuts down by itself after
 `lifetime_s` seconds, so a test that forgets it leaves nothing running.
@@ -20,6 +23,7 @@ a daemon thread, answers at most `max_requests` requests and shuts down by itsel
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -95,6 +99,8 @@ class FakeHub:
         if len(self.log) > self.max_requests:
             return self._send(h, 503, {}, b"", body=body)
         parts = unquote(h.path.split("?", 1)[0]).strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 4:
+            return self._api(h, "/".join(parts[2:4]), parts[4:], body=body)
         if len(parts) < 5 or parts[2] != "resolve":
             return self._send(h, 404, {"X-Error-Code": "RepoNotFound"}, b"", body=body)
         repo_id, revision, filename = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
@@ -135,6 +141,29 @@ class FakeHub:
             headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
             return self._send(h, 206, headers, data[lo : hi + 1], body=body)
         return self._send(h, 200, headers, data, body=body)
+
+    def _api(self, h: BaseHTTPRequestHandler, repo_id: str, rest: list[str], *, body: bool) -> None:
+        """model_info (`/api/models/{repo}`) and the tree listing (`.../tree/{rev}/{path}`)."""
+        repo = self.repos.get(repo_id)
+        if repo is None or repo.behaviour in ("missing", "gated", "gated403", "error"):
+            status = {"gated": 401, "gated403": 403, "error": 500}.get(
+                repo.behaviour if repo else "", 404
+            )
+            code = "GatedRepo" if status in (401, 403) else "RepoNotFound"
+            return self._send(
+                h, status, {"X-Error-Code": code} if status < 500 else {}, b"", body=body
+            )
+        files = [{"type": "file", "path": n, "size": len(d)} for n, d in sorted(repo.files.items())]
+        if not rest:
+            info = {
+                "id": repo_id,
+                "sha": COMMIT,
+                "siblings": [{"rfilename": f["path"]} for f in files],
+            }
+            return self._send(h, 200, {}, json.dumps(info).encode(), body=body)
+        if rest[0] == "tree" and len(rest) <= 2:  # the top folder: every file
+            return self._send(h, 200, {}, json.dumps(files).encode(), body=body)
+        return self._send(h, 404, {"X-Error-Code": "EntryNotFound"}, b"", body=body)
 
     @staticmethod
     def _send(

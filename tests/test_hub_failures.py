@@ -158,6 +158,15 @@ def test_a_cut_download_never_looks_complete(hub, tmp_path, tiny, command, name)
     assert (snapshot / name).read_bytes() == original
 
 
+def test_lens_reports_a_cut_download_of_the_weights(hub, tmp_path, tiny):
+    """lens downloads through transformers, which wraps hub errors: the message is the same."""
+    hub.add("org/drop-lens", tiny("llama-tied"), behaviour="drop:model.safetensors")
+    err = fails(run(hub.url, tmp_path, "lens", "org/drop-lens", "the king"))
+    assert "error: the download of 'org/drop-lens' was cut off before the end" in err
+    assert not list(tmp_path.rglob("*.incomplete"))
+    assert not list(tmp_path.rglob("model.safetensors"))
+
+
 def test_a_retried_download_is_whole(hub, tmp_path, tiny):
     """The first try is cut mid-file; huggingface_hub tries again and the file cached is whole.
 
