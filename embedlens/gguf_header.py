@@ -31,6 +31,7 @@ _MAX_DIMS = 8
 MAX_ENTRIES = 1 << 20  # metadata pairs, tensors
 MAX_ARRAY = 1 << 22  # items in one metadata array
 MAX_STRING_BYTES = 16 << 20  # bytes of keys, names and metadata strings decoded in all
+MAX_ARRAY_BYTES = 256 << 20  # bytes of one string array left in the file (tokens: a few MB)
 
 # ggml type id -> (name, elements per block, bytes per block). From ggml.h / gguf-py constants.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -201,6 +202,11 @@ class _Cursor:
             if pos > size:
                 break
         else:
+            if pos - self.pos > MAX_ARRAY_BYTES:
+                raise CheckpointError(
+                    f"'{self.where}' is corrupt: a string array at offset {self.pos} spans "
+                    f"{pos - self.pos} bytes (at most {MAX_ARRAY_BYTES >> 20} MiB are read)"
+                )
             self.pos = pos
             return
         raise CheckpointError(
