@@ -551,6 +551,8 @@ def _report(
 
 
 def _prob(p: float) -> str:
+    if p == 0:
+        return "0"  # below float32's smallest number
     return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
 
