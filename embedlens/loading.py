@@ -154,7 +154,7 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     if source.kind == "hub":
         assert source.path is not None
         where, kwargs = str(source.path), {}
-    with _translated(source, "reading the config"), _gguf_reads_shared(source):
+    with _translated(source, "reading the config"), gguf_reads_shared(source):
         return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
 
 
@@ -237,7 +237,7 @@ def load_model(
         if offload_folder is not None:
             kwargs["offload_folder"] = offload_folder
     preflight.check_load(source, dtype=dtype, device=None if device_map else resolve_device(device))
-    with _translated(source, "loading the model"), _gguf_reads_shared(source):
+    with _translated(source, "loading the model"), gguf_reads_shared(source):
         model = AutoModelForCausalLM.from_pretrained(
             where, trust_remote_code=trust_remote_code, use_safetensors=None, **kwargs
         )
@@ -255,7 +255,7 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
     from transformers import AutoTokenizer
 
     where, kwargs = _where(source)
-    with _translated(source, "loading the tokenizer"), _gguf_reads_shared(source):
+    with _translated(source, "loading the tokenizer"), gguf_reads_shared(source):
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
 
 
@@ -289,7 +289,8 @@ def sharing_gguf_reads() -> Iterator[None]:
 
 
 @contextmanager
-def _gguf_reads_shared(source: ModelSource) -> Iterator[None]:
+def gguf_reads_shared(source: ModelSource) -> Iterator[None]:
+    """`sharing_gguf_reads()` for a GGUF source; nothing for any other."""
     if source.kind != "gguf":
         yield
         return

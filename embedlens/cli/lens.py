@@ -289,9 +289,9 @@ def lens(
     from embedlens.source import resolve
 
     with _offload_dir(device_map, offload_folder) as folder:
+        source = resolve(model, revision)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
-        with progress(f"Loading {model}"), loading.sharing_gguf_reads():
-            source = resolve(model, revision)
+        with progress(f"Loading {model}"), loading.gguf_reads_shared(source):
             tokenizer = loading.load_tokenizer(source, trust_remote_code=trust_remote_code)
             text, ids = _prompt_ids(tokenizer, prompt, chat, switches)
             target_id = _target_id(tokenizer, target) if target is not None else None
