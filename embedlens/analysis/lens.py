@@ -37,7 +37,6 @@ class Blocks:
     parent: nn.Module
     attr: str
     modules: nn.ModuleList
-    name: str
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def find_blocks(model: nn.Module) -> Blocks:
     full = names[id(blocks)]
     parent_name, _, attr = full.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    return Blocks(parent=parent, attr=attr, modules=blocks, name=full)
+    return Blocks(parent=parent, attr=attr, modules=blocks)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
