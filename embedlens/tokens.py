@@ -15,8 +15,8 @@ REPLACEMENT = "\ufffd"
 
 
 @functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's bytes_to_unicode table."""
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode table: each byte's printable stand-in in byte-level vocabularies."""
     bs = list(range(ord("!"), ord("~") + 1))
     bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -26,7 +26,13 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of byte_alphabet()."""
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def piece_bytes(piece: str) -> bytes | None:

@@ -9,7 +9,6 @@ SentencePiece BPE (`llama`) vocabularies are rebuilt here the way transformers r
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.gguf_header import GGUFHeader, LazyArray, read_gguf_header
 from embedlens.source import ModelSource
-from embedlens.tokens import readable
+from embedlens.tokens import byte_alphabet, readable
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -175,27 +174,12 @@ def _strings(array: LazyArray) -> list[str]:
     return out
 
 
-@functools.cache
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's bytes_to_unicode table: each byte's printable stand-in."""
-    bs = list(range(ord("!"), ord("~") + 1))
-    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
 def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if merges is None:
         raise UnsupportedError("this GGUF byte-level vocabulary has no merges")
-    spelling = _byte_alphabet()
+    spelling = byte_alphabet()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
@@ -275,7 +259,7 @@ def _add_gguf_tokens(
     """Control tokens become special added tokens, user-defined ones plain added tokens."""
     from tokenizers import AddedToken
 
-    alphabet = set(_byte_alphabet().values()) if byte_level else None
+    alphabet = set(byte_alphabet().values()) if byte_level else None
     control = [
         AddedToken(t, special=True, normalized=False)
         for t, kind in zip(tokens, types, strict=False)
