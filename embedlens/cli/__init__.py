@@ -65,6 +65,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: typer.rich_utils costs a third of the start-up
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

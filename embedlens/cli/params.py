@@ -91,11 +91,7 @@ def params(
 
 def render_params(r: ParamsReport) -> RenderableType:
     """The share table, the block parts, and the head's cost."""
-    table = Table(
-        title=f"Parameters of {r.model} (source: {r.source})",
-        caption=f"V = {count(r.vocab_size)}, d = {count(r.hidden_size)}, "
-        f"{r.num_layers} blocks, {'tied' if r.tied else 'untied'} head, dtype {r.dtype or '?'}",
-    )
+    table = Table(title=f"Parameters of {r.model} (source: {r.source})")
     table.add_column("part")
     table.add_column("params", justify="right")
     table.add_column("share", justify="right")
@@ -115,7 +111,13 @@ def render_params(r: ParamsReport) -> RenderableType:
                 )
     table.add_section()
     table.add_row("total", count(r.total), "100.00%", size(r.total_bytes), style="bold")
-    lines: list[RenderableType] = [table]
+    lines: list[RenderableType] = [
+        table,
+        Text(
+            f"V = {count(r.vocab_size)}, d = {count(r.hidden_size)}, {r.num_layers} blocks, "
+            f"{'tied' if r.tied else 'untied'} head, dtype {r.dtype or '?'}."
+        ),
+    ]
     head = "embedding + head" if not r.tied else "embedding (= head)"
     lines.append(
         Text(
