@@ -46,6 +46,8 @@ class Row:
     mem_budget: float | None = None
     abs_budget: float | None = None
     """The highest acceptable time in seconds, if any."""
+    over_budget: float | None = None
+    """The most seconds the command may take beyond its baseline, if any."""
     times: list[float] = field(default_factory=list)
     base_times: list[float] = field(default_factory=list)
     peak_mb: float = 0.0
@@ -77,6 +79,8 @@ class Row:
             checks.append(self.mem_ratio <= self.mem_budget)
         if self.abs_budget is not None:
             checks.append(self.median <= self.abs_budget)
+        if self.over_budget is not None and self.base_median is not None:
+            checks.append(self.median - self.base_median <= self.over_budget)
         if not checks:
             return ""
         return "ok" if all(checks) else "MISSED"
@@ -235,6 +239,15 @@ with torch.device("meta"):
 print(sum(p.numel() for p in model.parameters()))
 """
 
+IMPORT_MODEL_CLASSES = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+import importlib, json
+model_type = json.load(open(sys.argv[1] + "/config.json"))["model_type"]
+importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+"""
+
 LENS_PLAIN = HERE / "lens_plain.py"
 
 
@@ -319,7 +332,8 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [sys.executable, "-c", META_COUNT_PLAIN, str(qwen)], "plain transformers meta count"),
         Row("params --meta-only (Llama-3-70B config)",
             [*el, "params", str(llama70), "--meta-only", "--json"],
-            [sys.executable, "-c", META_COUNT_PLAIN, str(llama70)], "plain transformers meta count"),
+            [sys.executable, "-c", IMPORT_MODEL_CLASSES, str(llama70)],
+            "importing torch, transformers and the model's classes", over_budget=0.5),
         Row("params --meta-only (DeepSeek-V3 config)",
             [*el, "params", str(deepseek), "--meta-only", "--json"],
             [sys.executable, "-c", META_COUNT_PLAIN, str(deepseek)], "plain transformers meta count",
