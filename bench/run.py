@@ -423,6 +423,8 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
             if r.budget is not None
             else f"<{r.abs_budget:.0f}s"
             if r.abs_budget
+            else f"+{r.over_budget}s"
+            if r.over_budget
             else "-"
         )
         base_mb = f"{r.base_peak_mb:.0f}" if r.base_peak_mb else "-"
