@@ -131,7 +131,7 @@ def tiny_qwen3_config() -> dict:
     config = json.loads((CONFIGS / "Qwen3-0.6B.json").read_text())
     config.update(
         vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=1,
     )  # fmt: skip
     return config
 
