@@ -61,6 +61,17 @@ class Table:
         return self.entry.shape[-1]
 
 
+def check_row_range(row: int, total: int, noun: str = "matrix") -> None:
+    """UsageError for a row that is negative or past the last of `total` rows."""
+    if row < 0:
+        raise UsageError(f"row {row} is negative", hint=f"rows run from 0 to {total - 1}")
+    if row >= total:
+        raise UsageError(
+            f"row {row} is out of range: the {noun} has {total:,} rows",
+            hint=f"rows run from 0 to {total - 1}",
+        )
+
+
 def check_matrix(which: str) -> Which:
     """Validate --matrix."""
     if which not in MATRICES:

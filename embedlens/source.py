@@ -260,15 +260,15 @@ def hub_error(
     where = f"'{repo_id}/{filename}'" if filename else f"'{repo_id}'"
     which = f" ({filename})" if filename else ""
     endpoint = constants.ENDPOINT
+    offline = SourceError(
+        f"'{repo_id}'{at} is not in the local hub cache{which} and HF_HUB_OFFLINE is set",
+        hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
+    )
     if isinstance(e, LocalEntryNotFoundError):
         cause = _cause(e)
         if cause is None:
             if hub_offline():
-                return SourceError(
-                    f"'{repo_id}'{at} is not in the local hub cache{which} and "
-                    "HF_HUB_OFFLINE is set",
-                    hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
-                )
+                return offline
             return SourceError(f"'{repo_id}'{at} is not in the local hub cache{which}")
         return hub_error(cause, repo_id, filename, revision) or SourceError(
             f"'{repo_id}'{at} is not in the local hub cache and the hub could not be reached "
@@ -276,10 +276,7 @@ def hub_error(
             hint="check the network, or give a local folder",
         )
     if isinstance(e, OfflineModeIsEnabled):
-        return SourceError(
-            f"'{repo_id}'{at} is not in the local hub cache{which} and HF_HUB_OFFLINE is set",
-            hint="unset HF_HUB_OFFLINE to download it, or give a local folder",
-        )
+        return offline
     if isinstance(e, GatedRepoError):
         return SourceError(
             f"'{repo_id}' is a gated repository and no token with access to it was found",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from embedlens.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
 from embedlens.errors import CheckpointError, UsageError
-from embedlens.matrix import Table
+from embedlens.matrix import Table, check_row_range
 from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlace, TpSplit
 from embedlens.vocab import Vocab
 
@@ -86,13 +86,7 @@ def resolve_rows(
             raise UsageError("empty ROW", hint="give a row id or a token's text")
         if _ID.match(text.strip()):
             row = int(text)
-            if row < 0:
-                raise UsageError(f"row {row} is negative", hint=f"rows run from 0 to {total - 1}")
-            if row >= total:
-                raise UsageError(
-                    f"row {row} is out of range: the table has {total:,} rows",
-                    hint=f"rows run from 0 to {total - 1}",
-                )
+            check_row_range(row, total, "table")
             out.append((text, row, [row]))
             continue
         if vocab is None:

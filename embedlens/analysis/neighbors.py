@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedlens.errors import EmbedlensError, UsageError
-from embedlens.matrix import Rows, Table
+from embedlens.matrix import Rows, Table, check_row_range
 from embedlens.reports.neighbors import (
     Neighbor,
     NeighborsReport,
@@ -97,13 +97,7 @@ def _term(vocab: Vocab, sign: int, word: str, total: int) -> Term:
 
 def check_row(row: int, real: int, total: int) -> None:
     """A row must be a real token's row: UsageError for negative, padding or beyond the matrix."""
-    if row < 0:
-        raise UsageError(f"row {row} is negative", hint=f"rows run from 0 to {total - 1}")
-    if row >= total:
-        raise UsageError(
-            f"row {row} is out of range: the matrix has {total:,} rows",
-            hint=f"rows run from 0 to {total - 1}",
-        )
+    check_row_range(row, total)
     if row >= real:
         raise UsageError(
             f"row {row} is a padding row: the tokenizer has {real:,} tokens, rows from "
