@@ -14,6 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The self-check's float32 residue depends on the CPU's kernels (2.7e-05 on one machine, 5.7e-06
+# on another); the line must still be there, with some value under the tolerance.
+_RESIDUE = re.compile(r"max \|Δ\| = [0-9.e+-]+ ≤")
+
+
+def _same_on_any_cpu(line: str) -> str:
+    return _RESIDUE.sub("max |Δ| = … ≤", line.rstrip())
 
 
 def console_examples() -> list[tuple[str, list[str]]]:
@@ -37,8 +44,8 @@ def test_readme_example_prints_what_it_shows(command, shown, smollm2, tmp_path):
         [sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    printed = {ln.rstrip() for ln in (result.stdout + result.stderr).splitlines()}
-    missing = [ln for ln in shown if ln not in printed]
+    printed = {_same_on_any_cpu(ln) for ln in (result.stdout + result.stderr).splitlines()}
+    missing = [ln for ln in shown if _same_on_any_cpu(ln) not in printed]
     assert not missing, "\n".join(missing)
 
 
