@@ -298,6 +298,7 @@ def lens(
             config = loading.hf_config(source, trust_remote_code=trust_remote_code)
             _check_fits(config, ids, layer_items)  # fail before reading the weights
             index = _position_index(pos, len(ids))
+            load_notes: list[str] = []
             model_obj = loading.load_model(
                 source,
                 dtype=dtype,
@@ -307,6 +308,7 @@ def lens(
                 offload_folder=folder,
                 trust_remote_code=trust_remote_code,
                 config=config,
+                notes=load_notes,
             )
         with progress("Running the lens"):
             grid = pos is None or plot is not None
@@ -316,6 +318,7 @@ def lens(
         report = _report(
             model, tokenizer, model_obj, result, ids, text, chat, pos, index, target, target_id
         )
+        report.notes[:0] = load_notes
     if not report.check.ok:
         warn(
             f"the lens does not reproduce this model's logits (max |Δ| = "
