@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embedlens.errors import UnsupportedError
+from embedlens.errors import NumericError, UnsupportedError
 
 CHUNK_BYTES = 256 * 2**20
 """Logits decoded at once (float32 bytes): rows are decoded in chunks of at most this size."""
@@ -61,8 +61,8 @@ class Check:
 
     @property
     def ok(self) -> bool:
-        """Whether the lens reproduced the model within tolerance."""
-        return self.max_abs_logit_diff <= self.tolerance
+        """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
+        return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
 
 
 @dataclass(frozen=True)
@@ -397,6 +397,8 @@ def run_lens(
     with torch.inference_mode(), _threads_for(model, len(input_ids)):
         cap, logits = _capture(model, blocks, ids, sorted(set(layers) | {n_layers}), pos)
         real = logits.float()
+        if not bool(torch.isfinite(real).all()):
+            raise _model_not_finite(model, blocks, ids, pos, real)
         vocab = int(real.shape[-1])
         if target is not None and not 0 <= target < vocab:
             raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
@@ -461,6 +463,7 @@ class _Job:
             part = order[start : start + chunk]
             h = torch.stack([residual[layer][j].to(device) for layer, j in part])
             out = tail(h).float()
+            _check_decoded(out, part, self.pos)
             last = [i for i, (layer, _) in enumerate(part) if layer == self.n_layers]
             if last:
                 mine = out[last]
@@ -479,6 +482,60 @@ class _Job:
 
     def _top(self, logits: torch.Tensor) -> list[Top]:
         return _top(logits, self.k, self.real_vocab, self.target)
+
+
+def _kind(t: torch.Tensor) -> str:
+    """'NaN' or 'infinite' (NaN first: it is the worse of the two)."""
+    return "NaN" if bool(torch.isnan(t).any()) else "infinite"
+
+
+def _check_decoded(out: torch.Tensor, part: list[tuple[int, int]], pos: torch.Tensor) -> None:
+    """Refuse a decoded row that is not finite (the model's own logits were finite)."""
+    bad = ~torch.isfinite(out).all(-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        layer, j = part[i]
+        raise NumericError(
+            f"decoding layer {layer} at position {int(pos[j])} through the model's final steps "
+            f"gives {_kind(out[i])} logits, though the model's own logits are finite: the lens "
+            "cannot be read there",
+            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
+        )
+
+
+def _model_not_finite(
+    model: nn.Module, blocks: Blocks, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor
+) -> NumericError:
+    """Say where the model's own NaN or infinity starts: the first layer whose residual stream is
+    not finite at the positions read, or the steps after the last block."""
+    n_layers = len(blocks.modules)
+    every = torch.arange(ids.shape[1])  # where it starts may be an earlier position
+    cap, _ = _capture(model, blocks, ids, list(range(n_layers + 1)), every)
+    row = int((~torch.isfinite(real).all(-1)).nonzero()[0, 0])
+    what = f"the model itself gives {_kind(real)} logits at position {int(pos[row])}"
+    first = next(
+        (layer for layer in range(n_layers + 1) if not bool(cap.residual[layer].isfinite().all())),
+        None,
+    )
+    if first == 0:
+        where = "its embedding output (layer 0) is already not finite"
+    elif first is not None:
+        where = f"its residual stream is not finite from layer {first} on (block {first}'s output)"
+    elif cap.head_in is not None and not bool(cap.head_in.isfinite().all()):
+        where = "every block's output is finite; the steps between the last block and the head "
+        where += "(the final norm) are not"
+    elif cap.head_out is not None and not bool(cap.head_out.isfinite().all()):
+        where = "every block's output and the head's input are finite; the head's output is not"
+    else:
+        where = "every block's output is finite; the steps after the last block are not"
+    return NumericError(f"{what}: {where}. No layer can be read from it", hint=_hint(model))
+
+
+def _hint(model: nn.Module) -> str:
+    """16-bit dtypes overflow; in float32, the weights are the likely cause."""
+    if next(model.parameters()).dtype in (torch.float16, torch.bfloat16):
+        return "a 16-bit dtype can overflow: try --dtype float32"
+    return "check the weights: a NaN or infinity in a tensor spreads to everything after it"
 
 
 @contextmanager
