@@ -41,12 +41,17 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Top:
-    """The top-k predictions of one row: ids and probabilities, best first."""
+    """The top-k predictions of one row, best first by logit (ties: the lower id first), with
+    their probabilities under the full softmax (float32, as the model computes them: they may
+    underflow to 0) and their natural-log probabilities (computed in float64: never -inf)."""
 
     ids: list[int]
     probs: list[float]
+    logprobs: list[float] = field(default_factory=list)
     target_prob: float | None = None
     target_rank: int | None = None
+    """1 + the real tokens ranked above the target: a higher logit, or the same and a lower id."""
+    target_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -357,18 +362,36 @@ def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
 
 
 def _top(logits: torch.Tensor, k: int, real_vocab: int, target: int | None) -> list[Top]:
-    """Softmax over the model's whole output; predictions only among the tokenizer's ids."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    real = probs[:, :real_vocab]
-    values, indices = real.topk(min(k, real_vocab), dim=-1)
-    if target is None:
-        return [Top(i.tolist(), v.tolist()) for i, v in zip(indices, values, strict=True)]
-    tp = probs[:, target]
-    rank = (real > tp[:, None]).sum(-1) + 1
-    return [
-        Top(i.tolist(), v.tolist(), float(p), int(r))
-        for i, v, p, r in zip(indices, values, tp, rank, strict=True)
-    ]
+    """Predictions only among the tokenizer's ids, ranked by logit; probabilities from the softmax
+    over the model's whole output (padding rows too), which can underflow where logits cannot."""
+    x = logits.float()
+    probs = torch.softmax(x, dim=-1)
+    real = x[:, :real_vocab]
+    kk = min(k, real_vocab)
+    kth = real.topk(kk, dim=-1).values[:, -1]
+    out: list[Top] = []
+    for r in range(x.shape[0]):
+        lse = torch.logsumexp(x[r].double(), dim=-1)
+        ids = _best_ids(real[r], kth[r], kk)
+        at: dict[str, Any] = {}
+        if target is not None:
+            t = x[r, target]
+            above = (real[r] > t).sum() + (real[r, : min(target, real_vocab)] == t).sum()
+            at = {
+                "target_prob": float(probs[r, target]),
+                "target_rank": int(above) + 1,
+                "target_logprob": float(t.double() - lse),
+            }
+        logprobs = (x[r, ids].double() - lse).tolist()
+        out.append(Top(ids.tolist(), probs[r, ids].tolist(), logprobs, **at))
+    return out
+
+
+def _best_ids(row: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """The k ids of highest logit in one row, best first, equal logits in id order."""
+    candidates = (row >= kth).nonzero().flatten()  # in id order: a stable sort keeps it
+    order = torch.sort(row[candidates], descending=True, stable=True).indices[:k]
+    return candidates[order]
 
 
 def run_lens(
