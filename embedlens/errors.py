@@ -48,3 +48,7 @@ class MissingDependencyError(EmbedlensError):
 
 class ResourceError(EmbedlensError):
     """Not enough memory (or another resource) for what was asked."""
+
+
+class NumericError(EmbedlensError):
+    """The model's computation gives NaN or infinity: no prediction can be read from it."""

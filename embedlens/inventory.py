@@ -253,7 +253,10 @@ def take_inventory(
             )
         model = loading.build_meta_model(source, trust_remote_code=trust_remote_code)
         return from_model(model, config, loaded=False), "meta", model
+    notes: list[str] = []
     model = loading.load_model(
-        source, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        source, dtype=dtype, device=device, trust_remote_code=trust_remote_code, notes=notes
     )
-    return from_model(model, config, loaded=True), "weights", model
+    inv = from_model(model, config, loaded=True)
+    inv.notes.extend(notes)
+    return inv, "weights", model

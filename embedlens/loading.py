@@ -128,7 +128,11 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
 
 
 def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
+    """The message's first line; with the next one when the first only announces it (ends ':')."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> None:
@@ -216,10 +220,13 @@ def load_model(
     offload_folder: str | None = None,
     trust_remote_code: bool = False,
     config: Any = None,
+    notes: list[str] | None = None,
 ) -> Any:
     """Load the causal LM with its weights, in eval mode, gradients off.
 
     `config`, a transformers config already read from the same source, saves reading it again.
+    A weight the checkpoint lacks or holds in another shape is an error (transformers would fill
+    it with random values); tensors the model does not use are appended to `notes`.
     """
     check_source(source, trust_remote_code=trust_remote_code)
     _quiet_transformers()
@@ -237,15 +244,120 @@ def load_model(
         if offload_folder is not None:
             kwargs["offload_folder"] = offload_folder
     preflight.check_load(source, dtype=dtype, device=None if device_map else resolve_device(device))
-    with _translated(source, "loading the model"), gguf_reads_shared(source):
-        model = AutoModelForCausalLM.from_pretrained(
-            where, trust_remote_code=trust_remote_code, use_safetensors=None, **kwargs
+    with (
+        _translated(source, "loading the model"),
+        gguf_reads_shared(source),
+        _conversion_errors_named(source),
+    ):
+        # Mismatched shapes come back in the loading info (and are refused below) instead of
+        # stopping transformers with a pointer to a report it does not show.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            where,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
         )
+    extra = check_loading_info(source, model, info)
+    if notes is not None:
+        notes.extend(extra)
     if device_map is None:
         model.to(resolve_device(device))
     model.eval()
     torch.set_grad_enabled(False)
     return model
+
+
+SHOWN_KEYS = 3
+"""Tensor names a loading error or note lists before saying how many there are in all."""
+
+
+def _natural(name: str) -> tuple[Any, ...]:
+    """Sort key: layers.2 before layers.10."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def _some(names: list[str]) -> str:
+    """The first few names, and how many more."""
+    shown = ", ".join(names[:SHOWN_KEYS])
+    rest = len(names) - SHOWN_KEYS
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+def _shape(shape: Any) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def check_loading_info(source: ModelSource, model: Any, info: dict[str, Any]) -> list[str]:
+    """Refuse a model that transformers completed with random values; return notes on tensors
+    the checkpoint holds that the model does not use.
+
+    Missing weights that are legitimately absent (a head tied to the embedding, keys the model
+    class says to ignore) are already left out by transformers; buffers the model computes (rotary
+    frequencies, position ids) are not weights and pass too.
+    """
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted((k for k in info.get("missing_keys", ()) if k in params), key=_natural)
+    mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: _natural(m[0]))
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        more = f" ({len(mismatched)} tensors in all: {_some([m[0] for m in mismatched])})"
+        raise CheckpointError(
+            f"'{source.spec}' does not fit its config: {name} is {_shape(stored)} in the "
+            f"checkpoint but {_shape(expected)} in the model the config describes"
+            + (more if len(mismatched) > 1 else ""),
+            hint="the config and the weights come from different models, or one was edited",
+        )
+    if missing:
+        raise CheckpointError(
+            f"'{source.spec}' lacks {len(missing)} of the model's weights ({_some(missing)}): "
+            "transformers would fill the gap with random values",
+            hint="the checkpoint is incomplete, or its config describes a larger model",
+        )
+    unexpected = sorted(info.get("unexpected_keys", ()), key=_natural)
+    if not unexpected:
+        return []
+    return [
+        f"the checkpoint holds {len(unexpected)} tensor{'s' * (len(unexpected) > 1)} the model "
+        "does not use "
+        f"({_some(unexpected)}); they were left out"
+    ]
+
+
+@contextmanager
+def _conversion_errors_named(source: ModelSource) -> Iterator[None]:
+    """When transformers stops on weights it could not convert, name them (it points to a report
+    it logs, and embedlens keeps transformers' logs quiet)."""
+    from transformers import modeling_utils
+
+    original = modeling_utils.log_state_dict_report
+    seen: list[Any] = []
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("loading_info"))
+        return original(*args, **kwargs)
+
+    modeling_utils.log_state_dict_report = capture
+    try:
+        yield
+    except RuntimeError as e:
+        errors = getattr(seen[-1], "conversion_errors", None) if seen else None
+        if not errors:
+            raise
+        names = sorted(errors, key=_natural)
+        raise CheckpointError(
+            f"'{source.spec}': transformers could not convert {len(names)} of the checkpoint's "
+            f"weights ({_some(names)}): {_exception_line(errors[names[0]])}"
+        ) from e
+    finally:
+        modeling_utils.log_state_dict_report = original
+
+
+def _exception_line(text: str) -> str:
+    """The exception's own line in a traceback transformers kept as text."""
+    lines = [line for line in text.splitlines() if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    return lines[-1] if lines else _first_line(text)
 
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:

@@ -250,7 +250,8 @@ def test_smollm2_paris_and_every_layer_as_plain_transformers(
     last = data["layers"][-1]
     assert last["top"][0]["token"] == " Paris"
     assert last["top"][0]["prob"] == pytest.approx(0.773, abs=5e-4)
-    assert last["target"] == {"prob": last["top"][0]["prob"], "rank": 1}
+    top1 = last["top"][0]
+    assert last["target"] == {"prob": top1["prob"], "rank": 1, "logprob": top1["logprob"]}
     assert data["target"] == {"text": " Paris", "id": tok.convert_tokens_to_ids("ĠParis"),
                               "token": " Paris"}  # fmt: skip
     with torch.no_grad():
@@ -263,10 +264,12 @@ def test_smollm2_paris_and_every_layer_as_plain_transformers(
             else:
                 logits = out.logits[0, -1]
             probs = logits.softmax(-1)
-            assert [t["id"] for t in row["top"]] == probs.topk(5).indices.tolist(), layer
+            assert [t["id"] for t in row["top"]] == logits.topk(5).indices.tolist(), layer
             assert_top(row["top"], probs, len(tok), 1e-4)
-            assert row["target"]["prob"] == pytest.approx(float(probs[data["target"]["id"]]),
-                                                          abs=1e-4)  # fmt: skip
+            target = data["target"]["id"]
+            assert row["target"]["prob"] == pytest.approx(float(probs[target]), abs=1e-4)
+            real = logits[: len(tok)]
+            assert row["target"]["rank"] == int((real > logits[target]).sum()) + 1, layer
 
 
 # --- options -------------------------------------------------------------------------------------

@@ -335,3 +335,24 @@ def test_bad_input(cli, hand_set, args, message):
 
 def test_bad_model(cli, tmp_path):
     assert "no such file or directory" in cli.fails("neighbors", tmp_path / "nope", "king", code=1)
+
+
+def test_rows_without_a_cosine_never_rank(cli, tiny, tmp_path):
+    """A zero row and a NaN row have no cosine: even with k past the vocabulary they are not
+    listed (a NaN once reached the JSON writer), and a NaN query row is named as such."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "holes"
+    shutil.copytree(tiny("llama-tied"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    table = tensors["model.embed_tokens.weight"]
+    queen, man = len(SPECIALS) + WORDS.index("queen"), len(SPECIALS) + WORDS.index("man")
+    table[queen] = float("nan")
+    table[man] = 0.0
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    searched = cli.json("neighbors", folder, "king")["searched_rows"]
+    data = cli.json("neighbors", folder, "king", "-k", searched)
+    ids = [n["id"] for n in data["queries"][0]["neighbors"]]
+    assert queen not in ids and man not in ids
+    assert len(ids) == searched - 3  # every row searched but king, queen and man
+    assert "holds NaN or infinity" in cli.fails("neighbors", folder, "queen", code=1)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embedlens.errors import UnsupportedError
+from embedlens.errors import NumericError, UnsupportedError
 
 CHUNK_BYTES = 256 * 2**20
 """Logits decoded at once (float32 bytes): rows are decoded in chunks of at most this size."""
@@ -41,12 +41,17 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Top:
-    """The top-k predictions of one row: ids and probabilities, best first."""
+    """The top-k predictions of one row, best first by logit (ties: the lower id first), with
+    their probabilities under the full softmax (float32, as the model computes them: they may
+    underflow to 0) and their natural-log probabilities (computed in float64: never -inf)."""
 
     ids: list[int]
     probs: list[float]
+    logprobs: list[float] = field(default_factory=list)
     target_prob: float | None = None
     target_rank: int | None = None
+    """1 + the real tokens ranked above the target: a higher logit, or the same and a lower id."""
+    target_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,8 @@ class Check:
 
     @property
     def ok(self) -> bool:
-        """Whether the lens reproduced the model within tolerance."""
-        return self.max_abs_logit_diff <= self.tolerance
+        """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
+        return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
 
 
 @dataclass(frozen=True)
@@ -357,18 +362,36 @@ def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
 
 
 def _top(logits: torch.Tensor, k: int, real_vocab: int, target: int | None) -> list[Top]:
-    """Softmax over the model's whole output; predictions only among the tokenizer's ids."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    real = probs[:, :real_vocab]
-    values, indices = real.topk(min(k, real_vocab), dim=-1)
-    if target is None:
-        return [Top(i.tolist(), v.tolist()) for i, v in zip(indices, values, strict=True)]
-    tp = probs[:, target]
-    rank = (real > tp[:, None]).sum(-1) + 1
-    return [
-        Top(i.tolist(), v.tolist(), float(p), int(r))
-        for i, v, p, r in zip(indices, values, tp, rank, strict=True)
-    ]
+    """Predictions only among the tokenizer's ids, ranked by logit; probabilities from the softmax
+    over the model's whole output (padding rows too), which can underflow where logits cannot."""
+    x = logits.float()
+    probs = torch.softmax(x, dim=-1)
+    real = x[:, :real_vocab]
+    kk = min(k, real_vocab)
+    kth = real.topk(kk, dim=-1).values[:, -1]
+    out: list[Top] = []
+    for r in range(x.shape[0]):
+        lse = torch.logsumexp(x[r].double(), dim=-1)
+        ids = _best_ids(real[r], kth[r], kk)
+        at: dict[str, Any] = {}
+        if target is not None:
+            t = x[r, target]
+            above = (real[r] > t).sum() + (real[r, : min(target, real_vocab)] == t).sum()
+            at = {
+                "target_prob": float(probs[r, target]),
+                "target_rank": int(above) + 1,
+                "target_logprob": float(t.double() - lse),
+            }
+        logprobs = (x[r, ids].double() - lse).tolist()
+        out.append(Top(ids.tolist(), probs[r, ids].tolist(), logprobs, **at))
+    return out
+
+
+def _best_ids(row: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """The k ids of highest logit in one row, best first, equal logits in id order."""
+    candidates = (row >= kth).nonzero().flatten()  # in id order: a stable sort keeps it
+    order = torch.sort(row[candidates], descending=True, stable=True).indices[:k]
+    return candidates[order]
 
 
 def run_lens(
@@ -397,6 +420,8 @@ def run_lens(
     with torch.inference_mode(), _threads_for(model, len(input_ids)):
         cap, logits = _capture(model, blocks, ids, sorted(set(layers) | {n_layers}), pos)
         real = logits.float()
+        if not bool(torch.isfinite(real).all()):
+            raise _model_not_finite(model, blocks, ids, pos, real)
         vocab = int(real.shape[-1])
         if target is not None and not 0 <= target < vocab:
             raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
@@ -461,6 +486,7 @@ class _Job:
             part = order[start : start + chunk]
             h = torch.stack([residual[layer][j].to(device) for layer, j in part])
             out = tail(h).float()
+            _check_decoded(out, part, self.pos)
             last = [i for i, (layer, _) in enumerate(part) if layer == self.n_layers]
             if last:
                 mine = out[last]
@@ -479,6 +505,60 @@ class _Job:
 
     def _top(self, logits: torch.Tensor) -> list[Top]:
         return _top(logits, self.k, self.real_vocab, self.target)
+
+
+def _kind(t: torch.Tensor) -> str:
+    """'NaN' or 'infinite' (NaN first: it is the worse of the two)."""
+    return "NaN" if bool(torch.isnan(t).any()) else "infinite"
+
+
+def _check_decoded(out: torch.Tensor, part: list[tuple[int, int]], pos: torch.Tensor) -> None:
+    """Refuse a decoded row that is not finite (the model's own logits were finite)."""
+    bad = ~torch.isfinite(out).all(-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        layer, j = part[i]
+        raise NumericError(
+            f"decoding layer {layer} at position {int(pos[j])} through the model's final steps "
+            f"gives {_kind(out[i])} logits, though the model's own logits are finite: the lens "
+            "cannot be read there",
+            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
+        )
+
+
+def _model_not_finite(
+    model: nn.Module, blocks: Blocks, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor
+) -> NumericError:
+    """Say where the model's own NaN or infinity starts: the first layer whose residual stream is
+    not finite at the positions read, or the steps after the last block."""
+    n_layers = len(blocks.modules)
+    every = torch.arange(ids.shape[1])  # where it starts may be an earlier position
+    cap, _ = _capture(model, blocks, ids, list(range(n_layers + 1)), every)
+    row = int((~torch.isfinite(real).all(-1)).nonzero()[0, 0])
+    what = f"the model itself gives {_kind(real)} logits at position {int(pos[row])}"
+    first = next(
+        (layer for layer in range(n_layers + 1) if not bool(cap.residual[layer].isfinite().all())),
+        None,
+    )
+    if first == 0:
+        where = "its embedding output (layer 0) is already not finite"
+    elif first is not None:
+        where = f"its residual stream is not finite from layer {first} on (block {first}'s output)"
+    elif cap.head_in is not None and not bool(cap.head_in.isfinite().all()):
+        where = "every block's output is finite; the steps between the last block and the head "
+        where += "(the final norm) are not"
+    elif cap.head_out is not None and not bool(cap.head_out.isfinite().all()):
+        where = "every block's output and the head's input are finite; the head's output is not"
+    else:
+        where = "every block's output is finite; the steps after the last block are not"
+    return NumericError(f"{what}: {where}. No layer can be read from it", hint=_hint(model))
+
+
+def _hint(model: nn.Module) -> str:
+    """16-bit dtypes overflow; in float32, the weights are the likely cause."""
+    if next(model.parameters()).dtype in (torch.float16, torch.bfloat16):
+        return "a 16-bit dtype can overflow: try --dtype float32"
+    return "check the weights: a NaN or infinity in a tensor spreads to everything after it"
 
 
 @contextmanager

@@ -141,8 +141,9 @@ def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
         for t in q.terms:
             n = norms[where[t.token_id]]
             if n == 0 or not np.isfinite(n):
+                what = "is all zeros" if n == 0 else "holds NaN or infinity"
                 raise EmbedlensError(
-                    f"row {t.token_id} ('{t.token}') is all zeros: it has no direction to compare"
+                    f"row {t.token_id} ('{t.token}') {what}: it has no direction to compare"
                 )
             out[qi] += t.sign * block[where[t.token_id]] / n
         total = np.linalg.norm(out[qi])
@@ -169,16 +170,13 @@ def cosines(rows: Rows, vectors: npt.NDArray[np.float32], real: int) -> npt.NDAr
 def top_k(
     scores: npt.NDArray[np.float32], allowed: npt.NDArray[np.bool_], own: list[int], k: int
 ) -> list[tuple[int, float]]:
-    """The k best rows by score among the allowed ones, ties broken by id."""
-    col = np.where(allowed, scores, -np.inf)
-    col = np.where(np.isnan(col), -np.inf, col)
+    """The k best rows by score among the allowed ones, ties broken by id; rows whose cosine is
+    not a number (a zero row, or one holding NaN) are never among them."""
+    col = np.where(allowed & np.isfinite(scores), scores, -np.inf)
     for row in own:
         if row < col.shape[0]:
             col[row] = -np.inf
-    candidates = int(np.count_nonzero(allowed)) - sum(
-        1 for r in set(own) if r < allowed.shape[0] and allowed[r]
-    )
-    k = min(k, candidates)
+    k = min(k, int(np.count_nonzero(np.isfinite(col))))  # a row without a cosine never ranks
     if k <= 0:
         return []
     idx = np.argpartition(-col, k - 1)[:k] if k < col.shape[0] else np.arange(col.shape[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -298,6 +299,7 @@ def lens(
             config = loading.hf_config(source, trust_remote_code=trust_remote_code)
             _check_fits(config, ids, layer_items)  # fail before reading the weights
             index = _position_index(pos, len(ids))
+            load_notes: list[str] = []
             model_obj = loading.load_model(
                 source,
                 dtype=dtype,
@@ -307,6 +309,7 @@ def lens(
                 offload_folder=folder,
                 trust_remote_code=trust_remote_code,
                 config=config,
+                notes=load_notes,
             )
         with progress("Running the lens"):
             grid = pos is None or plot is not None
@@ -316,6 +319,7 @@ def lens(
         report = _report(
             model, tokenizer, model_obj, result, ids, text, chat, pos, index, target, target_id
         )
+        report.notes[:0] = load_notes
     if not report.check.ok:
         warn(
             f"the lens does not reproduce this model's logits (max |Δ| = "
@@ -485,10 +489,13 @@ def _report(
         rows.append(
             LensLayer(
                 layer=layer,
-                top=[Prediction(i, tok(i), p) for i, p in zip(top.ids, top.probs, strict=True)],
+                top=[
+                    Prediction(i, tok(i), p, lp)
+                    for i, p, lp in zip(top.ids, top.probs, top.logprobs, strict=True)
+                ],
                 target=None
-                if top.target_prob is None or top.target_rank is None
-                else TargetAt(top.target_prob, top.target_rank),
+                if top.target_prob is None or top.target_rank is None or top.target_logprob is None
+                else TargetAt(top.target_prob, top.target_rank, top.target_logprob),
             )
         )
     grid = None
@@ -502,6 +509,7 @@ def _report(
                         id=result.rows[(layer, p)].ids[0],
                         token=tok(result.rows[(layer, p)].ids[0]),
                         prob=result.rows[(layer, p)].probs[0],
+                        logprob=result.rows[(layer, p)].logprobs[0],
                     )
                     for p in sorted(result.positions)
                 ],
@@ -550,10 +558,16 @@ def _report(
     )
 
 
-def _prob(p: float) -> str:
-    if p == 0:
-        return "0"  # below float32's smallest number
-    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+def _prob(p: float, logprob: float, digits: int = 3) -> str:
+    """A probability as the table shows it; a small one from its log, which never underflows
+    (float32 gives 0 below about 1e-45, and a 0 would read as less likely than it is)."""
+    if p >= 10**-digits:
+        return f"{p:.{digits}f}"
+    exponent = math.floor(logprob / math.log(10))
+    mantissa = math.exp(logprob - exponent * math.log(10))
+    if mantissa >= 9.95:  # rounds up to the next power of ten
+        mantissa, exponent = mantissa / 10, exponent + 1
+    return f"{mantissa:.1f}e{exponent:+03d}"
 
 
 def render_lens(r: LensReport) -> RenderableType:
@@ -584,14 +598,16 @@ def render_lens(r: LensReport) -> RenderableType:
             label += " emb"
         elif row.layer == r.num_layers:
             label += " out"
-        cells: list[Text | str] = [label, quoted(row.top[0].token), _prob(row.top[0].prob)]
+        best = row.top[0]
+        cells: list[Text | str] = [label, quoted(best.token), _prob(best.prob, best.logprob)]
         if len(row.top) > 1:
             rest = Text()
             for pred in row.top[1:]:
-                rest.append_text(quoted(pred.token)).append(f" {_prob(pred.prob)}  ", style="dim")
+                shown = _prob(pred.prob, pred.logprob)
+                rest.append_text(quoted(pred.token)).append(f" {shown}  ", style="dim")
             cells.append(rest)
         if r.target is not None and row.target is not None:
-            cells += [_prob(row.target.prob), str(row.target.rank)]
+            cells += [_prob(row.target.prob, row.target.logprob), str(row.target.rank)]
         table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
     parts.append(table)
     if r.grid is not None:
@@ -609,7 +625,10 @@ def _render_grid(r: LensReport) -> Table:
     for row in r.grid:
         grid.add_row(
             str(row.layer),
-            *(quoted(c.token).append(f" {c.prob:.2f}", style="dim") for c in row.cells),
+            *(
+                quoted(c.token).append(f" {_prob(c.prob, c.logprob, 2)}", style="dim")
+                for c in row.cells
+            ),
         )
     return grid
 

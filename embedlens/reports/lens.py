@@ -17,19 +17,23 @@ class LensToken:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A token and its probability under the model's full softmax."""
+    """A token and its probability under the model's full softmax (float32: 0 once it
+    underflows), with its natural-log probability (never underflows)."""
 
     id: int
     token: str
     prob: float
+    logprob: float
 
 
 @dataclass(frozen=True)
 class TargetAt:
-    """The --target token at one layer: its probability and rank (1 = top) among real tokens."""
+    """The --target token at one layer: its probability, natural-log probability and rank (1 =
+    top, by logit) among real tokens."""
 
     prob: float
     rank: int
+    logprob: float
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class GridCell:
     id: int
     token: str
     prob: float
+    logprob: float
 
 
 @dataclass(frozen=True)

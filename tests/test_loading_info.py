@@ -1,0 +1,117 @@
+"""A load that transformers would complete with random values is refused (issue: `lens` on
+random weights): a weight the checkpoint lacks or holds in another shape is an error naming it;
+a tied head or a computed buffer is not; tensors the model does not use are a note."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+PROMPT = "the king of France is"
+
+
+def broken(
+    tmp_path: Path,
+    folder: Path,
+    edit: Callable[[dict[str, torch.Tensor]], None],
+    config: dict[str, object] | None = None,
+) -> Path:
+    """A copy of a tiny model whose model.safetensors (and config) were edited."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / (folder.name + "-broken")
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        path = out / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return out
+
+
+def test_untied_model_without_its_head(cli, tiny, tmp_path):
+    folder = broken(tmp_path, tiny("llama-untied"), lambda t: t.pop("lm_head.weight"))
+    err = cli.fails("lens", folder, PROMPT, code=1)
+    assert "lacks 1 of the model's weights (lm_head.weight)" in err
+    assert "random values" in err
+    for command in ("params", "tied"):
+        assert "lm_head.weight" in cli.fails(command, folder, "--load", code=1)
+
+
+def test_one_projection_missing(cli, tiny, tmp_path):
+    name = "model.layers.1.self_attn.q_proj.weight"
+    folder = broken(tmp_path, tiny("llama-untied"), lambda t: t.pop(name))
+    assert f"lacks 1 of the model's weights ({name})" in cli.fails("lens", folder, PROMPT, code=1)
+
+
+def test_config_with_more_layers_than_stored(cli, tiny, tmp_path):
+    folder = broken(tmp_path, tiny("llama-untied"), lambda t: None, {"num_hidden_layers": 6})
+    err = cli.fails("lens", folder, PROMPT, code=1)
+    assert "lacks 27 of the model's weights (model.layers.3.input_layernorm.weight, " in err
+    assert "and 24 more" in err
+
+
+def test_mismatched_shape_names_tensor_and_both_shapes(cli, tiny, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    folder = broken(tmp_path, tiny("llama-untied"), lambda t: t.update({name: torch.zeros(60, 32)}))
+    err = cli.fails("tied", folder, "--load", code=1)
+    assert f"{name} is [60, 32] in the checkpoint but [64, 32] in the model" in err
+    assert "above report" not in err
+
+
+def test_conversion_failure_names_the_tensor(cli, tiny, tmp_path):
+    """Per-expert weights merged on load: one of another shape stops transformers' conversion."""
+    name = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    folder = broken(tmp_path, tiny("qwen3-moe"), lambda t: t.update({name: torch.zeros(15, 32)}))
+    err = cli.fails("params", folder, "--load", code=1)
+    assert "could not convert 1 of the checkpoint's weights" in err
+    assert "model.layers.0.mlp.experts.gate_up_proj" in err and "[15, 32]" in err
+    assert "above report" not in err
+
+
+def test_unexpected_tensor_is_a_note(cli, tiny, tmp_path):
+    folder = broken(tmp_path, tiny("llama-untied"), lambda t: t.update({"extra.w": torch.ones(3)}))
+    result = cli("lens", folder, PROMPT, "--layers", "-1")
+    assert result.exit_code == 0, result.stderr
+    assert "note: the checkpoint holds 1 tensor the model does not use (extra.w)" in result.stderr
+    assert "✓ self-check" in result.stdout
+
+
+def test_stored_copy_of_tied_head_and_computed_buffers_pass(cli, tiny, tmp_path):
+    """A tied head the checkpoint also stores, rotary inv_freq (never stored): no error, no note."""
+
+    def add_head(t: dict[str, torch.Tensor]) -> None:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    for folder in (tiny("llama-tied"), broken(tmp_path, tiny("llama-tied"), add_head)):
+        result = cli("tied", folder, "--load")
+        assert result.exit_code == 0, result.stderr
+        assert "does not use" not in result.stderr and "error" not in result.stderr
+
+
+def test_gguf_with_more_blocks_than_stored(cli, smollm2, tmp_path):
+    """SmolLM2's block_count raised from 30 to 40: blocks 30..39 are not in the file."""
+    data = bytearray(smollm2.read_bytes())
+    key = b"llama.block_count"
+    at = data.find(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, 30)  # uint32, 30 blocks
+    struct.pack_into("<I", data, at + 4, 40)
+    path = tmp_path / "SmolLM2-40-blocks.gguf"
+    path.write_bytes(bytes(data))
+    err = cli.fails("lens", path, "The capital of France is", code=1)
+    assert "lacks 90 of the model's weights (model.layers.30." in err
+    assert "and 87 more" in err
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "gemma2", "phi", "qwen3-moe"])
+def test_complete_checkpoints_load_silently(cli, tiny, family):
+    result = cli("tied", tiny(family), "--load")
+    assert result.exit_code == 0, result.stderr
+    assert "note:" not in result.stderr
