@@ -245,6 +245,7 @@ def take_inventory(
     from embedlens import loading
 
     config = read_config(source, trust_remote_code=trust_remote_code)
+    built_in = config.builtin_code_note(trust_remote_code=trust_remote_code)
     if mode == "meta":
         if source.is_gguf:
             raise UsageError(
@@ -252,8 +253,12 @@ def take_inventory(
                 hint="drop --meta-only",
             )
         model = loading.build_meta_model(source, trust_remote_code=trust_remote_code)
-        return from_model(model, config, loaded=False), "meta", model
-    model = loading.load_model(
-        source, dtype=dtype, device=device, trust_remote_code=trust_remote_code
-    )
-    return from_model(model, config, loaded=True), "weights", model
+        inv = from_model(model, config, loaded=False)
+    else:
+        model = loading.load_model(
+            source, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        )
+        inv = from_model(model, config, loaded=True)
+    if built_in is not None:
+        inv.notes.append(built_in)
+    return inv, mode, model
