@@ -87,18 +87,25 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     """Inventory from headers: buffers skipped, a tied head stored twice counted once."""
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
     skipped = sorted(n for n, s in shapes.items() if is_buffer_name(n, s))
-    embedding = find_embedding(shapes, config.vocab_size)
+    # Tensors whose shard was not read (offline) are known by name: a matrix named as the
+    # embedding or the head is still found, with an unknown [?, ?] shape (-1, -1).
+    named = {**{n: (-1, -1) for n in ckpt.unread}, **shapes}
+    embedding = find_embedding(named, config.vocab_size)
     if embedding is None:
         raise CheckpointError(
             "no input embedding found among the checkpoint's tensors",
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
-    head = find_head(shapes, embedding)
+    head = find_head(named, embedding)
     notes: list[str] = []
     stored_head = None
     tied = head is None
     if head is not None and config.tie_word_embeddings is True:
-        equal = same_bytes(ckpt.tensors[embedding], ckpt.tensors[head])
+        equal = (
+            None
+            if head in ckpt.unread or embedding in ckpt.unread
+            else same_bytes(ckpt.tensors[embedding], ckpt.tensors[head])
+        )
         if equal is False:
             notes.append(
                 f"the config ties the head to the embedding, but the checkpoint stores a "
@@ -127,7 +134,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     if ckpt.format == "gguf" and len(dtypes) > 1:
         dtype = "mixed (" + ", ".join(sorted(dtypes)) + ")"
     _warn_packed(config, dtypes, notes)
-    v, d = shapes[embedding][0], shapes[embedding][-1]
+    v, d = named[embedding][0], named[embedding][-1]
     return Inventory(
         items=items,
         embedding=embedding,
