@@ -84,6 +84,9 @@ class Checkpoint:
     files: tuple[str, ...]
     gguf: GGUFHeader | None = None
     header_lengths: dict[str, int] = field(default_factory=dict)
+    unread: dict[str, str] = field(default_factory=dict)
+    """Tensors named by the index whose shard is not in the hub cache while offline (name to
+    shard); their headers were not read, so they are not in `tensors`. Only with `partial`."""
 
 
 @dataclass(frozen=True)
@@ -289,8 +292,13 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def open_checkpoint(source: ModelSource) -> Checkpoint | None:
-    """Read every tensor's header entry; None when the weights are not in safetensors or GGUF."""
+def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint | None:
+    """Read every tensor's header entry; None when the weights are not in safetensors or GGUF.
+
+    `partial`: a hub repo's shards that are not cached while offline are left unread (their
+    tensors, named by the index, go in `unread`) rather than an error; for a command that reads
+    only some tensors.
+    """
     if source.is_gguf:
         assert source.path is not None
         return gguf_checkpoint(source.path)
@@ -312,18 +320,20 @@ def open_checkpoint(source: ModelSource) -> Checkpoint | None:
         header = read_safetensors_header(path, shard)
         lengths[shard] = header.header_length
         tensors.update(header.tensors)
-    if remote:
+    unread: dict[str, str] = {}
+    if remote and partial and hub_offline():
+        index = source.cached(WEIGHT_INDEX)
+        weight_map = _read_index(index) if index is not None else {}
+        unread = {n: s for n, s in weight_map.items() if s in remote}
+    elif remote:
         tensors.update(_remote_headers(source, remote))
-    return Checkpoint("safetensors", tensors, tuple(names), header_lengths=lengths)
+    return Checkpoint("safetensors", tensors, tuple(names), header_lengths=lengths, unread=unread)
 
 
 def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorEntry]:
     """Headers of hub files that are not cached, read over HTTP ranges (no weights downloaded)."""
     if hub_offline():
-        raise SourceError(
-            f"the weights of '{source.spec}' are not in the local hub cache and HF_HUB_OFFLINE is set",
-            hint="use --meta-only to count from the config alone, or unset HF_HUB_OFFLINE",
-        )
+        raise offline_error(source, shards[0], len(shards))
     from huggingface_hub import HfApi
     from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
 
@@ -356,6 +366,16 @@ def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorE
                 nbytes=end - begin,
             )
     return out
+
+
+def offline_error(source: ModelSource, shard: str, count: int = 1) -> SourceError:
+    """A weights file (one of `count`) the command needs is not cached, and offline."""
+    more = f", and {count - 1} more weights file{'s' if count > 2 else ''}" if count > 1 else ""
+    return SourceError(
+        f"'{source.spec}' is not in the local hub cache ({shard}{more}) and HF_HUB_OFFLINE is set",
+        hint="unset HF_HUB_OFFLINE to download it, or use --meta-only to count from the config "
+        "alone",
+    )
 
 
 def same_bytes(a: TensorEntry, b: TensorEntry, *, chunk: int = 1 << 20) -> bool | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from embedlens.anatomy import find_embedding, find_head, is_buffer_name
+from embedlens.anatomy import find_embedding, find_head, is_buffer_name, place
 from embedlens.checkpoint import (
     TORCH_DTYPE_NAMES,
     Checkpoint,
@@ -17,7 +17,7 @@ from embedlens.checkpoint import (
     open_checkpoint,
     same_bytes,
 )
-from embedlens.errors import CheckpointError, UnsupportedError, UsageError
+from embedlens.errors import CheckpointError, ConfigError, UnsupportedError, UsageError
 from embedlens.gguf_header import GGUFHeader, LazyArray
 from embedlens.modelconfig import ModelConfig, from_dict, parse_config
 from embedlens.source import ModelSource
@@ -87,18 +87,25 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     """Inventory from headers: buffers skipped, a tied head stored twice counted once."""
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
     skipped = sorted(n for n, s in shapes.items() if is_buffer_name(n, s))
-    embedding = find_embedding(shapes, config.vocab_size)
+    # Tensors whose shard was not read (offline) are known by name: a matrix named as the
+    # embedding or the head is still found, with an unknown [?, ?] shape (-1, -1).
+    named = {**{n: (-1, -1) for n in ckpt.unread}, **shapes}
+    embedding = find_embedding(named, config.vocab_size)
     if embedding is None:
         raise CheckpointError(
             "no input embedding found among the checkpoint's tensors",
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
-    head = find_head(shapes, embedding)
+    head = find_head(named, embedding)
     notes: list[str] = []
     stored_head = None
     tied = head is None
     if head is not None and config.tie_word_embeddings is True:
-        equal = same_bytes(ckpt.tensors[embedding], ckpt.tensors[head])
+        equal = (
+            None
+            if head in ckpt.unread or embedding in ckpt.unread
+            else same_bytes(ckpt.tensors[embedding], ckpt.tensors[head])
+        )
         if equal is False:
             notes.append(
                 f"the config ties the head to the embedding, but the checkpoint stores a "
@@ -127,20 +134,82 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     if ckpt.format == "gguf" and len(dtypes) > 1:
         dtype = "mixed (" + ", ".join(sorted(dtypes)) + ")"
     _warn_packed(config, dtypes, notes)
-    v, d = shapes[embedding][0], shapes[embedding][-1]
+    v = named[embedding][0]
+    stored_layers = _count_layers(items)
+    disagree = {label: (said, stored) for label, said, stored in mismatches(config, ckpt)}
+    for label, (said, stored) in disagree.items():
+        notes.append(
+            f"the config and the checkpoint disagree: the config says {label} {said:,}, the "
+            f"checkpoint stores {stored:,}; the figures here are the checkpoint's"
+        )
+    hidden = config.hidden_size if config.hidden_size and "width" not in disagree else None
     return Inventory(
         items=items,
         embedding=embedding,
         head=head,
         tied=tied,
-        vocab_size=config.vocab_size or v,
-        hidden_size=config.hidden_size or d,
-        num_layers=config.num_layers or _count_layers(items),
+        vocab_size=v if v > 0 else config.vocab_size or 0,
+        hidden_size=hidden or named[embedding][-1],
+        num_layers=stored_layers
+        if "layers" in disagree or not config.num_layers
+        else config.num_layers,
         dtype=dtype,
         config=config,
         stored_head=stored_head,
         skipped=skipped,
         notes=notes,
+    )
+
+
+def mismatches(config: ModelConfig, ckpt: Checkpoint) -> list[tuple[str, int, int]]:
+    """Where the config and the checkpoint's shapes disagree: (what, config's figure, stored
+    figure) for the embedding's rows (vocabulary size), its width, and the number of blocks."""
+    shapes = {name: t.shape for name, t in ckpt.tensors.items()}
+    embedding = find_embedding(shapes, config.vocab_size)
+    out: list[tuple[str, int, int]] = []
+    if embedding is not None and len(shapes[embedding]) == 2:
+        rows, width = shapes[embedding]
+        if config.vocab_size is not None and config.vocab_size != rows:
+            out.append(("vocabulary size (embedding rows)", config.vocab_size, rows))
+        said = _embedding_width(config)
+        if said is not None and said != width:
+            out.append(("width", said, width))
+    layers = {
+        place(n, embedding=(), head=()).layer for n, s in shapes.items() if not is_buffer_name(n, s)
+    }
+    layers.discard(None)
+    said_layers = config.num_layers
+    if layers and said_layers is not None:
+        extra = config.text.get("num_nextn_predict_layers")  # DeepSeek-V3's stored MTP block
+        allowed = {said_layers} | ({said_layers + extra} if isinstance(extra, int) else set())
+        if len(layers) not in allowed:
+            out.append(("layers", said_layers, len(layers)))
+    return out
+
+
+def _embedding_width(config: ModelConfig) -> int | None:
+    """The embedding's row length the config implies (OPT's word_embed_proj_dim, ALBERT-style
+    embedding_size, else the model width)."""
+    for key in ("word_embed_proj_dim", "embedding_size"):
+        value = config.text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return config.hidden_size
+
+
+def check_matches(source: ModelSource, config: ModelConfig, ckpt: Checkpoint) -> None:
+    """Refuse (ConfigError) a config whose sizes the checkpoint's shapes contradict: transformers
+    would allocate the config's sizes, then fail or fill the difference with random values."""
+    found = mismatches(config, ckpt)
+    if not found:
+        return
+    label, said, stored = found[0]
+    what = "config.json" if not source.is_gguf else "the GGUF metadata"
+    more = f" (and {len(found) - 1} more disagreement)" if len(found) > 1 else ""
+    raise ConfigError(
+        f"{what} of '{source.spec}' says {label} {said:,}, but the checkpoint stores "
+        f"{stored:,}{more}: the model would not be the one stored",
+        hint="fix the config to match the weights (params and tied read the weights as stored)",
     )
 
 
@@ -245,6 +314,7 @@ def take_inventory(
     from embedlens import loading
 
     config = read_config(source, trust_remote_code=trust_remote_code)
+    built_in = config.builtin_code_note(trust_remote_code=trust_remote_code)
     if mode == "meta":
         if source.is_gguf:
             raise UsageError(
@@ -252,11 +322,14 @@ def take_inventory(
                 hint="drop --meta-only",
             )
         model = loading.build_meta_model(source, trust_remote_code=trust_remote_code)
-        return from_model(model, config, loaded=False), "meta", model
-    notes: list[str] = []
-    model = loading.load_model(
-        source, dtype=dtype, device=device, trust_remote_code=trust_remote_code, notes=notes
-    )
-    inv = from_model(model, config, loaded=True)
-    inv.notes.extend(notes)
-    return inv, "weights", model
+        inv = from_model(model, config, loaded=False)
+    else:
+        notes: list[str] = []
+        model = loading.load_model(
+            source, dtype=dtype, device=device, trust_remote_code=trust_remote_code, notes=notes
+        )
+        inv = from_model(model, config, loaded=True)
+        inv.notes.extend(notes)
+    if built_in is not None:
+        inv.notes.append(built_in)
+    return inv, mode, model

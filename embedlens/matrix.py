@@ -11,7 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
-from embedlens.checkpoint import Checkpoint, TensorEntry, open_checkpoint, read_safetensors_header
+from embedlens.checkpoint import (
+    Checkpoint,
+    TensorEntry,
+    offline_error,
+    open_checkpoint,
+    read_safetensors_header,
+)
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.inventory import from_checkpoint, read_config
 from embedlens.modelconfig import ModelConfig
@@ -83,7 +89,7 @@ def locate(
     source: ModelSource, which: Which = "input", *, trust_remote_code: bool = False
 ) -> Table:
     """Find the embedding (or the head) from the checkpoint's headers; no weights are read."""
-    ckpt = open_checkpoint(source)
+    ckpt = open_checkpoint(source, partial=True)
     if ckpt is None:
         raise CheckpointError(
             f"'{source.spec}' has no safetensors or GGUF weights",
@@ -105,6 +111,8 @@ def locate(
             notes.append(
                 "the LM head is tied to the embedding: the output matrix is the input matrix"
             )
+    if name in ckpt.unread:
+        raise offline_error(source, ckpt.unread[name])
     entry = ckpt.tensors[name]
     if len(entry.shape) != 2:
         raise CheckpointError(f"'{name}' has shape {list(entry.shape)}, not [V, d]")

@@ -91,12 +91,26 @@ class ModelConfig:
         return None
 
     @property
+    def has_auto_map(self) -> bool:
+        """Whether the config points at code in the model's repository (`auto_map`)."""
+        auto_map = self.raw.get("auto_map")
+        return isinstance(auto_map, dict) and bool(auto_map)
+
+    @property
     def needs_remote_code(self) -> bool:
         """Whether loading would run code from the model's repository."""
-        auto_map = self.raw.get("auto_map")
-        if not isinstance(auto_map, dict) or not auto_map:
-            return False
-        return not is_native_model_type(self.raw.get("model_type"))
+        return self.has_auto_map and not is_native_model_type(self.raw.get("model_type"))
+
+    def builtin_code_note(self, *, trust_remote_code: bool) -> str | None:
+        """What to tell the user when transformers builds this model with its own class although
+        the repository ships code (`auto_map` over a model type transformers has built in)."""
+        if not self.has_auto_map or self.needs_remote_code or trust_remote_code:
+            return None
+        return (
+            f"the repository's own model code (auto_map) was not run: transformers' built-in "
+            f"'{self.raw.get('model_type')}' implementation was used; --trust-remote-code would "
+            "run the repository's code instead"
+        )
 
 
 def _first_int(d: dict[str, Any], keys: tuple[str, ...]) -> int | None:

@@ -1,7 +1,9 @@
 """Memory pre-flight: refuse a load that would not fit, before the kernel's OOM killer ends it.
 
 The estimate comes from the checkpoint's headers and the dtype asked for: the weights at that
-dtype, plus the largest tensor once more for the copy a conversion makes on the way. The memory
+dtype, plus the largest tensor once more for the copy a conversion makes on the way. Where the
+config implies larger matrices or more blocks than are stored (transformers allocates what the
+config says before it reads a weight), the larger figure counts. The memory
 available is /proc/meminfo's MemAvailable, lowered to the headroom of a cgroup limit when the
 process runs under one (containers), or torch.cuda.mem_get_info() for a CUDA device.
 EMBEDLENS_MEMORY_LIMIT (bytes, or with a unit: 512MiB, 8GB) overrides what is read, on every
@@ -16,9 +18,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from embedlens.errors import EmbedlensError, ResourceError, UsageError
 from embedlens.source import ModelSource
+
+if TYPE_CHECKING:
+    from embedlens.checkpoint import Checkpoint
 
 MEMORY_LIMIT_ENV = "EMBEDLENS_MEMORY_LIMIT"
 _UNITS = {
@@ -156,6 +162,7 @@ def estimate(source: ModelSource, dtype: str) -> Estimate | None:
         if target is None and ckpt.format == "gguf":
             target = 4
     weights = largest = 0
+    per_element = target or 4
     for t in ckpt.tensors.values():
         if ckpt.format == "gguf":
             size = (
@@ -167,7 +174,45 @@ def estimate(source: ModelSource, dtype: str) -> Estimate | None:
             size = t.nbytes  # integers (packed quantisations) are not converted
         weights += size
         largest = max(largest, size)
+    beyond, matrix = _config_beyond_headers(source, ckpt)
+    weights += beyond * per_element
+    largest = max(largest, matrix * per_element)
     return Estimate(weights, largest, label)
+
+
+def _config_beyond_headers(source: ModelSource, ckpt: Checkpoint) -> tuple[int, int]:
+    """Elements transformers allocates beyond the stored ones when it builds the model from the
+    config (a larger vocabulary, width or block count than the checkpoint stores), and the
+    elements of the embedding matrix the config implies; (0, 0) when the config cannot be read.
+    """
+    from embedlens.anatomy import find_embedding, find_head
+    from embedlens.inventory import mismatches, read_config
+
+    try:
+        config = read_config(source, ckpt, trust_remote_code=True)
+    except EmbedlensError:
+        return 0, 0
+    shapes = {name: t.shape for name, t in ckpt.tensors.items()}
+    embedding = find_embedding(shapes, config.vocab_size)
+    if embedding is None or len(shapes[embedding]) != 2:
+        return 0, 0
+    said = {label.split()[0]: figure for label, figure, _ in mismatches(config, ckpt)}
+    rows, width = shapes[embedding]
+    implied = said.get("vocabulary", rows) * said.get("width", width)
+    matrices = 1 if find_head(shapes, embedding) is None else 2
+    beyond = max(implied - rows * width, 0) * matrices
+    if "layers" in said:
+        stored = {n: t.numel for n, t in ckpt.tensors.items() if _layer(n) is not None}
+        layers = {_layer(n) for n in stored}
+        per_block = sum(stored.values()) // max(len(layers), 1)
+        beyond += max(said["layers"] - len(layers), 0) * per_block
+    return beyond, implied
+
+
+def _layer(name: str) -> int | None:
+    from embedlens.anatomy import place
+
+    return place(name, embedding=(), head=()).layer
 
 
 def _config_dtype(source: ModelSource) -> str | None:

@@ -28,14 +28,19 @@ _NO_WAIT = (
 )
 
 
-def run(endpoint: str, hf_home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run embedlens in a fresh interpreter against a hub endpoint, with an empty cache."""
+def run(
+    endpoint: str, hf_home: Path, *args: str, offline: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run embedlens in a fresh interpreter against a hub endpoint, with the cache in hf_home
+    (offline: with HF_HUB_OFFLINE=1, the cache alone)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "EMBEDLENS_DEBUG")
     }
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), COLUMNS="140")
+    if offline:
+        env.update(HF_HUB_OFFLINE="1")
     return subprocess.run(
         [sys.executable, "-c", _NO_WAIT, *args],
         env=env,
@@ -186,3 +191,52 @@ def test_a_retried_download_is_whole(hub, tmp_path, tiny):
         if not r[2] or r[2].endswith("-")
     ]
     assert len(tries) == 2, tries
+
+
+def _shards_cached(hf_home: Path, repo: str) -> list[str]:
+    snapshot = hf_home / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / COMMIT
+    return sorted(p.name for p in snapshot.glob("model-*.safetensors"))
+
+
+@pytest.mark.parametrize("matrix", ["input", "output"])
+def test_a_sharded_repo_cached_by_one_run_serves_the_next_offline(hub, tmp_path, tiny, matrix):
+    """Online, neighbors downloads only the shard holding the matrix; offline, the same command
+    reads that shard alone and prints the same, and addr reads its rows back from it."""
+    folder = tiny("llama-untied", max_shard_size="20KB")
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    repo = f"org/sharded-{matrix}"
+    hub.add(repo, folder)
+    args = ["--matrix", matrix, "--json"]
+    online = run(hub.url, tmp_path, "neighbors", repo, "king", *args)
+    assert online.returncode == 0, online.stderr
+    cached = _shards_cached(tmp_path, repo)
+    assert len(cached) == 1, cached
+    offline = run(hub.url, tmp_path, "neighbors", repo, "king", *args, offline=True)
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(offline.stdout) == json.loads(online.stdout)
+    addr = run(hub.url, tmp_path, "addr", repo, "3", "king", *args, offline=True)
+    assert addr.returncode == 0, addr.stderr
+    report = json.loads(addr.stdout)
+    assert [r["file"] for r in report["rows"]] == cached * 2
+    assert [r["check"] for r in report["rows"]] == [True, True], report
+    assert _shards_cached(tmp_path, repo) == cached
+
+
+def test_offline_a_shard_a_command_needs_is_named(hub, tmp_path, tiny):
+    """Offline, a command whose weights file is not cached names that file: addr, whose online
+    run read the header alone, and params, which reads every shard's header."""
+    folder = tiny("llama-untied", max_shard_size="20KB")
+    repo = "org/sharded-named"
+    hub.add(repo, folder)
+    online = run(hub.url, tmp_path, "addr", repo, "3", "--json")
+    assert online.returncode == 0, online.stderr
+    assert _shards_cached(tmp_path, repo) == []
+    shard = json.loads(online.stdout)["rows"][0]["file"]
+    err = fails(run(hub.url, tmp_path, "addr", repo, "3", offline=True))
+    assert (
+        f"error: '{repo}' is not in the local hub cache ({shard}) and HF_HUB_OFFLINE is set" in err
+    )
+    err = fails(run(hub.url, tmp_path, "params", repo, offline=True))
+    first = sorted(p.name for p in folder.glob("model-*.safetensors"))[0]
+    assert f"error: '{repo}' is not in the local hub cache ({first}, and " in err

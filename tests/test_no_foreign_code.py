@@ -126,3 +126,48 @@ def test_pickles_are_not_read_by_the_header_commands(cli, tiny, tmp_path, comman
     result = cli(command, folder, *args)
     assert not marker.exists()
     assert result.exit_code in (0, 1) and "Traceback" not in result.stderr
+
+
+def _builtin_type_with_auto_map(folder: Path, tiny_folder: Path, marker: Path) -> Path:
+    """The tiny Llama (a type transformers has built in) whose config also maps to repo code."""
+    _remote_code_model(folder, tiny_folder, marker)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+BUILT = {
+    "params --meta-only": ["--meta-only"],
+    "params --load": ["--load"],
+    "tied --load": ["--load"],
+    "lens": ["the king"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(BUILT))
+def test_auto_map_over_a_built_in_type_says_the_built_in_class_ran(cli, tiny, tmp_path, command):
+    marker = tmp_path / "marker"
+    folder = _builtin_type_with_auto_map(tmp_path / "m", tiny("llama-tied"), marker)
+    name = command.split()[0]
+    result = cli(name, folder, *BUILT[command])
+    assert result.exit_code == 0, result.stderr
+    assert not marker.exists()
+    said = [ln for ln in result.stderr.splitlines() if "auto_map" in ln]
+    assert said == [
+        "note: the repository's own model code (auto_map) was not run: transformers' built-in "
+        "'llama' implementation was used; --trust-remote-code would run the repository's code "
+        "instead"
+    ], result.stderr
+    quiet = cli(name, folder, *BUILT[command], "--quiet")
+    assert quiet.exit_code == 0 and "auto_map" not in quiet.stderr
+    plain = cli(name, tiny("llama-tied"), *BUILT[command])
+    assert "auto_map" not in plain.stderr
+
+
+def test_auto_map_note_goes_with_trust_remote_code(cli, tiny, tmp_path):
+    """With --trust-remote-code the repository's code runs, and the note is not printed."""
+    marker = tmp_path / "marker"
+    folder = _builtin_type_with_auto_map(tmp_path / "m", tiny("llama-tied"), marker)
+    result = cli("params", folder, "--meta-only", "--trust-remote-code")
+    assert "auto_map" not in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -54,7 +55,29 @@ def test_readme_examples_were_found():
     assert {"params", "tied", "neighbors", "addr", "lens"} <= set(commands)
 
 
-def test_ci_runs_the_readme_test_command():
+def _readme_commands():
+    spec = importlib.util.spec_from_file_location(
+        "readme_commands", ROOT / ".ci" / "readme_commands.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_runs_the_readme_commands():
+    """CI reads both commands from README.md: the plain set-up first, then the test command."""
+    found = _readme_commands().commands(README)
     blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
-    test_command = next(b.strip() for b in blocks if "pytest" in b)
-    assert test_command in (ROOT / ".ci" / "run").read_text()
+    assert found["setup"] == blocks[0].strip()
+    assert found["test"] == next(b.strip() for b in blocks if "pytest" in b)
+    assert "pip install torch==2.13.0 -e . " in found["setup"]  # no extras
+    assert "embedlens lens " in found["setup"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("readme_commands.py setup") < ci.index("readme_commands.py test")
+    assert "python3 -m venv" in ci
+
+
+def test_readme_commands_refuses_a_readme_without_them():
+    with pytest.raises(ValueError, match="Set-up"):
+        _readme_commands().commands("# embedlens\n\n```bash\npytest\n```\n")

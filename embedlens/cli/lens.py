@@ -320,6 +320,13 @@ def lens(
             model, tokenizer, model_obj, result, ids, text, chat, pos, index, target, target_id
         )
         report.notes[:0] = load_notes
+        if not source.is_gguf:
+            from embedlens.inventory import read_config
+
+            config_json = read_config(source, trust_remote_code=trust_remote_code)
+            built_in = config_json.builtin_code_note(trust_remote_code=trust_remote_code)
+            if built_in is not None:
+                report.notes.append(built_in)
     if not report.check.ok:
         warn(
             f"the lens does not reproduce this model's logits (max |Δ| = "
