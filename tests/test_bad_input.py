@@ -11,6 +11,8 @@ folders and the SmolLM2 file) are byte for byte what they were before the suite.
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,74 @@ def test_a_model_path_that_is_not_utf8(tiny, tmp_path):
 def test_inputs_unchanged_after_the_suite(originals):
     """Runs last in this module: the good inputs all cases read are as they were."""
     assert {p: _digest(p) for p in originals} == originals
+
+
+# Hostile text: names that are Rich markup or hold escape sequences, shown as written (escaped).
+HOSTILE_NAMES = {"markup-close": "a[/]b", "markup-style": "my[red]model", "escape": "x\x1b[31mred"}
+HOSTILE_TOKEN = "bo[red]ok\x1b[2J\x9b31m[/]"
+
+
+def _no_raw_controls(text: str) -> None:
+    from embedlens.tokens import visible
+
+    lines = text.splitlines()
+    assert all(line == visible(line) for line in lines), text
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("name", sorted(HOSTILE_NAMES))
+def test_hostile_model_path_is_shown_as_written(cli, tiny, tmp_path, monkeypatch, name, command):
+    """A MODEL path that is Rich markup or holds ESC: the run works, the name is shown escaped."""
+    from embedlens.tokens import visible
+
+    raw = HOSTILE_NAMES[name]
+    monkeypatch.chdir(tmp_path)
+    folder = Path("dir") / raw
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.symlink_to(tiny("llama-tied"))
+    result = cli(command, folder, *TAIL[command], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    _no_raw_controls(result.stdout + result.stderr)
+    if command in ("params", "tied"):  # these name the model in a title; lens by its last part
+        assert visible(raw) in result.stdout, result.stdout
+    if command == "lens":
+        assert f"Logit lens of {visible(folder.name)} after" in result.stdout, result.stdout
+    err = cli.fails(command, Path("missing") / raw, *TAIL[command], code=1)
+    assert visible(raw) in err.splitlines()[0] and "\x1b" not in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("neighbors", "--id", "{row}", "-k", "50"), ("neighbors", "king", "-k", "53"),
+     ("addr", "{row}"), ("addr", HOSTILE_TOKEN), ("lens", "the king", "--position", "all")],
+)  # fmt: skip
+def test_hostile_token_is_shown_escaped(cli, tiny, tmp_path, args):
+    """A vocabulary entry holding markup, ESC and CSI (U+009B) is shown escaped in every table."""
+    from embedlens.tokens import visible
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    row = vocab.pop("book")
+    vocab[HOSTILE_TOKEN] = row
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    command, *rest = args
+    argv = [a.format(row=row) for a in rest]
+    result = cli(command, folder, *argv, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    _no_raw_controls(result.stdout + result.stderr)
+    if command != "lens":  # the lens shows the row only where the model happens to predict it
+        assert "'" + visible(HOSTILE_TOKEN) + "'" in result.stdout, result.stdout
+
+
+def test_hostile_config_value_in_an_error(cli, tmp_path):
+    """A config value that is markup and an escape sequence, quoted in an error line."""
+    from embedlens.tokens import visible
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    bad = "ll[/]ama\x1b]0;pwned\x07"
+    (folder / "config.json").write_text(json.dumps({"model_type": bad}))
+    err = cli.fails("params", folder, "--meta-only", code=1)
+    assert visible(bad) in err and "\x1b" not in err and "\x07" not in err

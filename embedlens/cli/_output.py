@@ -12,6 +12,7 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from embedlens.reports import Report, to_json_dict
+from embedlens.tokens import visible
 
 
 class _Console(Console):
@@ -20,8 +21,9 @@ class _Console(Console):
         raise BrokenPipeError
 
 
-console = _Console(highlight=False, soft_wrap=False)
-err_console = Console(stderr=True, highlight=False)
+# No string printed is read as markup or emoji codes: what is shown is text, never instructions.
+console = _Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
 
 _state = {"quiet": False}
 
@@ -54,12 +56,12 @@ def emit(report: Report, *, as_json: bool, render: Callable[[Any], RenderableTyp
 def note(message: str, *, style: str = "yellow") -> None:
     """A note on stderr (silenced by --quiet)."""
     if not _state["quiet"]:
-        err_console.print(Text(message, style=style), soft_wrap=True)
+        err_console.print(shown(message, style=style), soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """A warning on stderr that --quiet does not silence: something the user must know."""
-    err_console.print(Text("warning: " + message, style="bold red"), soft_wrap=True)
+    err_console.print(shown("warning: " + message, style="bold red"), soft_wrap=True)
 
 
 @contextmanager
@@ -68,17 +70,22 @@ def progress(message: str) -> Iterator[None]:
     if _state["quiet"] or not err_console.is_terminal:
         yield
         return
-    with err_console.status(Text(message), spinner="dots"):
+    with err_console.status(shown(message), spinner="dots"):
         yield
 
 
-_CONTROL = {i: f"\\x{i:02x}" for i in range(32)} | {0x7F: "\\x7f"}
-_CONTROL.update({ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"})
+def shown(text: str, style: str = "") -> Text:
+    """Text from the user or a model file (a path, a token, a config value) as it is shown.
+
+    A Text is never read as Rich markup (so 'my[red]model' and 'a[/]b' show as written), and
+    every control character (C0, DEL, C1, so any escape sequence) is written as an escape.
+    """
+    return Text(visible(text), style=style)
 
 
 def quoted(token: str) -> Text:
-    """A token in single quotes with control characters escaped, never read as markup."""
-    return Text("'" + token.translate(_CONTROL) + "'")
+    """A token in single quotes, shown as `shown` shows text (spaces at its ends visible)."""
+    return shown("'" + token + "'")
 
 
 def count(n: int) -> str:

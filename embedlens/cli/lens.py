@@ -24,7 +24,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import emit, note, progress, quoted, warn
+from embedlens.cli._output import emit, note, progress, quoted, shown, warn
 from embedlens.errors import UsageError
 from embedlens.reports.lens import LensReport
 
@@ -567,16 +567,17 @@ def render_lens(r: LensReport) -> RenderableType:
         tokens.append_text(piece).append(" ")
     parts.append(tokens)
     read = r.tokens[r.position_index].token
-    table = Table(
-        title=f"Logit lens of {r.display_model} after {quoted(read)} (position {r.position_index}, {r.dtype})"
+    title = (
+        f"Logit lens of {r.display_model} after '{read}' (position {r.position_index}, {r.dtype})"
     )
+    table = Table(title=shown(title, "table.title"))
     table.add_column("layer", justify="right")
     table.add_column("top-1")
     table.add_column("p", justify="right")
     if r.layers and len(r.layers[0].top) > 1:
         table.add_column("next")
     if r.target is not None:
-        table.add_column(f"p({quoted(r.target.token)})", justify="right")
+        table.add_column(shown(f"p('{r.target.token}')"), justify="right")
         table.add_column("rank", justify="right")
     for row in r.layers:
         label = str(row.layer)
@@ -619,14 +620,19 @@ def _render_check(r: LensReport) -> Text:
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
     if c.ok:
         line = Text("✓ ", style="green")
-        line.append(
-            f"self-check: decoding block {r.num_layers}'s output reproduces the model's logits "
-            f"(max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). Decode: {steps}."
+        line.append_text(
+            shown(
+                f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
+                f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
+                f"Decode: {steps}."
+            )
         )
     else:
         line = Text("✗ NOT FAITHFUL ", style="bold red")
-        line.append(
-            f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
-            f"suspect: {c.suspect}. Decode: {steps}."
+        line.append_text(
+            shown(
+                f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
+                f"suspect: {c.suspect}. Decode: {steps}."
+            )
         )
     return line

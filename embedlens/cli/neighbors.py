@@ -23,7 +23,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, quoted
+from embedlens.cli._output import count, emit, note, progress, quoted, shown
 from embedlens.reports.neighbors import NeighborsReport, QueryResult
 
 EXAMPLES = (
@@ -202,5 +202,5 @@ def render_neighbors(r: NeighborsReport) -> RenderableType:
     )
     if left_out:
         summary += "; left out: " + ", ".join(left_out)
-    parts.append(Text(summary + ".", style="dim"))
+    parts.append(shown(summary + ".", style="dim"))
     return Group(*parts)
