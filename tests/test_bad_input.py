@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -254,3 +255,79 @@ def test_hostile_config_value_in_an_error(cli, tmp_path):
     (folder / "config.json").write_text(json.dumps({"model_type": bad}))
     err = cli.fails("params", folder, "--meta-only", code=1)
     assert visible(bad) in err and "\x1b" not in err and "\x07" not in err
+
+
+# Output that cannot be written, in real processes: stdout closed (`>&-`), full (`/dev/full`), or
+# a file that stops growing part of the way (RLIMIT_FSIZE).
+def _run_with_stdout(argv: list[str], stdout: Any, **kwargs: Any) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "EMBEDLENS_DEBUG"}
+    return subprocess.run(
+        [sys.executable, "-m", "embedlens", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        timeout=180,
+        check=False,
+        **kwargs,
+    )
+
+
+def _one_error_line(stderr: str, says: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert lines and lines[0].startswith("error: ") and says in lines[0], stderr
+    assert len(lines) <= 2 and all(line.startswith(("error: ", "hint: ")) for line in lines)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_closed_stdout(tiny, command, as_json):
+    argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
+    result = _run_with_stdout(argv, stdout=None, pass_fds=(), preexec_fn=_close_stdout)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output: stdout is closed")
+
+
+def _close_stdout() -> None:
+    import os
+
+    os.close(1)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    ("command", "as_json"),
+    [(c, True) for c in COMMANDS] + [("params", False), ("addr", False)],
+)
+def test_full_stdout(tiny, command, as_json):
+    argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
+    with open("/dev/full", "w") as full:
+        result = _run_with_stdout(argv, stdout=full)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output to stdout: No space left on device")
+
+
+@pytest.mark.parametrize(
+    ("command", "as_json"), [("params", True), ("neighbors", True), ("params", False)]
+)
+def test_output_cut_short_is_taken_back(tiny, tmp_path, command, as_json):
+    """The file stops growing after 100 bytes: what was written of the output is taken back."""
+    import resource
+    import signal
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    out = tmp_path / "out.json"
+    argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
+    with open(out, "w") as fh:
+        result = _run_with_stdout(argv, stdout=fh, preexec_fn=limit)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output to stdout: File too large")
+    assert out.read_bytes() == b""

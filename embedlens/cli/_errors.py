@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import traceback
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import typer
 
-from embedlens.cli._output import err_console, shown
+from embedlens.cli._output import err_console, shown, silence_stdout
 from embedlens.errors import EmbedlensError, UsageError
 
 P = ParamSpec("P")
@@ -71,7 +70,7 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except BrokenPipeError:
-            _silence_stdout()
+            silence_stdout()
             raise typer.Exit(0) from None
         except Exception as e:
             if debug_enabled():
@@ -83,12 +82,3 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(1) from None
 
     return wrapper
-
-
-def _silence_stdout() -> None:
-    """After a closed pipe, point stdout at /dev/null so the interpreter's flush stays quiet."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from embedlens.cli._output import set_quiet
+from embedlens.cli._output import check_stdout, set_quiet
 
 ModelArg = Annotated[
     str,
@@ -42,6 +42,7 @@ def common(*, quiet: bool, debug: bool, dtype: str, device: str) -> None:
     set_quiet(quiet)
     if debug:
         os.environ["EMBEDLENS_DEBUG"] = "1"
+    check_stdout()
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype '{dtype}'", hint="use one of: " + ", ".join(DTYPES))
     if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
