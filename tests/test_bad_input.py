@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +332,71 @@ def test_output_cut_short_is_taken_back(tiny, tmp_path, command, as_json):
     assert result.returncode == 1
     _one_error_line(result.stderr, "cannot write the output to stdout: File too large")
     assert out.read_bytes() == b""
+
+
+# Files nobody asked for: with HOME and TMPDIR empty folders of their own, a run leaves them empty.
+def _bare_env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    drop = ("EMBEDLENS_DEBUG", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "MPLCONFIGDIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("XDG_")}
+    return {**env, "HOME": str(home), "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
+
+
+def _left_behind(env: dict[str, str]) -> list[str]:
+    return sorted(
+        str(p) for key in ("HOME", "TMPDIR") for p in Path(env[key]).rglob("*")
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("lens", "the king", "--plot", "{out}/lens.png"), ("tied", "--load"),
+     ("neighbors", "king"), ("lens", "the king", "--device-map", "auto")],
+)  # fmt: skip
+def test_no_files_left_behind(tiny, tmp_path, args):
+    import subprocess
+    import sys
+
+    env = _bare_env(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    command, *rest = args
+    argv = [command, str(tiny("llama-tied")), *(a.format(out=out) for a in rest)]
+    result = subprocess.run(
+        [sys.executable, "-m", "embedlens", *argv, "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300, check=False, cwd=out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert _left_behind(env) == []
+    assert sorted(p.name for p in out.iterdir()) == (["lens.png"] if "--plot" in args else [])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_removes_the_offload_folder(tiny, tmp_path):
+    """SIGTERM during `lens --device-map auto` unwinds like Ctrl-C: the offload folder goes."""
+    import signal
+    import subprocess
+    import time
+
+    env = _bare_env(tmp_path)
+    argv = ["lens", str(tiny("llama-tied")), "the king", "--device-map", "auto", "--quiet"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "embedlens", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(Path(env["TMPDIR"]).rglob("embedlens-offload-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no offload folder made"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, out, err) == (128 + signal.SIGTERM, "", "")
+    assert _left_behind(env) == []

@@ -16,6 +16,7 @@ try:
     from embedlens.cli import params as _params
     from embedlens.cli import tied as _tied
     from embedlens.cli._errors import print_error
+    from embedlens.cli._scratch import make_scratch, remove_scratch, unwind_on_sigterm
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None
 
@@ -86,10 +87,16 @@ def main() -> None:
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:  # a path that is not UTF-8 is printed as its bytes, as ls does
         reconfigure(errors="surrogateescape")
+    unwind_on_sigterm()
+    scratch = make_scratch()
     try:
         app()
     except SystemExit as e:
         code = e.code
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        remove_scratch(scratch)
     if "torch" not in sys.modules:
         sys.exit(code)
     status = code if isinstance(code, int) else (0 if code is None else 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -397,8 +398,11 @@ def _offload_dir(device_map: str | None, folder: Path | None) -> Iterator[str | 
     if device_map is None or folder is not None:
         yield None if folder is None else str(folder)
         return
-    with tempfile.TemporaryDirectory(prefix="embedlens-offload-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="embedlens-offload-")
+    try:
         yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_fits(config: Any, ids: list[int], layer_items: list[LayerItem] | None) -> None:
