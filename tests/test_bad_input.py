@@ -53,7 +53,7 @@ BROKEN = {
 assert set(BROKEN) == set(MAKERS)
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
-T, S = "{tiny}", "{smol}"
+T, S, M = "{tiny}", "{smol}", "no-such-model"
 BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("params", "", [], 1, "MODEL is empty"),
     ("tied", "   ", [], 1, "MODEL is empty"),
@@ -92,7 +92,16 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("lens", T, ["the king", "--target", ""], 2, "--target '' encodes to no token"),
     ("lens", T, ["the king", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
     ("lens", T, ["the king", "--device", "tpu"], 2, "unknown device 'tpu'"),
-]
+    # values that are not sizes, refused before anything loads (the model does not exist)
+    ("lens", M, ["hi", "--device-map", "auto", "--max-memory", "cpu=lots"], 2,
+     "--max-memory 'cpu=lots': 'lots' is not a size"),
+    ("lens", M, ["hi", "--device-map", "auto", "--max-memory", "0=1e400"], 2,
+     "--max-memory '0=1e400': '1e400' is not a size"),
+    ("lens", M, ["hi", "--device-map", "auto", "--offload-folder", "{tiny}/config.json"], 2,
+     "config.json' is not a folder"),
+    ("neighbors", T, ["king - king"], 2, "'king - king' adds up to the zero vector"),
+    ("neighbors", S, ["' king' - ' king' + ' cat' - ' cat'"], 2, "adds up to the zero vector"),
+]  # fmt: skip
 
 
 def _digest(path: Path) -> str:
@@ -154,8 +163,43 @@ def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, comm
 )
 def test_bad_arguments(run_in_empty_folder, tiny, smollm2, command, model, args, code, says):
     model = model.format(tiny=tiny("llama-tied"), smol=smollm2)
+    args = [a.replace("{tiny}", str(tiny("llama-tied"))) for a in args]
     err = run_in_empty_folder(command, model, *args, code=code)
     assert says in err.splitlines()[0], err
+
+
+@pytest.mark.parametrize("limit", ["1e400", "lots", "-5GiB"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_memory_limit_that_is_not_a_size(run_in_empty_folder, command, limit, monkeypatch):
+    """A bad EMBEDLENS_MEMORY_LIMIT is a usage error before anything loads (MODEL is missing)."""
+    monkeypatch.setenv("EMBEDLENS_MEMORY_LIMIT", limit)
+    err = run_in_empty_folder(command, "no-such-model", *TAIL[command], code=2)
+    assert f"EMBEDLENS_MEMORY_LIMIT='{limit}' is not a size" in err.splitlines()[0], err
+
+
+def test_rows_near_float32s_largest_value(cli, tiny, tmp_path):
+    """A row of values near float32's largest overflows float32 arithmetic: it still gets its
+    true cosine (not NaN), and no numpy RuntimeWarning reaches stderr."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if "embed_tokens" in k)
+    table = weights[name]
+    row = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["book"]
+    table[row] = np.sign(table[row]) * np.float32(3e38)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    result = cli("neighbors", folder, "king", "-k", "53", "--json")
+    assert (result.exit_code, result.stderr) == (0, ""), result.stderr
+    found = {n["id"]: n["cosine"] for n in json.loads(result.stdout)["queries"][0]["neighbors"]}
+    king = table[json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["king"]]
+    a, b = table[row].astype(np.float64), king.astype(np.float64)
+    want = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+    assert found[row] == pytest.approx(want, abs=1e-6)
+    result = cli("neighbors", folder, "book", "king - man + woman")
+    assert (result.exit_code, result.stderr) == (0, ""), result.stderr
 
 
 def test_a_model_path_that_is_not_utf8(tiny, tmp_path):

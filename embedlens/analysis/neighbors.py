@@ -147,21 +147,33 @@ def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
             out[qi] += t.sign * block[where[t.token_id]] / n
         total = np.linalg.norm(out[qi])
         if total < 1e-6:
-            raise EmbedlensError(f"'{q.text}' adds up to the zero vector: nothing to compare")
+            raise UsageError(
+                f"'{q.text}' adds up to the zero vector: nothing to compare",
+                hint="an expression whose words cancel out has no direction",
+            )
         out[qi] /= total
     return out.astype(np.float32)
 
 
 def cosines(rows: Rows, vectors: npt.NDArray[np.float32], real: int) -> npt.NDArray[np.float32]:
-    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows)."""
+    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows).
+
+    Rows whose squares or dot products overflow float32 (values near its largest) are scored
+    again in float64, so that they get their true cosine rather than NaN.
+    """
     out = np.empty((real, vectors.shape[0]), dtype=np.float32)
     qt = np.ascontiguousarray(vectors.T)
     for start in range(0, real, rows.block_rows):
         stop = min(real, start + rows.block_rows)
         block = rows.block(start, stop)
-        norms = np.sqrt(np.einsum("ij,ij->i", block, block))
-        dots = block @ qt
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            norms = np.sqrt(np.einsum("ij,ij->i", block, block))
+            dots = block @ qt
+            redo = ~(np.isfinite(norms) & np.isfinite(dots).all(axis=1))
+            if redo.any():
+                wide = block[redo].astype(np.float64)
+                norms[redo] = np.linalg.norm(wide, axis=1) / 2.0**64  # both scaled alike
+                dots[redo] = (wide / 2.0**64) @ qt.astype(np.float64)
             np.divide(dots, norms[:, None], out=out[start:stop])
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -59,7 +60,11 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             check_text_arguments(kwargs)
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                # numpy's RuntimeWarnings name a source line, not the user's problem; what
+                # matters (a NaN, a zero row) is checked and said in words where it happens
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return fn(*args, **kwargs)
         except typer.Exit:
             raise
         except EmbedlensError as e:

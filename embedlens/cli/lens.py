@@ -120,21 +120,37 @@ def parse_position(value: str) -> int | None:
         ) from None
 
 
-def parse_max_memory(spec: str | None) -> dict[Any, str] | None:
-    """`cpu=2GiB,0=20GiB` -> {'cpu': '2GiB', 0: '20GiB'} (accelerate's max_memory)."""
+def parse_max_memory(spec: str | None) -> dict[Any, int | str] | None:
+    """`cpu=2GiB,0=20GiB` -> {'cpu': 2147483648, 0: 21474836480} (accelerate's max_memory)."""
+    from embedlens.preflight import parse_size
+
     if spec is None:
         return None
-    out: dict[Any, str] = {}
+    hint = "write DEVICE=AMOUNT pairs: cpu=8GiB,0=20GiB"
+    out: dict[Any, int | str] = {}
     for part in spec.split(","):
         key, sep, amount = part.partition("=")
         if not sep or not key.strip() or not amount.strip():
+            raise UsageError(f"malformed --max-memory '{spec}'", hint=hint)
+        try:
+            size = parse_size(amount)
+        except ValueError:
             raise UsageError(
-                f"malformed --max-memory '{spec}'",
-                hint="write DEVICE=AMOUNT pairs: cpu=8GiB,0=20GiB",
-            )
+                f"--max-memory '{spec}': '{amount.strip()}' is not a size", hint=hint
+            ) from None
         k = key.strip()
-        out[int(k) if k.isdigit() else k] = amount.strip()
+        out[int(k) if k.isdigit() else k] = size
     return out
+
+
+def check_offload_folder(folder: Path | None) -> None:
+    """--offload-folder must be a folder, or not exist yet (it is made then)."""
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise UsageError(
+            f"--offload-folder '{folder}' is not a folder",
+            hint="name a folder (it is made if missing), or leave the option out for a "
+            "temporary one",
+        )
 
 
 def template_switches(no_thinking: bool, pairs: list[str]) -> dict[str, Any]:
@@ -285,6 +301,7 @@ def lens(
             f"unknown --device-map '{device_map}'", hint="use one of: " + ", ".join(DEVICE_MAPS)
         )
     memory = parse_max_memory(max_memory)
+    check_offload_folder(offload_folder)
 
     from embedlens import loading
     from embedlens.source import resolve
