@@ -101,6 +101,9 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
      "config.json' is not a folder"),
     ("neighbors", T, ["king - king"], 2, "'king - king' adds up to the zero vector"),
     ("neighbors", S, ["' king' - ' king' + ' cat' - ' cat'"], 2, "adds up to the zero vector"),
+    ("neighbors", T, ["king", "--pool", "middle"], 2, "unknown --pool 'middle'"),
+    ("lens", S, ["The capital of France is", "--target", "queen"], 2,
+     "--target 'queen' is not a single token: it splits into 2 ('que', 'en')"),
 ]  # fmt: skip
 
 
@@ -444,3 +447,68 @@ def test_sigterm_removes_the_offload_folder(tiny, tmp_path):
             proc.kill()
     assert (proc.returncode, out, err) == (128 + signal.SIGTERM, "", "")
     assert _left_behind(env) == []
+
+
+# Words: a word that splits into several tokens, or typed without the leading space it likely has.
+BEIJING = [30158, 241, 16736, 122]  # '北京' in SmolLM2's byte-level vocabulary
+
+
+@pytest.mark.parametrize("pool", ["first", "mean", "last"])
+def test_a_split_word_is_said_and_pooled(cli, smollm2, pool):
+    import numpy as np
+
+    from tests.smol_reference import plain_neighbors, smol_table
+
+    result = cli("neighbors", smollm2, "北京", "-k", "3", "--pool", pool, "--json")
+    assert result.exit_code == 0, result.stderr
+    q = json.loads(result.stdout)["queries"][0]
+    assert [t["id"] for t in q["tokens"]] == BEIJING and q["split"] is True and q["pool"] == pool
+    used = {"first": BEIJING[:1], "last": BEIJING[-1:], "mean": BEIJING}[pool]
+    assert q["rows"] == used and q["token_id"] == (BEIJING[-1] if pool == "last" else BEIJING[0])
+    said = {"first": "the first ('\\xe5\\x8c', id 30158) is queried (--pool mean",
+            "last": "the last ('\\xac', id 122) is queried",
+            "mean": "the mean of their unit rows is queried"}  # fmt: skip
+    assert "note: '北京' splits into 4 tokens ('\\xe5\\x8c', '\\x97', " in result.stderr
+    assert said[pool] in result.stderr, result.stderr
+    ref = smol_table(smollm2)
+    unit = ref.rows / np.linalg.norm(ref.rows, axis=1, keepdims=True)
+    vector = unit[used].mean(axis=0)
+    allowed = np.ones(len(ref.rows), dtype=bool)
+    allowed[ref.control + used] = False
+    assert [n["id"] for n in q["neighbors"]] == plain_neighbors(ref.rows, allowed, vector, 3)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["neighbors", "{smol}", "cat"], "'cat' is token 9786, a rarer piece than ' cat' (token 2644"),
+     (["neighbors", "{smol}", "queen"],
+      "'queen' splits into 2 tokens, but ' queen' (token 15731, with its leading space) is one"),
+     (["neighbors", "{smol}", "king - man + woman"], """give "' woman'" (quoted in the"""),
+     (["addr", "{smol}", "cat"], "to use that, give ' cat'"),
+     (["addr", "{smol}", "北京"], "the first ('\\xe5\\x8c', id 30158) is addressed"),
+     (["lens", "{smol}", "The capital of France is", "--target", "Paris"],
+      "note: --target 'Paris' is token 38634, a rarer piece than ' Paris' (token 7042")],
+)  # fmt: skip
+def test_words_are_said(cli, smollm2, args, says):
+    result = cli(*(a.format(smol=smollm2) for a in args), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert says in result.stderr, result.stderr
+    assert json.loads(result.stdout)["command"] == args[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["neighbors", "{smol}", " cat", "king"], ["addr", "{smol}", " cat", "42"],
+     ["neighbors", "{tiny}", "king", "queen"], ["addr", "{tiny}", "king"]],
+)  # fmt: skip
+def test_words_that_are_what_they_seem_get_no_note(cli, tiny, smollm2, args):
+    """' cat' is the word itself; 'king' (token 644) is a commoner piece than ' king' (4197); a
+    word-level vocabulary has no leading spaces at all."""
+    argv = [a.format(smol=smollm2, tiny=tiny("llama-tied")) for a in args]
+    result = cli(*argv, "--json")
+    assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+
+
+def test_a_target_that_splits_names_its_spaced_form(cli, smollm2):
+    err = cli.fails("lens", smollm2, "The capital of France is", "--target", "queen", code=2)
+    assert "hint: ' queen' with its leading space is one token (id 15731): --target ' queen'" in err

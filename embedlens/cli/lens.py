@@ -379,9 +379,20 @@ def _prompt_ids(
 
 
 def _target_id(tokenizer: Any, target: str) -> int:
-    ids = list(tokenizer(target, add_special_tokens=False)["input_ids"])
+    from embedlens.words import spaced_form, spaced_note
+
+    def encode(text: str) -> list[int]:
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def text_of(token_id: int) -> str:
+        return _token_text(tokenizer, token_id)
+
+    ids = encode(target)
     unk = getattr(tokenizer, "unk_token_id", None)
     if len(ids) == 1 and (ids[0] != unk or target == tokenizer.unk_token):
+        said = spaced_note(target, ids, encode, text_of)
+        if said is not None:
+            note("note: --target " + said)
         return int(ids[0])
     if len(ids) == 1:
         raise UsageError(
@@ -391,10 +402,14 @@ def _target_id(tokenizer: Any, target: str) -> int:
     if not ids:
         raise UsageError(f"--target '{target}' encodes to no token")
     pieces = ", ".join(repr(_token_text(tokenizer, i)) for i in ids)
+    spaced = spaced_form(target, ids, encode)
     raise UsageError(
         f"--target '{target}' is not a single token: it splits into {len(ids)} ({pieces})",
         hint="give one of those tokens, or a variant that is one token (a leading space often "
-        "matters)",
+        "matters)"
+        if spaced is None
+        else f"'{text_of(spaced)}' with its leading space is one token (id {spaced}): "
+        f"--target '{text_of(spaced)}'",
     )
 
 
