@@ -360,6 +360,19 @@ def test_full_stdout(tiny, command, as_json):
     _one_error_line(result.stderr, "cannot write the output to stdout: No space left on device")
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [[], ["params", "--help"]], ids=["usage", "help"])
+def test_help_that_cannot_be_written(argv):
+    with open("/dev/full", "w") as full:
+        result = _run_with_stdout(argv, stdout=full)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output to stdout: No space left on device")
+    if not argv:
+        result = _run_with_stdout(argv, stdout=None, preexec_fn=_close_stdout)
+        assert result.returncode == 1
+        _one_error_line(result.stderr, "cannot write the output: stdout is closed")
+
+
 @pytest.mark.parametrize(
     ("command", "as_json"), [("params", True), ("neighbors", True), ("params", False)]
 )

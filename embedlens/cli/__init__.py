@@ -16,7 +16,9 @@ try:
     from embedlens.cli import params as _params
     from embedlens.cli import tied as _tied
     from embedlens.cli._errors import print_error
+    from embedlens.cli._output import silence_stdout, write_stdout
     from embedlens.cli._scratch import make_scratch, remove_scratch, unwind_on_sigterm
+    from embedlens.errors import EmbedlensError
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None
 
@@ -40,14 +42,26 @@ class _Group(TyperGroup):
                 standalone_mode=False,
                 **extra,
             )
+        except OSError as e:  # writing the help: the commands' own output is checked in them
+            if not standalone_mode:
+                raise
+            silence_stdout()
+            if isinstance(e, BrokenPipeError):
+                sys.exit(0)
+            print_error(f"cannot write the output to stdout: {e.strerror or e}")
+            sys.exit(1)
         except Exception as e:
             code = getattr(e, "exit_code", None)
             if not hasattr(e, "format_message") or not isinstance(code, int):
                 raise
             ctx = getattr(e, "ctx", None)
             if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                sys.stdout.write(ctx.get_help() + "\n")
-                code = 0
+                try:
+                    write_stdout(ctx.get_help() + "\n")
+                    code = 0
+                except EmbedlensError as failed:
+                    print_error(failed.message, failed.hint)
+                    code = failed.exit_code
             else:
                 command = ctx.command_path if ctx is not None else "embedlens"
                 print_error(e.format_message(), f"see '{command} --help'")
