@@ -46,6 +46,10 @@ class MissingDependencyError(EmbedlensError):
     """An optional package is needed for what was asked."""
 
 
+class OutputError(EmbedlensError):
+    """stdout cannot be written: closed, full, or failing (the user's I/O, a run-time failure)."""
+
+
 class ResourceError(EmbedlensError):
     """Not enough memory (or another resource) for what was asked."""
 

@@ -218,7 +218,7 @@ def load_model(
     dtype: str = "auto",
     device: str = "cpu",
     device_map: str | None = None,
-    max_memory: dict[Any, str] | None = None,
+    max_memory: dict[Any, int | str] | None = None,
     offload_folder: str | None = None,
     trust_remote_code: bool = False,
     config: Any = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
     if m is None or m.group(2) not in _UNITS:
         raise ValueError(f"not a size: {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(value) or value >= 1 << 80:  # 1e400 is no amount of memory
+        raise ValueError(f"not a size: {text!r}")
+    return int(value)
 
 
 def format_bytes(n: int) -> str:

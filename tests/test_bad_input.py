@@ -11,7 +11,11 @@ folders and the SmolLM2 file) are byte for byte what they were before the suite.
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +53,7 @@ BROKEN = {
 assert set(BROKEN) == set(MAKERS)
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
-T, S = "{tiny}", "{smol}"
+T, S, M = "{tiny}", "{smol}", "no-such-model"
 BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("params", "", [], 1, "MODEL is empty"),
     ("tied", "   ", [], 1, "MODEL is empty"),
@@ -88,7 +92,19 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("lens", T, ["the king", "--target", ""], 2, "--target '' encodes to no token"),
     ("lens", T, ["the king", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
     ("lens", T, ["the king", "--device", "tpu"], 2, "unknown device 'tpu'"),
-]
+    # values that are not sizes, refused before anything loads (the model does not exist)
+    ("lens", M, ["hi", "--device-map", "auto", "--max-memory", "cpu=lots"], 2,
+     "--max-memory 'cpu=lots': 'lots' is not a size"),
+    ("lens", M, ["hi", "--device-map", "auto", "--max-memory", "0=1e400"], 2,
+     "--max-memory '0=1e400': '1e400' is not a size"),
+    ("lens", M, ["hi", "--device-map", "auto", "--offload-folder", "{tiny}/config.json"], 2,
+     "config.json' is not a folder"),
+    ("neighbors", T, ["king - king"], 2, "'king - king' adds up to the zero vector"),
+    ("neighbors", S, ["' king' - ' king' + ' cat' - ' cat'"], 2, "adds up to the zero vector"),
+    ("neighbors", T, ["king", "--pool", "middle"], 2, "unknown --pool 'middle'"),
+    ("lens", S, ["The capital of France is", "--target", "queen"], 2,
+     "--target 'queen' is not a single token: it splits into 2 ('que', 'en')"),
+]  # fmt: skip
 
 
 def _digest(path: Path) -> str:
@@ -150,8 +166,43 @@ def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, comm
 )
 def test_bad_arguments(run_in_empty_folder, tiny, smollm2, command, model, args, code, says):
     model = model.format(tiny=tiny("llama-tied"), smol=smollm2)
+    args = [a.replace("{tiny}", str(tiny("llama-tied"))) for a in args]
     err = run_in_empty_folder(command, model, *args, code=code)
     assert says in err.splitlines()[0], err
+
+
+@pytest.mark.parametrize("limit", ["1e400", "lots", "-5GiB"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_memory_limit_that_is_not_a_size(run_in_empty_folder, command, limit, monkeypatch):
+    """A bad EMBEDLENS_MEMORY_LIMIT is a usage error before anything loads (MODEL is missing)."""
+    monkeypatch.setenv("EMBEDLENS_MEMORY_LIMIT", limit)
+    err = run_in_empty_folder(command, "no-such-model", *TAIL[command], code=2)
+    assert f"EMBEDLENS_MEMORY_LIMIT='{limit}' is not a size" in err.splitlines()[0], err
+
+
+def test_rows_near_float32s_largest_value(cli, tiny, tmp_path):
+    """A row of values near float32's largest overflows float32 arithmetic: it still gets its
+    true cosine (not NaN), and no numpy RuntimeWarning reaches stderr."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if "embed_tokens" in k)
+    table = weights[name]
+    row = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["book"]
+    table[row] = np.sign(table[row]) * np.float32(3e38)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    result = cli("neighbors", folder, "king", "-k", "53", "--json")
+    assert (result.exit_code, result.stderr) == (0, ""), result.stderr
+    found = {n["id"]: n["cosine"] for n in json.loads(result.stdout)["queries"][0]["neighbors"]}
+    king = table[json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["king"]]
+    a, b = table[row].astype(np.float64), king.astype(np.float64)
+    want = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+    assert found[row] == pytest.approx(want, abs=1e-6)
+    result = cli("neighbors", folder, "book", "king - man + woman")
+    assert (result.exit_code, result.stderr) == (0, ""), result.stderr
 
 
 def test_a_model_path_that_is_not_utf8(tiny, tmp_path):
@@ -181,3 +232,296 @@ def test_a_model_path_that_is_not_utf8(tiny, tmp_path):
 def test_inputs_unchanged_after_the_suite(originals):
     """Runs last in this module: the good inputs all cases read are as they were."""
     assert {p: _digest(p) for p in originals} == originals
+
+
+# Hostile text: names that are Rich markup or hold escape sequences, shown as written (escaped).
+HOSTILE_NAMES = {"markup-close": "a[/]b", "markup-style": "my[red]model", "escape": "x\x1b[31mred"}
+HOSTILE_TOKEN = "bo[red]ok\x1b[2J\x9b31m[/]"
+
+
+def _no_raw_controls(text: str) -> None:
+    from embedlens.tokens import visible
+
+    lines = text.splitlines()
+    assert all(line == visible(line) for line in lines), text
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("name", sorted(HOSTILE_NAMES))
+def test_hostile_model_path_is_shown_as_written(cli, tiny, tmp_path, monkeypatch, name, command):
+    """A MODEL path that is Rich markup or holds ESC: the run works, the name is shown escaped."""
+    from embedlens.tokens import visible
+
+    raw = HOSTILE_NAMES[name]
+    monkeypatch.chdir(tmp_path)
+    folder = Path("dir") / raw
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.symlink_to(tiny("llama-tied"))
+    result = cli(command, folder, *TAIL[command], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    _no_raw_controls(result.stdout + result.stderr)
+    if command in ("params", "tied"):  # these name the model in a title; lens by its last part
+        assert visible(raw) in result.stdout, result.stdout
+    if command == "lens":
+        assert f"Logit lens of {visible(folder.name)} after" in result.stdout, result.stdout
+    err = cli.fails(command, Path("missing") / raw, *TAIL[command], code=1)
+    assert visible(raw) in err.splitlines()[0] and "\x1b" not in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("neighbors", "--id", "{row}", "-k", "50"), ("neighbors", "king", "-k", "53"),
+     ("addr", "{row}"), ("addr", HOSTILE_TOKEN), ("lens", "the king", "--position", "all")],
+)  # fmt: skip
+def test_hostile_token_is_shown_escaped(cli, tiny, tmp_path, args):
+    """A vocabulary entry holding markup, ESC and CSI (U+009B) is shown escaped in every table."""
+    from embedlens.tokens import visible
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    row = vocab.pop("book")
+    vocab[HOSTILE_TOKEN] = row
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    command, *rest = args
+    argv = [a.format(row=row) for a in rest]
+    result = cli(command, folder, *argv, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    _no_raw_controls(result.stdout + result.stderr)
+    if command != "lens":  # the lens shows the row only where the model happens to predict it
+        assert "'" + visible(HOSTILE_TOKEN) + "'" in result.stdout, result.stdout
+
+
+def test_hostile_config_value_in_an_error(cli, tmp_path):
+    """A config value that is markup and an escape sequence, quoted in an error line."""
+    from embedlens.tokens import visible
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    bad = "ll[/]ama\x1b]0;pwned\x07"
+    (folder / "config.json").write_text(json.dumps({"model_type": bad}))
+    err = cli.fails("params", folder, "--meta-only", code=1)
+    assert visible(bad) in err and "\x1b" not in err and "\x07" not in err
+
+
+# Output that cannot be written, in real processes: stdout closed (`>&-`), full (`/dev/full`), or
+# a file that stops growing part of the way (RLIMIT_FSIZE).
+def _run_with_stdout(argv: list[str], stdout: Any, **kwargs: Any) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "EMBEDLENS_DEBUG"}
+    return subprocess.run(
+        [sys.executable, "-m", "embedlens", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        timeout=180,
+        check=False,
+        **kwargs,
+    )
+
+
+def _one_error_line(stderr: str, says: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert lines and lines[0].startswith("error: ") and says in lines[0], stderr
+    assert len(lines) <= 2 and all(line.startswith(("error: ", "hint: ")) for line in lines)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_closed_stdout(tiny, command, as_json):
+    argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
+    result = _run_with_stdout(argv, stdout=None, pass_fds=(), preexec_fn=_close_stdout)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output: stdout is closed")
+
+
+def _close_stdout() -> None:
+    import os
+
+    os.close(1)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    ("command", "as_json"),
+    [(c, True) for c in COMMANDS] + [("params", False), ("addr", False)],
+)
+def test_full_stdout(tiny, command, as_json):
+    argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
+    with open("/dev/full", "w") as full:
+        result = _run_with_stdout(argv, stdout=full)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output to stdout: No space left on device")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [[], ["params", "--help"]], ids=["usage", "help"])
+def test_help_that_cannot_be_written(argv):
+    with open("/dev/full", "w") as full:
+        result = _run_with_stdout(argv, stdout=full)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output to stdout: No space left on device")
+    if not argv:
+        result = _run_with_stdout(argv, stdout=None, preexec_fn=_close_stdout)
+        assert result.returncode == 1
+        _one_error_line(result.stderr, "cannot write the output: stdout is closed")
+
+
+@pytest.mark.parametrize(
+    ("command", "as_json"), [("params", True), ("neighbors", True), ("params", False)]
+)
+def test_output_cut_short_is_taken_back(tiny, tmp_path, command, as_json):
+    """The file stops growing after 100 bytes: what was written of the output is taken back."""
+    import resource
+    import signal
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    out = tmp_path / "out.json"
+    argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
+    with open(out, "w") as fh:
+        result = _run_with_stdout(argv, stdout=fh, preexec_fn=limit)
+    assert result.returncode == 1
+    _one_error_line(result.stderr, "cannot write the output to stdout: File too large")
+    assert out.read_bytes() == b""
+
+
+# Files nobody asked for: with HOME and TMPDIR empty folders of their own, a run leaves them empty.
+def _bare_env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    drop = ("EMBEDLENS_DEBUG", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "MPLCONFIGDIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("XDG_")}
+    return {**env, "HOME": str(home), "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
+
+
+def _left_behind(env: dict[str, str]) -> list[str]:
+    return sorted(
+        str(p) for key in ("HOME", "TMPDIR") for p in Path(env[key]).rglob("*")
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("lens", "the king", "--plot", "{out}/lens.png"), ("tied", "--load"),
+     ("neighbors", "king"), ("lens", "the king", "--device-map", "auto")],
+)  # fmt: skip
+def test_no_files_left_behind(tiny, tmp_path, args):
+    import subprocess
+    import sys
+
+    env = _bare_env(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    command, *rest = args
+    argv = [command, str(tiny("llama-tied")), *(a.format(out=out) for a in rest)]
+    result = subprocess.run(
+        [sys.executable, "-m", "embedlens", *argv, "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300, check=False, cwd=out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert _left_behind(env) == []
+    assert sorted(p.name for p in out.iterdir()) == (["lens.png"] if "--plot" in args else [])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_removes_the_offload_folder(tiny, tmp_path):
+    """SIGTERM during `lens --device-map auto` unwinds like Ctrl-C: the offload folder goes."""
+    import signal
+    import subprocess
+    import time
+
+    env = _bare_env(tmp_path)
+    argv = ["lens", str(tiny("llama-tied")), "the king", "--device-map", "auto", "--quiet"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "embedlens", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(Path(env["TMPDIR"]).rglob("embedlens-offload-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no offload folder made"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, out, err) == (128 + signal.SIGTERM, "", "")
+    assert _left_behind(env) == []
+
+
+# Words: a word that splits into several tokens, or typed without the leading space it likely has.
+BEIJING = [30158, 241, 16736, 122]  # '北京' in SmolLM2's byte-level vocabulary
+
+
+@pytest.mark.parametrize("pool", ["first", "mean", "last"])
+def test_a_split_word_is_said_and_pooled(cli, smollm2, pool):
+    import numpy as np
+
+    from tests.smol_reference import plain_neighbors, smol_table
+
+    result = cli("neighbors", smollm2, "北京", "-k", "3", "--pool", pool, "--json")
+    assert result.exit_code == 0, result.stderr
+    q = json.loads(result.stdout)["queries"][0]
+    assert [t["id"] for t in q["tokens"]] == BEIJING and q["split"] is True and q["pool"] == pool
+    used = {"first": BEIJING[:1], "last": BEIJING[-1:], "mean": BEIJING}[pool]
+    assert q["rows"] == used and q["token_id"] == (BEIJING[-1] if pool == "last" else BEIJING[0])
+    said = {"first": "the first ('\\xe5\\x8c', id 30158) is queried (--pool mean",
+            "last": "the last ('\\xac', id 122) is queried",
+            "mean": "the mean of their unit rows is queried"}  # fmt: skip
+    assert "note: '北京' splits into 4 tokens ('\\xe5\\x8c', '\\x97', " in result.stderr
+    assert said[pool] in result.stderr, result.stderr
+    ref = smol_table(smollm2)
+    unit = ref.rows / np.linalg.norm(ref.rows, axis=1, keepdims=True)
+    vector = unit[used].mean(axis=0)
+    allowed = np.ones(len(ref.rows), dtype=bool)
+    allowed[ref.control + used] = False
+    assert [n["id"] for n in q["neighbors"]] == plain_neighbors(ref.rows, allowed, vector, 3)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["neighbors", "{smol}", "cat"], "'cat' is token 9786, a rarer piece than ' cat' (token 2644"),
+     (["neighbors", "{smol}", "queen"],
+      "'queen' splits into 2 tokens, but ' queen' (token 15731, with its leading space) is one"),
+     (["neighbors", "{smol}", "king - man + woman"], """give "' woman'" (quoted in the"""),
+     (["addr", "{smol}", "cat"], "to use that, give ' cat'"),
+     (["addr", "{smol}", "北京"], "the first ('\\xe5\\x8c', id 30158) is addressed"),
+     (["lens", "{smol}", "The capital of France is", "--target", "Paris"],
+      "note: --target 'Paris' is token 38634, a rarer piece than ' Paris' (token 7042")],
+)  # fmt: skip
+def test_words_are_said(cli, smollm2, args, says):
+    result = cli(*(a.format(smol=smollm2) for a in args), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert says in result.stderr, result.stderr
+    assert json.loads(result.stdout)["command"] == args[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["neighbors", "{smol}", " cat", "king"], ["addr", "{smol}", " cat", "42"],
+     ["neighbors", "{tiny}", "king", "queen"], ["addr", "{tiny}", "king"]],
+)  # fmt: skip
+def test_words_that_are_what_they_seem_get_no_note(cli, tiny, smollm2, args):
+    """' cat' is the word itself; 'king' (token 644) is a commoner piece than ' king' (4197); a
+    word-level vocabulary has no leading spaces at all."""
+    argv = [a.format(smol=smollm2, tiny=tiny("llama-tied")) for a in args]
+    result = cli(*argv, "--json")
+    assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+
+
+def test_a_target_that_splits_names_its_spaced_form(cli, smollm2):
+    err = cli.fails("lens", smollm2, "The capital of France is", "--target", "queen", code=2)
+    assert "hint: ' queen' with its leading space is one token (id 15731): --target ' queen'" in err

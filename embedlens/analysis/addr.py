@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from embedlens import words
 from embedlens.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
 from embedlens.errors import CheckpointError, UsageError
 from embedlens.matrix import Table, check_row_range
@@ -172,6 +173,9 @@ def addr_report(
     entry = table.entry
     v, d = table.rows, table.width
     found = resolve_rows(given, vocab, v)
+    for text, _, ids in found if vocab is not None else []:
+        if not _ID.match(text.strip()):  # a word: say how it split, and its spaced form
+            notes += words.word_notes(text, ids, vocab.encode, vocab.text, verb="addressed")
     split = None if tp is None else tp_split(v, tp, entry.row_bytes)
     cost = costs(v, d, entry.row_bytes, tokens)
     real = min(vocab.size, v) if vocab is not None else v

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from embedlens import words
 from embedlens.errors import EmbedlensError, UsageError
 from embedlens.matrix import Rows, Table, check_row_range
 from embedlens.reports.neighbors import (
@@ -26,6 +27,7 @@ from embedlens.reports.neighbors import (
     TokenRef,
 )
 from embedlens.vocab import Vocab
+from embedlens.words import check_pool, pooled
 
 _OPERATOR = re.compile(r"\s[+-]\s")
 _SPLIT = re.compile(r"(?:(?<=\s)|^)([+-])(?=\s|$)")
@@ -43,8 +45,10 @@ class Query:
 
     @property
     def own_rows(self) -> list[int]:
-        """Rows never reported as this query's neighbours."""
-        return [self.row] if self.row is not None else [t.token_id for t in self.terms]
+        """Rows never reported as this query's neighbours: every row its vector is made of."""
+        if self.row is not None:
+            return [self.row]
+        return list(dict.fromkeys(r for t in self.terms for r in t.rows))
 
 
 def parse_expression(text: str) -> list[tuple[int, str]] | None:
@@ -77,7 +81,7 @@ def parse_expression(text: str) -> list[tuple[int, str]] | None:
     return terms
 
 
-def _term(vocab: Vocab, sign: int, word: str, total: int) -> Term:
+def _term(vocab: Vocab, sign: int, word: str, total: int, pool: str = "first") -> Term:
     ids = vocab.encode(word)
     if not ids:
         raise UsageError(f"'{word}' encodes to no tokens", hint="query a word, or a row with --id")
@@ -87,12 +91,36 @@ def _term(vocab: Vocab, sign: int, word: str, total: int) -> Term:
             f"'{vocab.text(vocab.unk_id)}'",
             hint="query a word the tokenizer knows, or a row with --id",
         )
-    if ids[0] >= total:
-        raise UsageError(
-            f"'{word}' is token {ids[0]}, which has no row: the matrix has {total:,} rows"
-        )
+    rows = pooled(ids, pool)
+    for row in rows:
+        if row >= total:
+            raise UsageError(
+                f"'{word}' is token {row}, which has no row: the matrix has {total:,} rows"
+            )
     tokens = [TokenRef(i, vocab.text(i)) for i in ids]
-    return Term(sign, word, ids[0], tokens[0].token, tokens)
+    head = tokens[-1] if pool == "last" else tokens[0]
+    return Term(sign, word, head.id, head.token, tokens, rows)
+
+
+def word_notes(vocab: Vocab, queries: list[Query], pool: str) -> list[str]:
+    """A note for each word that splits into several tokens (what was queried), and for each
+    word typed without the leading space its likely meaning has."""
+    notes: list[str] = []
+    for q in queries:
+        if q.kind == "id":
+            continue
+        for t in q.terms:
+            ids = [x.id for x in t.tokens]
+            notes += words.word_notes(
+                t.text,
+                ids,
+                vocab.encode,
+                vocab.text,
+                pool=pool,
+                offer_pool=True,
+                in_expression=q.kind == "expression",
+            )
+    return list(dict.fromkeys(notes))
 
 
 def check_row(row: int, real: int, total: int) -> None:
@@ -107,62 +135,94 @@ def check_row(row: int, real: int, total: int) -> None:
 
 
 def resolve(
-    vocab: Vocab, words: list[str], ids: list[int], *, real: int, total: int
+    vocab: Vocab, words: list[str], ids: list[int], *, real: int, total: int, pool: str = "first"
 ) -> list[Query]:
-    """Turn the words, expressions and --id rows given into queries (UsageError on bad input)."""
+    """Turn the words, expressions and --id rows given into queries (UsageError on bad input).
+
+    A word of several tokens is queried by `pool`: its first token, the mean of all its tokens'
+    unit rows, or its last token."""
+    check_pool(pool)
     queries: list[Query] = []
     for text in words:
         if text == "":
             raise UsageError("empty query", hint="give a word, an expression, or --id ROW")
         signed = parse_expression(text)
         if signed is None:
-            queries.append(Query(text, "word", [_term(vocab, 1, text, total)]))
+            queries.append(Query(text, "word", [_term(vocab, 1, text, total, pool)]))
         else:
-            terms = [_term(vocab, s, w, total) for s, w in signed]
+            terms = [_term(vocab, s, w, total, pool) for s, w in signed]
             queries.append(Query(text, "expression", terms))
     for row in ids:
         check_row(row, real, total)
         text = vocab.text(row)
-        term = Term(1, text, row, text, [TokenRef(row, text)])
+        term = Term(1, text, row, text, [TokenRef(row, text)], [row])
         queries.append(Query(str(row), "id", [term], row=row))
     if not queries:
         raise UsageError("no query given", hint="give a word, an expression, or --id ROW")
     return queries
 
 
+def _word_vector(
+    block: npt.NDArray[np.float64], norms: npt.NDArray[np.float64], where: dict[int, int], t: Term
+) -> npt.NDArray[np.float64]:
+    """A word's unit vector: its row's, or the normalised mean of its tokens' unit rows."""
+    vector = np.zeros(block.shape[1], dtype=np.float64)
+    texts = {x.id: x.token for x in t.tokens}
+    for row in t.rows:
+        n = norms[where[row]]
+        if n == 0 or not np.isfinite(n):
+            what = "is all zeros" if n == 0 else "holds NaN or infinity"
+            raise EmbedlensError(
+                f"row {row} ('{texts.get(row, t.token)}') {what}: it has no direction to compare"
+            )
+        vector += block[where[row]] / n
+    if len(t.rows) > 1:
+        length = np.linalg.norm(vector)
+        if length < 1e-6:
+            raise UsageError(f"the unit rows of '{t.text}' add up to the zero vector")
+        vector /= length
+    return vector
+
+
 def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
     """[q, d]: each query's unit vector (an expression: the sum of its signed unit rows, normalised)."""
-    needed = sorted({t.token_id for q in queries for t in q.terms})
+    needed = sorted({r for q in queries for t in q.terms for r in t.rows})
     block = rows.take(needed).astype(np.float64)
     norms = np.linalg.norm(block, axis=1)
     where = {row: i for i, row in enumerate(needed)}
     out = np.zeros((len(queries), rows.shape[1]), dtype=np.float64)
     for qi, q in enumerate(queries):
         for t in q.terms:
-            n = norms[where[t.token_id]]
-            if n == 0 or not np.isfinite(n):
-                what = "is all zeros" if n == 0 else "holds NaN or infinity"
-                raise EmbedlensError(
-                    f"row {t.token_id} ('{t.token}') {what}: it has no direction to compare"
-                )
-            out[qi] += t.sign * block[where[t.token_id]] / n
+            out[qi] += t.sign * _word_vector(block, norms, where, t)
         total = np.linalg.norm(out[qi])
         if total < 1e-6:
-            raise EmbedlensError(f"'{q.text}' adds up to the zero vector: nothing to compare")
+            raise UsageError(
+                f"'{q.text}' adds up to the zero vector: nothing to compare",
+                hint="an expression whose words cancel out has no direction",
+            )
         out[qi] /= total
     return out.astype(np.float32)
 
 
 def cosines(rows: Rows, vectors: npt.NDArray[np.float32], real: int) -> npt.NDArray[np.float32]:
-    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows)."""
+    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows).
+
+    Rows whose squares or dot products overflow float32 (values near its largest) are scored
+    again in float64, so that they get their true cosine rather than NaN.
+    """
     out = np.empty((real, vectors.shape[0]), dtype=np.float32)
     qt = np.ascontiguousarray(vectors.T)
     for start in range(0, real, rows.block_rows):
         stop = min(real, start + rows.block_rows)
         block = rows.block(start, stop)
-        norms = np.sqrt(np.einsum("ij,ij->i", block, block))
-        dots = block @ qt
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            norms = np.sqrt(np.einsum("ij,ij->i", block, block))
+            dots = block @ qt
+            redo = ~(np.isfinite(norms) & np.isfinite(dots).all(axis=1))
+            if redo.any():
+                wide = block[redo].astype(np.float64)
+                norms[redo] = np.linalg.norm(wide, axis=1) / 2.0**64  # both scaled alike
+                dots[redo] = (wide / 2.0**64) @ qt.astype(np.float64)
             np.divide(dots, norms[:, None], out=out[start:stop])
     return out
 
@@ -205,6 +265,7 @@ def neighbors_report(
     k: int,
     include_special: bool,
     notes: list[str],
+    pool: str = "first",
 ) -> NeighborsReport:
     """Score every query against the allowed rows in one pass over the matrix."""
     real = allowed.shape[0]
@@ -225,6 +286,8 @@ def neighbors_report(
                 split=any(len(t.tokens) > 1 for t in q.terms),
                 terms=list(q.terms) if not single else [],
                 neighbors=neighbors,
+                pool=pool,
+                rows=q.own_rows,
             )
         )
     specials = sum(1 for i in vocab.special_ids if i < real)
@@ -241,5 +304,5 @@ def neighbors_report(
         special_excluded=0 if include_special else specials,
         include_special=include_special,
         queries=results,
-        notes=notes,
+        notes=[*notes, *word_notes(vocab, queries, pool)],
     )

@@ -16,6 +16,9 @@ try:
     from embedlens.cli import params as _params
     from embedlens.cli import tied as _tied
     from embedlens.cli._errors import print_error
+    from embedlens.cli._output import silence_stdout, write_stdout
+    from embedlens.cli._scratch import make_scratch, remove_scratch, unwind_on_sigterm
+    from embedlens.errors import EmbedlensError
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None
 
@@ -39,14 +42,26 @@ class _Group(TyperGroup):
                 standalone_mode=False,
                 **extra,
             )
+        except OSError as e:  # writing the help: the commands' own output is checked in them
+            if not standalone_mode:
+                raise
+            silence_stdout()
+            if isinstance(e, BrokenPipeError):
+                sys.exit(0)
+            print_error(f"cannot write the output to stdout: {e.strerror or e}")
+            sys.exit(1)
         except Exception as e:
             code = getattr(e, "exit_code", None)
             if not hasattr(e, "format_message") or not isinstance(code, int):
                 raise
             ctx = getattr(e, "ctx", None)
             if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                sys.stdout.write(ctx.get_help() + "\n")
-                code = 0
+                try:
+                    write_stdout(ctx.get_help() + "\n")
+                    code = 0
+                except EmbedlensError as failed:
+                    print_error(failed.message, failed.hint)
+                    code = failed.exit_code
             else:
                 command = ctx.command_path if ctx is not None else "embedlens"
                 print_error(e.format_message(), f"see '{command} --help'")
@@ -86,10 +101,16 @@ def main() -> None:
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:  # a path that is not UTF-8 is printed as its bytes, as ls does
         reconfigure(errors="surrogateescape")
+    unwind_on_sigterm()
+    scratch = make_scratch()
     try:
         app()
     except SystemExit as e:
         code = e.code
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        remove_scratch(scratch)
     if "torch" not in sys.modules:
         sys.exit(code)
     status = code if isinstance(code, int) else (0 if code is None else 1)
@@ -98,6 +119,6 @@ def main() -> None:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-    except (BrokenPipeError, ValueError):
+    except (OSError, ValueError):
         pass
     os._exit(status)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import typer
-from rich.text import Text
 
-from embedlens.cli._output import err_console
+from embedlens.cli._output import err_console, shown, silence_stdout
 from embedlens.errors import EmbedlensError, UsageError
 
 P = ParamSpec("P")
@@ -24,21 +23,16 @@ def debug_enabled() -> bool:
     return os.environ.get("EMBEDLENS_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-# Control characters (C0, DEL, C1) are shown escaped: a query or a file name must not reach the
-# terminal as an escape sequence, nor a NUL byte.
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), *range(0x7F, 0xA0))}
-
-
 def one_line(text: str) -> str:
-    """Whitespace runs as one space, control characters escaped."""
-    return " ".join(text.split()).translate(_CONTROL)
+    """Whitespace runs as one space (a message may quote a multi-line value)."""
+    return " ".join(text.split())
 
 
 def print_error(message: str, hint: str | None = None) -> None:
-    """Print `error: ...` (and `hint: ...`) on stderr, one line each."""
-    err_console.print(Text("error: " + one_line(message), style="red"), soft_wrap=True)
+    """Print `error: ...` (and `hint: ...`) on stderr, one line each, control characters escaped."""
+    err_console.print(shown("error: " + one_line(message), style="red"), soft_wrap=True)
     if hint:
-        err_console.print(Text("hint: " + one_line(hint), style="dim"), soft_wrap=True)
+        err_console.print(shown("hint: " + one_line(hint), style="dim"), soft_wrap=True)
 
 
 _PATH_PARAMS = {"model"}  # the file system may hold names that are not UTF-8
@@ -66,7 +60,11 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             check_text_arguments(kwargs)
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                # numpy's RuntimeWarnings name a source line, not the user's problem; what
+                # matters (a NaN, a zero row) is checked and said in words where it happens
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return fn(*args, **kwargs)
         except typer.Exit:
             raise
         except EmbedlensError as e:
@@ -77,7 +75,7 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except BrokenPipeError:
-            _silence_stdout()
+            silence_stdout()
             raise typer.Exit(0) from None
         except Exception as e:
             if debug_enabled():
@@ -89,12 +87,3 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(1) from None
 
     return wrapper
-
-
-def _silence_stdout() -> None:
-    """After a closed pipe, point stdout at /dev/null so the interpreter's flush stays quiet."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass

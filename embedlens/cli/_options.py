@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from embedlens.cli._output import set_quiet
+from embedlens.cli._output import check_stdout, set_quiet
 
 ModelArg = Annotated[
     str,
@@ -38,10 +38,13 @@ def common(*, quiet: bool, debug: bool, dtype: str, device: str) -> None:
     """Apply --quiet and --debug, and check --dtype and --device before any work."""
     from embedlens.errors import UsageError
     from embedlens.loading import DEVICES, DTYPES
+    from embedlens.preflight import memory_limit_override
 
     set_quiet(quiet)
     if debug:
         os.environ["EMBEDLENS_DEBUG"] = "1"
+    check_stdout()
+    memory_limit_override()  # a bad EMBEDLENS_MEMORY_LIMIT is refused before any work
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype '{dtype}'", hint="use one of: " + ", ".join(DTYPES))
     if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.text import Text
 
+from embedlens.errors import OutputError
 from embedlens.reports import Report, to_json_dict
+from embedlens.tokens import visible
 
 
 class _Console(Console):
@@ -20,8 +25,9 @@ class _Console(Console):
         raise BrokenPipeError
 
 
-console = _Console(highlight=False, soft_wrap=False)
-err_console = Console(stderr=True, highlight=False)
+# No string printed is read as markup or emoji codes: what is shown is text, never instructions.
+console = _Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
 
 _state = {"quiet": False}
 
@@ -29,6 +35,76 @@ _state = {"quiet": False}
 def set_quiet(quiet: bool) -> None:
     """Silence progress and notes on stderr (errors are always shown)."""
     _state["quiet"] = quiet
+
+
+_CLOSED_HINT = "stdout was closed (>&-): send it to a file, a pipe or /dev/null instead"
+
+
+def check_stdout() -> None:
+    """Fail before any work when stdout is closed (`>&-`): nothing could be written."""
+    if sys.stdout is None:
+        raise OutputError("cannot write the output: stdout is closed", hint=_CLOSED_HINT)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so that what is left in its buffer goes nowhere at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _file_position() -> int | None:
+    """Where stdout stands when it is a regular file (so a failed write can be taken back)."""
+    try:
+        fd = sys.stdout.fileno()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return os.lseek(fd, 0, os.SEEK_CUR)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def _write_failed(error: OSError, start: int | None) -> OutputError:
+    """Take back a partial write to a file, drop the rest, and say what happened."""
+    if start is not None:
+        with suppress(OSError, ValueError):
+            os.ftruncate(sys.stdout.fileno(), start)
+    silence_stdout()
+    reason = error.strerror or str(error) or type(error).__name__
+    return OutputError(f"cannot write the output to stdout: {reason}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is out: a short write is followed up, so a file that stops
+    growing ends in an error (EFBIG, ENOSPC) instead of a silent cut."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_stdout(text: str) -> None:
+    """Write text to stdout in one write and check it: a failure is an OutputError, and what a
+    regular file received of it is taken back (a cut JSON object never looks complete)."""
+    check_stdout()
+    out = sys.stdout
+    try:
+        out.flush()
+        fd = out.fileno()
+    except (AttributeError, ValueError, OSError):  # not a file (a test's capture): write to it
+        fd = None
+    start = _file_position()
+    try:
+        if fd is None:
+            out.write(text)
+            out.flush()
+        else:
+            _write_all(fd, text.encode(out.encoding or "utf-8", out.errors or "strict"))
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise _write_failed(e, start) from None
 
 
 def write_json(report: Report) -> None:
@@ -39,27 +115,44 @@ def write_json(report: Report) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a MODEL path that is not UTF-8: all escaped, still valid JSON
         text = json.dumps(data, ensure_ascii=True, allow_nan=False)
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
+    write_stdout(text + "\n")
 
 
 def emit(report: Report, *, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
     """Print a report: JSON on request, else its Rich rendering."""
     if as_json:
         write_json(report)
-    else:
-        console.print(render(report))
+        return
+    check_stdout()
+    write_stdout(rendered(render(report)))
+
+
+def rendered(renderable: RenderableType) -> str:
+    """What the stdout console would print, as a string (so it is written, and checked, once)."""
+    buffer = io.StringIO()
+    Console(
+        file=buffer,
+        width=console.width,
+        color_system=console.color_system,  # type: ignore[arg-type]
+        force_terminal=console.is_terminal,
+        no_color=console.no_color,
+        highlight=False,
+        soft_wrap=False,
+        markup=False,
+        emoji=False,
+    ).print(renderable)
+    return buffer.getvalue()
 
 
 def note(message: str, *, style: str = "yellow") -> None:
     """A note on stderr (silenced by --quiet)."""
     if not _state["quiet"]:
-        err_console.print(Text(message, style=style), soft_wrap=True)
+        err_console.print(shown(message, style=style), soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """A warning on stderr that --quiet does not silence: something the user must know."""
-    err_console.print(Text("warning: " + message, style="bold red"), soft_wrap=True)
+    err_console.print(shown("warning: " + message, style="bold red"), soft_wrap=True)
 
 
 @contextmanager
@@ -68,17 +161,22 @@ def progress(message: str) -> Iterator[None]:
     if _state["quiet"] or not err_console.is_terminal:
         yield
         return
-    with err_console.status(Text(message), spinner="dots"):
+    with err_console.status(shown(message), spinner="dots"):
         yield
 
 
-_CONTROL = {i: f"\\x{i:02x}" for i in range(32)} | {0x7F: "\\x7f"}
-_CONTROL.update({ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"})
+def shown(text: str, style: str = "") -> Text:
+    """Text from the user or a model file (a path, a token, a config value) as it is shown.
+
+    A Text is never read as Rich markup (so 'my[red]model' and 'a[/]b' show as written), and
+    every control character (C0, DEL, C1, so any escape sequence) is written as an escape.
+    """
+    return Text(visible(text), style=style)
 
 
 def quoted(token: str) -> Text:
-    """A token in single quotes with control characters escaped, never read as markup."""
-    return Text("'" + token.translate(_CONTROL) + "'")
+    """A token in single quotes, shown as `shown` shows text (spaces at its ends visible)."""
+    return shown("'" + token + "'")
 
 
 def count(n: int) -> str:

@@ -21,7 +21,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, quoted, size
+from embedlens.cli._output import count, emit, note, progress, quoted, shown, size
 from embedlens.reports.addr import AddrReport
 
 EXAMPLES = (
@@ -111,7 +111,7 @@ def _yes_no(value: bool | None) -> Text:
 def render_addr(r: AddrReport) -> RenderableType:
     """The table's layout, one line per row, the check and the costs."""
     v, d = r.shape
-    layout = Text(
+    layout = shown(
         f"{r.tensor} in {r.file}: shape [{count(v)}, {count(d)}], {r.dtype}, "
         f"{r.element_size} bytes per element, stride ({count(d)}, 1), "
         f"row {count(r.row_bytes)} bytes, table {count(r.table_bytes)} bytes "
@@ -152,14 +152,14 @@ def render_addr(r: AddrReport) -> RenderableType:
     if c.method is not None:
         verdict = "equal" if c.all_equal else "NOT equal"
         lines.append(
-            Text(
+            shown(
                 f"Read back: {c.rows_checked} row(s) read at file_offset are {verdict} to the "
                 f"rows {c.method} loads.",
                 style="green" if c.all_equal else "bold red",
             )
         )
     else:
-        lines.append(Text(f"Read back: skipped ({c.skipped}).", style="dim"))
+        lines.append(shown(f"Read back: skipped ({c.skipped}).", style="dim"))
     k = r.costs
     cost = (
         f"A lookup reads d x element size = {d} x {r.element_size} = "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import emit, note, progress, quoted, warn
+from embedlens.cli._output import emit, note, progress, quoted, shown, warn
 from embedlens.errors import UsageError
 from embedlens.reports.lens import LensReport
 
@@ -120,21 +121,37 @@ def parse_position(value: str) -> int | None:
         ) from None
 
 
-def parse_max_memory(spec: str | None) -> dict[Any, str] | None:
-    """`cpu=2GiB,0=20GiB` -> {'cpu': '2GiB', 0: '20GiB'} (accelerate's max_memory)."""
+def parse_max_memory(spec: str | None) -> dict[Any, int | str] | None:
+    """`cpu=2GiB,0=20GiB` -> {'cpu': 2147483648, 0: 21474836480} (accelerate's max_memory)."""
+    from embedlens.preflight import parse_size
+
     if spec is None:
         return None
-    out: dict[Any, str] = {}
+    hint = "write DEVICE=AMOUNT pairs: cpu=8GiB,0=20GiB"
+    out: dict[Any, int | str] = {}
     for part in spec.split(","):
         key, sep, amount = part.partition("=")
         if not sep or not key.strip() or not amount.strip():
+            raise UsageError(f"malformed --max-memory '{spec}'", hint=hint)
+        try:
+            size = parse_size(amount)
+        except ValueError:
             raise UsageError(
-                f"malformed --max-memory '{spec}'",
-                hint="write DEVICE=AMOUNT pairs: cpu=8GiB,0=20GiB",
-            )
+                f"--max-memory '{spec}': '{amount.strip()}' is not a size", hint=hint
+            ) from None
         k = key.strip()
-        out[int(k) if k.isdigit() else k] = amount.strip()
+        out[int(k) if k.isdigit() else k] = size
     return out
+
+
+def check_offload_folder(folder: Path | None) -> None:
+    """--offload-folder must be a folder, or not exist yet (it is made then)."""
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise UsageError(
+            f"--offload-folder '{folder}' is not a folder",
+            hint="name a folder (it is made if missing), or leave the option out for a "
+            "temporary one",
+        )
 
 
 def template_switches(no_thinking: bool, pairs: list[str]) -> dict[str, Any]:
@@ -285,6 +302,7 @@ def lens(
             f"unknown --device-map '{device_map}'", hint="use one of: " + ", ".join(DEVICE_MAPS)
         )
     memory = parse_max_memory(max_memory)
+    check_offload_folder(offload_folder)
 
     from embedlens import loading
     from embedlens.source import resolve
@@ -372,9 +390,20 @@ def _prompt_ids(
 
 
 def _target_id(tokenizer: Any, target: str) -> int:
-    ids = list(tokenizer(target, add_special_tokens=False)["input_ids"])
+    from embedlens.words import spaced_form, spaced_note
+
+    def encode(text: str) -> list[int]:
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def text_of(token_id: int) -> str:
+        return _token_text(tokenizer, token_id)
+
+    ids = encode(target)
     unk = getattr(tokenizer, "unk_token_id", None)
     if len(ids) == 1 and (ids[0] != unk or target == tokenizer.unk_token):
+        said = spaced_note(target, ids, encode, text_of)
+        if said is not None:
+            note("note: --target " + said)
         return int(ids[0])
     if len(ids) == 1:
         raise UsageError(
@@ -384,10 +413,14 @@ def _target_id(tokenizer: Any, target: str) -> int:
     if not ids:
         raise UsageError(f"--target '{target}' encodes to no token")
     pieces = ", ".join(repr(_token_text(tokenizer, i)) for i in ids)
+    spaced = spaced_form(target, ids, encode)
     raise UsageError(
         f"--target '{target}' is not a single token: it splits into {len(ids)} ({pieces})",
         hint="give one of those tokens, or a variant that is one token (a leading space often "
-        "matters)",
+        "matters)"
+        if spaced is None
+        else f"'{text_of(spaced)}' with its leading space is one token (id {spaced}): "
+        f"--target '{text_of(spaced)}'",
     )
 
 
@@ -408,8 +441,11 @@ def _offload_dir(device_map: str | None, folder: Path | None) -> Iterator[str | 
     if device_map is None or folder is not None:
         yield None if folder is None else str(folder)
         return
-    with tempfile.TemporaryDirectory(prefix="embedlens-offload-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="embedlens-offload-")
+    try:
         yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_fits(config: Any, ids: list[int], layer_items: list[LayerItem] | None) -> None:
@@ -588,16 +624,17 @@ def render_lens(r: LensReport) -> RenderableType:
         tokens.append_text(piece).append(" ")
     parts.append(tokens)
     read = r.tokens[r.position_index].token
-    table = Table(
-        title=f"Logit lens of {r.display_model} after {quoted(read)} (position {r.position_index}, {r.dtype})"
+    title = (
+        f"Logit lens of {r.display_model} after '{read}' (position {r.position_index}, {r.dtype})"
     )
+    table = Table(title=shown(title, "table.title"))
     table.add_column("layer", justify="right")
     table.add_column("top-1")
     table.add_column("p", justify="right")
     if r.layers and len(r.layers[0].top) > 1:
         table.add_column("next")
     if r.target is not None:
-        table.add_column(f"p({quoted(r.target.token)})", justify="right")
+        table.add_column(shown(f"p('{r.target.token}')"), justify="right")
         table.add_column("rank", justify="right")
     for row in r.layers:
         label = str(row.layer)
@@ -610,8 +647,8 @@ def render_lens(r: LensReport) -> RenderableType:
         if len(row.top) > 1:
             rest = Text()
             for pred in row.top[1:]:
-                shown = _prob(pred.prob, pred.logprob)
-                rest.append_text(quoted(pred.token)).append(f" {shown}  ", style="dim")
+                p_text = _prob(pred.prob, pred.logprob)
+                rest.append_text(quoted(pred.token)).append(f" {p_text}  ", style="dim")
             cells.append(rest)
         if r.target is not None and row.target is not None:
             cells += [_prob(row.target.prob, row.target.logprob), str(row.target.rank)]
@@ -645,14 +682,19 @@ def _render_check(r: LensReport) -> Text:
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
     if c.ok:
         line = Text("✓ ", style="green")
-        line.append(
-            f"self-check: decoding block {r.num_layers}'s output reproduces the model's logits "
-            f"(max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). Decode: {steps}."
+        line.append_text(
+            shown(
+                f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
+                f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
+                f"Decode: {steps}."
+            )
         )
     else:
         line = Text("✗ NOT FAITHFUL ", style="bold red")
-        line.append(
-            f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
-            f"suspect: {c.suspect}. Decode: {steps}."
+        line.append_text(
+            shown(
+                f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
+                f"suspect: {c.suspect}. Decode: {steps}."
+            )
         )
     return line

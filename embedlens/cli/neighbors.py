@@ -23,7 +23,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, quoted
+from embedlens.cli._output import count, emit, note, progress, quoted, shown
 from embedlens.reports.neighbors import NeighborsReport, QueryResult
 
 EXAMPLES = (
@@ -41,8 +41,9 @@ def neighbors(
         list[str] | None,
         typer.Argument(
             metavar="QUERY...",
-            help="Words (the first token of each is queried) or expressions such as "
-            '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'").',
+            help="Words or expressions such as "
+            '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'"). '
+            "A word of several tokens is queried as --pool says.",
             show_default=False,
         ),
     ] = None,
@@ -57,6 +58,14 @@ def neighbors(
     include_special: Annotated[
         bool, typer.Option("--include-special", help="Search special tokens' rows too.")
     ] = False,
+    pool: Annotated[
+        str,
+        typer.Option(
+            "--pool",
+            help="A word of several tokens: its first token's row, the mean of all its "
+            "tokens' unit rows, or its last token's row (first, mean, last).",
+        ),
+    ] = "first",
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
     dtype: DtypeOpt = "auto",
@@ -84,14 +93,18 @@ def neighbors(
     from embedlens.matrix import check_matrix, locate, open_rows
     from embedlens.source import resolve as resolve_source
     from embedlens.vocab import load_vocab
+    from embedlens.words import check_pool
 
     which = check_matrix(matrix)
+    check_pool(pool)
     with progress(f"Reading {model}"):
         source = resolve_source(model, revision)
         table = locate(source, which, trust_remote_code=trust_remote_code)
         vocab = load_vocab(source, table.checkpoint.gguf)
         real = min(vocab.size, table.rows)
-        found = resolve(vocab, list(queries or []), list(ids or []), real=real, total=table.rows)
+        found = resolve(
+            vocab, list(queries or []), list(ids or []), real=real, total=table.rows, pool=pool
+        )
         allowed = searchable(vocab, real, include_special=include_special)
         searched = int(allowed.sum())
         if k > searched:
@@ -116,6 +129,7 @@ def neighbors(
             k=k,
             include_special=include_special,
             notes=notes,
+            pool=pool,
         )
     if dtype != "auto":
         note("note: neighbors computes in float32 from the stored rows; --dtype is not used")
@@ -143,7 +157,9 @@ def _title(q: QueryResult) -> Text:
             title.append_text(quoted(t.token))
         return title
     title.append_text(quoted(q.query))
-    if q.kind == "word":
+    if q.kind == "word" and len(q.rows) > 1:
+        title.append(f" (mean of the unit rows {', '.join(str(r) for r in q.rows)})")
+    elif q.kind == "word":
         title.append(f" (id {q.token_id}")
         if q.token != q.query:
             title.append(", token ")
@@ -155,25 +171,28 @@ def _title(q: QueryResult) -> Text:
 def _caption(q: QueryResult) -> list[Text]:
     parts: list[Text] = []
     if q.kind == "expression":
-        rows = ", ".join(str(t.token_id) for t in q.terms)
+        rows = ", ".join(str(r) for r in q.rows)
         parts.append(
             Text(f"unit rows {rows} combined and normalised; those rows are left out", style="dim")
         )
     for t in q.terms if q.kind == "expression" else []:
         if len(t.tokens) > 1:
-            parts.append(_split_note(t.text, [x.token for x in t.tokens]))
+            parts.append(_split_note(t.text, [x.token for x in t.tokens], q.pool))
     if q.kind == "word" and len(q.tokens) > 1:
-        parts.append(_split_note(q.query, [x.token for x in q.tokens]))
+        parts.append(_split_note(q.query, [x.token for x in q.tokens], q.pool))
     return parts
 
 
-def _split_note(word: str, tokens: list[str]) -> Text:
+_QUERIED = {"first": "the first", "last": "the last", "mean": "the mean of their unit rows"}
+
+
+def _split_note(word: str, tokens: list[str], pool: str) -> Text:
     line = quoted(word)
     line.append(f" splits into {len(tokens)} tokens:")
     for tok in tokens:
         line.append(" ")
         line.append_text(quoted(tok))
-    line.append("; the first is queried")
+    line.append(f"; {_QUERIED.get(pool, pool)} is queried")
     line.stylize("yellow")
     return line
 
@@ -202,5 +221,5 @@ def render_neighbors(r: NeighborsReport) -> RenderableType:
     )
     if left_out:
         summary += "; left out: " + ", ".join(left_out)
-    parts.append(Text(summary + ".", style="dim"))
+    parts.append(shown(summary + ".", style="dim"))
     return Group(*parts)

@@ -21,7 +21,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, share, size
+from embedlens.cli._output import count, emit, note, progress, share, shown, size
 from embedlens.reports.params import ParamsReport
 
 EXAMPLES = (
@@ -91,7 +91,7 @@ def params(
 
 def render_params(r: ParamsReport) -> RenderableType:
     """The share table, the block parts, and the head's cost."""
-    table = Table(title=f"Parameters of {r.model} (source: {r.source})")
+    table = Table(title=shown(f"Parameters of {r.model} (source: {r.source})", "table.title"))
     table.add_column("part")
     table.add_column("params", justify="right")
     table.add_column("share", justify="right")
@@ -100,11 +100,11 @@ def render_params(r: ParamsReport) -> RenderableType:
         label = _LABELS.get(g.name, g.name)
         if g.name == "embedding" and r.tied:
             label += " (tied with the head)"
-        table.add_row(label, count(g.params), share(g.fraction), size(g.bytes))
+        table.add_row(shown(label), count(g.params), share(g.fraction), size(g.bytes))
         if g.name == "blocks":
             for part in r.block_parts:
                 table.add_row(
-                    Text("  " + part.name, style="dim"),
+                    shown("  " + part.name, style="dim"),
                     Text(count(part.params), style="dim"),
                     Text(share(part.fraction), style="dim"),
                     Text(size(part.bytes), style="dim"),
@@ -113,7 +113,7 @@ def render_params(r: ParamsReport) -> RenderableType:
     table.add_row("total", count(r.total), "100.00%", size(r.total_bytes), style="bold")
     lines: list[RenderableType] = [
         table,
-        Text(
+        shown(
             f"V = {count(r.vocab_size)}, d = {count(r.hidden_size)}, {r.num_layers} blocks, "
             f"{'tied' if r.tied else 'untied'} head, dtype {r.dtype or '?'}."
         ),

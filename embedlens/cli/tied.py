@@ -21,7 +21,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, share, size
+from embedlens.cli._output import count, emit, note, progress, share, shown, size
 from embedlens.reports.tied import TiedReport
 
 EXAMPLES = (
@@ -107,7 +107,7 @@ def _yes_no(value: bool | None) -> Text:
 
 def render_tied(r: TiedReport) -> RenderableType:
     """Evidence, verdict and savings."""
-    table = Table(title=f"Is the LM head of {r.model} the embedding?")
+    table = Table(title=shown(f"Is the LM head of {r.model} the embedding?", "table.title"))
     table.add_column("evidence")
     table.add_column("says tied?")
     table.add_row("config: tie_word_embeddings", _yes_no(r.evidence.config))
@@ -121,11 +121,11 @@ def render_tied(r: TiedReport) -> RenderableType:
     )
     table.add_row("built model: head is the embedding", _yes_no(r.evidence.same_storage))
     v, d = r.shape
-    verdict = Text(("TIED" if r.tied else "UNTIED") + f": {r.verdict}.", style="bold")
+    verdict = shown(("TIED" if r.tied else "UNTIED") + f": {r.verdict}.", style="bold")
     lines: list[RenderableType] = [table, verdict]
     if r.tied:
         lines.append(
-            Text(
+            shown(
                 f"Sharing the [{count(v)}, {count(d)}] matrix saves {count(r.saved_params)} "
                 f"parameters ({size(r.saved_bytes)} at {r.dtype or '?'}), "
                 f"{share(r.saved_fraction)} of the model."

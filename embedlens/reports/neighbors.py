@@ -37,6 +37,8 @@ class Term:
     token: str
     tokens: list[TokenRef]
     """The word's whole encoding."""
+    rows: list[int] = field(default_factory=list)
+    """The rows whose unit vectors make the word's vector (with --pool mean, all its tokens)."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,13 @@ class QueryResult:
     tokens: list[TokenRef]
     """The whole encoding of the query (for an expression: the row of each word)."""
     split: bool
-    """The word (or a word of the expression) encodes to several tokens; the first is used."""
+    """The word (or a word of the expression) encodes to several tokens (see `pool`)."""
     terms: list[Term]
     neighbors: list[Neighbor]
+    pool: str = "first"
+    """How a word of several tokens is queried: first, mean (of their unit rows) or last."""
+    rows: list[int] = field(default_factory=list)
+    """Every row that went into the query vector (left out of its neighbours)."""
 
 
 @dataclass(frozen=True)
