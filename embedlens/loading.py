@@ -21,6 +21,7 @@ from embedlens.errors import (
     EmbedlensError,
     MissingDependencyError,
     SourceError,
+    UnsupportedError,
     UsageError,
 )
 from embedlens.source import ModelSource
@@ -254,9 +255,38 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
     _quiet_transformers()
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(source)
     where, kwargs = _where(source)
-    with _translated(source, "loading the tokenizer"), gguf_reads_shared(source):
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    try:
+        with _translated(source, "loading the tokenizer"), gguf_reads_shared(source):
+            return AutoTokenizer.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
+    except CheckpointError as e:
+        if "Couldn't instantiate the backend tokenizer" not in e.message:
+            raise
+        raise UnsupportedError(
+            f"'{source.spec}' has no tokenizer.json, and transformers cannot build its tokenizer "
+            "from the files it has",
+            hint="save a fast tokenizer (tokenizer.json) beside the model, or install "
+            "sentencepiece (or tiktoken) for a slow one",
+        ) from e
+
+
+def check_tokenizer_files(source: ModelSource) -> None:
+    """embedlens' own checks of the tokenizer before transformers reads it: a GGUF file's
+    tokenizer arrays, a tokenizer.json's top-level keys."""
+    from embedlens.vocab import check_tokenizer_json, vocab_from_gguf
+
+    if source.is_gguf:
+        from embedlens.gguf_header import read_gguf_header
+
+        assert source.path is not None
+        vocab_from_gguf(read_gguf_header(source.path))
+        return
+    path = source.find("tokenizer.json")
+    if path is not None:
+        check_tokenizer_json(path)
 
 
 _shared: dict[str, Any] = {"depth": 0}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.fileformats import gguf_bytes
+from tests.fileformats import gguf_bytes, gguf_value
 
 Maker = Callable[[Path, Callable[..., Path], Path], Path]
 MAKERS: dict[str, Maker] = {}
@@ -222,3 +222,55 @@ def gguf_unsupported_quant(tmp, tiny, smol):
 def not_a_model_file(tmp, tiny, smol):
     (tmp / "notes.txt").write_text("hello")
     return tmp / "notes.txt"
+
+
+def _gguf_rewrite(
+    src: Path,
+    out: Path,
+    *,
+    meta: dict[str, tuple[int, Any]] | None = None,
+    shift: dict[str, int] | None = None,
+) -> Path:
+    """A copy of a GGUF file with metadata values replaced (key -> (type, value)) and tensor
+    offsets moved by a number of bytes; the header is written again, the data copied as it is."""
+    from embedlens.gguf_header import LazyArray, read_gguf_header
+
+    header = read_gguf_header(src)
+    with open(src, "rb") as fh:
+        raw = fh.read(header.data_offset)
+    first = next(iter(header.tensors))
+    infos_at = raw.index(struct.pack("<Q", len(first)) + first.encode())
+    body = bytearray(raw[:infos_at])
+    for key, (vtype, value) in reversed(
+        sorted((meta or {}).items(), key=lambda kv: _kv_start(raw, kv[0]))
+    ):
+        old = header.metadata[key]
+        start = _kv_start(raw, key)
+        end = old.end if isinstance(old, LazyArray) else _kv_end(header, raw, key, start)
+        body[start:end] = struct.pack("<I", vtype) + gguf_value(vtype, value)
+    for name, info in header.tensors.items():
+        offset = info.offset - header.data_offset + (shift or {}).get(name, 0)
+        body += (
+            struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(info.ggml_shape))
+        )
+        body += b"".join(struct.pack("<Q", d) for d in info.ggml_shape)
+        body += struct.pack("<IQ", info.type_id, offset)
+    body += bytes(-len(body) % header.alignment)
+    with open(src, "rb") as fh, open(out, "wb") as dst:
+        dst.write(body)
+        fh.seek(header.data_offset)
+        shutil.copyfileobj(fh, dst, 1 << 22)
+    return out
+
+
+def _kv_start(raw: bytes, key: str) -> int:
+    """Where a metadata key's value type starts (just after the key)."""
+    needle = struct.pack("<Q", len(key)) + key.encode()
+    return raw.index(needle) + len(needle)
+
+
+def _kv_end(header: Any, raw: bytes, key: str, start: int) -> int:
+    """Where a short metadata value ends: the next key's length field, or the tensor infos."""
+    keys = list(header.metadata)
+    nxt = keys[keys.index(key) + 1]
+    return _kv_start(raw, nxt) - 8 - len(nxt.encode())

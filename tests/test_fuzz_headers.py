@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from embedlens.checkpoint import SAFETENSORS_BITS, SafetensorsHeader, read_safetensors_header
 from embedlens.errors import CheckpointError
 from embedlens.gguf_header import (
-    GGML_TYPES,
     MAX_STRING_BYTES,
     GGUFHeader,
     LazyArray,
+    ggml_types,
     read_gguf_header,
 )
 from tests.fileformats import GGML_BLOCKS, ST_BITS, gguf_bytes, safetensors_bytes
@@ -321,7 +321,7 @@ def check_gguf(h: GGUFHeader, size: int) -> None:
     """What a parse promises: known types, whole blocks, every byte span inside the file."""
     assert h.data_offset % h.alignment == 0
     for t in h.tensors.values():
-        assert t.type_id in GGML_TYPES
+        assert t.type_id in ggml_types()
         assert t.offset >= h.data_offset and t.offset + t.nbytes <= size
         if t.ggml_shape:
             assert t.ggml_shape[0] % t.block[0] == 0
