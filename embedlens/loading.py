@@ -156,7 +156,30 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
         assert source.path is not None
         where, kwargs = str(source.path), {}
     with _translated(source, "reading the config"), gguf_reads_shared(source):
-        return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    check_rope(source, config)
+    return config
+
+
+def check_rope(source: ModelSource, config: Any) -> None:
+    """ConfigError for a rope type transformers has no implementation of (it would end in a
+    bare KeyError while the model is built)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return
+    # One dict, or one per attention type (Gemma 3: full_attention, sliding_attention).
+    groups = [params, *(v for v in params.values() if isinstance(v, dict))]
+    for group in groups:
+        kind = group.get("rope_type", group.get("type"))
+        if kind is not None and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            where = f"'{source.spec}'" if source.is_gguf else f"config.json of '{source.spec}'"
+            known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
+            raise ConfigError(
+                f"{where} asks for rope type {kind!r}, which transformers does not know "
+                f"(it knows {known})"
+            )
 
 
 def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
