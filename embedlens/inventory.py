@@ -94,6 +94,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
     head = find_head(shapes, embedding)
+    _check_not_empty(ckpt, embedding, head)
     notes: list[str] = []
     stored_head = None
     tied = head is None
@@ -142,6 +143,25 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
         skipped=skipped,
         notes=notes,
     )
+
+
+def check_tables(ckpt: Checkpoint, config: ModelConfig) -> None:
+    """CheckpointError when the embedding or the head has no rows or rows of width 0."""
+    shapes = {name: t.shape for name, t in ckpt.tensors.items()}
+    embedding = find_embedding(shapes, config.vocab_size)
+    if embedding is not None:
+        _check_not_empty(ckpt, embedding, find_head(shapes, embedding))
+
+
+def _check_not_empty(ckpt: Checkpoint, embedding: str, head: str | None) -> None:
+    for name in (embedding, head):
+        shape = ckpt.tensors[name].shape if name is not None else (1,)
+        if name is not None and 0 in shape:
+            raise CheckpointError(
+                f"'{ckpt.tensors[name].file}' is corrupt: its "
+                f"{'head' if name == head else 'embedding'} '{name}' has shape {list(shape)}, "
+                f"with {'no rows' if shape[0] == 0 else 'rows of width 0'}"
+            )
 
 
 def _warn_packed(config: ModelConfig, dtypes: set[str], notes: list[str]) -> None:

@@ -139,10 +139,12 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
     if trust_remote_code in source._checked:
         return
     from embedlens.checkpoint import open_checkpoint
-    from embedlens.inventory import read_config
+    from embedlens.inventory import check_tables, read_config
 
     ckpt = open_checkpoint(source)
-    read_config(source, ckpt, trust_remote_code=trust_remote_code)
+    config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
+    if ckpt is not None:
+        check_tables(ckpt, config)
     source._checked.add(trust_remote_code)
 
 

@@ -274,3 +274,124 @@ def _kv_end(header: Any, raw: bytes, key: str, start: int) -> int:
     keys = list(header.metadata)
     nxt = keys[keys.index(key) + 1]
     return _kv_start(raw, nxt) - 8 - len(nxt.encode())
+
+
+def _st_reshape(folder: Path, name: str, shape: list[int]) -> None:
+    """Give one tensor of model.safetensors a new shape (its bytes cut to fit, or kept)."""
+    weights = folder / "model.safetensors"
+    header, data = _st_header(weights)
+    begin, _ = header[name]["data_offsets"]
+    size = 4
+    for d in shape:
+        size *= d
+    header[name]["shape"] = shape
+    header[name]["data_offsets"] = [begin, begin + size]
+    others = [k for k in header if k not in ("__metadata__", name)]
+    # tensors after it keep their offsets: the shrunken one leaves a hole, so they are moved up
+    shift = header[name]["data_offsets"][1] - _st_header(weights)[0][name]["data_offsets"][1]
+    cut = _st_header(weights)[0][name]["data_offsets"][1]
+    for k in others:
+        b, e = header[k]["data_offsets"]
+        if b >= cut:
+            header[k]["data_offsets"] = [b + shift, e + shift]
+    _st_write(weights, header, data[: begin + size] + data[cut:])
+
+
+@maker
+def embedding_width_0(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    _st_reshape(folder, "model.embed_tokens.weight", [72, 0])
+    return folder
+
+
+@maker
+def embedding_rows_0(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    _st_reshape(folder, "model.embed_tokens.weight", [0, 32])
+    return folder
+
+
+@maker
+def config_nested_deep(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    config = json.loads((folder / "config.json").read_text())
+    text = json.dumps(config)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (folder / "config.json").write_text(text)
+    return folder
+
+
+@maker
+def config_symlink_loop(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("config.json")
+    return folder
+
+
+@maker
+def gguf_unaligned(tmp, tiny, smol):
+    """SmolLM2 with its embedding's offset moved 4 bytes off the file's 32-byte alignment."""
+    return _gguf_rewrite(smol, tmp / "unaligned.gguf", shift={"token_embd.weight": 4})
+
+
+def _smol_strings(smol: Path, key: str) -> list[bytes]:
+    from embedlens.gguf_header import read_gguf_header
+
+    array = read_gguf_header(smol).metadata[key]
+    with open(smol, "rb") as fh:
+        fh.seek(array.start)
+        buf = fh.read(array.end - array.start)
+    out, pos = [], 0
+    for _ in range(array.count):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        out.append(buf[pos + 8 : pos + 8 + n])
+        pos += 8 + n
+    return out
+
+
+@maker
+def gguf_merge_without_space(tmp, tiny, smol):
+    merges = _smol_strings(smol, "tokenizer.ggml.merges")
+    merges[5] = merges[5].replace(b" ", b"")
+    meta = {"tokenizer.ggml.merges": (9, (8, merges))}
+    return _gguf_rewrite(smol, tmp / "merges.gguf", meta=meta)
+
+
+@maker
+def gguf_tokens_as_numbers(tmp, tiny, smol):
+    count = len(_smol_strings(smol, "tokenizer.ggml.tokens"))
+    meta = {"tokenizer.ggml.tokens": (9, (5, list(range(count))))}
+    return _gguf_rewrite(smol, tmp / "numbers.gguf", meta=meta)
+
+
+@maker
+def gguf_token_not_utf8(tmp, tiny, smol):
+    tokens = _smol_strings(smol, "tokenizer.ggml.tokens")
+    tokens[7] = b"\xff\xfe" + tokens[7]
+    meta = {"tokenizer.ggml.tokens": (9, (8, tokens))}
+    return _gguf_rewrite(smol, tmp / "latin.gguf", meta=meta)
+
+
+@maker
+def rope_type_unknown(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "bogus", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@maker
+def tokenizer_without_added_tokens(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    del data["added_tokens"]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return folder
+
+
+@maker
+def no_tokenizer_json(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "tokenizer.json").unlink()
+    return folder
