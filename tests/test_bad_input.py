@@ -202,3 +202,84 @@ def test_a_model_path_that_is_not_utf8(tiny, tmp_path):
 def test_inputs_unchanged_after_the_suite(originals):
     """Runs last in this module: the good inputs all cases read are as they were."""
     assert {p: _digest(p) for p in originals} == originals
+
+
+def _nonfinite_rows(tiny, tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """The tiny model with the rows of 'cat' and 'dog' set to NaN and inf."""
+    import json
+    import shutil
+    import struct
+
+    import numpy as np
+
+    folder = tmp_path / "nonfinite"
+    shutil.copytree(tiny("llama-tied"), folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    ids = {"cat": vocab["cat"], "dog": vocab["dog"]}
+    weights = folder / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    entry = json.loads(raw[8 : 8 + n])["model.embed_tokens.weight"]
+    begin = 8 + n + entry["data_offsets"][0]
+    table = np.frombuffer(raw, np.float32, 72 * 32, begin).reshape(72, 32).copy()
+    table[ids["cat"]] = np.nan
+    table[ids["dog"], 3] = np.inf
+    raw[begin : begin + table.nbytes] = table.tobytes()
+    weights.write_bytes(bytes(raw))
+    return folder, ids
+
+
+def test_rows_holding_nan_or_inf_are_left_out_with_a_note(cli, tiny, tmp_path):
+    folder, ids = _nonfinite_rows(tiny, tmp_path)
+    data = cli.json("neighbors", folder, "cats", "-k", "53")
+    found = {n["id"] for n in data["queries"][0]["neighbors"]}
+    assert not found & set(ids.values())
+    assert data["searched_rows"] == 54 - 2
+    assert any(
+        "2 rows of 'model.embed_tokens.weight' hold NaN or inf values" in note
+        and f"{min(ids.values())}, {max(ids.values())}" in note
+        for note in data["notes"]
+    ), data["notes"]
+
+
+@pytest.mark.parametrize(("word", "says"), [("cat", "NaN values"), ("dog", "inf values")])
+def test_a_query_on_a_row_holding_nan_or_inf(cli, tiny, tmp_path, word, says):
+    folder, ids = _nonfinite_rows(tiny, tmp_path)
+    err = cli.fails("neighbors", folder, word, code=1)
+    assert f"row {ids[word]} ('{word}') of 'model.embed_tokens.weight' holds {says}" in err
+
+
+COMMAND_TAIL = [pytest.param(c, id=c) for c in COMMANDS]
+
+
+@pytest.mark.parametrize("command", COMMAND_TAIL)
+def test_an_unreadable_model_folder(tiny, tmp_path, command):
+    """A folder its user may not read, in a real process. Root reads anything, so as root the
+    process runs without the capabilities that bypass permissions (setpriv)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permissions cannot be enforced")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    os.chmod(folder, 0)
+    try:
+        result = subprocess.run(
+            [*prefix, sys.executable, "-m", "embedlens", command, str(folder), *TAIL[command]],
+            capture_output=True, text=True, cwd=cwd, check=False,
+        )  # fmt: skip
+    finally:
+        os.chmod(folder, 0o755)
+    assert (result.returncode, result.stdout) == (1, ""), result
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"error: cannot read '{folder}/config.json': permission denied", lines
+    assert len(lines) == 2 and lines[1].startswith("hint: check the permissions")
+    assert not list(cwd.iterdir())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from embedlens.errors import EmbedlensError, UsageError
+from embedlens.errors import CheckpointError, EmbedlensError, UsageError
 from embedlens.matrix import Rows, Table, check_row_range
 from embedlens.reports.neighbors import (
     Neighbor,
@@ -140,7 +140,12 @@ def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
     for qi, q in enumerate(queries):
         for t in q.terms:
             n = norms[where[t.token_id]]
-            if n == 0 or not np.isfinite(n):
+            if not np.isfinite(block[where[t.token_id]]).all():
+                raise CheckpointError(
+                    f"row {t.token_id} ('{t.token}') of '{rows.entry.name}' holds "
+                    f"{_nonfinite_kinds(block[where[t.token_id]])}: the table is corrupt there"
+                )
+            if n == 0:
                 raise EmbedlensError(
                     f"row {t.token_id} ('{t.token}') is all zeros: it has no direction to compare"
                 )
@@ -152,18 +157,33 @@ def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
     return out.astype(np.float32)
 
 
-def cosines(rows: Rows, vectors: npt.NDArray[np.float32], real: int) -> npt.NDArray[np.float32]:
-    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows)."""
+def _nonfinite_kinds(row: npt.NDArray[np.floating]) -> str:
+    kinds = [k for k, bad in (("NaN", np.isnan(row).any()), ("inf", np.isinf(row).any())) if bad]
+    return " and ".join(kinds) + " values"
+
+
+def cosines(
+    rows: Rows, vectors: npt.NDArray[np.float32], real: int
+) -> tuple[npt.NDArray[np.float32], list[int]]:
+    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows
+    and for rows holding NaN or inf), and the ids of the rows holding NaN or inf."""
     out = np.empty((real, vectors.shape[0]), dtype=np.float32)
     qt = np.ascontiguousarray(vectors.T)
+    broken: list[int] = []
     for start in range(0, real, rows.block_rows):
         stop = min(real, start + rows.block_rows)
         block = rows.block(start, stop)
-        norms = np.sqrt(np.einsum("ij,ij->i", block, block))
-        dots = block @ qt
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms = np.sqrt(np.einsum("ij,ij->i", block, block))
+            dots = block @ qt
+        bad = ~np.isfinite(norms)
+        if bad.any():  # NaN and inf reach the norm (an overflow to inf marks a huge row too)
+            bad = ~np.isfinite(block).all(axis=1)
+            broken.extend(int(i) + start for i in np.flatnonzero(bad))
         with np.errstate(divide="ignore", invalid="ignore"):
             np.divide(dots, norms[:, None], out=out[start:stop])
-    return out
+        out[start:stop][bad] = np.nan
+    return out, broken
 
 
 def top_k(
@@ -210,7 +230,15 @@ def neighbors_report(
 ) -> NeighborsReport:
     """Score every query against the allowed rows in one pass over the matrix."""
     real = allowed.shape[0]
-    scores = cosines(rows, query_vectors(rows, queries), real)
+    scores, broken = cosines(rows, query_vectors(rows, queries), real)
+    if broken:
+        allowed = allowed.copy()
+        allowed[broken] = False
+        shown = ", ".join(str(i) for i in broken[:5]) + (", ..." if len(broken) > 5 else "")
+        notes.append(
+            f"{len(broken):,} rows of '{table.name}' hold NaN or inf values (a corrupt table) and "
+            f"were left out of the search: {shown}"
+        )
     results: list[QueryResult] = []
     for qi, q in enumerate(queries):
         best = top_k(scores[:, qi], allowed, q.own_rows, k)
