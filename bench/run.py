@@ -182,6 +182,46 @@ def make_checkpoint(folder: Path, config: dict, n_tokens: int) -> Path:
     return folder
 
 
+def make_large_vocab_gguf(path: Path, n_tokens: int, width: int) -> Path:
+    """A GGUF file holding a Q8_0 embedding of n_tokens rows (random, std 0.02), a byte-level
+    vocabulary of n_tokens entries and the metadata `addr` reads (Gemma 3's 262k vocabulary
+    at full size)."""
+    if path.is_file():
+        return path
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    from embedlens.tokens import byte_alphabet
+
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    elems, block = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.empty((n_tokens, width // elems * block), dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    for start in range(0, n_tokens, 8192):
+        rows = rng.standard_normal((min(8192, n_tokens - start), width), dtype=np.float32) * 0.02
+        data[start : start + len(rows)] = quantize(rows, qtype)
+    letters = list(byte_alphabet().values())
+    tokens = letters + [f"w{i}" for i in range(n_tokens - len(letters))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(width)
+    writer.add_vocab_size(n_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["w 0"])
+    writer.add_tensor("token_embd.weight", data, raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(path)
+    return path
+
+
 def write_word_tokenizer(folder: Path, n_tokens: int) -> None:
     """A WordLevel tokenizer: real query words first, then synthetic words up to n_tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -316,9 +356,18 @@ def qwen_checkpoint(quick: bool, *, build: bool) -> Path:
     return folder
 
 
+def large_vocab_gguf(quick: bool, *, build: bool) -> Path:
+    """The 262k-token Q8_0 GGUF (4,000 tokens in quick mode), built on first use."""
+    path = CACHE / ("vocab-tiny.Q8_0.gguf" if quick else "vocab-262k.Q8_0.gguf")
+    if build:
+        make_large_vocab_gguf(path, 4000 if quick else 262144, 64 if quick else 896)
+    return path
+
+
 def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     el = embedlens_argv()
     qwen = qwen_checkpoint(quick, build=False)
+    vocab_gguf = large_vocab_gguf(quick, build=False)
     smol = smollm2_path()
     llama70 = config_folder("Meta-Llama-3-70B")
     deepseek = config_folder("DeepSeek-V3")
@@ -344,6 +393,9 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             "AutoModelForCausalLM + product", budget=0.15, mem_budget=0.3),
         Row("addr, 3 rows (Qwen3-0.6B checkpoint)", [*el, "addr", str(qwen), "0", "42", "king", "--json"],
             import_torch, "python -c 'import torch'"),
+        Row("addr, 2 rows (Q8_0 GGUF, 262k-token vocabulary)",
+            [*el, "addr", str(vocab_gguf), "0", "3999", "--json"],
+            import_torch, "python -c 'import torch'", abs_budget=1.0),
         Row("lens (SmolLM2, last position)",
             [*el, "lens", str(smol), "The capital of France is", "--json"],
             [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.75,
@@ -361,6 +413,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.build_only:
         qwen_checkpoint(args.quick, build=True)
+        large_vocab_gguf(args.quick, build=True)
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -8,13 +8,16 @@ corrupt file ends in CheckpointError, never in a huge allocation or a foreign ex
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import mmap
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedlens.errors import CheckpointError
+from embedlens.errors import CheckpointError, MissingDependencyError
 
 GGUF_MAGIC = b"GGUF"
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -33,18 +36,29 @@ MAX_ARRAY = 1 << 22  # items in one metadata array
 MAX_STRING_BYTES = 16 << 20  # bytes of keys, names and metadata strings decoded in all
 MAX_ARRAY_BYTES = 256 << 20  # bytes of one string array left in the file (tokens: a few MB)
 
-# ggml type id -> (name, elements per block, bytes per block). From ggml.h / gguf-py constants.
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-}  # fmt: skip
+
+@functools.cache
+def ggml_types() -> dict[int, tuple[str, int, int]]:
+    """ggml type id -> (name, elements per block, bytes per block), from the `gguf` package's
+    table. Its constants module is loaded alone: `import gguf` would pull in its reader, writer
+    and numpy (0.4 s), while the table itself costs a few milliseconds."""
+    constants = sys.modules.get("gguf.constants") or _gguf_constants()
+    sizes: dict[Any, tuple[int, int]] = constants.GGML_QUANT_SIZES
+    return {int(t): (t.name, *sizes[t]) for t in constants.GGMLQuantizationType if t in sizes}
+
+
+def _gguf_constants() -> Any:
+    spec = importlib.util.find_spec("gguf")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(
+            "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "constants.py"
+    module_spec = importlib.util.spec_from_file_location("embedlens._gguf_constants", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,7 @@ class GGUFTensorInfo:
     @property
     def type_name(self) -> str:
         """ggml type name, e.g. 'Q4_1'."""
-        return GGML_TYPES[self.type_id][0]
+        return ggml_types()[self.type_id][0]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +111,7 @@ class GGUFTensorInfo:
     @property
     def block(self) -> tuple[int, int]:
         """(elements per block, bytes per block) of its type."""
-        _, elems, size = GGML_TYPES[self.type_id]
+        _, elems, size = ggml_types()[self.type_id]
         return elems, size
 
     @property
@@ -295,9 +309,14 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
         label = _short(name)
         if name in tensors:
             raise CheckpointError(f"'{where}' is corrupt: tensor {label} appears twice")
-        if type_id not in GGML_TYPES:
+        if type_id not in ggml_types():
             raise CheckpointError(
                 f"'{where}': tensor {label} has ggml type {type_id}, which embedlens cannot read"
+            )
+        if offset % alignment:
+            raise CheckpointError(
+                f"'{where}' is corrupt: tensor {label} starts at data offset {offset}, which "
+                f"breaks the file's {alignment}-byte alignment"
             )
         info = GGUFTensorInfo(name, dims, type_id, data_offset + offset)
         elems, _ = info.block

@@ -97,6 +97,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
     head = find_head(named, embedding)
+    _check_not_empty(ckpt, embedding, head)
     notes: list[str] = []
     stored_head = None
     tied = head is None
@@ -211,6 +212,27 @@ def check_matches(source: ModelSource, config: ModelConfig, ckpt: Checkpoint) ->
         f"{stored:,}{more}: the model would not be the one stored",
         hint="fix the config to match the weights (params and tied read the weights as stored)",
     )
+
+
+def check_tables(ckpt: Checkpoint, config: ModelConfig) -> None:
+    """CheckpointError when the embedding or the head has no rows or rows of width 0."""
+    shapes = {name: t.shape for name, t in ckpt.tensors.items()}
+    embedding = find_embedding(shapes, config.vocab_size)
+    if embedding is not None:
+        _check_not_empty(ckpt, embedding, find_head(shapes, embedding))
+
+
+def _check_not_empty(ckpt: Checkpoint, embedding: str, head: str | None) -> None:
+    for name in (embedding, head):
+        if name is None or name not in ckpt.tensors:  # a tensor in a shard left unread
+            continue
+        shape = ckpt.tensors[name].shape
+        if 0 in shape:
+            raise CheckpointError(
+                f"'{ckpt.tensors[name].file}' is corrupt: its "
+                f"{'head' if name == head else 'embedding'} '{name}' has shape {list(shape)}, "
+                f"with {'no rows' if shape[0] == 0 else 'rows of width 0'}"
+            )
 
 
 def _warn_packed(config: ModelConfig, dtypes: set[str], notes: list[str]) -> None:

@@ -21,6 +21,7 @@ from embedlens.errors import (
     EmbedlensError,
     MissingDependencyError,
     SourceError,
+    UnsupportedError,
     UsageError,
 )
 from embedlens.source import ModelSource
@@ -142,11 +143,12 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
     if trust_remote_code in source._checked:
         return
     from embedlens.checkpoint import open_checkpoint
-    from embedlens.inventory import check_matches, read_config
+    from embedlens.inventory import check_matches, check_tables, read_config
 
     ckpt = open_checkpoint(source)
     config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
     if ckpt is not None:
+        check_tables(ckpt, config)
         check_matches(source, config, ckpt)
     source._checked.add(trust_remote_code)
 
@@ -161,7 +163,30 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
         assert source.path is not None
         where, kwargs = str(source.path), {}
     with _translated(source, "reading the config"), gguf_reads_shared(source):
-        return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    check_rope(source, config)
+    return config
+
+
+def check_rope(source: ModelSource, config: Any) -> None:
+    """ConfigError for a rope type transformers has no implementation of (it would end in a
+    bare KeyError while the model is built)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return
+    # One dict, or one per attention type (Gemma 3: full_attention, sliding_attention).
+    groups = [params, *(v for v in params.values() if isinstance(v, dict))]
+    for group in groups:
+        kind = group.get("rope_type", group.get("type"))
+        if kind is not None and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            where = f"'{source.spec}'" if source.is_gguf else f"config.json of '{source.spec}'"
+            known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
+            raise ConfigError(
+                f"{where} asks for rope type {kind!r}, which transformers does not know "
+                f"(it knows {known})"
+            )
 
 
 def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
@@ -368,9 +393,38 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
     _quiet_transformers()
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(source)
     where, kwargs = _where(source)
-    with _translated(source, "loading the tokenizer"), gguf_reads_shared(source):
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    try:
+        with _translated(source, "loading the tokenizer"), gguf_reads_shared(source):
+            return AutoTokenizer.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
+    except CheckpointError as e:
+        if "Couldn't instantiate the backend tokenizer" not in e.message:
+            raise
+        raise UnsupportedError(
+            f"'{source.spec}' has no tokenizer.json, and transformers cannot build its tokenizer "
+            "from the files it has",
+            hint="save a fast tokenizer (tokenizer.json) beside the model, or install "
+            "sentencepiece (or tiktoken) for a slow one",
+        ) from e
+
+
+def check_tokenizer_files(source: ModelSource) -> None:
+    """embedlens' own checks of the tokenizer before transformers reads it: a GGUF file's
+    tokenizer arrays, a tokenizer.json's top-level keys."""
+    from embedlens.vocab import check_tokenizer_json, vocab_from_gguf
+
+    if source.is_gguf:
+        from embedlens.gguf_header import read_gguf_header
+
+        assert source.path is not None
+        vocab_from_gguf(read_gguf_header(source.path))
+        return
+    path = source.find("tokenizer.json")
+    if path is not None:
+        check_tokenizer_json(path)
 
 
 _shared: dict[str, Any] = {"depth": 0}

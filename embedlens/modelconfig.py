@@ -132,6 +132,28 @@ def is_native_model_type(model_type: object) -> bool:
     return (models / model_type.replace("-", "_")).is_dir()
 
 
+# Nesting a config.json may have: real ones need three or four levels, while transformers walks
+# a config recursively (copying, comparing, printing it), which a deep one turns into a crash.
+MAX_DEPTH = 32
+
+
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (walked without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def parse_config(path: Path, *, trust_remote_code: bool = False) -> ModelConfig:
     """Read and check config.json; raise ConfigError with a clear reason when it is not usable."""
     try:
@@ -144,8 +166,16 @@ def parse_config(path: Path, *, trust_remote_code: bool = False) -> ModelConfig:
         raise ConfigError(
             f"'{path}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
         ) from e
+    except RecursionError as e:
+        raise ConfigError(f"'{path}' is nested too deeply to be a config") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"'{path}' does not hold a JSON object")
+    depth = _depth(raw)
+    if depth > MAX_DEPTH:
+        raise ConfigError(
+            f"'{path}' is nested {depth} levels deep (a config needs a few; at most "
+            f"{MAX_DEPTH} are read)"
+        )
     config = from_dict(raw)
     check_causal_lm(config, str(path))
     if config.needs_remote_code and not trust_remote_code:

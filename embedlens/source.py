@@ -6,6 +6,7 @@ own message. Hub files are fetched one at a time, and only when a command asks f
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
             "MODEL is empty", hint="give a hub repo id, a local folder or a .gguf file"
         )
     path = Path(spec).expanduser()
-    if path.exists():
+    if _stat(spec, path):
         return _local(spec, path)
     if _looks_like_path(spec):
         raise SourceError(f"no such file or directory: '{spec}'")
@@ -114,6 +115,26 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
             hint="embedlens reads Hugging Face causal LMs that ship a config.json",
         )
     return ModelSource(spec=spec, kind="hub", path=config.parent, repo_id=spec, revision=revision)
+
+
+def _stat(spec: str, path: Path) -> bool:
+    """Whether a path exists; SourceError when it cannot be looked at (no permission to a
+    folder on the way, a loop of symbolic links), rather than calling it missing."""
+    try:
+        path.stat()
+    except PermissionError as e:
+        raise SourceError(
+            f"cannot read '{spec}': permission denied",
+            hint="check the permissions of the model's files and of the folders above them",
+        ) from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SourceError(
+                f"cannot read '{spec}': its symbolic links form a loop",
+                hint="point the link at the real file",
+            ) from e
+        return False
+    return True
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -134,9 +155,17 @@ def _local(spec: str, path: Path) -> ModelSource:
         )
     if not path.is_dir():
         raise SourceError(f"'{spec}' is neither a file nor a folder")
-    if (path / "config.json").is_file():
+    config = path / "config.json"
+    if _stat(str(config), config):
         return ModelSource(spec=spec, kind="dir", path=path.resolve())
-    ggufs = sorted(path.glob("*.gguf"))
+    if config.is_symlink():
+        raise SourceError(
+            f"'{config}' is a symbolic link to a missing file ('{os.readlink(config)}')"
+        )
+    try:
+        ggufs = sorted(path.glob("*.gguf"))
+    except OSError as e:
+        raise SourceError(f"cannot read folder '{spec}': {e.strerror}") from e
     if len(ggufs) == 1:
         return ModelSource(spec=spec, kind="gguf", path=ggufs[0].resolve())
     try:

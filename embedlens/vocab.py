@@ -9,6 +9,7 @@ SentencePiece BPE (`llama`) vocabularies are rebuilt here the way transformers r
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _STRING = 8  # GGUF metadata value type of a string
 _SPACE = "\u2581"  # SentencePiece's stand-in for a space
+_SURROGATES = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8
 
 # Split patterns for `tokenizer.ggml.pre` values whose merges were learned on a split other than
 # GPT-2's (as transformers' GGUF loader sets them); any other value keeps GPT-2's byte-level split.
@@ -99,6 +101,32 @@ def load_vocab(source: ModelSource, gguf: GGUFHeader | None = None) -> Vocab:
     return vocab_from_file(path)
 
 
+# What transformers takes from a tokenizer.json beside what the tokenizers library reads.
+_TOKENIZER_JSON_KEYS = {"added_tokens": list, "model": dict}
+
+
+def check_tokenizer_json(path: Path) -> None:
+    """CheckpointError unless tokenizer.json is a JSON object with the keys transformers reads."""
+    import json
+
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"cannot read '{path}': {e.strerror or e}") from e
+    except (ValueError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise CheckpointError(f"'{path.name}' is not valid JSON ({reason})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"'{path.name}' does not hold a JSON object")
+    for key, kind in _TOKENIZER_JSON_KEYS.items():
+        if not isinstance(data.get(key), kind):
+            what = "has no" if key not in data else "has a malformed"
+            raise CheckpointError(
+                f"'{path.name}' {what} '{key}' {'list' if kind is list else 'object'}",
+                hint="save the tokenizer again with a current tokenizers or transformers",
+            )
+
+
 def vocab_from_file(path: Path) -> Vocab:
     """Load tokenizer.json with the `tokenizers` library."""
     from tokenizers import Tokenizer
@@ -110,27 +138,111 @@ def vocab_from_file(path: Path) -> Vocab:
     return _wrap(tok, "tokenizer.json", unk=_unk_token(tok))
 
 
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """The tokenizer arrays of a GGUF file's metadata, checked for type and encoding."""
+
+    kind: str
+    tokens: list[str]
+    types: list[int]
+    merges: list[str] | None
+    scores: list[float] | None
+
+
+def gguf_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
+    """Read and check a GGUF file's tokenizer arrays: CheckpointError naming the key and the
+    entry when one is not what the format says (strings in UTF-8, merges as 'left right')."""
+    kind = header.meta("tokenizer.ggml.model")
+    raw_tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if kind is None or raw_tokens is None:
+        raise UnsupportedError(f"'{header.path.name}' carries no tokenizer in its metadata")
+    tokens = _string_array(header, "tokenizer.ggml.tokens")
+    merges = _string_array(header, "tokenizer.ggml.merges")
+    for i, merge in enumerate(merges or ()):
+        if " " not in merge:
+            raise _corrupt(
+                header,
+                "tokenizer.ggml.merges",
+                i,
+                f"{merge!r} has no space between its two tokens",
+            )
+    types = _number_array(header, "tokenizer.ggml.token_type", int) or []
+    scores = _number_array(header, "tokenizer.ggml.scores", float)
+    return GGUFTokenizer(str(kind), tokens or [], [int(t) for t in types], merges, scores)
+
+
+def _corrupt(header: GGUFHeader, key: str, index: int, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"'{header.path.name}' has a corrupt tokenizer: {key}[{index}] {what}",
+        hint="the GGUF file was written by a broken converter or damaged; fetch it again",
+    )
+
+
+def _string_array(header: GGUFHeader, key: str) -> list[str] | None:
+    value = header.metadata.get(key)
+    if value is None:
+        return None
+    bad: int | None = None
+    if isinstance(value, LazyArray) and value.item_type == _STRING:
+        strings, bad = _strings(value)
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        strings = value
+        bad = next((i for i, t in enumerate(strings) if _SURROGATES.search(t)), None)
+    else:
+        raise CheckpointError(
+            f"'{header.path.name}' has a corrupt tokenizer: {key} is {_kind(value)}, not a list "
+            "of strings"
+        )
+    if bad is not None:
+        raw = strings[bad].encode("utf-8", "surrogateescape")
+        raise _corrupt(header, key, bad, f"{raw!r} is not valid UTF-8")
+    return strings
+
+
+def _number_array(header: GGUFHeader, key: str, kind: type) -> list[Any] | None:
+    value = _array(header, key)
+    if value is None:
+        return None
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        raise CheckpointError(
+            f"'{header.path.name}' has a corrupt tokenizer: {key} is {_kind(value)}, not a list "
+            f"of numbers"
+        )
+    return value
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, LazyArray):
+        return f"an array of GGUF type {value.item_type}"
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds) or 'nothing'}"
+    return f"a {type(value).__name__}"
+
+
 def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE)."""
-    kind = header.meta("tokenizer.ggml.model")
-    tokens = _array(header, "tokenizer.ggml.tokens")
-    if kind is None or tokens is None:
-        raise UnsupportedError(f"'{header.path.name}' carries no tokenizer in its metadata")
-    types = _array(header, "tokenizer.ggml.token_type") or []
-    merges = _array(header, "tokenizer.ggml.merges")
-    if kind == "gpt2":
-        tok = _byte_level(tokens, merges, header.meta("tokenizer.ggml.pre"))
-    elif kind == "llama":
-        scores = _array(header, "tokenizer.ggml.scores")
-        add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
-        tok = _sentencepiece(tokens, merges, scores, add_space=bool(add_space))
-    else:
-        raise UnsupportedError(
-            f"'{header.path.name}' has a '{kind}' tokenizer; embedlens rebuilds 'gpt2' (byte-level "
-            "BPE) and 'llama' (SentencePiece BPE) vocabularies from GGUF metadata",
-            hint="use the model's folder with its tokenizer.json instead",
-        )
-    _add_gguf_tokens(tok, tokens, types, byte_level=kind == "gpt2")
+    meta = gguf_tokenizer(header)
+    kind, tokens, types, merges = meta.kind, meta.tokens, meta.types, meta.merges
+    try:
+        if kind == "gpt2":
+            tok = _byte_level(tokens, merges, header.meta("tokenizer.ggml.pre"))
+        elif kind == "llama":
+            add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
+            tok = _sentencepiece(tokens, merges, meta.scores, add_space=bool(add_space))
+        else:
+            raise UnsupportedError(
+                f"'{header.path.name}' has a '{kind}' tokenizer; embedlens rebuilds 'gpt2' "
+                "(byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies from GGUF metadata",
+                hint="use the model's folder with its tokenizer.json instead",
+            )
+        _add_gguf_tokens(tok, tokens, types, byte_level=kind == "gpt2")
+    except (UnsupportedError, CheckpointError):
+        raise
+    except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
+        raise CheckpointError(
+            f"'{header.path.name}' has a corrupt tokenizer: {_first_line(str(e))}"
+        ) from e
     unk = header.meta("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == _CONTROL}
     return _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
@@ -153,25 +265,32 @@ def _unk_token(tok: Tokenizer) -> int | None:
 def _array(header: GGUFHeader, key: str) -> list[Any] | None:
     value = header.metadata.get(key)
     if isinstance(value, LazyArray):
-        return _strings(value) if value.item_type == _STRING else value.read()
+        return _strings(value)[0] if value.item_type == _STRING else value.read()
     return list(value) if isinstance(value, list) else None
 
 
-def _strings(array: LazyArray) -> list[str]:
-    """A long string array (tokens, merges), decoded in one tight loop."""
+def _strings(array: LazyArray) -> tuple[list[str], int | None]:
+    """A long string array (tokens, merges), decoded in one tight loop; with it the index of
+    the first string that is not UTF-8 (kept with its bytes as surrogates), if any."""
     with open(array.path, "rb") as fh:
         fh.seek(array.start)
         buf = fh.read(array.end - array.start)
     out: list[str] = []
+    bad: int | None = None
     pos, unpack = 0, struct.unpack_from
-    for _ in range(array.count):
+    for i in range(array.count):
         (n,) = unpack("<Q", buf, pos)
         pos += 8
-        out.append(buf[pos : pos + n].decode("utf-8", "surrogateescape"))
+        raw = buf[pos : pos + n]
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(raw.decode("utf-8", "surrogateescape"))
+            bad = i if bad is None else bad
         pos += n
     if pos != len(buf):
         raise CheckpointError(f"'{array.path.name}' has a corrupt string array in its metadata")
-    return out
+    return out, bad
 
 
 def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:

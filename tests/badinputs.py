@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.fileformats import gguf_bytes
+from tests.fileformats import gguf_bytes, gguf_value
 
 Maker = Callable[[Path, Callable[..., Path], Path], Path]
 MAKERS: dict[str, Maker] = {}
@@ -222,3 +222,176 @@ def gguf_unsupported_quant(tmp, tiny, smol):
 def not_a_model_file(tmp, tiny, smol):
     (tmp / "notes.txt").write_text("hello")
     return tmp / "notes.txt"
+
+
+def _gguf_rewrite(
+    src: Path,
+    out: Path,
+    *,
+    meta: dict[str, tuple[int, Any]] | None = None,
+    shift: dict[str, int] | None = None,
+) -> Path:
+    """A copy of a GGUF file with metadata values replaced (key -> (type, value)) and tensor
+    offsets moved by a number of bytes; the header is written again, the data copied as it is."""
+    from embedlens.gguf_header import LazyArray, read_gguf_header
+
+    header = read_gguf_header(src)
+    with open(src, "rb") as fh:
+        raw = fh.read(header.data_offset)
+    first = next(iter(header.tensors))
+    infos_at = raw.index(struct.pack("<Q", len(first)) + first.encode())
+    body = bytearray(raw[:infos_at])
+    for key, (vtype, value) in reversed(
+        sorted((meta or {}).items(), key=lambda kv: _kv_start(raw, kv[0]))
+    ):
+        old = header.metadata[key]
+        start = _kv_start(raw, key)
+        end = old.end if isinstance(old, LazyArray) else _kv_end(header, raw, key, start)
+        body[start:end] = struct.pack("<I", vtype) + gguf_value(vtype, value)
+    for name, info in header.tensors.items():
+        offset = info.offset - header.data_offset + (shift or {}).get(name, 0)
+        body += (
+            struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(info.ggml_shape))
+        )
+        body += b"".join(struct.pack("<Q", d) for d in info.ggml_shape)
+        body += struct.pack("<IQ", info.type_id, offset)
+    body += bytes(-len(body) % header.alignment)
+    with open(src, "rb") as fh, open(out, "wb") as dst:
+        dst.write(body)
+        fh.seek(header.data_offset)
+        shutil.copyfileobj(fh, dst, 1 << 22)
+    return out
+
+
+def _kv_start(raw: bytes, key: str) -> int:
+    """Where a metadata key's value type starts (just after the key)."""
+    needle = struct.pack("<Q", len(key)) + key.encode()
+    return raw.index(needle) + len(needle)
+
+
+def _kv_end(header: Any, raw: bytes, key: str, start: int) -> int:
+    """Where a short metadata value ends: the next key's length field, or the tensor infos."""
+    keys = list(header.metadata)
+    nxt = keys[keys.index(key) + 1]
+    return _kv_start(raw, nxt) - 8 - len(nxt.encode())
+
+
+def _st_reshape(folder: Path, name: str, shape: list[int]) -> None:
+    """Give one tensor of model.safetensors a new shape (its bytes cut to fit, or kept)."""
+    weights = folder / "model.safetensors"
+    header, data = _st_header(weights)
+    begin, _ = header[name]["data_offsets"]
+    size = 4
+    for d in shape:
+        size *= d
+    header[name]["shape"] = shape
+    header[name]["data_offsets"] = [begin, begin + size]
+    others = [k for k in header if k not in ("__metadata__", name)]
+    # tensors after it keep their offsets: the shrunken one leaves a hole, so they are moved up
+    shift = header[name]["data_offsets"][1] - _st_header(weights)[0][name]["data_offsets"][1]
+    cut = _st_header(weights)[0][name]["data_offsets"][1]
+    for k in others:
+        b, e = header[k]["data_offsets"]
+        if b >= cut:
+            header[k]["data_offsets"] = [b + shift, e + shift]
+    _st_write(weights, header, data[: begin + size] + data[cut:])
+
+
+@maker
+def embedding_width_0(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    _st_reshape(folder, "model.embed_tokens.weight", [72, 0])
+    return folder
+
+
+@maker
+def embedding_rows_0(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    _st_reshape(folder, "model.embed_tokens.weight", [0, 32])
+    return folder
+
+
+@maker
+def config_nested_deep(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    config = json.loads((folder / "config.json").read_text())
+    text = json.dumps(config)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (folder / "config.json").write_text(text)
+    return folder
+
+
+@maker
+def config_symlink_loop(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("config.json")
+    return folder
+
+
+@maker
+def gguf_unaligned(tmp, tiny, smol):
+    """SmolLM2 with its embedding's offset moved 4 bytes off the file's 32-byte alignment."""
+    return _gguf_rewrite(smol, tmp / "unaligned.gguf", shift={"token_embd.weight": 4})
+
+
+def _smol_strings(smol: Path, key: str) -> list[bytes]:
+    from embedlens.gguf_header import read_gguf_header
+
+    array = read_gguf_header(smol).metadata[key]
+    with open(smol, "rb") as fh:
+        fh.seek(array.start)
+        buf = fh.read(array.end - array.start)
+    out, pos = [], 0
+    for _ in range(array.count):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        out.append(buf[pos + 8 : pos + 8 + n])
+        pos += 8 + n
+    return out
+
+
+@maker
+def gguf_merge_without_space(tmp, tiny, smol):
+    merges = _smol_strings(smol, "tokenizer.ggml.merges")
+    merges[5] = merges[5].replace(b" ", b"")
+    meta = {"tokenizer.ggml.merges": (9, (8, merges))}
+    return _gguf_rewrite(smol, tmp / "merges.gguf", meta=meta)
+
+
+@maker
+def gguf_tokens_as_numbers(tmp, tiny, smol):
+    count = len(_smol_strings(smol, "tokenizer.ggml.tokens"))
+    meta = {"tokenizer.ggml.tokens": (9, (5, list(range(count))))}
+    return _gguf_rewrite(smol, tmp / "numbers.gguf", meta=meta)
+
+
+@maker
+def gguf_token_not_utf8(tmp, tiny, smol):
+    tokens = _smol_strings(smol, "tokenizer.ggml.tokens")
+    tokens[7] = b"\xff\xfe" + tokens[7]
+    meta = {"tokenizer.ggml.tokens": (9, (8, tokens))}
+    return _gguf_rewrite(smol, tmp / "latin.gguf", meta=meta)
+
+
+@maker
+def rope_type_unknown(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "bogus", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@maker
+def tokenizer_without_added_tokens(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    del data["added_tokens"]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return folder
+
+
+@maker
+def no_tokenizer_json(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    (folder / "tokenizer.json").unlink()
+    return folder

@@ -43,6 +43,15 @@ def safetensors_bytes(
     return struct.pack("<Q", len(raw)) + raw + bytes(data)
 
 
+def _block(type_id: int) -> tuple[int, int]:
+    """(elements, bytes) per block: the few above, else from the gguf package's table."""
+    if type_id in GGML_BLOCKS:
+        return GGML_BLOCKS[type_id]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+
+
 def _gguf_str(s: str | bytes) -> bytes:
     raw = s.encode() if isinstance(s, str) else s
     return struct.pack("<Q", len(raw)) + raw
@@ -79,7 +88,7 @@ def gguf_bytes(
     offset = 0
     sizes = []
     for name, dims, type_id in tensors:
-        elems, block = GGML_BLOCKS[type_id]
+        elems, block = _block(type_id)
         numel = 1
         for d in dims:
             numel *= d

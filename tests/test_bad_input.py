@@ -49,8 +49,29 @@ BROKEN = {
     "gguf-version-1": "'v1.gguf' has GGUF version 1",
     "gguf-unsupported-quant": "tensor 'token_embd.weight' has ggml type 99, which embedlens cannot",
     "not-a-model-file": "is a file but not a model",
+    "embedding-width-0": "its embedding 'model.embed_tokens.weight' has shape [72, 0], with rows",
+    "embedding-rows-0": "its embedding 'model.embed_tokens.weight' has shape [0, 32], with no rows",
+    "config-nested-deep": "config.json' is nested too deeply to be a config",
+    "config-symlink-loop": "config.json': its symbolic links form a loop",
+    "gguf-unaligned": "tensor 'token_embd.weight' starts at data offset 4, which breaks the file's",
+    "gguf-merge-without-space": "tokenizer.ggml.merges[5] 're' has no space between its two tokens",
+    "gguf-tokens-as-numbers": "tokenizer.ggml.tokens is an array of GGUF type 5, not a list of str",
+    "gguf-token-not-utf8": "tokenizer.ggml.tokens[7] b'\\xff\\xfe<gh_stars>' is not valid UTF-8",
+    "rope-type-unknown": "config.json of '{model}' asks for rope type 'bogus', which transformers",
+    "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
+    "no-tokenizer-json": "has no tokenizer.json",
 }
 assert set(BROKEN) == set(MAKERS)
+# The commands a broken model reaches; the others never read the broken part (params and tied
+# read no tokenizer, only lens builds the model).
+ONLY: dict[str, tuple[str, ...]] = {
+    "gguf-merge-without-space": ("neighbors", "addr", "lens"),
+    "gguf-tokens-as-numbers": ("neighbors", "addr", "lens"),
+    "gguf-token-not-utf8": ("neighbors", "addr", "lens"),
+    "rope-type-unknown": ("lens",),
+    "tokenizer-without-added-tokens": ("lens",),
+    "no-tokenizer-json": ("neighbors", "lens"),
+}
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
 T, S, M = "{tiny}", "{smol}", "no-such-model"
@@ -144,7 +165,7 @@ def _broken_cases() -> list[object]:
     return [
         pytest.param(broken, command, id=f"{broken}-{command}")
         for broken in sorted(BROKEN)
-        for command in COMMANDS
+        for command in ONLY.get(broken, COMMANDS)
     ]
 
 
@@ -155,7 +176,7 @@ def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, comm
     model = MAKERS[broken](work, tiny, smollm2)
     before = _digest(work)
     err = run_in_empty_folder(command, model, *TAIL[command], code=1)
-    assert BROKEN[broken] in err.splitlines()[0], err
+    assert BROKEN[broken].format(model=model) in err.splitlines()[0], err
     assert _digest(work) == before  # the broken copy itself is left as it was
 
 
@@ -525,3 +546,84 @@ def test_words_that_are_what_they_seem_get_no_note(cli, tiny, smollm2, args):
 def test_a_target_that_splits_names_its_spaced_form(cli, smollm2):
     err = cli.fails("lens", smollm2, "The capital of France is", "--target", "queen", code=2)
     assert "hint: ' queen' with its leading space is one token (id 15731): --target ' queen'" in err
+
+
+def _nonfinite_rows(tiny, tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """The tiny model with the rows of 'cat' and 'dog' set to NaN and inf."""
+    import json
+    import shutil
+    import struct
+
+    import numpy as np
+
+    folder = tmp_path / "nonfinite"
+    shutil.copytree(tiny("llama-tied"), folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    ids = {"cat": vocab["cat"], "dog": vocab["dog"]}
+    weights = folder / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    entry = json.loads(raw[8 : 8 + n])["model.embed_tokens.weight"]
+    begin = 8 + n + entry["data_offsets"][0]
+    table = np.frombuffer(raw, np.float32, 72 * 32, begin).reshape(72, 32).copy()
+    table[ids["cat"]] = np.nan
+    table[ids["dog"], 3] = np.inf
+    raw[begin : begin + table.nbytes] = table.tobytes()
+    weights.write_bytes(bytes(raw))
+    return folder, ids
+
+
+def test_rows_holding_nan_or_inf_are_left_out_with_a_note(cli, tiny, tmp_path):
+    folder, ids = _nonfinite_rows(tiny, tmp_path)
+    data = cli.json("neighbors", folder, "cats", "-k", "53")
+    found = {n["id"] for n in data["queries"][0]["neighbors"]}
+    assert not found & set(ids.values())
+    assert data["searched_rows"] == 54 - 2
+    assert any(
+        "2 rows of 'model.embed_tokens.weight' hold NaN or inf values" in note
+        and f"{min(ids.values())}, {max(ids.values())}" in note
+        for note in data["notes"]
+    ), data["notes"]
+
+
+@pytest.mark.parametrize(("word", "says"), [("cat", "NaN values"), ("dog", "inf values")])
+def test_a_query_on_a_row_holding_nan_or_inf(cli, tiny, tmp_path, word, says):
+    folder, ids = _nonfinite_rows(tiny, tmp_path)
+    err = cli.fails("neighbors", folder, word, code=1)
+    assert f"row {ids[word]} ('{word}') of 'model.embed_tokens.weight' holds {says}" in err
+
+
+COMMAND_TAIL = [pytest.param(c, id=c) for c in COMMANDS]
+
+
+@pytest.mark.parametrize("command", COMMAND_TAIL)
+def test_an_unreadable_model_folder(tiny, tmp_path, command):
+    """A folder its user may not read, in a real process. Root reads anything, so as root the
+    process runs without the capabilities that bypass permissions (setpriv)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permissions cannot be enforced")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    os.chmod(folder, 0)
+    try:
+        result = subprocess.run(
+            [*prefix, sys.executable, "-m", "embedlens", command, str(folder), *TAIL[command]],
+            capture_output=True, text=True, cwd=cwd, check=False,
+        )  # fmt: skip
+    finally:
+        os.chmod(folder, 0o755)
+    assert (result.returncode, result.stdout) == (1, ""), result
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"error: cannot read '{folder}/config.json': permission denied", lines
+    assert len(lines) == 2 and lines[1].startswith("hint: check the permissions")
+    assert not list(cwd.iterdir())

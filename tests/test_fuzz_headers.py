@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from embedlens.checkpoint import SAFETENSORS_BITS, SafetensorsHeader, read_safetensors_header
 from embedlens.errors import CheckpointError
 from embedlens.gguf_header import (
-    GGML_TYPES,
     MAX_STRING_BYTES,
     GGUFHeader,
     LazyArray,
+    ggml_types,
     read_gguf_header,
 )
 from tests.fileformats import GGML_BLOCKS, ST_BITS, gguf_bytes, safetensors_bytes
@@ -321,7 +321,7 @@ def check_gguf(h: GGUFHeader, size: int) -> None:
     """What a parse promises: known types, whole blocks, every byte span inside the file."""
     assert h.data_offset % h.alignment == 0
     for t in h.tensors.values():
-        assert t.type_id in GGML_TYPES
+        assert t.type_id in ggml_types()
         assert t.offset >= h.data_offset and t.offset + t.nbytes <= size
         if t.ggml_shape:
             assert t.ggml_shape[0] % t.block[0] == 0
@@ -480,3 +480,29 @@ def test_gguf_longest_string_array_is_walked_in_time():
     array = h.metadata["k"]
     assert isinstance(array, LazyArray) and array.count == 1 << 22
     assert array.end - array.start == 8 << 22
+
+
+def test_every_ggml_type_the_gguf_package_lists_is_read(tmp_path):
+    """The type table comes from gguf's: a tensor of each type it lists (MXFP4 among them)
+    is read with gguf's block and byte sizes."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    assert GGMLQuantizationType.MXFP4 in GGML_QUANT_SIZES
+    for qtype in GGMLQuantizationType:
+        if qtype not in GGML_QUANT_SIZES:
+            continue
+        elems, size = GGML_QUANT_SIZES[qtype]
+        path = tmp_path / f"{qtype.name}.gguf"
+        path.write_bytes(gguf_bytes([], [("w", (elems * 2, 3), int(qtype))]))
+        info = read_gguf_header(path).tensors["w"]
+        assert (info.type_name, info.block, info.row_bytes) == (qtype.name, (elems, size), 2 * size)
+
+
+def test_gguf_tensor_offsets_must_keep_the_alignment(tmp_path):
+    raw = bytearray(gguf_bytes([], [("a", (32,), 0), ("b", (32,), 0)]))
+    at = raw.index(b"\x01\x00\x00\x00\x00\x00\x00\x00b") + 9 + 4 + 8 + 4
+    struct.pack_into("<Q", raw, at, 132)  # 128 + 4: inside the file, off the 32-byte grid
+    path = tmp_path / "odd.gguf"
+    path.write_bytes(bytes(raw) + bytes(64))
+    with pytest.raises(CheckpointError, match="tensor 'b' starts at data offset 132, which breaks"):
+        read_gguf_header(path)

@@ -3,7 +3,8 @@
 The arithmetic reads headers only. A row starts at row x row_bytes from the tensor's first byte;
 row_bytes is d x element size for plain dtypes and d / block elements x block bytes for GGUF
 quantised blocks. The proof reads the row's bytes at its file offset and compares them with the
-row as the format's own library loads it (safetensors' `safe_open`, gguf's `GGUFReader`).
+row as the format's own library loads it (safetensors' `safe_open`); a GGUF row's blocks are
+dequantised by gguf's dequantiser and compared with the row as embedlens' reader widens it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from embedlens import words
 from embedlens.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
-from embedlens.errors import CheckpointError, UsageError
+from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.matrix import Table, check_row_range
 from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlace, TpSplit
 from embedlens.vocab import Vocab
@@ -133,19 +134,31 @@ def _raw_dtype_names() -> Iterator[None]:
             np.sctypeDict.pop(name, None)
 
 
-def reference_rows(path: Path, fmt: str, name: str, rows: Sequence[int]) -> tuple[str, list[bytes]]:
-    """Each row's bytes as the format's own library loads the tensor."""
-    if fmt == "gguf":
-        from gguf import GGUFReader
+def gguf_check(entry: TensorEntry, rows: Sequence[int]) -> tuple[str, list[bool]]:
+    """Each GGUF row's blocks, read at its file offset and dequantised by gguf's dequantiser,
+    against the same row as embedlens' memory-mapped reader (matrix.Rows) widens it. Only the
+    rows' bytes are read: gguf's GGUFReader would decode the whole vocabulary first."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-        try:
-            reader = GGUFReader(path)
-        except (ValueError, OSError) as e:
-            raise CheckpointError(f"gguf's reader cannot read '{path.name}': {e}") from e
-        tensor = next((t for t in reader.tensors if t.name == name), None)
-        if tensor is None:
-            raise CheckpointError(f"gguf's reader finds no tensor '{name}' in '{path.name}'")
-        return "gguf.GGUFReader", [tensor.data[r].tobytes() for r in rows]
+    from embedlens.matrix import Rows
+
+    try:
+        qtype = GGMLQuantizationType[entry.dtype]
+    except KeyError as e:
+        raise UnsupportedError(f"gguf cannot dequantise ggml type {entry.dtype}") from e
+    mapped = Rows(entry, "gguf").take(list(rows))
+    results = []
+    for r, mine in zip(rows, mapped, strict=True):
+        raw = np.frombuffer(raw_row(entry, r), dtype=np.uint8)
+        ref = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(-1)
+        results.append(bool(np.array_equal(ref, mine, equal_nan=True)))
+    return "gguf.quants.dequantize", results
+
+
+def reference_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, list[bytes]]:
+    """Each row's bytes as safetensors' own loader loads the tensor."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -186,10 +199,11 @@ def addr_report(
         skipped = "--no-check"
     elif entry.path is None or entry.file_offset is None:
         skipped = f"'{entry.file}' is not downloaded: its header was read from the hub"
+    elif table.checkpoint.format == "gguf":
+        method, checks = gguf_check(entry, [r for _, r, _ in found])
+        results = list(checks)
     else:
-        method, refs = reference_rows(
-            entry.path, table.checkpoint.format, entry.name, [r for _, r, _ in found]
-        )
+        method, refs = reference_rows(entry.path, entry.name, [r for _, r, _ in found])
         results = [raw_row(entry, r) == ref for (_, r, _), ref in zip(found, refs, strict=True)]
     rows = [
         AddrRow(

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedlens import words
-from embedlens.errors import EmbedlensError, UsageError
+from embedlens.errors import CheckpointError, EmbedlensError, UsageError
 from embedlens.matrix import Rows, Table, check_row_range
 from embedlens.reports.neighbors import (
     Neighbor,
@@ -163,17 +163,26 @@ def resolve(
 
 
 def _word_vector(
-    block: npt.NDArray[np.float64], norms: npt.NDArray[np.float64], where: dict[int, int], t: Term
+    block: npt.NDArray[np.float64],
+    norms: npt.NDArray[np.float64],
+    where: dict[int, int],
+    t: Term,
+    tensor: str,
 ) -> npt.NDArray[np.float64]:
     """A word's unit vector: its row's, or the normalised mean of its tokens' unit rows."""
     vector = np.zeros(block.shape[1], dtype=np.float64)
     texts = {x.id: x.token for x in t.tokens}
     for row in t.rows:
         n = norms[where[row]]
-        if n == 0 or not np.isfinite(n):
-            what = "is all zeros" if n == 0 else "holds NaN or infinity"
+        if not np.isfinite(block[where[row]]).all():
+            raise CheckpointError(
+                f"row {row} ('{texts.get(row, t.token)}') of '{tensor}' holds "
+                f"{_nonfinite_kinds(block[where[row]])}: the table is corrupt there"
+            )
+        if n == 0:
             raise EmbedlensError(
-                f"row {row} ('{texts.get(row, t.token)}') {what}: it has no direction to compare"
+                f"row {row} ('{texts.get(row, t.token)}') is all zeros: it has no direction to "
+                "compare"
             )
         vector += block[where[row]] / n
     if len(t.rows) > 1:
@@ -193,7 +202,7 @@ def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
     out = np.zeros((len(queries), rows.shape[1]), dtype=np.float64)
     for qi, q in enumerate(queries):
         for t in q.terms:
-            out[qi] += t.sign * _word_vector(block, norms, where, t)
+            out[qi] += t.sign * _word_vector(block, norms, where, t, rows.entry.name)
         total = np.linalg.norm(out[qi])
         if total < 1e-6:
             raise UsageError(
@@ -204,27 +213,42 @@ def query_vectors(rows: Rows, queries: list[Query]) -> npt.NDArray[np.float32]:
     return out.astype(np.float32)
 
 
-def cosines(rows: Rows, vectors: npt.NDArray[np.float32], real: int) -> npt.NDArray[np.float32]:
-    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows).
+def _nonfinite_kinds(row: npt.NDArray[np.floating]) -> str:
+    kinds = [k for k, bad in (("NaN", np.isnan(row).any()), ("inf", np.isinf(row).any())) if bad]
+    return " and ".join(kinds) + " values"
 
-    Rows whose squares or dot products overflow float32 (values near its largest) are scored
-    again in float64, so that they get their true cosine rather than NaN.
+
+def cosines(
+    rows: Rows, vectors: npt.NDArray[np.float32], real: int
+) -> tuple[npt.NDArray[np.float32], list[int]]:
+    """[real, q]: cosine of every real token's row with every query vector (NaN for zero rows
+    and for rows holding NaN or inf), and the ids of the rows holding NaN or inf.
+
+    Finite rows whose squares or dot products overflow float32 (values near its largest) are
+    scored again in float64, so that they get their true cosine rather than NaN.
     """
     out = np.empty((real, vectors.shape[0]), dtype=np.float32)
     qt = np.ascontiguousarray(vectors.T)
+    broken: list[int] = []
     for start in range(0, real, rows.block_rows):
         stop = min(real, start + rows.block_rows)
         block = rows.block(start, stop)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             norms = np.sqrt(np.einsum("ij,ij->i", block, block))
             dots = block @ qt
+            bad = np.zeros(len(block), dtype=bool)
             redo = ~(np.isfinite(norms) & np.isfinite(dots).all(axis=1))
+            if redo.any():
+                bad = ~np.isfinite(block).all(axis=1)
+                broken.extend(int(i) + start for i in np.flatnonzero(bad))
+                redo &= ~bad
             if redo.any():
                 wide = block[redo].astype(np.float64)
                 norms[redo] = np.linalg.norm(wide, axis=1) / 2.0**64  # both scaled alike
                 dots[redo] = (wide / 2.0**64) @ qt.astype(np.float64)
             np.divide(dots, norms[:, None], out=out[start:stop])
-    return out
+        out[start:stop][bad] = np.nan
+    return out, broken
 
 
 def top_k(
@@ -269,7 +293,15 @@ def neighbors_report(
 ) -> NeighborsReport:
     """Score every query against the allowed rows in one pass over the matrix."""
     real = allowed.shape[0]
-    scores = cosines(rows, query_vectors(rows, queries), real)
+    scores, broken = cosines(rows, query_vectors(rows, queries), real)
+    if broken:
+        allowed = allowed.copy()
+        allowed[broken] = False
+        shown = ", ".join(str(i) for i in broken[:5]) + (", ..." if len(broken) > 5 else "")
+        notes.append(
+            f"{len(broken):,} rows of '{table.name}' hold NaN or inf values (a corrupt table) and "
+            f"were left out of the search: {shown}"
+        )
     results: list[QueryResult] = []
     for qi, q in enumerate(queries):
         best = top_k(scores[:, qi], allowed, q.own_rows, k)
