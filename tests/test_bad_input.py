@@ -132,6 +132,8 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("neighbors", T, ["king - king"], 2, "'king - king' adds up to the zero vector"),
     ("neighbors", S, ["' king' - ' king' + ' cat' - ' cat'"], 2, "adds up to the zero vector"),
     ("neighbors", T, ["king", "--pool", "middle"], 2, "unknown --pool 'middle'"),
+    ("lens", S, ["hi", "--device-map", "auto", "--max-memory", "cpu=1MiB"], 1,
+     "--device-map auto puts the whole model on disk, and a GGUF model offloaded to disk cannot"),
     ("lens", S, ["The capital of France is", "--target", "queen"], 2,
      "--target 'queen' is not a single token: it splits into 2 ('que', 'en')"),
 ]  # fmt: skip
