@@ -286,6 +286,7 @@ def load_model(
             ignore_mismatched_sizes=True,
             **kwargs,
         )
+    _refuse_gguf_on_disk(source, model)
     extra = check_loading_info(source, model, info)
     if notes is not None:
         notes.extend(extra)
@@ -294,6 +295,25 @@ def load_model(
     model.eval()
     torch.set_grad_enabled(False)
     return model
+
+
+def _refuse_gguf_on_disk(source: ModelSource, model: Any) -> None:
+    """A GGUF model that --device-map put partly on disk cannot run (accelerate's offload index
+    lacks the weights transformers converted from GGUF): UnsupportedError, before any forward."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    on_disk = sorted(name for name, where in device_map.items() if where == "disk")
+    if source.is_gguf and on_disk:
+        if on_disk == [""]:
+            what = "the whole model"
+        else:
+            what = f"{len(on_disk)} of its modules ({', '.join(on_disk[:SHOWN_KEYS])}"
+            what += ", ...)" if len(on_disk) > SHOWN_KEYS else ")"
+        raise UnsupportedError(
+            f"'{source.path}': --device-map auto puts {what} on disk, and a GGUF model "
+            "offloaded to disk cannot run",
+            hint="give --max-memory room for the whole model on GPUs and CPU, or load without "
+            "--device-map",
+        )
 
 
 SHOWN_KEYS = 3

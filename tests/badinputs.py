@@ -395,3 +395,24 @@ def no_tokenizer_json(tmp, tiny, smol):
     folder = _copy(tmp, tiny)
     (folder / "tokenizer.json").unlink()
     return folder
+
+
+def _chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -> Path:
+    folder = _copy(tmp, tiny)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@maker
+def chat_template_loops(tmp, tiny, smol):
+    # 10**10 turns: the sandbox caps one range at 100,000, so two are nested
+    return _chat_template(
+        tmp,
+        tiny,
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    )
+
+
+@maker
+def chat_template_huge(tmp, tiny, smol):
+    return _chat_template(tmp, tiny, "{{ 'x' * 20000000 }}")

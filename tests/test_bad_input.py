@@ -60,6 +60,8 @@ BROKEN = {
     "rope-type-unknown": "config.json of '{model}' asks for rope type 'bogus', which transformers",
     "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
     "no-tokenizer-json": "has no tokenizer.json",
+    "chat-template-loops": "chat_template.jinja' renders more than 4,096 characters",
+    "chat-template-huge": "chat_template.jinja' renders more than 4,096 characters",
 }
 assert set(BROKEN) == set(MAKERS)
 # The commands a broken model reaches; the others never read the broken part (params and tied
@@ -71,6 +73,13 @@ ONLY: dict[str, tuple[str, ...]] = {
     "rope-type-unknown": ("lens",),
     "tokenizer-without-added-tokens": ("lens",),
     "no-tokenizer-json": ("neighbors", "lens"),
+    "chat-template-loops": ("lens",),
+    "chat-template-huge": ("lens",),
+}
+# What a broken model needs besides TAIL to reach its broken part.
+EXTRA: dict[str, list[str]] = {
+    "chat-template-loops": ["--chat", "hello"],
+    "chat-template-huge": ["--chat", "hello"],
 }
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
@@ -123,6 +132,8 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("neighbors", T, ["king - king"], 2, "'king - king' adds up to the zero vector"),
     ("neighbors", S, ["' king' - ' king' + ' cat' - ' cat'"], 2, "adds up to the zero vector"),
     ("neighbors", T, ["king", "--pool", "middle"], 2, "unknown --pool 'middle'"),
+    ("lens", S, ["hi", "--device-map", "auto", "--max-memory", "cpu=1MiB"], 1,
+     "--device-map auto puts the whole model on disk, and a GGUF model offloaded to disk cannot"),
     ("lens", S, ["The capital of France is", "--target", "queen"], 2,
      "--target 'queen' is not a single token: it splits into 2 ('que', 'en')"),
 ]  # fmt: skip
@@ -175,7 +186,7 @@ def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, comm
     work.mkdir()
     model = MAKERS[broken](work, tiny, smollm2)
     before = _digest(work)
-    err = run_in_empty_folder(command, model, *TAIL[command], code=1)
+    err = run_in_empty_folder(command, model, *TAIL[command], *EXTRA.get(broken, []), code=1)
     assert BROKEN[broken].format(model=model) in err.splitlines()[0], err
     assert _digest(work) == before  # the broken copy itself is left as it was
 
@@ -627,3 +638,20 @@ def test_an_unreadable_model_folder(tiny, tmp_path, command):
     assert lines[0] == f"error: cannot read '{folder}/config.json': permission denied", lines
     assert len(lines) == 2 and lines[1].startswith("hint: check the permissions")
     assert not list(cwd.iterdir())
+
+
+def test_a_chat_template_that_loops_without_writing(cli, tiny, tmp_path, monkeypatch):
+    """A template that loops and writes nothing is stopped by the time bound, not its size."""
+    import time
+
+    from embedlens import chat
+
+    monkeypatch.setattr(chat, "SECONDS", 0.5)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    (folder / "chat_template.jinja").write_text(loop)
+    start = time.monotonic()
+    err = cli.fails("lens", folder, "the king", "--chat", "hello", code=1)
+    assert time.monotonic() - start < 10
+    assert f"'{folder / 'chat_template.jinja'}' is still rendering after 0.5 s" in err, err

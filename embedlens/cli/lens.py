@@ -27,7 +27,7 @@ from embedlens.cli._options import (
     common,
 )
 from embedlens.cli._output import emit, note, progress, quoted, shown, warn
-from embedlens.errors import UsageError
+from embedlens.errors import EmbedlensError, UsageError
 from embedlens.reports.lens import LensReport
 
 if TYPE_CHECKING:
@@ -312,9 +312,11 @@ def lens(
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with progress(f"Loading {model}"), loading.gguf_reads_shared(source):
             tokenizer = loading.load_tokenizer(source, trust_remote_code=trust_remote_code)
-            text, ids = _prompt_ids(tokenizer, prompt, chat, switches)
-            target_id = _target_id(tokenizer, target) if target is not None else None
             config = loading.hf_config(source, trust_remote_code=trust_remote_code)
+            text, ids = _prompt_ids(
+                tokenizer, prompt, chat, switches, _template_name(source), _context(config)
+            )
+            target_id = _target_id(tokenizer, target) if target is not None else None
             _check_fits(config, ids, layer_items)  # fail before reading the weights
             index = _position_index(pos, len(ids))
             load_notes: list[str] = []
@@ -362,10 +364,19 @@ def lens(
 
 
 def _prompt_ids(
-    tokenizer: Any, prompt: str, chat: str | None, switches: dict[str, Any]
+    tokenizer: Any,
+    prompt: str,
+    chat: str | None,
+    switches: dict[str, Any],
+    template: str,
+    context: int | None,
 ) -> tuple[str, list[int]]:
     """The text run and its ids: PROMPT as the tokenizer encodes it by default, or after a chat
-    template (whose output already holds the special tokens, so none are added again)."""
+    template (whose output already holds the special tokens, so none are added again).
+
+    The template (named by `template`) renders within bounds of time and size, and its text is
+    checked against what the model's context could hold before it is tokenised.
+    """
     if chat is None:
         ids = list(tokenizer(prompt)["input_ids"])
         text = prompt
@@ -375,14 +386,28 @@ def _prompt_ids(
                 "this model's tokenizer has no chat template, so --chat cannot be used",
                 hint="run without --chat and write the whole prompt yourself",
             )
+        from embedlens import chat as chat_template
+
         messages = [{"role": "user", "content": chat}]
+        limit = chat_template.max_chars(context)
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **switches
+            text = chat_template.render(
+                lambda: tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **switches
+                ),
+                limit=limit,
+                what=template,
             )
+        except EmbedlensError:
+            raise
         except Exception as e:
             raise UsageError(f"the chat template failed: {e}") from e
-        text = str(text) + prompt
+        text = text + prompt
+        if len(text) > limit:
+            raise UsageError(
+                f"the prompt after the chat template is {len(text):,} characters, more than the "
+                f"model's context could hold"
+            )
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise UsageError("the prompt is empty: it encodes to no tokens")
@@ -446,6 +471,23 @@ def _offload_dir(device_map: str | None, folder: Path | None) -> Iterator[str | 
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _template_name(source: Any) -> str:
+    """Which file the model's chat template comes from, for messages."""
+    if source.is_gguf:
+        return f"the chat template in '{source.path}'"
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        found = source.cached(name)
+        if found is not None:
+            return f"the chat template in '{found}'"
+    return f"the chat template of '{source.spec}'"
+
+
+def _context(config: Any) -> int | None:
+    """The model's context length in tokens, if its config gives one."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def _check_fits(config: Any, ids: list[int], layer_items: list[LayerItem] | None) -> None:
