@@ -15,6 +15,7 @@ try:
     from embedlens.cli import neighbors as _neighbors
     from embedlens.cli import params as _params
     from embedlens.cli import tied as _tied
+    from embedlens.cli import vocab as _vocab
     from embedlens.cli._errors import print_error
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None
@@ -74,6 +75,7 @@ app.command(epilog=_tied.EXAMPLES)(_tied.tied)
 app.command(epilog=_lens.EXAMPLES)(_lens.lens)
 app.command(epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
 app.command(epilog=_addr.EXAMPLES)(_addr.addr)
+app.command(epilog=_vocab.EXAMPLES)(_vocab.vocab)
 
 
 def main() -> None:

@@ -1,0 +1,364 @@
+"""`vocab`: is this vocabulary healthy, trained, and the one these weights were trained with?
+
+The static parts read the headers, the tokenizer and one matrix (the head, or the embedding when
+tied), never torch: the vocabulary against the matrices' rows, the tokens the tokenizer never
+produces on its own, a fingerprint of the vocabulary, and the under-trained indicator
+(`undertrained.py`); `--against` compares two vocabularies id by id (`vocabdiff.py`). `--verify`
+and `--check-fit` load the model (`fit.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from embedlens.analysis.undertrained import ReferenceRows, scan
+from embedlens.analysis.vocabdiff import compare
+from embedlens.errors import EmbedlensError, UsageError
+from embedlens.matrix import Table, locate, open_rows
+from embedlens.reports.vocab import (
+    Fingerprint,
+    Layout,
+    TokenRef,
+    Unreachable,
+    UnreachableToken,
+    VocabReport,
+)
+from embedlens.source import ModelSource, resolve
+from embedlens.tokens import REPLACEMENT, byte_alphabet, piece_bytes
+from embedlens.vocab import Vocab, load_vocab, vocab_from_file
+
+Progress = Callable[[int, int], None]
+
+_SPACE = "\u2581"
+_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+# Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
+# [unused7], <extra_id_3>.
+_UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
+_HASH_KEY = re.compile(r"tokeni[sz]er.*(hash|sha|fingerprint)", re.IGNORECASE)
+MAX_VERIFY = 20
+
+
+def vocab(
+    model: str,
+    *,
+    against: str | None = None,
+    check_fit: bool = False,
+    tokenizer: str | None = None,
+    verify: bool = False,
+    max_verify: int = MAX_VERIFY,
+    all_tokens: bool = False,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    on_progress: Progress | None = None,
+) -> VocabReport:
+    """Check MODEL's vocabulary against its matrices, scan for under-trained tokens, and (on
+    request) compare it with another vocabulary or measure whether the weights fit it."""
+    if not isinstance(model, str):
+        raise UsageError(
+            "vocab reads MODEL from its files: give a hub repo id, a folder or a .gguf file",
+            hint="a loaded model's vocabulary cannot be checked against its checkpoint",
+        )
+    if max_verify < 1:
+        raise UsageError(f"--max-verify must be at least 1 (got {max_verify})")
+    source = resolve(model, revision)
+    table = locate(source, "output", trust_remote_code=trust_remote_code)
+    own = load_vocab(source, table.checkpoint.gguf)
+    vocab_used, origin = (
+        (own, own.origin) if tokenizer is None else (load_other(tokenizer), tokenizer)
+    )
+    layout = read_layout(vocab_used, table)
+    problems = layout_problems(layout)
+    unreachable = find_unreachable(vocab_used, min(vocab_used.size, table.rows))
+    prints = read_fingerprint(vocab_used, source, table)
+    if prints.matches is False:
+        problems.append(
+            f"the weights' metadata names tokenizer hash {prints.metadata_value} "
+            "but this vocabulary's fingerprint differs"
+        )
+    rows = open_rows(source, table)
+    reference = reference_rows(vocab_used, unreachable, table.rows)
+    scanned = scan(rows, table, vocab_used, reference, all_tokens=all_tokens)
+    if verify:
+        from embedlens.analysis.fit import verify_candidates
+
+        scanned = verify_candidates(
+            source,
+            vocab_used,
+            scanned,
+            max_verify=max_verify,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            on_progress=on_progress,
+        )
+    diff = None
+    if against is not None:
+        diff = compare(vocab_used, load_other(against), against, fingerprint=prints)
+        problems.extend(diff.summary if not diff.compatible else [])
+    fit = None
+    if check_fit:
+        from embedlens.analysis.fit import check_fit as measure_fit
+
+        fit = measure_fit(
+            source,
+            vocab_used,
+            tokenizer or "model",
+            rows=table.rows,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+        )
+        if not fit.fits:
+            bad = ", ".join(x.language for x in fit.languages if not x.fits)
+            problems.append(
+                f"the weights do not fit this tokenizer ({bad}): its ids score no better than "
+                "ids shifted by one"
+            )
+    notes = [] if table.tied else list(table.notes)
+    if vocab_used.size > table.rows:
+        notes.append("tokens past the last row are left out of the scan")
+    return VocabReport(
+        model=model,
+        tokenizer=origin,
+        layout=layout,
+        fingerprint=prints,
+        unreachable=unreachable,
+        undertrained=scanned,
+        against=diff,
+        fit=fit,
+        problems=problems,
+        notes=notes,
+    )
+
+
+def load_other(spec: str) -> Vocab:
+    """Another vocabulary: a tokenizer.json, a folder holding one, or any MODEL."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return vocab_from_file(path)
+    if (
+        path.is_dir()
+        and (path / "tokenizer.json").is_file()
+        and not (path / "config.json").is_file()
+    ):
+        return vocab_from_file(path / "tokenizer.json")
+    return load_vocab(resolve(spec))
+
+
+# --- the vocabulary against the matrices ---------------------------------------------------------
+
+
+def added_ids(vocab: Vocab) -> list[int]:
+    """Ids of the tokens added on top of the tokenizer's model (specials included), sorted."""
+    return sorted(vocab.tokenizer.get_added_tokens_decoder())
+
+
+def read_layout(vocab: Vocab, table: Table) -> Layout:
+    """Sizes, padding and missing rows, special tokens, and where the added tokens sit."""
+    inv = table.checkpoint.tensors
+    embedding = _embedding_entry(table)
+    added = added_ids(vocab)
+    placement, inserted = _placement(added, vocab.size)
+    specials = sorted(vocab.special_ids | set(added))
+    return Layout(
+        tokenizer_size=vocab.size,
+        embedding_tensor=embedding,
+        embedding_rows=inv[embedding].shape[0],
+        head_tensor=table.name,
+        head_rows=table.rows,
+        width=table.width,
+        tied=table.tied,
+        padding_rows=max(0, min(table.rows, inv[embedding].shape[0]) - vocab.size),
+        missing_rows=max(0, vocab.size - min(table.rows, inv[embedding].shape[0])),
+        special_tokens=[TokenRef(i, vocab.text(i)) for i in specials if i in vocab.special_ids],
+        added_tokens=len(added),
+        added_placement=placement,
+        inserted=[TokenRef(i, vocab.text(i)) for i in inserted],
+    )
+
+
+def _embedding_entry(table: Table) -> str:
+    if table.tied or table.which == "input":
+        return table.name
+    from embedlens.inventory import from_checkpoint
+
+    inv = from_checkpoint(table.checkpoint, table.config)
+    assert inv.embedding is not None
+    return inv.embedding
+
+
+def _placement(added: list[int], size: int) -> tuple[str, list[int]]:
+    """Where the added tokens sit among the ordinary ones, and those with ordinary ids both sides."""
+    if not added:
+        return "none", []
+    taken = set(added)
+    ordinary = [i for i in range(size) if i not in taken]
+    if not ordinary:
+        return "start", []
+    low, high = ordinary[0], ordinary[-1]
+    inside = [i for i in added if low < i < high]
+    if inside:
+        return "inside", inside
+    at_start = any(i < low for i in added)
+    at_end = any(i > high for i in added)
+    return ("start and end" if at_start and at_end else "start" if at_start else "end"), []
+
+
+def layout_problems(layout: Layout) -> list[str]:
+    """What in the layout makes the model misbehave."""
+    problems: list[str] = []
+    if layout.missing_rows:
+        problems.append(
+            f"{layout.missing_rows:,} tokens have no row: the tokenizer has "
+            f"{layout.tokenizer_size:,} tokens, the matrices {min(layout.embedding_rows, layout.head_rows):,} "
+            "rows; looking them up fails"
+        )
+    if layout.embedding_rows != layout.head_rows:
+        problems.append(
+            f"the embedding has {layout.embedding_rows:,} rows but the head {layout.head_rows:,}"
+        )
+    if layout.inserted:
+        first = layout.inserted[0].id
+        problems.append(
+            f"{len(layout.inserted)} added tokens sit inside the ordinary range (from id {first}): "
+            f"if they were inserted after training, every id after them moved and looks up its "
+            "neighbour's row (check with --check-fit, or --against the original tokenizer)"
+        )
+    return problems
+
+
+# --- tokens never produced -----------------------------------------------------------------------
+
+
+def find_unreachable(vocab: Vocab, n: int) -> Unreachable:
+    """Ordinary tokens (ids below n) that decoding and encoding again does not give back."""
+    tok = vocab.tokenizer
+    skip = set(added_ids(vocab)) | vocab.special_ids
+    ids = [i for i in range(n) if i not in skip]
+    texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    encodings = tok.encode_batch(texts, add_special_tokens=False)
+    found: list[UnreachableToken] = []
+    metaspace = _metaspace(vocab)
+    for i, text, enc in zip(ids, texts, encodings, strict=True):
+        got = list(enc.ids)
+        if got == [i]:
+            continue
+        piece = vocab.piece(i) or ""
+        if metaspace and not piece.startswith(_SPACE) and REPLACEMENT not in text:
+            # A piece without '▁' never starts a word: encoding it alone adds the '▁'. Ask the
+            # model's merges directly whether they build it.
+            direct = [t.id for t in tok.model.tokenize(piece)]
+            if direct == [i]:
+                continue
+            got = direct
+        found.append(UnreachableToken(i, vocab.text(i), _kind(piece, text), got))
+    by_kind: dict[str, int] = {}
+    for t in found:
+        by_kind[t.kind] = by_kind.get(t.kind, 0) + 1
+    return Unreachable(len(found), dict(sorted(by_kind.items())), found)
+
+
+def _metaspace(vocab: Vocab) -> bool:
+    pre = vocab.tokenizer.pre_tokenizer
+    return pre is not None and ("Metaspace" in type(pre).__name__ or _SPACE in str(pre))
+
+
+def _kind(piece: str, text: str) -> str:
+    raw = piece_bytes(piece)
+    if _BYTE_PIECE.match(piece):
+        return "byte_fallback" if raw is not None and raw[0] < 0x80 else "single_byte"
+    if REPLACEMENT in text and REPLACEMENT not in piece:
+        return "single_byte" if raw is not None and len(raw) == 1 else "partial_utf8"
+    return "shadowed"
+
+
+def reference_rows(vocab: Vocab, unreachable: Unreachable, rows: int) -> ReferenceRows:
+    """Rows known unused: padding, tokens never produced as themselves, tokens named unused."""
+    ids: dict[int, str] = {i: "padding" for i in range(vocab.size, rows)}
+    for t in unreachable.tokens:
+        if t.kind in ("single_byte", "shadowed", "byte_fallback"):
+            ids[t.id] = t.kind
+    for i in range(min(vocab.size, rows)):
+        piece = vocab.piece(i)
+        if piece is not None and _UNUSED_NAME.match(piece):
+            ids[i] = "named_unused"
+    return ReferenceRows(ids)
+
+
+# --- fingerprint ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _byte_table() -> dict[int, int]:
+    """str.translate table from byte-level stand-ins to the code points of their bytes."""
+    return {ord(ch): b for b, ch in byte_alphabet().items()}
+
+
+def byte_level(vocab: Vocab) -> bool:
+    """Whether the vocabulary spells bytes in GPT-2's byte alphabet ('Ġking')."""
+    return "ByteLevel" in str(vocab.tokenizer.decoder)
+
+
+def token_bytes(piece: str | None, byte_level: bool) -> bytes:
+    """A vocabulary entry's bytes: byte-level and <0xNN> pieces as their bytes, '▁' as a space."""
+    if piece is None:
+        return b""
+    if piece.startswith("<0x") and _BYTE_PIECE.match(piece):
+        return bytes([int(piece[3:5], 16)])
+    if byte_level:
+        try:
+            return piece.translate(_byte_table()).encode("latin-1")
+        except UnicodeEncodeError:  # an added token stored as plain text
+            pass
+    return piece.replace(_SPACE, " ").encode("utf-8", "surrogateescape")
+
+
+def fingerprint(vocab: Vocab) -> str:
+    """SHA-256 of the ids in order with each token's bytes, then the special tokens' ids."""
+    digest = hashlib.sha256(b"embedlens-vocab-v1\n")
+    pack = struct.Struct("<II").pack
+    piece, bl = vocab.tokenizer.id_to_token, byte_level(vocab)
+    for i in range(vocab.size):
+        raw = token_bytes(piece(i), bl)
+        digest.update(pack(i, len(raw)) + raw)
+    digest.update(b"special")
+    for i in sorted(vocab.special_ids):
+        digest.update(struct.pack("<I", i))
+    return digest.hexdigest()
+
+
+def read_fingerprint(vocab: Vocab, source: ModelSource, table: Table) -> Fingerprint:
+    """The fingerprint, and whether a tokenizer hash in the weights' metadata matches it."""
+    sha = fingerprint(vocab)
+    key, value = _metadata_hash(source, table)
+    return Fingerprint(sha, key, value, None if value is None else _same_hash(value, sha))
+
+
+def _metadata_hash(source: ModelSource, table: Table) -> tuple[str | None, str | None]:
+    """A tokenizer hash stored in a GGUF's metadata or a safetensors file's __metadata__."""
+    found: dict[str, object] = {}
+    if table.checkpoint.gguf is not None:
+        found = dict(table.checkpoint.gguf.metadata)
+    elif table.entry.path is not None:
+        from embedlens.checkpoint import read_safetensors_header
+
+        try:
+            found = dict(read_safetensors_header(table.entry.path).metadata)
+        except EmbedlensError:
+            found = {}
+    for key, value in found.items():
+        if _HASH_KEY.search(key) and isinstance(value, str):
+            return key, value
+    return None, None
+
+
+def _same_hash(stored: str, sha: str) -> bool:
+    value = stored.strip().lower().removeprefix("sha256:")
+    return value == sha or (len(value) >= 8 and sha.startswith(value))
