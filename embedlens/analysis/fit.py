@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 from embedlens.reports.vocab import Fit, FitLanguage, Undertrained
 from embedlens.source import ModelSource
@@ -54,26 +56,27 @@ def _bos(model: object) -> list[int]:
     return [bos] if isinstance(bos, int) else []
 
 
+def load(source: ModelSource, *, dtype: str, device: str, trust_remote_code: bool) -> Any:
+    """The model, loaded once for --verify and --check-fit."""
+    from embedlens.loading import load_model
+
+    return load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
 def verify_candidates(
-    source: ModelSource,
+    model: Any,
     vocab: Vocab,
     scanned: Undertrained,
     *,
     max_verify: int,
-    dtype: str,
-    device: str,
-    trust_remote_code: bool,
-    on_progress: object = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Undertrained:
     """The scan with the first `max_verify` candidates verified by asking the model."""
     import torch
 
-    from embedlens.loading import load_model
-
     chosen = scanned.candidates[:max_verify]
     if not chosen:
         return scanned
-    model = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     dev = next(model.parameters()).device
     bos = _bos(model)
     best = dict.fromkeys((c.id for c in chosen), 0.0)
@@ -89,7 +92,7 @@ def verify_candidates(
             for row, tok in enumerate(batch):
                 best[tok] = max(best[tok], float(logp[row, tok].exp()))
             done += 1
-            if callable(on_progress):
+            if on_progress is not None:
                 on_progress(done, total)
     verified = [
         dataclasses.replace(
@@ -108,23 +111,12 @@ def verify_candidates(
     return dataclasses.replace(scanned, candidates=verified, counts=counts, verified=len(chosen))
 
 
-def check_fit(
-    source: ModelSource,
-    vocab: Vocab,
-    name: str,
-    *,
-    rows: int,
-    dtype: str,
-    device: str,
-    trust_remote_code: bool,
-) -> Fit:
+def check_fit(model: Any, vocab: Vocab, name: str, *, rows: int) -> Fit:
     """Mean next-token loss per built-in text, as tokenized and with ids shifted by one."""
     import torch
 
     from embedlens.errors import UsageError
-    from embedlens.loading import load_model
 
-    model = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     dev = next(model.parameters()).device
     bos = _bos(model)
     real = min(vocab.size, rows)
@@ -151,10 +143,8 @@ def check_fit(
     return Fit(name, FIT_MARGIN, out, all(x.fits for x in out))
 
 
-def _loss(model: object, torch: object, ids: list[int], dev: object) -> float:
+def _loss(model: Any, torch: Any, ids: list[int], dev: Any) -> float:
     """Mean next-token cross-entropy (nats) over the sequence."""
-    t = torch.tensor([ids], device=dev)  # type: ignore[attr-defined]
-    logits = model(input_ids=t).logits[0, :-1].float()  # type: ignore[operator]
-    target = t[0, 1:]
-    loss = torch.nn.functional.cross_entropy(logits, target)  # type: ignore[attr-defined]
-    return float(loss)
+    t = torch.tensor([ids], device=dev)
+    logits = model(input_ids=t).logits[0, :-1].float()
+    return float(torch.nn.functional.cross_entropy(logits, t[0, 1:]))

@@ -69,10 +69,12 @@ def vocab(
         raise UsageError(f"--max-verify must be at least 1 (got {max_verify})")
     source = resolve(model, revision)
     table = locate(source, "output", trust_remote_code=trust_remote_code)
-    own = load_vocab(source, table.checkpoint.gguf)
-    vocab_used, origin = (
-        (own, own.origin) if tokenizer is None else (load_other(tokenizer), tokenizer)
-    )
+    if tokenizer is None:
+        vocab_used = load_vocab(source, table.checkpoint.gguf)
+        origin = vocab_used.origin
+    else:
+        vocab_used, origin = load_other(tokenizer), tokenizer
+    other = load_other(against) if against is not None else None
     layout = read_layout(vocab_used, table)
     problems = layout_problems(layout)
     unreachable = find_unreachable(vocab_used, min(vocab_used.size, table.rows))
@@ -85,36 +87,24 @@ def vocab(
     rows = open_rows(source, table)
     reference = reference_rows(vocab_used, unreachable, table.rows)
     scanned = scan(rows, table, vocab_used, reference, all_tokens=all_tokens)
-    if verify:
-        from embedlens.analysis.fit import verify_candidates
+    model_obj = None
+    if check_fit or (verify and scanned.candidates):
+        from embedlens.analysis import fit as fitting
 
-        scanned = verify_candidates(
-            source,
-            vocab_used,
-            scanned,
-            max_verify=max_verify,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            on_progress=on_progress,
+        model_obj = fitting.load(
+            source, dtype=dtype, device=device, trust_remote_code=trust_remote_code
         )
+        if verify:
+            scanned = fitting.verify_candidates(
+                model_obj, vocab_used, scanned, max_verify=max_verify, on_progress=on_progress
+            )
     diff = None
-    if against is not None:
-        diff = compare(vocab_used, load_other(against), against, fingerprint=prints)
+    if other is not None and against is not None:
+        diff = compare(vocab_used, other, against, fingerprint=prints)
         problems.extend(diff.summary if not diff.compatible else [])
     fit = None
     if check_fit:
-        from embedlens.analysis.fit import check_fit as measure_fit
-
-        fit = measure_fit(
-            source,
-            vocab_used,
-            tokenizer or "model",
-            rows=table.rows,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-        )
+        fit = fitting.check_fit(model_obj, vocab_used, tokenizer or "model", rows=table.rows)
         if not fit.fits:
             bad = ", ".join(x.language for x in fit.languages if not x.fits)
             problems.append(

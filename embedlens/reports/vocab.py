@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -201,3 +201,9 @@ class VocabReport:
     problems: list[str]
     """What would make the model misbehave with this vocabulary (empty: none found)."""
     notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Exactly the --json object: schema_version, command, model, then the fields."""
+        from embedlens.reports import to_json_dict
+
+        return to_json_dict(self)
