@@ -288,3 +288,114 @@ def test_corrupt_other_tokenizer(cli, tiny, tmp_path):
     assert "cannot read tokenizer.json" in cli.fails(
         "vocab", tiny("llama-tied"), "--against", bad, code=1
     )
+
+
+# --- SmolLM2 (real) ------------------------------------------------------------------------------
+
+SMOL_SPECIALS = 17  # <|endoftext|> ... <empty_output>, ids 0-16
+
+
+@pytest.fixture(scope="module")
+def smol_folder(smollm2, tmp_path_factory) -> Path:
+    """SmolLM2's safetensors form: the GGUF loaded by transformers and saved again."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("smollm2-safetensors")
+    kwargs = {"gguf_file": smollm2.name}
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2.parent, dtype=torch.float32, **kwargs)
+    # save_pretrained refuses a model loaded from GGUF: write its weights and config directly.
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(smollm2.parent, **kwargs).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smol_gguf(smollm2) -> dict:
+    """`embedlens vocab SMOLLM2.gguf --json`, run once for the tests that read it."""
+    from tests.conftest import Runner
+
+    return Runner().json("vocab", smollm2)
+
+
+@pytest.fixture(scope="module")
+def shifted_by_4(smol_folder, tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer with 4 tokens inserted after its specials: every later id is +4."""
+    data = json.loads((smol_folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    order = sorted(vocab, key=vocab.get)
+    new = [f"<new_{k}>" for k in range(4)]
+    order = order[:SMOL_SPECIALS] + new + order[SMOL_SPECIALS:-4]  # the same size as before
+    data["model"]["vocab"] = {t: i for i, t in enumerate(order)}
+    data["model"]["merges"] = [
+        m
+        for m in data["model"]["merges"]
+        if all(p in data["model"]["vocab"] for p in (m.split(" ") if isinstance(m, str) else m))
+        and ("".join(m.split(" ")) if isinstance(m, str) else "".join(m)) in data["model"]["vocab"]
+    ]
+    path = tmp_path_factory.mktemp("shifted") / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.slow
+def test_smollm2_fingerprint_is_stable_across_forms(cli, smol_gguf, smol_folder):
+    gguf = smol_gguf
+    folder = cli.json("vocab", smol_folder)
+    assert gguf["fingerprint"]["sha256"] == folder["fingerprint"]["sha256"]
+    assert gguf["layout"]["tokenizer_size"] == folder["layout"]["tokenizer_size"] == 49152
+    assert gguf["unreachable"] == folder["unreachable"]
+    assert [t["id"] for t in gguf["layout"]["special_tokens"]] == list(range(SMOL_SPECIALS))
+
+
+@pytest.mark.slow
+def test_smollm2_unreachable_tokens_do_not_round_trip(smol_gguf, smol_folder):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_folder)
+    data = smol_gguf
+    unreachable = data["unreachable"]
+    assert unreachable["count"] == len(unreachable["tokens"]) > 0
+    for t in unreachable["tokens"][:: max(1, unreachable["count"] // 40)]:
+        again = tok.encode(tok.decode([t["id"]]), add_special_tokens=False)
+        assert again != [t["id"]] and again == t["encodes_as"]
+        assert t["kind"] in ("single_byte", "partial_utf8")  # byte-level BPE: only fragments
+
+
+@pytest.mark.slow
+def test_smollm2_identical_rows_are_identical(smol_gguf, smollm2):
+    import gguf
+    from gguf.quants import dequantize
+
+    data = smol_gguf
+    scan = data["undertrained"]
+    reader = gguf.GGUFReader(smollm2)
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = dequantize(tensor.data, tensor.tensor_type).reshape(49152, -1)
+    assert scan["identical_rows"], "SmolLM2 has rows that training never moved apart"
+    candidates = {c["id"] for c in scan["candidates"]}
+    for group in scan["identical_rows"]:
+        assert all(np.array_equal(table[group[0]], table[i]) for i in group[1:])
+        assert set(group) <= candidates
+    assert len(scan["indicators"]) == 49152
+
+
+@pytest.mark.slow
+def test_smollm2_check_fit_own_tokenizer_and_shifted(cli, smol_folder, shifted_by_4):
+    own = cli.json("vocab", smol_folder, "--check-fit")
+    assert own["fit"]["fits"] is True, own["fit"]
+    assert own["problems"] == []
+    drift = cli.json("vocab", smol_folder, "--check-fit", "--tokenizer", shifted_by_4)
+    assert drift["fit"]["fits"] is False, drift["fit"]
+    for lang in drift["fit"]["languages"]:
+        assert lang["loss"] > own["fit"]["languages"][0]["loss"] + 2
+    against = cli.json("vocab", smol_folder, "--against", shifted_by_4)
+    top = against["against"]["shifts"][0]
+    assert (top["start"], top["by"]) == (SMOL_SPECIALS, 4)
+    assert "after 4 tokens were inserted at 17" in against["against"]["summary"][0]
