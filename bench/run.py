@@ -196,6 +196,74 @@ def write_word_tokenizer(folder: Path, n_tokens: int) -> None:
     ).save_pretrained(folder)
 
 
+def make_big_vocab_gguf(path: Path, n_tokens: int, width: int) -> Path:
+    """A GGUF with a byte-level BPE vocabulary of n_tokens (Gemma-3-sized: 262,144) and an F16
+    embedding of random rows: 3 control tokens and 100 '<unusedN>' ones, then a vocabulary the
+    `tokenizers` trainer learns from 400,000 made-up words (about 40 s, once)."""
+    if path.is_file():
+        return path
+    import random
+
+    import gguf
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<eos>", "<bos>"] + [f"<unused{i}>" for i in range(100)]
+    rng = random.Random(0)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"] + list("aeiou")
+    words: set[str] = set()
+    while len(words) < (400_000 if n_tokens > 10_000 else 5_000):
+        words.add("".join(rng.choice(syllables) for _ in range(rng.randint(2, 6))))
+    ordered = sorted(words)
+
+    def corpus():  # type: ignore[no-untyped-def]
+        for k in range(0, len(ordered), 1000):
+            yield " ".join(w for i, w in enumerate(ordered[k : k + 1000]) for _ in range(1 + i % 3))
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=n_tokens - len(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer)
+    learned = json.loads(tok.to_str())["model"]
+    by_id = sorted(learned["vocab"], key=learned["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in learned["merges"]]
+    tokens = specials + by_id
+    types = [3] * len(specials) + [1] * len(by_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(width)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    table = np.random.default_rng(0).standard_normal((len(tokens), width), dtype=np.float32)
+    writer.add_tensor("token_embd.weight", (table * 0.02).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(path)
+    return path
+
+
+def big_vocab_gguf(quick: bool, *, build: bool) -> Path:
+    """The 262,144-token GGUF (4,096 tokens in quick mode), built on first use."""
+    path = CACHE / ("vocab-4k.gguf" if quick else "vocab-262k.gguf")
+    if build:
+        make_big_vocab_gguf(path, 4096 if quick else 262144, 64 if quick else 640)
+    return path
+
+
 def smollm2_path() -> Path:
     import importlib.util
 
@@ -249,6 +317,16 @@ importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}
 """
 
 LENS_PLAIN = HERE / "lens_plain.py"
+
+# What holding the matrix once in float32 costs: the budget of `vocab` is twice this.
+MATRIX_FLOAT32 = """
+import sys
+import gguf, numpy as np
+reader = gguf.GGUFReader(sys.argv[1])
+tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+table = np.array(tensor.data, dtype=np.float32)
+print(table.shape)
+"""
 
 
 # --- floors (in this process) ------------------------------------------------------------------
@@ -323,6 +401,8 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     llama70 = config_folder("Meta-Llama-3-70B")
     deepseek = config_folder("DeepSeek-V3")
     import_torch = py("import torch")
+    big = big_vocab_gguf(quick, build=False)
+    n_big = "4k-token" if quick else "262k-token"
     table = [
         Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
             "python -c 'import typer, rich.table'", budget=2.0),
@@ -348,6 +428,15 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(smol), "The capital of France is", "--json"],
             [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.75,
             mem_budget=1.0),
+        Row(f"vocab, static ({n_big} GGUF)", [*el, "vocab", str(big), "--json"],
+            [sys.executable, "-c", MATRIX_FLOAT32, str(big)], "holding the matrix in float32",
+            mem_budget=2.0, abs_budget=2.0),
+        Row(f"vocab --against ({n_big} GGUF, itself)",
+            [*el, "vocab", str(big), "--against", str(big), "--json"],
+            [sys.executable, "-c", MATRIX_FLOAT32, str(big)], "holding the matrix in float32",
+            mem_budget=2.0),
+        Row("vocab, static (SmolLM2)", [*el, "vocab", str(smol), "--json"], import_torch,
+            "python -c 'import torch'"),
     ]  # fmt: skip
     return table, qwen, smol
 
@@ -361,6 +450,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.build_only:
         qwen_checkpoint(args.quick, build=True)
+        big_vocab_gguf(args.quick, build=True)
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

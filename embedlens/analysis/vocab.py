@@ -29,7 +29,7 @@ from embedlens.reports.vocab import (
     VocabReport,
 )
 from embedlens.source import ModelSource, resolve
-from embedlens.tokens import REPLACEMENT, byte_alphabet, piece_bytes
+from embedlens.tokens import REPLACEMENT, byte_alphabet
 from embedlens.vocab import Vocab, load_vocab, vocab_from_file
 
 Progress = Callable[[int, int], None]
@@ -41,6 +41,7 @@ _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
 _HASH_KEY = re.compile(r"tokeni[sz]er.*(hash|sha|fingerprint)", re.IGNORECASE)
 MAX_VERIFY = 20
+LISTED = 100  # unreachable tokens listed per kind (all are counted)
 
 
 def vocab(
@@ -77,15 +78,16 @@ def vocab(
     other = load_other(against) if against is not None else None
     layout = read_layout(vocab_used, table)
     problems = layout_problems(layout)
-    unreachable = find_unreachable(vocab_used, min(vocab_used.size, table.rows))
-    prints = read_fingerprint(vocab_used, source, table)
+    unreachable, unreachable_kinds = find_unreachable(vocab_used, min(vocab_used.size, table.rows))
+    pieces = pieces_by_id(vocab_used)
+    prints = read_fingerprint(vocab_used, source, table, pieces)
     if prints.matches is False:
         problems.append(
             f"the weights' metadata names tokenizer hash {prints.metadata_value} "
             "but this vocabulary's fingerprint differs"
         )
     rows = open_rows(source, table)
-    reference = reference_rows(vocab_used, unreachable, table.rows)
+    reference = reference_rows(vocab_used, unreachable_kinds, table.rows, pieces)
     scanned = scan(rows, table, vocab_used, reference, all_tokens=all_tokens)
     model_obj = None
     if check_fit or (verify and scanned.candidates):
@@ -227,32 +229,37 @@ def layout_problems(layout: Layout) -> list[str]:
 # --- tokens never produced -----------------------------------------------------------------------
 
 
-def find_unreachable(vocab: Vocab, n: int) -> Unreachable:
-    """Ordinary tokens (ids below n) that decoding and encoding again does not give back."""
+def find_unreachable(vocab: Vocab, n: int) -> tuple[Unreachable, dict[int, str]]:
+    """Ordinary tokens (ids below n) that decoding and encoding again does not give back: the
+    report (the first LISTED of each kind listed) and every such id with its kind."""
     tok = vocab.tokenizer
     skip = set(added_ids(vocab)) | vocab.special_ids
     ids = [i for i in range(n) if i not in skip]
     texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
     encodings = tok.encode_batch(texts, add_special_tokens=False)
-    found: list[UnreachableToken] = []
-    metaspace = _metaspace(vocab)
+    found: list[tuple[int, str, list[int]]] = []
+    metaspace, bl = _metaspace(vocab), byte_level(vocab)
+    piece_of = tok.id_to_token
     for i, text, enc in zip(ids, texts, encodings, strict=True):
-        got = list(enc.ids)
-        if got == [i]:
+        got = enc.ids
+        if len(got) == 1 and got[0] == i:
             continue
-        piece = vocab.piece(i) or ""
+        piece = piece_of(i) or ""
         if metaspace and not piece.startswith(_SPACE) and REPLACEMENT not in text:
             # A piece without '▁' never starts a word: encoding it alone adds the '▁'. Ask the
             # model's merges directly whether they build it.
-            direct = [t.id for t in tok.model.tokenize(piece)]
-            if direct == [i]:
+            got = [t.id for t in tok.model.tokenize(piece)]
+            if got == [i]:
                 continue
-            got = direct
-        found.append(UnreachableToken(i, vocab.text(i), _kind(piece, text), got))
+        found.append((i, _kind(piece, text, bl), list(got)))
     by_kind: dict[str, int] = {}
-    for t in found:
-        by_kind[t.kind] = by_kind.get(t.kind, 0) + 1
-    return Unreachable(len(found), dict(sorted(by_kind.items())), found)
+    listed: list[UnreachableToken] = []
+    for i, kind, got in found:
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+        if by_kind[kind] <= LISTED:
+            listed.append(UnreachableToken(i, vocab.text(i), kind, got))
+    report = Unreachable(len(found), dict(sorted(by_kind.items())), listed)
+    return report, {i: kind for i, kind, _ in found}
 
 
 def _metaspace(vocab: Vocab) -> bool:
@@ -260,24 +267,24 @@ def _metaspace(vocab: Vocab) -> bool:
     return pre is not None and ("Metaspace" in type(pre).__name__ or _SPACE in str(pre))
 
 
-def _kind(piece: str, text: str) -> str:
-    raw = piece_bytes(piece)
+def _kind(piece: str, text: str, byte_level: bool) -> str:
     if _BYTE_PIECE.match(piece):
-        return "byte_fallback" if raw is not None and raw[0] < 0x80 else "single_byte"
+        return "byte_fallback" if int(piece[3:5], 16) < 0x80 else "single_byte"
     if REPLACEMENT in text and REPLACEMENT not in piece:
-        return "single_byte" if raw is not None and len(raw) == 1 else "partial_utf8"
+        return "single_byte" if len(token_bytes(piece, byte_level)) == 1 else "partial_utf8"
     return "shadowed"
 
 
-def reference_rows(vocab: Vocab, unreachable: Unreachable, rows: int) -> ReferenceRows:
+def reference_rows(
+    vocab: Vocab, unreachable: dict[int, str], rows: int, pieces: list[str | None]
+) -> ReferenceRows:
     """Rows known unused: padding, tokens never produced as themselves, tokens named unused."""
     ids: dict[int, str] = {i: "padding" for i in range(vocab.size, rows)}
-    for t in unreachable.tokens:
-        if t.kind in ("single_byte", "shadowed", "byte_fallback"):
-            ids[t.id] = t.kind
-    for i in range(min(vocab.size, rows)):
-        piece = vocab.piece(i)
-        if piece is not None and _UNUSED_NAME.match(piece):
+    for i, kind in unreachable.items():
+        if kind in ("single_byte", "shadowed", "byte_fallback"):
+            ids[i] = kind
+    for i, piece in enumerate(pieces[:rows]):
+        if piece is not None and piece[:1] in "<[" and _UNUSED_NAME.match(piece):
             ids[i] = "named_unused"
     return ReferenceRows(ids)
 
@@ -310,13 +317,23 @@ def token_bytes(piece: str | None, byte_level: bool) -> bytes:
     return piece.replace(_SPACE, " ").encode("utf-8", "surrogateescape")
 
 
-def fingerprint(vocab: Vocab) -> str:
+def pieces_by_id(vocab: Vocab) -> list[str | None]:
+    """Every id's vocabulary entry as stored (None for an id without one), in one call."""
+    pieces: list[str | None] = [None] * vocab.size
+    for piece, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items():
+        if 0 <= i < vocab.size:
+            pieces[i] = piece
+    return pieces
+
+
+def fingerprint(vocab: Vocab, pieces: list[str | None] | None = None) -> str:
     """SHA-256 of the ids in order with each token's bytes, then the special tokens' ids."""
     digest = hashlib.sha256(b"embedlens-vocab-v1\n")
     pack = struct.Struct("<II").pack
-    piece, bl = vocab.tokenizer.id_to_token, byte_level(vocab)
+    bl = byte_level(vocab)
+    pieces = pieces if pieces is not None else pieces_by_id(vocab)
     for i in range(vocab.size):
-        raw = token_bytes(piece(i), bl)
+        raw = token_bytes(pieces[i], bl)
         digest.update(pack(i, len(raw)) + raw)
     digest.update(b"special")
     for i in sorted(vocab.special_ids):
@@ -324,9 +341,11 @@ def fingerprint(vocab: Vocab) -> str:
     return digest.hexdigest()
 
 
-def read_fingerprint(vocab: Vocab, source: ModelSource, table: Table) -> Fingerprint:
+def read_fingerprint(
+    vocab: Vocab, source: ModelSource, table: Table, pieces: list[str | None]
+) -> Fingerprint:
     """The fingerprint, and whether a tokenizer hash in the weights' metadata matches it."""
-    sha = fingerprint(vocab)
+    sha = fingerprint(vocab, pieces)
     key, value = _metadata_hash(source, table)
     return Fingerprint(sha, key, value, None if value is None else _same_hash(value, sha))
 

@@ -192,11 +192,11 @@ def _kinds(n: int, by_kind: dict[str, int]) -> str:
 
 def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
     parts: list[RenderableType] = []
-    head = "embedding (tied head)" if u.matrix == "input" else "head"
+    head = "the embedding, tied head" if u.matrix == "input" else "the head"
     if u.threshold is None:
         parts.append(
             Text(
-                f"Under-trained scan of the {head}: no reference rows (no padding, unreachable or "
+                f"Under-trained scan of {u.tensor} ({head}): no reference rows (no padding, unreachable or "
                 "unused-named tokens), so no indicator; norms only.",
                 style="yellow",
             )
@@ -205,7 +205,7 @@ def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
     counts = ", ".join(f"{k} {count(v)}" for k, v in u.counts.items())
     parts.append(
         Text(
-            f"Under-trained scan of the {head} ({u.tensor}): {counts}",
+            f"Under-trained scan of {u.tensor} ({head}): {counts}",
             style="bold",
         )
     )

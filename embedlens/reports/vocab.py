@@ -69,6 +69,7 @@ class Unreachable:
     count: int
     by_kind: dict[str, int]
     tokens: list[UnreachableToken]
+    """The first 100 of each kind."""
 
 
 @dataclass(frozen=True)
