@@ -104,10 +104,15 @@ def verify_candidates(
         else c
         for c in scanned.candidates
     ]
-    counts = dict(scanned.counts)
-    counts["confirmed"] = sum(1 for c in verified if c.verdict == "confirmed")
-    counts["rejected"] = sum(1 for c in verified if c.verdict == "rejected")
-    counts["candidate"] = len(verified) - counts["confirmed"] - counts["rejected"]
+    confirmed = sum(1 for c in verified if c.verdict == "confirmed")
+    rejected = sum(1 for c in verified if c.verdict == "rejected")
+    counts = {
+        "reference": scanned.counts["reference"],
+        "confirmed": confirmed,
+        "rejected": rejected,
+        "candidate": len(verified) - confirmed - rejected,
+        "ok": scanned.counts["ok"],
+    }
     return dataclasses.replace(scanned, candidates=verified, counts=counts, verified=len(chosen))
 
 
