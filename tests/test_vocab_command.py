@@ -399,3 +399,16 @@ def test_smollm2_check_fit_own_tokenizer_and_shifted(cli, smol_folder, shifted_b
     top = against["against"]["shifts"][0]
     assert (top["start"], top["by"]) == (SMOL_SPECIALS, 4)
     assert "after 4 tokens were inserted at 17" in against["against"]["summary"][0]
+
+
+def test_check_fit_with_ids_past_the_rows_does_not_fit(cli, tiny, tmp_path):
+    extra = [f"extra{i}" for i in range(70)]  # the words land at ids 74 and on: no rows there
+    order = SPECIALS + extra + WORDS
+    path = _write(
+        tmp_path, "far.json", _with_tokens(_tokenizer(tiny("llama-tied")), order, SPECIALS)
+    )
+    data = cli.json("vocab", tiny("llama-tied"), "--check-fit", "--tokenizer", path)
+    en = data["fit"]["languages"][0]
+    assert en["fits"] is False and en["loss"] is None and en["shifted_loss"] is None
+    assert data["fit"]["fits"] is False
+    assert data["layout"]["missing_rows"] == len(order) - VOCAB
