@@ -192,7 +192,7 @@ def make_large_vocab_gguf(path: Path, n_tokens: int, width: int) -> Path:
     import numpy as np
     from gguf.quants import quantize
 
-    from embedlens.tokens import byte_alphabet
+    from embedlens.model.tokens import byte_alphabet
 
     qtype = gguf.GGMLQuantizationType.Q8_0
     elems, block = gguf.GGML_QUANT_SIZES[qtype]
@@ -297,7 +297,7 @@ LENS_PLAIN = HERE / "lens_plain.py"
 def floors(qwen: Path, smol: Path, quick: bool) -> dict[str, str]:
     import numpy as np
 
-    from embedlens.checkpoint import read_safetensors_header
+    from embedlens.io.checkpoint import read_safetensors_header
 
     header = read_safetensors_header(qwen / "model.safetensors")
     entry = header.tensors["model.embed_tokens.weight"]

@@ -202,7 +202,7 @@ def gguf_version_1(tmp, tiny, smol):
 def gguf_unsupported_quant(tmp, tiny, smol):
     """SmolLM2's header with its embedding's ggml type changed to 99 (no such type); the tensor
     data stands as a hole of the same size (a sparse file)."""
-    from embedlens.gguf_header import read_gguf_header
+    from embedlens.io.gguf import read_gguf_header
 
     header = read_gguf_header(smol)
     with open(smol, "rb") as fh:
@@ -233,7 +233,7 @@ def _gguf_rewrite(
 ) -> Path:
     """A copy of a GGUF file with metadata values replaced (key -> (type, value)) and tensor
     offsets moved by a number of bytes; the header is written again, the data copied as it is."""
-    from embedlens.gguf_header import LazyArray, read_gguf_header
+    from embedlens.io.gguf import LazyArray, read_gguf_header
 
     header = read_gguf_header(src)
     with open(src, "rb") as fh:
@@ -335,7 +335,7 @@ def gguf_unaligned(tmp, tiny, smol):
 
 
 def _smol_strings(smol: Path, key: str) -> list[bytes]:
-    from embedlens.gguf_header import read_gguf_header
+    from embedlens.io.gguf import read_gguf_header
 
     array = read_gguf_header(smol).metadata[key]
     with open(smol, "rb") as fh:

@@ -272,7 +272,7 @@ HOSTILE_TOKEN = "bo[red]ok\x1b[2J\x9b31m[/]"
 
 
 def _no_raw_controls(text: str) -> None:
-    from embedlens.tokens import visible
+    from embedlens.model.tokens import visible
 
     lines = text.splitlines()
     assert all(line == visible(line) for line in lines), text
@@ -282,7 +282,7 @@ def _no_raw_controls(text: str) -> None:
 @pytest.mark.parametrize("name", sorted(HOSTILE_NAMES))
 def test_hostile_model_path_is_shown_as_written(cli, tiny, tmp_path, monkeypatch, name, command):
     """A MODEL path that is Rich markup or holds ESC: the run works, the name is shown escaped."""
-    from embedlens.tokens import visible
+    from embedlens.model.tokens import visible
 
     raw = HOSTILE_NAMES[name]
     monkeypatch.chdir(tmp_path)
@@ -307,7 +307,7 @@ def test_hostile_model_path_is_shown_as_written(cli, tiny, tmp_path, monkeypatch
 )  # fmt: skip
 def test_hostile_token_is_shown_escaped(cli, tiny, tmp_path, args):
     """A vocabulary entry holding markup, ESC and CSI (U+009B) is shown escaped in every table."""
-    from embedlens.tokens import visible
+    from embedlens.model.tokens import visible
 
     folder = tmp_path / "model"
     shutil.copytree(tiny("llama-tied"), folder)
@@ -327,7 +327,7 @@ def test_hostile_token_is_shown_escaped(cli, tiny, tmp_path, args):
 
 def test_hostile_config_value_in_an_error(cli, tmp_path):
     """A config value that is markup and an escape sequence, quoted in an error line."""
-    from embedlens.tokens import visible
+    from embedlens.model.tokens import visible
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -644,7 +644,7 @@ def test_a_chat_template_that_loops_without_writing(cli, tiny, tmp_path, monkeyp
     """A template that loops and writes nothing is stopped by the time bound, not its size."""
     import time
 
-    from embedlens import chat
+    from embedlens.model import chat
 
     monkeypatch.setattr(chat, "SECONDS", 0.5)
     folder = tmp_path / "model"

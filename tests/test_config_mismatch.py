@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from embedlens import preflight
-from embedlens.source import resolve
+from embedlens.io.source import resolve
+from embedlens.model import preflight
 from tests.models import VOCAB
 
 

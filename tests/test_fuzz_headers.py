@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from embedlens.checkpoint import SAFETENSORS_BITS, SafetensorsHeader, read_safetensors_header
 from embedlens.errors import CheckpointError
-from embedlens.gguf_header import (
+from embedlens.io.checkpoint import SAFETENSORS_BITS, SafetensorsHeader, read_safetensors_header
+from embedlens.io.gguf import (
     MAX_STRING_BYTES,
     GGUFHeader,
     LazyArray,

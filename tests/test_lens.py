@@ -168,7 +168,7 @@ def test_padding_rows_never_predicted(tiny, cli, tmp_path):
 
 
 def test_decodes_only_the_positions_asked_for(tiny):
-    from embedlens.analysis.lens import run_lens
+    from embedlens.analysis.lens_engine import run_lens
 
     model = _load(tiny("llama-untied"))
     seen: list[int] = []
@@ -184,7 +184,7 @@ def test_decodes_only_the_positions_asked_for(tiny):
 
 def test_self_check_failure_is_loud(tiny, cli, monkeypatch):
     """A model whose logits depend on the position after its blocks: the lens cannot follow."""
-    from embedlens import loading
+    from embedlens.model import loading
 
     real_load = loading.load_model
 
@@ -221,7 +221,7 @@ def smollm2_plain(smollm2: Path) -> tuple[Any, Any]:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedlens.loading import sharing_gguf_reads
+    from embedlens.model.loading import sharing_gguf_reads
 
     where, name = str(smollm2.parent), str(smollm2)
     with sharing_gguf_reads():
@@ -431,7 +431,7 @@ def test_chunked_decoding_matches_one_pass(tiny, monkeypatch):
 def test_tail_that_counts_its_blocks_runs_them_all(tiny):
     """A model whose code after the blocks depends on how many there are: the lens notices that
     the shortened tail does not reproduce it and decodes with every block in place instead."""
-    from embedlens.analysis.lens import run_lens
+    from embedlens.analysis.lens_engine import run_lens
 
     model = _load(tiny("llama-tied"))
 

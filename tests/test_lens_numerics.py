@@ -60,7 +60,7 @@ def test_model_that_gives_nan_fails_and_says_where(cli, tiny, tmp_path, family, 
 
 def test_lens_row_that_is_not_finite_fails(cli, tiny, monkeypatch):
     """The model's logits are finite but decoding a layer through its tail gives infinity."""
-    from embedlens import loading
+    from embedlens.model import loading
 
     real_load = loading.load_model
 
@@ -82,7 +82,7 @@ def test_lens_row_that_is_not_finite_fails(cli, tiny, monkeypatch):
 
 
 def test_nan_difference_is_never_ok():
-    from embedlens.analysis.lens import Check
+    from embedlens.analysis.lens_engine import Check
 
     assert not Check(float("nan"), 1e-3, True, None).ok
     assert Check(0.0, 1e-3, True, None).ok

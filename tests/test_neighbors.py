@@ -250,7 +250,7 @@ def test_output_matrix(cli, hand_set, hand_set_untied):
 
 def test_one_pass_over_the_matrix_for_all_queries(cli, hand_set, monkeypatch):
     """Many queries share one read of the matrix; blocks of any size give the same answer."""
-    from embedlens import matrix
+    from embedlens.model import matrix
 
     whole = cli.json("neighbors", hand_set, "king", "queen", "man - boy + girl", "--id", 30)
     calls: list[tuple[int, int]] = []

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from embedlens import preflight
 from embedlens.errors import ResourceError, UsageError
-from embedlens.source import resolve
+from embedlens.io.source import resolve
+from embedlens.model import preflight
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def _numel(shape):
 
 
 def test_estimate_from_safetensors_headers(tiny):
-    from embedlens.checkpoint import open_checkpoint
+    from embedlens.io.checkpoint import open_checkpoint
 
     source = resolve(str(tiny("llama-untied")))
     ckpt = open_checkpoint(source)

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embedlens.gguf_header import read_gguf_header
-from embedlens.vocab import vocab_from_file, vocab_from_gguf
+from embedlens.io.gguf import read_gguf_header
+from embedlens.model.tokenizer import vocab_from_file, vocab_from_gguf
 
 WORDS = ["king", "queen", "the", "he", "she", "cat", "cats", "dog"]
 PROBES = [

@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from embedlens import words
-from embedlens.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
-from embedlens.matrix import Table, check_row_range
+from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
+from embedlens.model import words
+from embedlens.model.matrix import Table, check_row_range
+from embedlens.model.tokenizer import Vocab
 from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlace, TpSplit
-from embedlens.vocab import Vocab
 
 VLLM_PAD_TO = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _ID = re.compile(r"^[+-]?\d+$")
@@ -142,7 +142,7 @@ def gguf_check(entry: TensorEntry, rows: Sequence[int]) -> tuple[str, list[bool]
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from embedlens.matrix import Rows
+    from embedlens.model.matrix import Rows
 
     try:
         qtype = GGMLQuantizationType[entry.dtype]

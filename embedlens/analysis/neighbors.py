@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from embedlens import words
 from embedlens.errors import CheckpointError, EmbedlensError, UsageError
-from embedlens.matrix import Rows, Table, check_row_range
+from embedlens.model import words
+from embedlens.model.matrix import Rows, Table, check_row_range
+from embedlens.model.tokenizer import Vocab
+from embedlens.model.words import check_pool, pooled
 from embedlens.reports.neighbors import (
     Neighbor,
     NeighborsReport,
@@ -26,8 +28,6 @@ from embedlens.reports.neighbors import (
     Term,
     TokenRef,
 )
-from embedlens.vocab import Vocab
-from embedlens.words import check_pool, pooled
 
 _OPERATOR = re.compile(r"\s[+-]\s")
 _SPLIT = re.compile(r"(?:(?<=\s)|^)([+-])(?=\s|$)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from embedlens.anatomy import Placement, place
-from embedlens.inventory import Inventory
+from embedlens.model.anatomy import Placement, place
+from embedlens.model.inventory import Inventory
 from embedlens.reports.params import (
     BlockRow,
     MoEInfo,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from embedlens.inventory import Inventory
+from embedlens.model.inventory import Inventory
 from embedlens.reports.tied import TiedEvidence, TiedReport
 
 

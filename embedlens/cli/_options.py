@@ -37,8 +37,8 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 def common(*, quiet: bool, debug: bool, dtype: str, device: str) -> None:
     """Apply --quiet and --debug, and check --dtype and --device before any work."""
     from embedlens.errors import UsageError
-    from embedlens.loading import DEVICES, DTYPES
-    from embedlens.preflight import memory_limit_override
+    from embedlens.model.loading import DEVICES, DTYPES
+    from embedlens.model.preflight import memory_limit_override
 
     set_quiet(quiet)
     if debug:

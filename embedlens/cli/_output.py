@@ -15,8 +15,8 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from embedlens.errors import OutputError
+from embedlens.model.tokens import visible
 from embedlens.reports import Report, to_json_dict
-from embedlens.tokens import visible
 
 
 class _Console(Console):

@@ -78,9 +78,9 @@ def addr(
     """
     from embedlens.analysis.addr import addr_report
     from embedlens.errors import UnsupportedError
-    from embedlens.matrix import check_matrix, locate
-    from embedlens.source import resolve
-    from embedlens.vocab import Vocab, load_vocab
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import check_matrix, locate
+    from embedlens.model.tokenizer import Vocab, load_vocab
 
     common(quiet=quiet, debug=debug, dtype=dtype, device=device)
     which = check_matrix(matrix)

@@ -31,7 +31,7 @@ from embedlens.errors import EmbedlensError, UsageError
 from embedlens.reports.lens import LensReport
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens import LensResult
+    from embedlens.analysis.lens_engine import LensResult
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -123,7 +123,7 @@ def parse_position(value: str) -> int | None:
 
 def parse_max_memory(spec: str | None) -> dict[Any, int | str] | None:
     """`cpu=2GiB,0=20GiB` -> {'cpu': 2147483648, 0: 21474836480} (accelerate's max_memory)."""
-    from embedlens.preflight import parse_size
+    from embedlens.model.preflight import parse_size
 
     if spec is None:
         return None
@@ -292,7 +292,7 @@ def lens(
     if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot '{plot}': unknown format", hint="name a .png, .svg or .html file")
     if plot is not None:
-        from embedlens.plot import require_matplotlib
+        from embedlens.views.heatmap import require_matplotlib
 
         require_matplotlib()
     if device_map is None and (max_memory is not None or offload_folder is not None):
@@ -304,8 +304,8 @@ def lens(
     memory = parse_max_memory(max_memory)
     check_offload_folder(offload_folder)
 
-    from embedlens import loading
-    from embedlens.source import resolve
+    from embedlens.io.source import resolve
+    from embedlens.model import loading
 
     with _offload_dir(device_map, offload_folder) as folder:
         source = resolve(model, revision)
@@ -341,7 +341,7 @@ def lens(
         )
         report.notes[:0] = load_notes
         if not source.is_gguf:
-            from embedlens.inventory import read_config
+            from embedlens.model.inventory import read_config
 
             config_json = read_config(source, trust_remote_code=trust_remote_code)
             built_in = config_json.builtin_code_note(trust_remote_code=trust_remote_code)
@@ -356,7 +356,7 @@ def lens(
     for text_note in report.notes:
         note("note: " + text_note)
     if plot is not None:
-        from embedlens.plot import save_heatmap
+        from embedlens.views.heatmap import save_heatmap
 
         save_heatmap(report, plot)
         note(f"wrote {plot}")
@@ -386,7 +386,7 @@ def _prompt_ids(
                 "this model's tokenizer has no chat template, so --chat cannot be used",
                 hint="run without --chat and write the whole prompt yourself",
             )
-        from embedlens import chat as chat_template
+        from embedlens.model import chat as chat_template
 
         messages = [{"role": "user", "content": chat}]
         limit = chat_template.max_chars(context)
@@ -415,7 +415,7 @@ def _prompt_ids(
 
 
 def _target_id(tokenizer: Any, target: str) -> int:
-    from embedlens.words import spaced_form, spaced_note
+    from embedlens.model.words import spaced_form, spaced_note
 
     def encode(text: str) -> list[int]:
         return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -514,7 +514,7 @@ def _run(
     target_id: int | None,
 ) -> LensResult:
     """Run the lens on the layers asked for, at one position or (for the grid) at all of them."""
-    from embedlens.analysis.lens import find_blocks, run_lens
+    from embedlens.analysis.lens_engine import find_blocks, run_lens
 
     n_blocks = len(find_blocks(model).modules)
     everything = list(range(n_blocks + 1))
@@ -531,7 +531,7 @@ def _run(
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
-    from embedlens.tokens import readable
+    from embedlens.model.tokens import readable
 
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
     return readable(tokenizer.decode([int(token_id)]), piece if isinstance(piece, str) else None)

@@ -90,10 +90,10 @@ def neighbors(
     # first imported, just below; a value the user set wins.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from embedlens.analysis.neighbors import neighbors_report, resolve, searchable
-    from embedlens.matrix import check_matrix, locate, open_rows
-    from embedlens.source import resolve as resolve_source
-    from embedlens.vocab import load_vocab
-    from embedlens.words import check_pool
+    from embedlens.io.source import resolve as resolve_source
+    from embedlens.model.matrix import check_matrix, locate, open_rows
+    from embedlens.model.tokenizer import load_vocab
+    from embedlens.model.words import check_pool
 
     which = check_matrix(matrix)
     check_pool(pool)

@@ -69,8 +69,8 @@ def params(
     """
     from embedlens.analysis.params import params_report
     from embedlens.errors import UsageError
-    from embedlens.inventory import take_inventory
-    from embedlens.source import resolve
+    from embedlens.io.source import resolve
+    from embedlens.model.inventory import take_inventory
 
     common(quiet=quiet, debug=debug, dtype=dtype, device=device)
     if meta_only and load:

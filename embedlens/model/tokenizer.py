@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import CheckpointError, UnsupportedError
-from embedlens.gguf_header import GGUFHeader, LazyArray, read_gguf_header
-from embedlens.source import ModelSource
-from embedlens.tokens import byte_alphabet, readable
+from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
+from embedlens.io.source import ModelSource
+from embedlens.model.tokens import byte_alphabet, readable
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -11,17 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
-from embedlens.checkpoint import (
+from embedlens.errors import CheckpointError, UnsupportedError, UsageError
+from embedlens.io.checkpoint import (
     Checkpoint,
     TensorEntry,
     offline_error,
     open_checkpoint,
     read_safetensors_header,
 )
-from embedlens.errors import CheckpointError, UnsupportedError, UsageError
-from embedlens.inventory import from_checkpoint, read_config
-from embedlens.modelconfig import ModelConfig
-from embedlens.source import ModelSource
+from embedlens.io.source import ModelSource
+from embedlens.model.config import ModelConfig
+from embedlens.model.inventory import from_checkpoint, read_config
 
 if TYPE_CHECKING:
     import numpy as np

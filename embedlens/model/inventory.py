@@ -9,18 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from embedlens.anatomy import find_embedding, find_head, is_buffer_name, place
-from embedlens.checkpoint import (
+from embedlens.errors import CheckpointError, ConfigError, UnsupportedError, UsageError
+from embedlens.io.checkpoint import (
     TORCH_DTYPE_NAMES,
     Checkpoint,
     gguf_checkpoint,
     open_checkpoint,
     same_bytes,
 )
-from embedlens.errors import CheckpointError, ConfigError, UnsupportedError, UsageError
-from embedlens.gguf_header import GGUFHeader, LazyArray
-from embedlens.modelconfig import ModelConfig, from_dict, parse_config
-from embedlens.source import ModelSource
+from embedlens.io.gguf import GGUFHeader, LazyArray
+from embedlens.io.source import ModelSource
+from embedlens.model.anatomy import find_embedding, find_head, is_buffer_name, place
+from embedlens.model.config import ModelConfig, from_dict, parse_config
 
 InventoryMode = Literal["header", "meta", "weights"]
 
@@ -246,7 +246,7 @@ def _warn_packed(config: ModelConfig, dtypes: set[str], notes: list[str]) -> Non
 
 
 def _count_layers(items: list[Item]) -> int:
-    from embedlens.anatomy import place
+    from embedlens.model.anatomy import place
 
     layers = {place(i.name, embedding=(), head=()).layer for i in items}
     layers.discard(None)
@@ -333,7 +333,7 @@ def take_inventory(
                 hint="use --meta-only to count from the config alone",
             )
         mode = "meta"
-    from embedlens import loading
+    from embedlens.model import loading
 
     config = read_config(source, trust_remote_code=trust_remote_code)
     built_in = config.builtin_code_note(trust_remote_code=trust_remote_code)

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Literal
 
-from embedlens import preflight
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -24,7 +23,8 @@ from embedlens.errors import (
     UnsupportedError,
     UsageError,
 )
-from embedlens.source import ModelSource
+from embedlens.io.source import ModelSource
+from embedlens.model import preflight
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -115,7 +115,7 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
     says it elsewhere."""
     if source.kind != "hub" or source.repo_id is None:
         return None
-    from embedlens.source import hub_error
+    from embedlens.io.source import hub_error
 
     seen: BaseException | None = e
     for _ in range(8):
@@ -142,8 +142,8 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
     remote code ends in embedlens' error, not in transformers' (or in a crash)."""
     if trust_remote_code in source._checked:
         return
-    from embedlens.checkpoint import open_checkpoint
-    from embedlens.inventory import check_matches, check_tables, read_config
+    from embedlens.io.checkpoint import open_checkpoint
+    from embedlens.model.inventory import check_matches, check_tables, read_config
 
     ckpt = open_checkpoint(source)
     config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
@@ -434,10 +434,10 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
 def check_tokenizer_files(source: ModelSource) -> None:
     """embedlens' own checks of the tokenizer before transformers reads it: a GGUF file's
     tokenizer arrays, a tokenizer.json's top-level keys."""
-    from embedlens.vocab import check_tokenizer_json, vocab_from_gguf
+    from embedlens.model.tokenizer import check_tokenizer_json, vocab_from_gguf
 
     if source.is_gguf:
-        from embedlens.gguf_header import read_gguf_header
+        from embedlens.io.gguf import read_gguf_header
 
         assert source.path is not None
         vocab_from_gguf(read_gguf_header(source.path))

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from embedlens.errors import EmbedlensError, ResourceError, UsageError
-from embedlens.source import ModelSource
+from embedlens.io.source import ModelSource
 
 if TYPE_CHECKING:
-    from embedlens.checkpoint import Checkpoint
+    from embedlens.io.checkpoint import Checkpoint
 
 MEMORY_LIMIT_ENV = "EMBEDLENS_MEMORY_LIMIT"
 _UNITS = {
@@ -149,7 +149,7 @@ def available(device: str) -> tuple[int | None, str]:
 
 def estimate(source: ModelSource, dtype: str) -> Estimate | None:
     """The bytes a load at `dtype` takes, from the headers; None when they cannot be read."""
-    from embedlens.checkpoint import open_checkpoint
+    from embedlens.io.checkpoint import open_checkpoint
 
     try:
         ckpt = open_checkpoint(source)
@@ -189,8 +189,8 @@ def _config_beyond_headers(source: ModelSource, ckpt: Checkpoint) -> tuple[int, 
     config (a larger vocabulary, width or block count than the checkpoint stores), and the
     elements of the embedding matrix the config implies; (0, 0) when the config cannot be read.
     """
-    from embedlens.anatomy import find_embedding, find_head
-    from embedlens.inventory import mismatches, read_config
+    from embedlens.model.anatomy import find_embedding, find_head
+    from embedlens.model.inventory import mismatches, read_config
 
     try:
         config = read_config(source, ckpt, trust_remote_code=True)
@@ -214,7 +214,7 @@ def _config_beyond_headers(source: ModelSource, ckpt: Checkpoint) -> tuple[int, 
 
 
 def _layer(name: str) -> int | None:
-    from embedlens.anatomy import place
+    from embedlens.model.anatomy import place
 
     return place(name, embedding=(), head=()).layer
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from embedlens.errors import CheckpointError, SourceError
-from embedlens.gguf_header import GGUFHeader, read_gguf_header
-from embedlens.source import (
+from embedlens.io.gguf import GGUFHeader, read_gguf_header
+from embedlens.io.source import (
     WEIGHT_INDEX,
     WEIGHT_SINGLE,
     ModelSource,

@@ -1,0 +1,1 @@
+"""Bytes on disk or on the hub, never torch: resolving MODEL, checkpoint headers, GGUF metadata."""

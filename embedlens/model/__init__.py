@@ -1,0 +1,1 @@
+"""What the files mean: configs, tensor anatomy, inventories, tokenizers, and loading the model."""

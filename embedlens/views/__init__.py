@@ -1,0 +1,1 @@
+"""How reports are shown: Rich tables, HTML for notebooks, and heatmap pictures."""
