@@ -272,7 +272,7 @@ HOSTILE_TOKEN = "bo[red]ok\x1b[2J\x9b31m[/]"
 
 
 def _no_raw_controls(text: str) -> None:
-    from embedlens.model.tokens import visible
+    from embedlens.text import visible
 
     lines = text.splitlines()
     assert all(line == visible(line) for line in lines), text
@@ -282,7 +282,7 @@ def _no_raw_controls(text: str) -> None:
 @pytest.mark.parametrize("name", sorted(HOSTILE_NAMES))
 def test_hostile_model_path_is_shown_as_written(cli, tiny, tmp_path, monkeypatch, name, command):
     """A MODEL path that is Rich markup or holds ESC: the run works, the name is shown escaped."""
-    from embedlens.model.tokens import visible
+    from embedlens.text import visible
 
     raw = HOSTILE_NAMES[name]
     monkeypatch.chdir(tmp_path)
@@ -307,7 +307,7 @@ def test_hostile_model_path_is_shown_as_written(cli, tiny, tmp_path, monkeypatch
 )  # fmt: skip
 def test_hostile_token_is_shown_escaped(cli, tiny, tmp_path, args):
     """A vocabulary entry holding markup, ESC and CSI (U+009B) is shown escaped in every table."""
-    from embedlens.model.tokens import visible
+    from embedlens.text import visible
 
     folder = tmp_path / "model"
     shutil.copytree(tiny("llama-tied"), folder)
@@ -327,7 +327,7 @@ def test_hostile_token_is_shown_escaped(cli, tiny, tmp_path, args):
 
 def test_hostile_config_value_in_an_error(cli, tmp_path):
     """A config value that is markup and an escape sequence, quoted in an error line."""
-    from embedlens.model.tokens import visible
+    from embedlens.text import visible
 
     folder = tmp_path / "model"
     folder.mkdir()

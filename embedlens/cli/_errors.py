@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import traceback
 import warnings
 from collections.abc import Callable
@@ -13,19 +12,10 @@ import typer
 
 from embedlens.cli._output import err_console, shown, silence_stdout
 from embedlens.errors import EmbedlensError, UsageError
+from embedlens.text import debug_enabled, one_line
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def debug_enabled() -> bool:
-    """Whether tracebacks were asked for (--debug or EMBEDLENS_DEBUG=1)."""
-    return os.environ.get("EMBEDLENS_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def one_line(text: str) -> str:
-    """Whitespace runs as one space (a message may quote a multi-line value)."""
-    return " ".join(text.split())
 
 
 def print_error(message: str, hint: str | None = None) -> None:

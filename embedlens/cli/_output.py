@@ -15,8 +15,8 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from embedlens.errors import OutputError
-from embedlens.model.tokens import visible
 from embedlens.reports import Report, to_json_dict
+from embedlens.text import binary_size, visible
 
 
 class _Console(Console):
@@ -190,12 +190,5 @@ def share(x: float) -> str:
 
 
 def size(n: int | None) -> str:
-    """Bytes in binary units."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{n} B"
+    """Bytes in binary units; '-' when unknown."""
+    return "-" if n is None else binary_size(n)

@@ -306,11 +306,12 @@ def lens(
 
     from embedlens.io.source import resolve
     from embedlens.model import loading
+    from embedlens.model.gguf_patches import gguf_reads_shared
 
     with _offload_dir(device_map, offload_folder) as folder:
         source = resolve(model, revision)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
-        with progress(f"Loading {model}"), loading.gguf_reads_shared(source):
+        with progress(f"Loading {model}"), gguf_reads_shared(source):
             tokenizer = loading.load_tokenizer(source, trust_remote_code=trust_remote_code)
             config = loading.hf_config(source, trust_remote_code=trust_remote_code)
             text, ids = _prompt_ids(

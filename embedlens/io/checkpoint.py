@@ -24,6 +24,7 @@ from embedlens.io.source import (
     hub_offline,
     quiet_hub,
 )
+from embedlens.text import error_line
 
 # Bits per element of each safetensors dtype.
 SAFETENSORS_BITS: dict[str, int] = {
@@ -83,7 +84,6 @@ class Checkpoint:
     tensors: dict[str, TensorEntry]
     files: tuple[str, ...]
     gguf: GGUFHeader | None = None
-    header_lengths: dict[str, int] = field(default_factory=dict)
     unread: dict[str, str] = field(default_factory=dict)
     """Tensors named by the index whose shard is not in the hub cache while offline (name to
     shard); their headers were not read, so they are not in `tensors`. Only with `partial`."""
@@ -224,12 +224,6 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
 def gguf_checkpoint(path: Path) -> Checkpoint:
     """The tensors of a GGUF file, shapes in row-major order."""
     header = read_gguf_header(path)
@@ -306,7 +300,6 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
     if names is None:
         return None
     tensors: dict[str, TensorEntry] = {}
-    lengths: dict[str, int] = {}
     remote: list[str] = []
     for shard in names:
         path = source.cached(shard) if source.kind == "hub" else source.find(shard)
@@ -318,7 +311,6 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             remote.append(shard)
             continue
         header = read_safetensors_header(path, shard)
-        lengths[shard] = header.header_length
         tensors.update(header.tensors)
     unread: dict[str, str] = {}
     if remote and partial and hub_offline():
@@ -327,7 +319,7 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
         unread = {n: s for n, s in weight_map.items() if s in remote}
     elif remote:
         tensors.update(_remote_headers(source, remote))
-    return Checkpoint("safetensors", tensors, tuple(names), header_lengths=lengths, unread=unread)
+    return Checkpoint("safetensors", tensors, tuple(names), unread=unread)
 
 
 def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorEntry]:
@@ -343,7 +335,7 @@ def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorE
         meta = HfApi().get_safetensors_metadata(source.repo_id, revision=source.revision)
     except (SafetensorsParsingError, NotASafetensorsRepoError) as e:
         raise CheckpointError(
-            f"could not read the safetensors headers of '{source.spec}': {_first_line(e)}"
+            f"could not read the safetensors headers of '{source.spec}': {error_line(e)}"
         ) from e
     except Exception as e:
         error = hub_error(e, source.repo_id, shards[0], source.revision)

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Literal
 
 from embedlens.errors import SourceError
+from embedlens.text import debug_enabled
 
 SourceKind = Literal["dir", "gguf", "hub"]
 
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.\-]*/)?[A-Za-z0-9][\w.\-]*$")
 WEIGHT_INDEX = "model.safetensors.index.json"
 WEIGHT_SINGLE = "model.safetensors"
-BIN_INDEX = "pytorch_model.bin.index.json"
-BIN_SINGLE = "pytorch_model.bin"
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ def quiet_hub() -> None:
     from huggingface_hub.utils import disable_progress_bars
     from huggingface_hub.utils import logging as hub_logging
 
-    if os.environ.get("EMBEDLENS_DEBUG", "").strip().lower() not in {"1", "true", "yes", "on"}:
+    if not debug_enabled():
         hub_logging.set_verbosity_error()
     disable_progress_bars()
 

@@ -11,8 +11,8 @@ import pickle
 import re
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from typing import Any, Literal
+from contextlib import contextmanager
+from typing import Any
 
 from embedlens.errors import (
     CheckpointError,
@@ -25,8 +25,9 @@ from embedlens.errors import (
 )
 from embedlens.io.source import ModelSource
 from embedlens.model import preflight
+from embedlens.model.gguf_patches import gguf_reads_shared
+from embedlens.text import error_line, first_line
 
-DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
 
@@ -84,19 +85,19 @@ def _translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
         text = str(e)
         if "Unrecognized configuration class" in text or "not supported" in text.lower():
             raise ConfigError(
-                f"'{source.spec}' is not a causal LM that transformers can build ({_first_line(text)})"
+                f"'{source.spec}' is not a causal LM that transformers can build ({first_line(text)})"
             ) from e
         if "trust_remote_code" in text:
             raise ConfigError(
                 f"'{source.spec}' needs code from its repository",
                 hint="embedlens never runs a model's own code unless you pass --trust-remote-code",
             ) from e
-        raise CheckpointError(f"{what} failed: {_first_line(text)}") from e
+        raise CheckpointError(f"{what} failed: {first_line(text)}") from e
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         raise CheckpointError(
             f"'{source.spec}' holds more than weights: the weights-only loader refused its "
-            f"pickle ({'it calls ' + refused.group(1) if refused else _first_line(str(e))})",
+            f"pickle ({'it calls ' + refused.group(1) if refused else first_line(str(e))})",
             hint="embedlens never runs code from a checkpoint; use a safetensors copy of the model",
         ) from e
     except Exception as e:
@@ -107,7 +108,7 @@ def _translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
             type(e).__module__.split(".")[0] != "safetensors"
         ):
             raise
-        raise CheckpointError(f"{what} failed: {_first_line(str(e)) or type(e).__name__}") from e
+        raise CheckpointError(f"{what} failed: {error_line(e, limit=None)}") from e
 
 
 def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None:
@@ -126,14 +127,6 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
             return hub_error(seen, source.repo_id, "", source.revision)
         seen = seen.__cause__ or seen.__context__
     return None
-
-
-def _first_line(text: str) -> str:
-    """The message's first line; with the next one when the first only announces it (ends ':')."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> None:
@@ -404,7 +397,7 @@ def _conversion_errors_named(source: ModelSource) -> Iterator[None]:
 def _exception_line(text: str) -> str:
     """The exception's own line in a traceback transformers kept as text."""
     lines = [line for line in text.splitlines() if re.match(r"^[\w.]+(Error|Exception): ", line)]
-    return lines[-1] if lines else _first_line(text)
+    return lines[-1] if lines else first_line(text)
 
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
@@ -445,137 +438,3 @@ def check_tokenizer_files(source: ModelSource) -> None:
     path = source.find("tokenizer.json")
     if path is not None:
         check_tokenizer_json(path)
-
-
-_shared: dict[str, Any] = {"depth": 0}
-
-
-@contextmanager
-def sharing_gguf_reads() -> Iterator[None]:
-    """While open, transformers parses a GGUF file once for its config, tokenizer and weights.
-
-    transformers' GGUF loader builds a `gguf.GGUFReader` (parsing every metadata field, some
-    49k-long token lists) for the config, again for the tokenizer and again for the weights, and
-    rebuilds gguf's tensor-name table for every submodule of the model. Inside this context the
-    reader is kept per file (and parses a plain ndarray view of the file: the same bytes, without
-    numpy's per-slice memmap overhead), the name table per (architecture, blocks), and the
-    metadata-only parse per file (handed out as deep copies) until the weights are read. While
-    the weights are dequantised, the file pages each tensor was read from are released once the
-    next tensor starts (they would otherwise stay counted in the process's memory until the end
-    of the load). Re-entrant; the caches go when the outermost context closes.
-    """
-    if _shared["depth"] == 0:
-        _shared.update(patches=_install_gguf_caches())
-    _shared["depth"] += 1
-    try:
-        yield
-    finally:
-        _shared["depth"] -= 1
-        if _shared["depth"] == 0:
-            for owner, name, original in _shared.pop("patches"):
-                setattr(owner, name, original)
-
-
-@contextmanager
-def gguf_reads_shared(source: ModelSource) -> Iterator[None]:
-    """`sharing_gguf_reads()` for a GGUF source; nothing for any other."""
-    if source.kind != "gguf":
-        yield
-        return
-    with sharing_gguf_reads():
-        yield
-
-
-def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
-    """Patch the repeated GGUF reads with per-context caches; return how to undo it."""
-    import copy
-    import mmap
-
-    try:
-        import gguf
-        import numpy as np
-        from transformers import modeling_gguf_pytorch_utils as hf_gguf
-    except ImportError:
-        return []
-    readers: dict[tuple[str, str], Any] = {}
-    name_maps: dict[tuple[Any, int], Any] = {}
-    metadata: dict[str, Any] = {}
-    mapped: list[tuple[int, int, Any]] = []
-    """(address, size, mmap) of each file a reader maps."""
-    read: list[tuple[Any, int, int]] = []
-    """(mmap, offset, length) of the bytes the last dequantisation read."""
-    reader_cls, name_map_fn, load_fn, dequantize_fn = (
-        gguf.GGUFReader,
-        gguf.get_tensor_name_map,
-        hf_gguf.load_gguf_checkpoint,
-        gguf.dequantize,
-    )
-
-    class PlainReader(reader_cls):  # type: ignore[misc,valid-type]
-        """The same parse over a plain ndarray view of the file: numpy's memmap subclass runs
-        Python code on every slice, and the reader slices once per vocabulary string."""
-
-        @property
-        def data(self) -> Any:
-            return self._plain
-
-        @data.setter
-        def data(self, value: Any) -> None:
-            if isinstance(value, np.memmap):
-                if getattr(value, "_mmap", None) is not None:
-                    mapped.append((value.ctypes.data, value.nbytes, value._mmap))
-                value = value.view(np.ndarray)
-            self._plain = value
-
-    def reader(path: Any, mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = PlainReader(path, mode)
-        return readers[key]
-
-    def name_map(arch: Any, n_blocks: int) -> Any:
-        if (arch, n_blocks) not in name_maps:
-            name_maps[(arch, n_blocks)] = name_map_fn(arch, n_blocks)
-        return name_maps[(arch, n_blocks)]
-
-    def load(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
-        if return_tensors or args or kwargs:
-            metadata.clear()  # loading the weights comes last: free the parse before it
-            return load_fn(path, return_tensors, *args, **kwargs)
-        key = os.path.realpath(path)
-        if key not in metadata:
-            metadata[key] = load_fn(path, False)
-        return copy.deepcopy(metadata[key])
-
-    def release() -> None:
-        for mm, offset, length in read:
-            with suppress(OSError, ValueError):
-                mm.madvise(mmap.MADV_DONTNEED, offset, length)
-        read.clear()
-
-    def dequantize(data: Any, qtype: Any) -> Any:
-        """gguf's dequantize; the file pages the previous tensor was read from are let go
-        (transformers has copied that tensor by then), so they do not add up in memory."""
-        release()
-        out = dequantize_fn(data, qtype)
-        address = data.ctypes.data
-        for base, size, mm in mapped:
-            if base <= address < base + size:
-                start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
-                read.append((mm, start, address - base + data.nbytes - start))
-        return out
-
-    patches = [
-        (gguf, "GGUFReader", reader_cls),
-        (gguf, "get_tensor_name_map", name_map_fn),
-        (hf_gguf, "load_gguf_checkpoint", load_fn),
-        (hf_gguf, "tqdm", hf_gguf.tqdm),
-    ]
-    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
-    gguf.get_tensor_name_map = name_map  # type: ignore[assignment]
-    hf_gguf.load_gguf_checkpoint = load  # type: ignore[assignment]
-    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
-    if hasattr(mmap, "MADV_DONTNEED"):
-        patches.append((gguf, "dequantize", dequantize_fn))
-        gguf.dequantize = dequantize
-    return patches

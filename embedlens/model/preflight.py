@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from embedlens.errors import EmbedlensError, ResourceError, UsageError
 from embedlens.io.source import ModelSource
+from embedlens.text import binary_size
 
 if TYPE_CHECKING:
     from embedlens.io.checkpoint import Checkpoint
@@ -63,16 +64,6 @@ def parse_size(text: str) -> int:
     if not math.isfinite(value) or value >= 1 << 80:  # 1e400 is no amount of memory
         raise ValueError(f"not a size: {text!r}")
     return int(value)
-
-
-def format_bytes(n: int) -> str:
-    """Bytes in binary units, e.g. '1.50 GiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def meminfo_available(text: str) -> int | None:
@@ -255,9 +246,9 @@ def check_load(source: ModelSource, *, dtype: str, device: str | None) -> Estima
         free, label = available(where)
         if free is not None and needed > free:
             raise ResourceError(
-                f"loading '{source.spec}' needs about {format_bytes(needed)} of {label} "
-                f"({format_bytes(est.weights)} of weights at {est.dtype}), but only "
-                f"{format_bytes(free)} is available",
+                f"loading '{source.spec}' needs about {binary_size(needed)} of {label} "
+                f"({binary_size(est.weights)} of weights at {est.dtype}), but only "
+                f"{binary_size(free)} is available",
                 hint=_hint(est),
             )
     return est

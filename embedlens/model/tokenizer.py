@@ -20,6 +20,7 @@ from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
 from embedlens.io.source import ModelSource
 from embedlens.model.tokens import byte_alphabet, readable
+from embedlens.text import error_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -134,7 +135,7 @@ def vocab_from_file(path: Path) -> Vocab:
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception for a malformed file
-        raise CheckpointError(f"cannot read tokenizer.json: {_first_line(str(e))}") from e
+        raise CheckpointError(f"cannot read tokenizer.json: {error_line(e)}") from e
     return _wrap(tok, "tokenizer.json", unk=_unk_token(tok))
 
 
@@ -241,7 +242,7 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
         raise
     except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
         raise CheckpointError(
-            f"'{header.path.name}' has a corrupt tokenizer: {_first_line(str(e))}"
+            f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
         ) from e
     unk = header.meta("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == _CONTROL}
@@ -393,7 +394,3 @@ def _add_gguf_tokens(
     ]
     if user:
         tok.add_tokens(user)
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "unknown error"

@@ -51,17 +51,6 @@ def show_bytes(raw: bytes) -> str:
     return raw.decode("utf-8", errors="backslashreplace")
 
 
-# Control characters (C0, DEL and C1) as escapes: text from a user or a model file must never reach
-# a terminal as an escape sequence (ESC, CSI U+009B), a bell or a carriage return.
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
-_CONTROL.update({ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"})
-
-
-def visible(text: str) -> str:
-    """The text with every control character (C0, DEL, C1) written as an escape: '\\x1b'."""
-    return text.translate(_CONTROL)
-
-
 def readable(decoded: str, piece: str | None = None) -> str:
     """The decoded text of one token; its bytes instead when decoding lost them to U+FFFD."""
     if REPLACEMENT not in decoded or (piece is not None and REPLACEMENT in piece):

@@ -1,0 +1,198 @@
+"""Sharing a GGUF file's parse across transformers' config, tokenizer and weight loading.
+
+transformers' GGUF loader builds a `gguf.GGUFReader` (parsing every metadata field, some 49k-long
+token lists) for the config, again for the tokenizer and again for the weights, and rebuilds gguf's
+tensor-name table for every submodule. The patches below cache those per context. They replace
+module attributes that transformers looks up at call time, so they are applied only when those
+functions still have the signatures written here (`patchable()`); otherwise loading runs
+unpatched, slower but the same. tests/test_gguf_patches.py fails when transformers or gguf move
+them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from embedlens.io.source import ModelSource
+
+EXPECTED = {
+    "gguf.GGUFReader": ["path", "mode"],
+    "gguf.get_tensor_name_map": ["arch", "n_blocks"],
+    "gguf.dequantize": ["data", "qtype"],
+    "load_gguf_checkpoint": ["gguf_checkpoint_path", "return_tensors"],
+}
+"""The leading parameters each patched function must have."""
+
+_IMPORTED_AT_CALL = ("from gguf import GGUFReader, dequantize", "get_tensor_name_map")
+"""What transformers' loader must look up from gguf when it runs (so a patch is seen)."""
+
+
+def _leading(fn: Any, n: int) -> list[str]:
+    try:
+        target = fn.__init__ if inspect.isclass(fn) else fn
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return []
+    return names[1 : n + 1] if inspect.isclass(fn) else names[:n]
+
+
+def patchable() -> bool:
+    """Whether gguf and transformers still have what the patches replace, as written here."""
+    try:
+        import gguf
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:
+        return False
+    found = {
+        "gguf.GGUFReader": getattr(gguf, "GGUFReader", None),
+        "gguf.get_tensor_name_map": getattr(gguf, "get_tensor_name_map", None),
+        "gguf.dequantize": getattr(gguf, "dequantize", None),
+        "load_gguf_checkpoint": getattr(hf_gguf, "load_gguf_checkpoint", None),
+    }
+    for name, params in EXPECTED.items():
+        fn = found[name]
+        if fn is None or _leading(fn, len(params)) != params:
+            return False
+    try:
+        source = inspect.getsource(hf_gguf)
+    except (OSError, TypeError):
+        return False
+    return hasattr(hf_gguf, "tqdm") and all(text in source for text in _IMPORTED_AT_CALL)
+
+
+_shared: dict[str, Any] = {"depth": 0}
+
+
+@contextmanager
+def sharing_gguf_reads() -> Iterator[None]:
+    """While open, transformers parses a GGUF file once for its config, tokenizer and weights.
+
+    transformers' GGUF loader builds a `gguf.GGUFReader` (parsing every metadata field, some
+    49k-long token lists) for the config, again for the tokenizer and again for the weights, and
+    rebuilds gguf's tensor-name table for every submodule of the model. Inside this context the
+    reader is kept per file (and parses a plain ndarray view of the file: the same bytes, without
+    numpy's per-slice memmap overhead), the name table per (architecture, blocks), and the
+    metadata-only parse per file (handed out as deep copies) until the weights are read. While
+    the weights are dequantised, the file pages each tensor was read from are released once the
+    next tensor starts (they would otherwise stay counted in the process's memory until the end
+    of the load). Re-entrant; the caches go when the outermost context closes.
+    """
+    if _shared["depth"] == 0:
+        _shared.update(patches=_install_gguf_caches() if patchable() else [])
+    _shared["depth"] += 1
+    try:
+        yield
+    finally:
+        _shared["depth"] -= 1
+        if _shared["depth"] == 0:
+            for owner, name, original in _shared.pop("patches"):
+                setattr(owner, name, original)
+
+
+@contextmanager
+def gguf_reads_shared(source: ModelSource) -> Iterator[None]:
+    """`sharing_gguf_reads()` for a GGUF source; nothing for any other."""
+    if source.kind != "gguf":
+        yield
+        return
+    with sharing_gguf_reads():
+        yield
+
+
+def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
+    """Patch the repeated GGUF reads with per-context caches; return how to undo it."""
+    import copy
+    import mmap
+
+    try:
+        import gguf
+        import numpy as np
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:
+        return []
+    readers: dict[tuple[str, str], Any] = {}
+    name_maps: dict[tuple[Any, int], Any] = {}
+    metadata: dict[str, Any] = {}
+    mapped: list[tuple[int, int, Any]] = []
+    """(address, size, mmap) of each file a reader maps."""
+    read: list[tuple[Any, int, int]] = []
+    """(mmap, offset, length) of the bytes the last dequantisation read."""
+    reader_cls, name_map_fn, load_fn, dequantize_fn = (
+        gguf.GGUFReader,
+        gguf.get_tensor_name_map,
+        hf_gguf.load_gguf_checkpoint,
+        gguf.dequantize,
+    )
+
+    class PlainReader(reader_cls):  # type: ignore[misc,valid-type]
+        """The same parse over a plain ndarray view of the file: numpy's memmap subclass runs
+        Python code on every slice, and the reader slices once per vocabulary string."""
+
+        @property
+        def data(self) -> Any:
+            return self._plain
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            if isinstance(value, np.memmap):
+                if getattr(value, "_mmap", None) is not None:
+                    mapped.append((value.ctypes.data, value.nbytes, value._mmap))
+                value = value.view(np.ndarray)
+            self._plain = value
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = PlainReader(path, mode)
+        return readers[key]
+
+    def name_map(arch: Any, n_blocks: int) -> Any:
+        if (arch, n_blocks) not in name_maps:
+            name_maps[(arch, n_blocks)] = name_map_fn(arch, n_blocks)
+        return name_maps[(arch, n_blocks)]
+
+    def load(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        if return_tensors or args or kwargs:
+            metadata.clear()  # loading the weights comes last: free the parse before it
+            return load_fn(path, return_tensors, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = load_fn(path, False)
+        return copy.deepcopy(metadata[key])
+
+    def release() -> None:
+        for mm, offset, length in read:
+            with suppress(OSError, ValueError):
+                mm.madvise(mmap.MADV_DONTNEED, offset, length)
+        read.clear()
+
+    def dequantize(data: Any, qtype: Any) -> Any:
+        """gguf's dequantize; the file pages the previous tensor was read from are let go
+        (transformers has copied that tensor by then), so they do not add up in memory."""
+        release()
+        out = dequantize_fn(data, qtype)
+        address = data.ctypes.data
+        for base, size, mm in mapped:
+            if base <= address < base + size:
+                start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
+                read.append((mm, start, address - base + data.nbytes - start))
+        return out
+
+    patches = [
+        (gguf, "GGUFReader", reader_cls),
+        (gguf, "get_tensor_name_map", name_map_fn),
+        (hf_gguf, "load_gguf_checkpoint", load_fn),
+        (hf_gguf, "tqdm", hf_gguf.tqdm),
+    ]
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = name_map  # type: ignore[assignment]
+    hf_gguf.load_gguf_checkpoint = load  # type: ignore[assignment]
+    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
+    if hasattr(mmap, "MADV_DONTNEED"):
+        patches.append((gguf, "dequantize", dequantize_fn))
+        gguf.dequantize = dequantize
+    return patches
