@@ -7,16 +7,14 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
 
 from rich.console import Console, RenderableType
-from rich.text import Text
 
 from embedlens.errors import OutputError
-from embedlens.reports import Report, to_json_dict
-from embedlens.text import binary_size, visible
+from embedlens.reports import Report
+from embedlens.views.format import shown
 
 
 class _Console(Console):
@@ -109,7 +107,7 @@ def write_stdout(text: str) -> None:
 
 def write_json(report: Report) -> None:
     """Write the report as exactly one JSON object on stdout, never through Rich."""
-    data = to_json_dict(report)
+    data = report.to_dict()
     text = json.dumps(data, ensure_ascii=False, allow_nan=False)
     try:
         text.encode("utf-8")
@@ -118,13 +116,13 @@ def write_json(report: Report) -> None:
     write_stdout(text + "\n")
 
 
-def emit(report: Report, *, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
+def emit(report: Report, *, as_json: bool) -> None:
     """Print a report: JSON on request, else its Rich rendering."""
     if as_json:
         write_json(report)
         return
     check_stdout()
-    write_stdout(rendered(render(report)))
+    write_stdout(rendered(report.__rich__()))
 
 
 def rendered(renderable: RenderableType) -> str:
@@ -163,32 +161,3 @@ def progress(message: str) -> Iterator[None]:
         return
     with err_console.status(shown(message), spinner="dots"):
         yield
-
-
-def shown(text: str, style: str = "") -> Text:
-    """Text from the user or a model file (a path, a token, a config value) as it is shown.
-
-    A Text is never read as Rich markup (so 'my[red]model' and 'a[/]b' show as written), and
-    every control character (C0, DEL, C1, so any escape sequence) is written as an escape.
-    """
-    return Text(visible(text), style=style)
-
-
-def quoted(token: str) -> Text:
-    """A token in single quotes, shown as `shown` shows text (spaces at its ends visible)."""
-    return shown("'" + token + "'")
-
-
-def count(n: int) -> str:
-    """An integer with thousands separators."""
-    return f"{n:,}"
-
-
-def share(x: float) -> str:
-    """A fraction as a percentage."""
-    return f"{100 * x:.2f}%"
-
-
-def size(n: int | None) -> str:
-    """Bytes in binary units; '-' when unknown."""
-    return "-" if n is None else binary_size(n)

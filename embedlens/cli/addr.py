@@ -5,9 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
@@ -21,8 +18,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, quoted, shown, size
-from embedlens.reports.addr import AddrReport
+from embedlens.cli._output import emit, note, progress
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -99,87 +95,4 @@ def addr(
         )
     for text in report.notes:
         note("note: " + text)
-    emit(report, as_json=as_json, render=render_addr)
-
-
-def _yes_no(value: bool | None) -> Text:
-    if value is None:
-        return Text("-", style="dim")
-    return Text("equal" if value else "DIFFERENT", style="green" if value else "bold red")
-
-
-def render_addr(r: AddrReport) -> RenderableType:
-    """The table's layout, one line per row, the check and the costs."""
-    v, d = r.shape
-    layout = shown(
-        f"{r.tensor} in {r.file}: shape [{count(v)}, {count(d)}], {r.dtype}, "
-        f"{r.element_size} bytes per element, stride ({count(d)}, 1), "
-        f"row {count(r.row_bytes)} bytes, table {count(r.table_bytes)} bytes "
-        f"({size(r.table_bytes)})"
-        + (
-            f"; blocks of {r.block[0]} elements in {r.block[1]} bytes"
-            if r.block is not None
-            else ""
-        )
-        + (
-            f"; tensor starts at byte {count(r.tensor_file_offset)}" if r.tensor_file_offset else ""
-        ),
-        style="bold",
-    )
-    table = Table()
-    table.add_column("row", justify="right", no_wrap=True)
-    table.add_column("token", min_width=7)
-    table.add_column("tensor\noffset", justify="right", no_wrap=True)
-    table.add_column("file\noffset", justify="right", no_wrap=True)
-    if r.tp is not None:
-        for col in ("TP\nrank", "local\nrow", "local\noffset"):
-            table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("read\nback", no_wrap=True)
-    for row in r.rows:
-        token = quoted(row.token) if row.token is not None else Text("(padding)", style="dim")
-        cells: list[Text | str] = [
-            str(row.row),
-            token,
-            str(row.offset_bytes),
-            "-" if row.file_offset is None else str(row.file_offset),
-        ]
-        if row.tp is not None:
-            cells += [str(row.tp.rank), str(row.tp.local_row), str(row.tp.local_offset_bytes)]
-        cells.append(_yes_no(row.check))
-        table.add_row(*cells)
-    lines: list[RenderableType] = [layout, table]
-    c = r.check
-    if c.method is not None:
-        verdict = "equal" if c.all_equal else "NOT equal"
-        lines.append(
-            shown(
-                f"Read back: {c.rows_checked} row(s) read at file_offset are {verdict} to the "
-                f"rows {c.method} loads.",
-                style="green" if c.all_equal else "bold red",
-            )
-        )
-    else:
-        lines.append(shown(f"Read back: skipped ({c.skipped}).", style="dim"))
-    k = r.costs
-    cost = (
-        f"A lookup reads d x element size = {d} x {r.element_size} = "
-        f"{count(k.lookup_bytes_per_token)} bytes per "
-        f"token; a one-hot product would cost 2·V·d = {count(k.onehot_ops_per_token)} "
-        "operations per token."
-    )
-    if k.tokens is not None and k.batch_bytes is not None and k.batch_onehot_ops is not None:
-        cost += (
-            f" {count(k.tokens)} tokens read at most {count(k.batch_bytes)} bytes "
-            f"({size(k.batch_bytes)}), against {count(k.batch_onehot_ops)} one-hot operations."
-        )
-    lines.append(Text(cost))
-    if r.tp is not None:
-        t = r.tp
-        lines.append(
-            Text(
-                f"--tp {t.size}: V padded to {count(t.padded_rows)} (a multiple of {t.pad_to}), "
-                f"{count(t.rows_per_rank)} rows ({size(t.shard_bytes)}) per rank, as vLLM's "
-                "VocabParallelEmbedding splits it."
-            )
-        )
-    return Group(*lines)
+    emit(report, as_json=as_json)

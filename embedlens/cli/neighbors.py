@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Annotated
 
 import typer
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
@@ -23,8 +19,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, quoted, shown
-from embedlens.reports.neighbors import NeighborsReport, QueryResult
+from embedlens.cli._output import emit, note, progress
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -137,89 +132,4 @@ def neighbors(
         note("note: neighbors runs on the CPU (one matrix product); --device is not used")
     for text in report.notes:
         note("note: " + text)
-    emit(report, as_json=as_json, render=render_neighbors)
-
-
-def _cosine(value: float) -> str:
-    return f"{value:.4f}" if math.isfinite(value) else "n/a"
-
-
-def _title(q: QueryResult) -> Text:
-    title = Text("Nearest to ", style="bold")
-    if q.kind == "id":
-        title.append(f"row {q.token_id} ")
-        title.append_text(quoted(q.token or ""))
-        return title
-    if q.kind == "expression":
-        for i, t in enumerate(q.terms):
-            if i or t.sign < 0:
-                title.append(" - " if t.sign < 0 else " + ")
-            title.append_text(quoted(t.token))
-        return title
-    title.append_text(quoted(q.query))
-    if q.kind == "word" and len(q.rows) > 1:
-        title.append(f" (mean of the unit rows {', '.join(str(r) for r in q.rows)})")
-    elif q.kind == "word":
-        title.append(f" (id {q.token_id}")
-        if q.token != q.query:
-            title.append(", token ")
-            title.append_text(quoted(q.token or ""))
-        title.append(")")
-    return title
-
-
-def _caption(q: QueryResult) -> list[Text]:
-    parts: list[Text] = []
-    if q.kind == "expression":
-        rows = ", ".join(str(r) for r in q.rows)
-        parts.append(
-            Text(f"unit rows {rows} combined and normalised; those rows are left out", style="dim")
-        )
-    for t in q.terms if q.kind == "expression" else []:
-        if len(t.tokens) > 1:
-            parts.append(_split_note(t.text, [x.token for x in t.tokens], q.pool))
-    if q.kind == "word" and len(q.tokens) > 1:
-        parts.append(_split_note(q.query, [x.token for x in q.tokens], q.pool))
-    return parts
-
-
-_QUERIED = {"first": "the first", "last": "the last", "mean": "the mean of their unit rows"}
-
-
-def _split_note(word: str, tokens: list[str], pool: str) -> Text:
-    line = quoted(word)
-    line.append(f" splits into {len(tokens)} tokens:")
-    for tok in tokens:
-        line.append(" ")
-        line.append_text(quoted(tok))
-    line.append(f"; {_QUERIED.get(pool, pool)} is queried")
-    line.stylize("yellow")
-    return line
-
-
-def render_neighbors(r: NeighborsReport) -> RenderableType:
-    """One table per query: rank, id, token, cosine."""
-    parts: list[RenderableType] = []
-    for q in r.queries:
-        parts.append(_title(q))
-        table = Table()
-        table.add_column("#", justify="right")
-        table.add_column("id", justify="right")
-        table.add_column("token")
-        table.add_column("cosine", justify="right")
-        for rank, n in enumerate(q.neighbors, 1):
-            table.add_row(str(rank), str(n.id), quoted(n.token), _cosine(n.cosine))
-        parts.append(table)
-        parts.extend(_caption(q))
-    left_out = [f"{count(r.padding_rows)} padding rows"] if r.padding_rows else []
-    if r.special_excluded:
-        left_out.append(f"{count(r.special_excluded)} special tokens")
-    summary = (
-        f"Cosine over {count(r.searched_rows)} rows of {r.tensor} "
-        f"({'embedding' if r.matrix == 'input' else 'LM head'}"
-        f"{', tied' if r.tied and r.matrix == 'output' else ''})"
-    )
-    if left_out:
-        summary += "; left out: " + ", ".join(left_out)
-    parts.append(shown(summary + ".", style="dim"))
-    return Group(*parts)
+    emit(report, as_json=as_json)

@@ -5,9 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
@@ -21,8 +18,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, share, shown, size
-from embedlens.reports.params import ParamsReport
+from embedlens.cli._output import emit, note, progress
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -30,15 +26,6 @@ EXAMPLES = (
     "  $ embedlens params meta-llama/Meta-Llama-3-70B --meta-only\n\n"
     "  $ embedlens params Qwen/Qwen3-0.6B --per-block --json"
 )
-
-_LABELS = {
-    "embedding": "embedding",
-    "lm_head": "LM head",
-    "position_embedding": "position embeddings",
-    "blocks": "decoder blocks",
-    "final_norm": "final norm",
-    "other": "other",
-}
 
 
 @handles_errors
@@ -86,64 +73,4 @@ def params(
         note("no safetensors or GGUF headers to read: counted from the config on the meta device")
     for text in report.notes:
         note("note: " + text)
-    emit(report, as_json=as_json, render=render_params)
-
-
-def render_params(r: ParamsReport) -> RenderableType:
-    """The share table, the block parts, and the head's cost."""
-    table = Table(title=shown(f"Parameters of {r.model} (source: {r.source})", "table.title"))
-    table.add_column("part")
-    table.add_column("params", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("bytes", justify="right")
-    for g in r.groups:
-        label = _LABELS.get(g.name, g.name)
-        if g.name == "embedding" and r.tied:
-            label += " (tied with the head)"
-        table.add_row(shown(label), count(g.params), share(g.fraction), size(g.bytes))
-        if g.name == "blocks":
-            for part in r.block_parts:
-                table.add_row(
-                    shown("  " + part.name, style="dim"),
-                    Text(count(part.params), style="dim"),
-                    Text(share(part.fraction), style="dim"),
-                    Text(size(part.bytes), style="dim"),
-                )
-    table.add_section()
-    table.add_row("total", count(r.total), "100.00%", size(r.total_bytes), style="bold")
-    lines: list[RenderableType] = [
-        table,
-        shown(
-            f"V = {count(r.vocab_size)}, d = {count(r.hidden_size)}, {r.num_layers} blocks, "
-            f"{'tied' if r.tied else 'untied'} head, dtype {r.dtype or '?'}."
-        ),
-    ]
-    head = "embedding + head" if not r.tied else "embedding (= head)"
-    lines.append(
-        Text(
-            f"{head}: {share(r.embedding_lm_head_fraction)} of all parameters. "
-            f"LM head per token: 2·V·d = {count(r.head_flops_per_token)} operations, "
-            f"{share(r.head_flops_fraction)} of a token's forward pass "
-            "(about 2 per weight used; attention over the context aside)."
-        )
-    )
-    if r.moe is not None:
-        m = r.moe
-        lines.append(
-            Text(
-                f"Mixture of experts: {m.experts_per_token} of {m.num_experts} experts per token; "
-                f"active per token {count(m.active_params)} ({share(m.active_fraction)} of all)."
-            )
-        )
-    if r.blocks:
-        per = Table(title="Per block")
-        for col in ("layer", "params", "attention", "mlp", "experts", "router", "norms", "other"):
-            per.add_column(col, justify="right")
-        for b in r.blocks:
-            per.add_row(
-                str(b.layer),
-                *(count(x) for x in (b.params, b.attention, b.mlp, b.experts, b.router, b.norms)),
-                count(b.other),
-            )
-        lines.append(per)
-    return Group(*lines)
+    emit(report, as_json=as_json)

@@ -5,9 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
@@ -21,8 +18,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import count, emit, note, progress, share, shown, size
-from embedlens.reports.tied import TiedReport
+from embedlens.cli._output import emit, note, progress
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -96,43 +92,4 @@ def tied(
         )
     for text in report.notes:
         note("note: " + text)
-    emit(report, as_json=as_json, render=render_tied)
-
-
-def _yes_no(value: bool | None) -> Text:
-    if value is None:
-        return Text("not checked", style="dim")
-    return Text("yes" if value else "no", style="green" if value else "yellow")
-
-
-def render_tied(r: TiedReport) -> RenderableType:
-    """Evidence, verdict and savings."""
-    table = Table(title=shown(f"Is the LM head of {r.model} the embedding?", "table.title"))
-    table.add_column("evidence")
-    table.add_column("says tied?")
-    table.add_row("config: tie_word_embeddings", _yes_no(r.evidence.config))
-    table.add_row(
-        "checkpoint stores no separate head",
-        _yes_no(
-            None
-            if r.evidence.checkpoint_has_lm_head is None
-            else not r.evidence.checkpoint_has_lm_head
-        ),
-    )
-    table.add_row("built model: head is the embedding", _yes_no(r.evidence.same_storage))
-    v, d = r.shape
-    verdict = shown(("TIED" if r.tied else "UNTIED") + f": {r.verdict}.", style="bold")
-    lines: list[RenderableType] = [table, verdict]
-    if r.tied:
-        lines.append(
-            shown(
-                f"Sharing the [{count(v)}, {count(d)}] matrix saves {count(r.saved_params)} "
-                f"parameters ({size(r.saved_bytes)} at {r.dtype or '?'}), "
-                f"{share(r.saved_fraction)} of the model."
-            )
-        )
-    else:
-        lines.append(
-            Text(f"The head is a second [{count(v)}, {count(d)}] matrix: nothing is shared.")
-        )
-    return Group(*lines)
+    emit(report, as_json=as_json)

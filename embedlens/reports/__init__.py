@@ -1,35 +1,55 @@
-"""Report dataclasses: what each command computes, consumed by the Rich and JSON writers.
+"""Report dataclasses: what each command computes, and the one JSON object written from it.
 
-These modules import nothing heavy, so renderers and tests can use them freely. Field names are
-the JSON contract (shared/CONTRACT.md): add fields freely, never rename or remove one.
+These modules import nothing heavy (no torch, numpy or Rich), so the API, the renderers and tests
+can use them freely. Field names are the JSON contract (shared/CONTRACT.md): add fields freely,
+never rename or remove one. How a report is shown lives in `embedlens.views`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import math
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 SCHEMA_VERSION = 1
 
 
-class Report(Protocol):
-    """Any report: a dataclass with a `command` name and the `model` as the user gave it."""
+class Report:
+    """Base of every command's report (a frozen dataclass with a `model` field): its JSON object,
+    and its display in a terminal (`rich.print(report)`) and in a notebook (HTML)."""
 
     command: ClassVar[str]
-    model: str
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object `--json` prints: schema_version, command, model, then the fields."""
+        body = _plain(dataclasses.asdict(self))  # type: ignore[call-overload]
+        out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "command": self.command,
+            "model": body["model"],
+        }
+        out.update((k, v) for k, v in body.items() if k not in out)
+        return out
 
-def to_json_dict(report: Report) -> dict[str, Any]:
-    """The JSON object for a report: schema_version, command, model, then its fields."""
-    body = _plain(dataclasses.asdict(report))  # type: ignore[call-overload]
-    out: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "command": report.command,
-        "model": report.model,
-    }
-    out.update((k, v) for k, v in body.items() if k not in out)
-    return out
+    def to_json(self, *, indent: int | None = None) -> str:
+        """`to_dict()` as JSON text (non-finite numbers are null, as in `--json`)."""
+        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False, indent=indent)
+
+    def __rich__(self) -> RenderableType:
+        """The tables the command line prints (`rich.print(report)`)."""
+        view = importlib.import_module(f"embedlens.views.{self.command}")
+        return view.render(self)  # type: ignore[no-any-return]
+
+    def _repr_html_(self) -> str:
+        """The same tables as HTML, for Jupyter."""
+        from embedlens.views.html import report_html
+
+        return report_html(self)
 
 
 def _plain(value: Any) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from embedlens.reports import Report
+
 
 @dataclass(frozen=True)
 class TpPlace:
@@ -76,7 +78,7 @@ class ReadCheck:
 
 
 @dataclass(frozen=True)
-class AddrReport:
+class AddrReport(Report):
     """Row-address arithmetic for the embedding table (or the LM head)."""
 
     command: ClassVar[str] = "addr"

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from embedlens.reports import Report
+
 
 @dataclass(frozen=True)
 class LensToken:
@@ -86,7 +88,7 @@ class LensCheck:
 
 
 @dataclass(frozen=True)
-class LensReport:
+class LensReport(Report):
     """The logit lens at one position (and optionally the layer x position grid)."""
 
     command: ClassVar[str] = "lens"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from embedlens.reports import Report
+
 QueryKind = Literal["word", "id", "expression"]
 
 
@@ -64,7 +66,7 @@ class QueryResult:
 
 
 @dataclass(frozen=True)
-class NeighborsReport:
+class NeighborsReport(Report):
     """Nearest neighbours of each query among the real tokens' rows."""
 
     command: ClassVar[str] = "neighbors"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from embedlens.reports import Report
+
 ParamsSource = Literal["header", "meta", "weights"]
 
 
@@ -47,7 +49,7 @@ class MoEInfo:
 
 
 @dataclass(frozen=True)
-class ParamsReport:
+class ParamsReport(Report):
     """Parameter shares of a model, tied matrices counted once."""
 
     command: ClassVar[str] = "params"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from embedlens.reports import Report
+
 
 @dataclass(frozen=True)
 class TiedEvidence:
@@ -19,7 +21,7 @@ class TiedEvidence:
 
 
 @dataclass(frozen=True)
-class TiedReport:
+class TiedReport(Report):
     """Whether the LM head is the embedding matrix, and what that saves."""
 
     command: ClassVar[str] = "tied"

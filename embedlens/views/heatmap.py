@@ -11,6 +11,8 @@ import html
 import importlib.util
 import io
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +111,12 @@ def _layer_label(report: LensReport, layer: int) -> str:
     return str(layer)
 
 
-def save_heatmap(report: LensReport, path: Path) -> None:
-    """Write the heatmap to `path`: .png, .svg, or .html (the SVG inside a page)."""
+@contextmanager
+def _drawn(report: LensReport) -> Iterator[Any]:
+    """The heatmap's figure, drawn with fonts that cover the tokens; closed afterwards."""
     import matplotlib
     import matplotlib.pyplot as plt
 
-    suffix = path.suffix.lower()
     with (
         warnings.catch_warnings(),
         matplotlib.rc_context({"font.family": _fonts(), "svg.fonttype": "none"}),
@@ -122,17 +124,30 @@ def save_heatmap(report: LensReport, path: Path) -> None:
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
         fig = figure(report)
         try:
-            if suffix == ".html":
-                buffer = io.StringIO()
-                fig.savefig(buffer, format="svg")
-                data = _page(report, buffer.getvalue())
-                _write(path, data.encode("utf-8"))
-            else:
-                binary = io.BytesIO()
-                fig.savefig(binary, format=suffix.lstrip("."), dpi=150)
-                _write(path, binary.getvalue())
+            yield fig
         finally:
             plt.close(fig)
+
+
+def heatmap_svg(report: LensReport) -> str:
+    """The heatmap as an inline <svg> element (for HTML pages and notebooks)."""
+    buffer = io.StringIO()
+    with _drawn(report) as fig:
+        fig.savefig(buffer, format="svg")
+    svg = buffer.getvalue()
+    return svg[svg.index("<svg") :]
+
+
+def save_heatmap(report: LensReport, path: Path) -> None:
+    """Write the heatmap to `path`: .png, .svg, or .html (the SVG inside a page)."""
+    suffix = path.suffix.lower()
+    if suffix == ".html":
+        _write(path, _page(report, heatmap_svg(report)).encode("utf-8"))
+        return
+    binary = io.BytesIO()
+    with _drawn(report) as fig:
+        fig.savefig(binary, format=suffix.lstrip("."), dpi=150)
+    _write(path, binary.getvalue())
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -143,7 +158,6 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def _page(report: LensReport, svg: str) -> str:
-    svg = svg[svg.index("<svg") :]
     prompt = html.escape(report.prompt)
     title = html.escape(f"Logit lens: {report.display_model}")
     check = report.check

@@ -1,0 +1,97 @@
+"""How the `lens` report is shown: the prompt's tokens, a row per layer, the grid and the self-check."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from embedlens.reports.lens import LensReport
+from embedlens.views.format import prob, quoted, shown
+
+
+def render(r: LensReport) -> RenderableType:
+    """The prompt's tokens, one row per layer, the grid, and the self-check."""
+    parts: list[RenderableType] = []
+    tokens = Text("tokens: ")
+    for i, t in enumerate(r.tokens):
+        piece = quoted(t.token)
+        if i == r.position_index:
+            piece.stylize("bold reverse")
+        tokens.append_text(piece).append(" ")
+    parts.append(tokens)
+    read = r.tokens[r.position_index].token
+    title = (
+        f"Logit lens of {r.display_model} after '{read}' (position {r.position_index}, {r.dtype})"
+    )
+    table = Table(title=shown(title, "table.title"))
+    table.add_column("layer", justify="right")
+    table.add_column("top-1")
+    table.add_column("p", justify="right")
+    if r.layers and len(r.layers[0].top) > 1:
+        table.add_column("next")
+    if r.target is not None:
+        table.add_column(shown(f"p('{r.target.token}')"), justify="right")
+        table.add_column("rank", justify="right")
+    for row in r.layers:
+        label = str(row.layer)
+        if row.layer == 0:
+            label += " emb"
+        elif row.layer == r.num_layers:
+            label += " out"
+        best = row.top[0]
+        cells: list[Text | str] = [label, quoted(best.token), prob(best.prob, best.logprob)]
+        if len(row.top) > 1:
+            rest = Text()
+            for pred in row.top[1:]:
+                p_text = prob(pred.prob, pred.logprob)
+                rest.append_text(quoted(pred.token)).append(f" {p_text}  ", style="dim")
+            cells.append(rest)
+        if r.target is not None and row.target is not None:
+            cells += [prob(row.target.prob, row.target.logprob), str(row.target.rank)]
+        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
+    parts.append(table)
+    if r.grid is not None:
+        parts.append(_render_grid(r))
+    parts.append(_render_check(r))
+    return Group(*parts)
+
+
+def _render_grid(r: LensReport) -> Table:
+    assert r.grid is not None
+    grid = Table(title="Top-1 at every layer (rows) and position (columns)")
+    grid.add_column("layer", justify="right")
+    for cell in r.grid[0].cells:
+        grid.add_column(quoted(r.tokens[cell.position].token), justify="left")
+    for row in r.grid:
+        grid.add_row(
+            str(row.layer),
+            *(
+                quoted(c.token).append(f" {prob(c.prob, c.logprob, 2)}", style="dim")
+                for c in row.cells
+            ),
+        )
+    return grid
+
+
+def _render_check(r: LensReport) -> Text:
+    c = r.check
+    steps = " → ".join(["block " + str(r.num_layers), *r.steps])
+    if c.ok:
+        line = Text("✓ ", style="green")
+        line.append_text(
+            shown(
+                f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
+                f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
+                f"Decode: {steps}."
+            )
+        )
+    else:
+        line = Text("✗ NOT FAITHFUL ", style="bold red")
+        line.append_text(
+            shown(
+                f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
+                f"suspect: {c.suspect}. Decode: {steps}."
+            )
+        )
+    return line
