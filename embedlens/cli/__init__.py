@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 try:
     import typer
@@ -83,6 +83,27 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain help: typer.rich_utils costs a third of the start-up
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from embedlens import __version__
+
+        write_stdout(f"embedlens {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Show the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Open up both ends of a causal LM: the embedding table, the LM head, the logit lens."""
+
 
 app.command(epilog=_params.EXAMPLES)(_params.params)
 app.command(epilog=_tied.EXAMPLES)(_tied.tied)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -19,11 +19,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Write one JSON object to 
 RevisionOpt = Annotated[
     str | None, typer.Option("--revision", help="Hub revision: branch, tag or commit.")
 ]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DtypeOpt = Annotated[
-    str,
-    typer.Option(
-        "--dtype", help="auto, float32, bfloat16 or float16 (for commands that load weights)."
-    ),
+    Dtype,
+    typer.Option("--dtype", help="Dtype the weights are loaded in (with --load or --meta-only)."),
+]
+Matrix = Literal["input", "output"]
+MatrixOpt = Annotated[
+    Matrix, typer.Option("--matrix", help="input (the embedding) or output (the LM head).")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, mps or auto.")]
 TrustOpt = Annotated[
@@ -34,10 +37,9 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or no
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
 
 
-def common(*, quiet: bool, debug: bool, dtype: str, device: str) -> None:
-    """Apply --quiet and --debug, and check --dtype and --device before any work."""
-    from embedlens.errors import UsageError
-    from embedlens.model.loading import DEVICES, DTYPES
+def common(*, quiet: bool, debug: bool, device: str | None = None) -> None:
+    """Apply --quiet and --debug, and check --device (and the memory limit) before any work."""
+    from embedlens.model.loading import check_device
     from embedlens.model.preflight import memory_limit_override
 
     set_quiet(quiet)
@@ -45,7 +47,5 @@ def common(*, quiet: bool, debug: bool, dtype: str, device: str) -> None:
         os.environ["EMBEDLENS_DEBUG"] = "1"
     check_stdout()
     memory_limit_override()  # a bad EMBEDLENS_MEMORY_LIMIT is refused before any work
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown dtype '{dtype}'", hint="use one of: " + ", ".join(DTYPES))
-    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise UsageError(f"unknown device '{device}'", hint="use one of: " + ", ".join(DEVICES))
+    if device is not None:
+        check_device(device)

@@ -78,7 +78,7 @@ def addr(
     from embedlens.model.matrix import check_matrix, locate
     from embedlens.model.tokenizer import Vocab, load_vocab
 
-    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    common(quiet=quiet, debug=debug, device=device)
     which = check_matrix(matrix)
     with progress(f"Reading {model}"):
         source = resolve(model, revision)

@@ -15,6 +15,7 @@ from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
     DeviceOpt,
+    Dtype,
     JsonOpt,
     ModelArg,
     QuietOpt,
@@ -169,11 +170,9 @@ def template_switches(no_thinking: bool, pairs: list[str]) -> dict[str, Any]:
 
 
 DtypeLensOpt = Annotated[
-    str,
+    Dtype,
     typer.Option(
-        "--dtype",
-        help="Dtype the model is loaded and the lens computed in: float32 by default "
-        "(auto, float32, bfloat16, float16).",
+        "--dtype", help="Dtype the model is loaded and the lens computed in (float32 by default)."
     ),
 ]
 
@@ -275,7 +274,7 @@ def lens(
     output. The lens runs in float32 unless --dtype says otherwise. Every run checks itself:
     decoding the last block's output must reproduce the model's logits.
     """
-    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    common(quiet=quiet, debug=debug, device=device)
     if top_k < 1:
         raise UsageError(f"-k must be at least 1, not {top_k}")
     layer_items = parse_layer_spec(layers) if layers is not None else None

@@ -77,7 +77,7 @@ def neighbors(
     """
     from embedlens.errors import UsageError
 
-    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    common(quiet=quiet, debug=debug, device=device)
     if k < 1:
         raise UsageError(f"-k must be at least 1 (got {k})")
     # The product is [block, d] x [d, queries] with few queries: BLAS threads cost more than they

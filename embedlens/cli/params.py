@@ -59,7 +59,7 @@ def params(
     from embedlens.io.source import resolve
     from embedlens.model.inventory import take_inventory
 
-    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    common(quiet=quiet, debug=debug, device=device)
     if meta_only and load:
         raise UsageError("--meta-only and --load exclude each other")
     mode = "meta" if meta_only else "weights" if load else None

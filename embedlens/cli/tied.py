@@ -56,7 +56,7 @@ def tied(
     from embedlens.io.source import resolve
     from embedlens.model.inventory import take_inventory
 
-    common(quiet=quiet, debug=debug, dtype=dtype, device=device)
+    common(quiet=quiet, debug=debug, device=device)
     if meta_only and load:
         raise UsageError("--meta-only and --load exclude each other")
     with progress(f"Reading {model}"):

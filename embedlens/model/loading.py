@@ -192,10 +192,23 @@ def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) ->
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
+def check_device(device: str) -> None:
+    """A device name embedlens knows (cpu, cuda, cuda:N, mps, auto); checked before any work."""
+    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UsageError(f"unknown device '{device}'", hint="use one of: " + ", ".join(DEVICES))
+
+
+def check_dtype(name: str) -> None:
+    """A dtype name embedlens knows (auto, float32, bfloat16, float16)."""
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype '{name}'", hint="use one of: " + ", ".join(DTYPES))
+
+
 def resolve_device(device: str) -> str:
     """'auto' becomes cuda, mps or cpu, whichever is there; others are checked."""
     import torch
 
+    check_device(device)
     if device.startswith("cuda:") and device[5:].isdigit():
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if int(device[5:]) >= count:
@@ -203,8 +216,6 @@ def resolve_device(device: str) -> str:
                 f"--device {device} was asked for, but this machine has {count} CUDA devices"
             )
         return device
-    if device not in DEVICES:
-        raise UsageError(f"unknown device '{device}'", hint="use one of: " + ", ".join(DEVICES))
     if device == "auto":
         if torch.cuda.is_available():
             return "cuda"
@@ -221,8 +232,7 @@ def resolve_device(device: str) -> str:
 
 def torch_dtype(name: str) -> Any:
     """A dtype name as torch's dtype ('auto' stays 'auto')."""
-    if name not in DTYPES:
-        raise UsageError(f"unknown dtype '{name}'", hint="use one of: " + ", ".join(DTYPES))
+    check_dtype(name)
     if name == "auto":
         return "auto"
     import torch
