@@ -1,3 +1,96 @@
-"""embedlens: inspect the embedding table, the LM head and the logit lens of causal LMs."""
+"""embedlens: inspect the embedding table, the LM head and the logit lens of causal LMs.
+
+Every command is a function that returns a report (`report.to_dict()` is the command's `--json`
+object; `rich.print(report)` shows its tables; Jupyter shows it as HTML):
+
+    import embedlens
+    embedlens.params("SmolLM2-135M-Instruct.Q4_1.gguf")
+    embedlens.lens(model, "The capital of France is", tokenizer=tokenizer)
+
+Importing embedlens is cheap: torch, transformers and numpy load when a function needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from embedlens.analysis.addr import addr
+    from embedlens.analysis.lens import lens
+    from embedlens.analysis.neighbors import neighbors
+    from embedlens.analysis.params import params
+    from embedlens.analysis.tied import tied
+    from embedlens.errors import (
+        CheckpointError,
+        ConfigError,
+        EmbedlensError,
+        MissingDependencyError,
+        NumericError,
+        RemoteCodeError,
+        ResourceError,
+        SourceError,
+        UnsupportedError,
+        UsageError,
+    )
+    from embedlens.reports import Report
+
+_EXPORTS = {
+    "params": "embedlens.analysis.params",
+    "tied": "embedlens.analysis.tied",
+    "neighbors": "embedlens.analysis.neighbors",
+    "addr": "embedlens.analysis.addr",
+    "lens": "embedlens.analysis.lens",
+    "Report": "embedlens.reports",
+    **{
+        name: "embedlens.errors"
+        for name in (
+            "EmbedlensError",
+            "UsageError",
+            "SourceError",
+            "CheckpointError",
+            "ConfigError",
+            "RemoteCodeError",
+            "UnsupportedError",
+            "MissingDependencyError",
+            "ResourceError",
+            "NumericError",
+        )
+    },
+}
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "EmbedlensError",
+    "MissingDependencyError",
+    "NumericError",
+    "RemoteCodeError",
+    "Report",
+    "ResourceError",
+    "SourceError",
+    "UnsupportedError",
+    "UsageError",
+    "__version__",
+    "addr",
+    "lens",
+    "neighbors",
+    "params",
+    "tied",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import what is asked for on first use (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'embedlens' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
