@@ -211,7 +211,7 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, *, required: bo
         # Offline (no cause): a file that is not cached counts as absent unless it is needed.
         if _cause(e) is None and filename != "config.json" and not required:
             return None
-        raise hub_error(e, repo_id, filename, revision) from e
+        raise hub_error(e, repo_id, filename, revision) or e from e
     except EntryNotFoundError as e:
         if not required:
             return None
@@ -247,7 +247,7 @@ def _http_errors() -> tuple[type[BaseException], type[BaseException], type[BaseE
     try:
         import httpx2 as http  # huggingface_hub >= 2
     except ImportError:  # pragma: no cover - huggingface_hub 1.x
-        import httpx as http  # type: ignore[no-redef]
+        import httpx as http  # type: ignore[no-redef,import-not-found,unused-ignore]
     return http.ConnectError, http.TimeoutException, http.TransportError
 
 

@@ -61,11 +61,11 @@ def _output_bound(limit: int, error: ConfigError) -> Iterator[None]:
         return "".join(kept)
 
     before = jinja2.Environment.__dict__["concat"]
-    jinja2.Environment.concat = staticmethod(join)  # type: ignore[assignment]
+    jinja2.Environment.concat = staticmethod(join)
     try:
         yield
     finally:
-        jinja2.Environment.concat = before  # type: ignore[assignment]
+        jinja2.Environment.concat = before
 
 
 @contextmanager

@@ -121,12 +121,13 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
     """(address, size, mmap) of each file a reader maps."""
     read: list[tuple[Any, int, int]] = []
     """(mmap, offset, length) of the bytes the last dequantisation read."""
-    reader_cls, name_map_fn, load_fn, dequantize_fn = (
+    originals: tuple[Any, Any, Any, Any] = (
         gguf.GGUFReader,
         gguf.get_tensor_name_map,
         hf_gguf.load_gguf_checkpoint,
         gguf.dequantize,
     )
+    reader_cls, name_map_fn, load_fn, dequantize_fn = originals
 
     class PlainReader(reader_cls):  # type: ignore[misc,valid-type]
         """The same parse over a plain ndarray view of the file: numpy's memmap subclass runs
@@ -139,8 +140,9 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
         @data.setter
         def data(self, value: Any) -> None:
             if isinstance(value, np.memmap):
-                if getattr(value, "_mmap", None) is not None:
-                    mapped.append((value.ctypes.data, value.nbytes, value._mmap))
+                handle = getattr(value, "_mmap", None)
+                if handle is not None:
+                    mapped.append((value.ctypes.data, value.nbytes, handle))
                 value = value.view(np.ndarray)
             self._plain = value
 
@@ -189,7 +191,7 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
         (hf_gguf, "tqdm", hf_gguf.tqdm),
     ]
     gguf.GGUFReader = reader  # type: ignore[misc,assignment]
-    gguf.get_tensor_name_map = name_map  # type: ignore[assignment]
+    gguf.get_tensor_name_map = name_map
     hf_gguf.load_gguf_checkpoint = load  # type: ignore[assignment]
     hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
     if hasattr(mmap, "MADV_DONTNEED"):

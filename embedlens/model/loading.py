@@ -281,7 +281,7 @@ def load_model(
     ):
         # Mismatched shapes come back in the loading info (and are refused below) instead of
         # stopping transformers with a pointer to a report it does not show.
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             where,
             trust_remote_code=trust_remote_code,
             use_safetensors=None,
@@ -289,6 +289,7 @@ def load_model(
             ignore_mismatched_sizes=True,
             **kwargs,
         )
+        model, info = loaded
     _refuse_gguf_on_disk(source, model)
     extra = check_loading_info(source, model, info)
     if notes is not None:

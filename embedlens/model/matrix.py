@@ -201,7 +201,9 @@ class Rows:
         """The given rows as float32, in order (a new array)."""
         import numpy as np
 
-        return self._convert(self._map[np.asarray(ids, dtype=np.int64)]).copy()
+        raw: npt.NDArray[np.generic] = self._map[np.asarray(ids, dtype=np.int64)]
+        rows: npt.NDArray[np.float32] = self._convert(raw).copy()
+        return rows
 
 
 def open_rows(source: ModelSource, table: Table) -> Rows:

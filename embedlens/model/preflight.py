@@ -153,7 +153,13 @@ def estimate(source: ModelSource, dtype: str) -> Estimate | None:
     if target is None:  # auto: the config's dtype, else as stored (GGUF: dequantised to float32)
         configured = _config_dtype(source)
         target = _FLOAT_BYTES.get(configured or "")
-        label = configured if target else "float32" if ckpt.format == "gguf" else "as stored"
+        label = (
+            configured
+            if target and configured
+            else "float32"
+            if ckpt.format == "gguf"
+            else "as stored"
+        )
         if target is None and ckpt.format == "gguf":
             target = 4
     weights = largest = 0

@@ -334,7 +334,7 @@ def _sentencepiece(
 
     vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
     if merges is not None:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = [_merge_pair(m) for m in merges]
     elif scores is not None:
         pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
     else:
@@ -342,7 +342,7 @@ def _sentencepiece(
     unk = "<unk>" if "<unk>" in vocab else None
     bpe = models.BPE(
         vocab=vocab,
-        merges=pairs,  # type: ignore[arg-type]
+        merges=pairs,
         unk_token=unk,
         fuse_unk=True,
         byte_fallback=True,
@@ -394,3 +394,9 @@ def _add_gguf_tokens(
     ]
     if user:
         tok.add_tokens(user)
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A merge rule 'a b' as ('a', 'b')."""
+    left, _, right = merge.partition(" ")
+    return left, right
