@@ -15,15 +15,8 @@ from typing import Literal
 
 from embedlens.errors import CheckpointError, SourceError
 from embedlens.io.gguf import GGUFHeader, read_gguf_header
-from embedlens.io.source import (
-    WEIGHT_INDEX,
-    WEIGHT_SINGLE,
-    ModelSource,
-    hub_error,
-    hub_file_exists,
-    hub_offline,
-    quiet_hub,
-)
+from embedlens.io.hub import hub_error, hub_file_exists, hub_offline, quiet_hub
+from embedlens.io.source import WEIGHT_INDEX, WEIGHT_SINGLE, ModelSource
 from embedlens.text import error_line
 
 # Bits per element of each safetensors dtype.

@@ -116,7 +116,7 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
     says it elsewhere."""
     if source.kind != "hub" or source.repo_id is None:
         return None
-    from embedlens.io.source import hub_error
+    from embedlens.io.hub import hub_error
 
     seen: BaseException | None = e
     for _ in range(8):
