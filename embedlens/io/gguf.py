@@ -250,7 +250,26 @@ def read_gguf_header(path: Path) -> GGUFHeader:
 
 
 def _parse(path: Path, buf: Any) -> GGUFHeader:
+    """Read the header in buf in file order: counts, metadata, tensor infos; check each tensor."""
     where = path.name
+    cur, version, n_tensors, n_kv = _preamble(buf, where)
+    metadata = _read_metadata(cur, path, n_kv)
+    alignment = _alignment(metadata, where)
+    infos = [_read_tensor_info(cur, where) for _ in range(n_tensors)]
+    data_offset = (cur.pos + alignment - 1) // alignment * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise CheckpointError(f"'{where}' is corrupt: tensor {_short(name)} appears twice")
+        info = GGUFTensorInfo(name, dims, type_id, data_offset + offset)
+        _check_tensor(info, offset, alignment, len(buf), where)
+        tensors[name] = info
+    return GGUFHeader(path, version, metadata, tensors, data_offset, alignment)
+
+
+def _preamble(buf: Any, where: str) -> tuple[_Cursor, int, int, int]:
+    """Check the magic and version; return a cursor past the counts, the version, the tensor
+    count and the metadata count."""
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise CheckpointError(f"'{where}' is not a GGUF file (bad magic {bytes(buf[:4])!r})")
     cur = _Cursor(buf, 4, where)
@@ -266,25 +285,38 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
         )
     # Each metadata pair takes at least 8 + 4 + 1 bytes, each tensor info at least 8 + 4 + 4 + 8.
     cur.need(n_kv * 13 + n_tensors * 24, "the header's entries")
+    return cur, version, n_tensors, n_kv
+
+
+def _read_metadata(cur: _Cursor, path: Path, n_kv: int) -> dict[str, Any]:
+    """Read n_kv metadata pairs; long arrays are skipped and kept as LazyArray."""
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string("a metadata key", strict=True)
         if key in metadata:
-            raise CheckpointError(f"'{where}' is corrupt: metadata key {_short(key)} appears twice")
+            raise CheckpointError(
+                f"'{path.name}' is corrupt: metadata key {_short(key)} appears twice"
+            )
         vtype = cur.u32("a metadata type")
-        if vtype == _ARRAY:
-            item_type = cur.u32("an array type")
-            count = cur.u64("an array length")
-            start = cur.pos
-            if count <= _EAGER_ARRAY_LIMIT:
-                if item_type == _ARRAY:
-                    raise CheckpointError(f"'{where}' has nested arrays, which are not read")
-                metadata[key] = [cur.value(item_type) for _ in range(count)]
-            else:
-                cur.skip_array(item_type, count)
-                metadata[key] = LazyArray(path, item_type, count, start, cur.pos)
-        else:
-            metadata[key] = cur.value(vtype)
+        metadata[key] = _read_array(cur, path) if vtype == _ARRAY else cur.value(vtype)
+    return metadata
+
+
+def _read_array(cur: _Cursor, path: Path) -> list[Any] | LazyArray:
+    """Read an array value (its item type and length first): a list when short, else lazily."""
+    item_type = cur.u32("an array type")
+    count = cur.u64("an array length")
+    start = cur.pos
+    if count <= _EAGER_ARRAY_LIMIT:
+        if item_type == _ARRAY:
+            raise CheckpointError(f"'{path.name}' has nested arrays, which are not read")
+        return [cur.value(item_type) for _ in range(count)]
+    cur.skip_array(item_type, count)
+    return LazyArray(path, item_type, count, start, cur.pos)
+
+
+def _alignment(metadata: dict[str, Any], where: str) -> int:
+    """general.alignment (32 when absent); CheckpointError unless a positive power of two."""
     alignment = metadata.get("general.alignment", 32)
     if (
         not isinstance(alignment, int)
@@ -293,41 +325,41 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
         or alignment & (alignment - 1)
     ):
         raise CheckpointError(f"'{where}' has an invalid alignment {_short(alignment)}")
-    infos: list[tuple[str, tuple[int, ...], int, int]] = []
-    for _ in range(n_tensors):
-        name = cur.string("a tensor name", strict=True)
-        n_dims = cur.u32("a tensor's rank")
-        if n_dims > _MAX_DIMS:
-            raise CheckpointError(f"'{where}': tensor {_short(name)} claims {n_dims} dimensions")
-        dims = tuple(cur.u64("a tensor's shape") for _ in range(n_dims))
-        type_id = cur.u32("a tensor's type")
-        offset = cur.u64("a tensor's offset")
-        infos.append((name, dims, type_id, offset))
-    data_offset = (cur.pos + alignment - 1) // alignment * alignment
-    tensors: dict[str, GGUFTensorInfo] = {}
-    for name, dims, type_id, offset in infos:
-        label = _short(name)
-        if name in tensors:
-            raise CheckpointError(f"'{where}' is corrupt: tensor {label} appears twice")
-        if type_id not in ggml_types():
-            raise CheckpointError(
-                f"'{where}': tensor {label} has ggml type {type_id}, which embedlens cannot read"
-            )
-        if offset % alignment:
-            raise CheckpointError(
-                f"'{where}' is corrupt: tensor {label} starts at data offset {offset}, which "
-                f"breaks the file's {alignment}-byte alignment"
-            )
-        info = GGUFTensorInfo(name, dims, type_id, data_offset + offset)
-        elems, _ = info.block
-        if dims and (dims[0] == 0 or dims[0] % elems):
-            raise CheckpointError(
-                f"'{where}': tensor {label} rows of {dims[0]} do not fill {info.type_name} blocks"
-            )
-        if info.offset + info.nbytes > len(buf):
-            raise CheckpointError(
-                f"'{where}' is truncated: tensor {label} ends at byte {info.offset + info.nbytes}"
-                f" but the file has {len(buf)}"
-            )
-        tensors[name] = info
-    return GGUFHeader(path, version, metadata, tensors, data_offset, alignment)
+    return alignment
+
+
+def _read_tensor_info(cur: _Cursor, where: str) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor info: (name, dims, ggml type, offset from the data section)."""
+    name = cur.string("a tensor name", strict=True)
+    n_dims = cur.u32("a tensor's rank")
+    if n_dims > _MAX_DIMS:
+        raise CheckpointError(f"'{where}': tensor {_short(name)} claims {n_dims} dimensions")
+    dims = tuple(cur.u64("a tensor's shape") for _ in range(n_dims))
+    type_id = cur.u32("a tensor's type")
+    offset = cur.u64("a tensor's offset")
+    return name, dims, type_id, offset
+
+
+def _check_tensor(info: GGUFTensorInfo, offset: int, alignment: int, size: int, where: str) -> None:
+    """CheckpointError unless the tensor has a known type, is aligned, fills whole blocks and
+    lies within the file's size bytes."""
+    label = _short(info.name)
+    if info.type_id not in ggml_types():
+        raise CheckpointError(
+            f"'{where}': tensor {label} has ggml type {info.type_id}, which embedlens cannot read"
+        )
+    if offset % alignment:
+        raise CheckpointError(
+            f"'{where}' is corrupt: tensor {label} starts at data offset {offset}, which "
+            f"breaks the file's {alignment}-byte alignment"
+        )
+    elems, _ = info.block
+    if info.ggml_shape and (info.ggml_shape[0] == 0 or info.ggml_shape[0] % elems):
+        raise CheckpointError(
+            f"'{where}': tensor {label} rows of {info.ggml_shape[0]} do not fill {info.type_name} blocks"
+        )
+    if info.offset + info.nbytes > size:
+        raise CheckpointError(
+            f"'{where}' is truncated: tensor {label} ends at byte {info.offset + info.nbytes}"
+            f" but the file has {size}"
+        )

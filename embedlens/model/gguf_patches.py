@@ -11,7 +11,9 @@ them.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -105,31 +107,96 @@ def gguf_reads_shared(source: ModelSource) -> Iterator[None]:
 
 def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
     """Patch the repeated GGUF reads with per-context caches; return how to undo it."""
-    import copy
-    import mmap
-
     try:
         import gguf
-        import numpy as np
+        import numpy  # noqa: F401  (the plain reader views the file through it)
         from transformers import modeling_gguf_pytorch_utils as hf_gguf
     except ImportError:
         return []
-    readers: dict[tuple[str, str], Any] = {}
-    name_maps: dict[tuple[Any, int], Any] = {}
-    metadata: dict[str, Any] = {}
-    mapped: list[tuple[int, int, Any]] = []
-    """(address, size, mmap) of each file a reader maps."""
-    read: list[tuple[Any, int, int]] = []
-    """(mmap, offset, length) of the bytes the last dequantisation read."""
-    originals: tuple[Any, Any, Any, Any] = (
-        gguf.GGUFReader,
-        gguf.get_tensor_name_map,
-        hf_gguf.load_gguf_checkpoint,
-        gguf.dequantize,
+    caches = _Caches(
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint, gguf.dequantize
     )
-    reader_cls, name_map_fn, load_fn, dequantize_fn = originals
+    patches = [
+        (gguf, "GGUFReader", caches.reader_cls),
+        (gguf, "get_tensor_name_map", caches.name_map_fn),
+        (hf_gguf, "load_gguf_checkpoint", caches.load_fn),
+        (hf_gguf, "tqdm", hf_gguf.tqdm),
+    ]
+    gguf.GGUFReader = caches.reader  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = caches.name_map
+    hf_gguf.load_gguf_checkpoint = caches.load  # type: ignore[assignment]
+    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
+    if hasattr(mmap, "MADV_DONTNEED"):
+        patches.append((gguf, "dequantize", caches.dequantize_fn))
+        gguf.dequantize = caches.dequantize
+    return patches
 
-    class PlainReader(reader_cls):  # type: ignore[misc,valid-type]
+
+class _Caches:
+    """One context's caches, and the functions that stand in for the originals while it is open."""
+
+    def __init__(self, reader_cls: Any, name_map_fn: Any, load_fn: Any, dequantize_fn: Any) -> None:
+        self.reader_cls, self.name_map_fn = reader_cls, name_map_fn
+        self.load_fn, self.dequantize_fn = load_fn, dequantize_fn
+        self.readers: dict[tuple[str, str], Any] = {}
+        self.name_maps: dict[tuple[Any, int], Any] = {}
+        self.metadata: dict[str, Any] = {}
+        self.mapped: list[tuple[int, int, Any]] = []
+        """(address, size, mmap) of each file a reader maps."""
+        self.read: list[tuple[Any, int, int]] = []
+        """(mmap, offset, length) of the bytes the last dequantisation read."""
+        self.plain_reader = _plain_reader(reader_cls, self.mapped)
+
+    def reader(self, path: Any, mode: str = "r") -> Any:
+        """gguf.GGUFReader, one per file and mode."""
+        key = (os.path.realpath(path), mode)
+        if key not in self.readers:
+            self.readers[key] = self.plain_reader(path, mode)
+        return self.readers[key]
+
+    def name_map(self, arch: Any, n_blocks: int) -> Any:
+        """gguf.get_tensor_name_map, one per (architecture, blocks)."""
+        if (arch, n_blocks) not in self.name_maps:
+            self.name_maps[(arch, n_blocks)] = self.name_map_fn(arch, n_blocks)
+        return self.name_maps[(arch, n_blocks)]
+
+    def load(self, path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        """transformers' load_gguf_checkpoint: the metadata-only parse once per file (as deep
+        copies); the weights, which come last, after freeing it."""
+        if return_tensors or args or kwargs:
+            self.metadata.clear()  # loading the weights comes last: free the parse before it
+            return self.load_fn(path, return_tensors, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in self.metadata:
+            self.metadata[key] = self.load_fn(path, False)
+        return copy.deepcopy(self.metadata[key])
+
+    def release(self) -> None:
+        """Let go of the file pages the last dequantisation read."""
+        for mm, offset, length in self.read:
+            with suppress(OSError, ValueError):
+                mm.madvise(mmap.MADV_DONTNEED, offset, length)
+        self.read.clear()
+
+    def dequantize(self, data: Any, qtype: Any) -> Any:
+        """gguf's dequantize; the file pages the previous tensor was read from are let go
+        (transformers has copied that tensor by then), so they do not add up in memory."""
+        self.release()
+        out = self.dequantize_fn(data, qtype)
+        address = data.ctypes.data
+        for base, size, mm in self.mapped:
+            if base <= address < base + size:
+                start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
+                self.read.append((mm, start, address - base + data.nbytes - start))
+        return out
+
+
+def _plain_reader(reader_cls: Any, mapped: list[tuple[int, int, Any]]) -> Any:
+    """A subclass of gguf's reader that parses a plain ndarray view of the file, noting each
+    file it maps in mapped."""
+    import numpy as np
+
+    class PlainReader(reader_cls):  # type: ignore[misc]
         """The same parse over a plain ndarray view of the file: numpy's memmap subclass runs
         Python code on every slice, and the reader slices once per vocabulary string."""
 
@@ -146,55 +213,4 @@ def _install_gguf_caches() -> list[tuple[Any, str, Any]]:
                 value = value.view(np.ndarray)
             self._plain = value
 
-    def reader(path: Any, mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = PlainReader(path, mode)
-        return readers[key]
-
-    def name_map(arch: Any, n_blocks: int) -> Any:
-        if (arch, n_blocks) not in name_maps:
-            name_maps[(arch, n_blocks)] = name_map_fn(arch, n_blocks)
-        return name_maps[(arch, n_blocks)]
-
-    def load(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
-        if return_tensors or args or kwargs:
-            metadata.clear()  # loading the weights comes last: free the parse before it
-            return load_fn(path, return_tensors, *args, **kwargs)
-        key = os.path.realpath(path)
-        if key not in metadata:
-            metadata[key] = load_fn(path, False)
-        return copy.deepcopy(metadata[key])
-
-    def release() -> None:
-        for mm, offset, length in read:
-            with suppress(OSError, ValueError):
-                mm.madvise(mmap.MADV_DONTNEED, offset, length)
-        read.clear()
-
-    def dequantize(data: Any, qtype: Any) -> Any:
-        """gguf's dequantize; the file pages the previous tensor was read from are let go
-        (transformers has copied that tensor by then), so they do not add up in memory."""
-        release()
-        out = dequantize_fn(data, qtype)
-        address = data.ctypes.data
-        for base, size, mm in mapped:
-            if base <= address < base + size:
-                start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
-                read.append((mm, start, address - base + data.nbytes - start))
-        return out
-
-    patches = [
-        (gguf, "GGUFReader", reader_cls),
-        (gguf, "get_tensor_name_map", name_map_fn),
-        (hf_gguf, "load_gguf_checkpoint", load_fn),
-        (hf_gguf, "tqdm", hf_gguf.tqdm),
-    ]
-    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
-    gguf.get_tensor_name_map = name_map
-    hf_gguf.load_gguf_checkpoint = load  # type: ignore[assignment]
-    hf_gguf.tqdm = lambda iterable, *args, **kwargs: iterable  # its own progress bar, on stderr
-    if hasattr(mmap, "MADV_DONTNEED"):
-        patches.append((gguf, "dequantize", dequantize_fn))
-        gguf.dequantize = dequantize
-    return patches
+    return PlainReader
