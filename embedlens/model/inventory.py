@@ -96,11 +96,45 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
             "no input embedding found among the checkpoint's tensors",
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
-    head = find_head(named, embedding)
-    _check_not_empty(ckpt, embedding, head)
+    found_head = find_head(named, embedding)
+    _check_not_empty(ckpt, embedding, found_head)
     notes: list[str] = []
-    stored_head = None
-    tied = head is None
+    head, stored_head = _stored_head(ckpt, config, embedding, found_head, notes)
+    items = [
+        Item(n, t.shape, t.numel, t.nbytes, TORCH_DTYPE_NAMES.get(t.dtype, t.dtype))
+        for n, t in ckpt.tensors.items()
+        if n not in skipped and n != stored_head
+    ]
+    dtypes = {t.dtype for n, t in ckpt.tensors.items() if n not in skipped}
+    _warn_packed(config, dtypes, notes)
+    v = named[embedding][0]
+    stored_layers = _count_layers(items)
+    disagree = _disagreements(config, ckpt, notes)
+    hidden = config.hidden_size if config.hidden_size and "width" not in disagree else None
+    return Inventory(
+        items=items,
+        embedding=embedding,
+        head=head,
+        tied=head is None,
+        vocab_size=v if v > 0 else config.vocab_size or 0,
+        hidden_size=hidden or named[embedding][-1],
+        num_layers=stored_layers
+        if "layers" in disagree or not config.num_layers
+        else config.num_layers,
+        dtype=_header_dtype(ckpt, dtypes),
+        config=config,
+        stored_head=stored_head,
+        skipped=skipped,
+        notes=notes,
+    )
+
+
+def _stored_head(
+    ckpt: Checkpoint, config: ModelConfig, embedding: str, head: str | None, notes: list[str]
+) -> tuple[str | None, str | None]:
+    """(the head counted apart from the embedding, a head stored as a copy of the tied
+    embedding), each None when there is none; notes where the config and the stored tensors
+    disagree on tying."""
     if head is not None and config.tie_word_embeddings is True:
         equal = (
             None
@@ -112,54 +146,42 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
                 f"the config ties the head to the embedding, but the checkpoint stores a "
                 f"different '{head}'; transformers keeps the two apart, so it is counted as untied"
             )
-        else:
-            tied, stored_head, head = True, head, None
-            notes.append(
-                f"the checkpoint stores '{stored_head}' as a copy of the embedding although the "
-                "head is tied; it is counted once"
-            )
-    elif head is None and config.tie_word_embeddings is False:
+            return head, None
+        notes.append(
+            f"the checkpoint stores '{head}' as a copy of the embedding although the "
+            "head is tied; it is counted once"
+        )
+        return None, head
+    if head is None and config.tie_word_embeddings is False:
         notes.append(
             "the config says the head is untied, but the checkpoint stores no head matrix; "
             "transformers would tie it or start it from random values"
         )
-    items = [
-        Item(n, t.shape, t.numel, t.nbytes, TORCH_DTYPE_NAMES.get(t.dtype, t.dtype))
-        for n, t in ckpt.tensors.items()
-        if n not in skipped and n != stored_head
-    ]
-    dtypes = {t.dtype for n, t in ckpt.tensors.items() if n not in skipped}
-    dtype = (
-        TORCH_DTYPE_NAMES.get(next(iter(dtypes)), next(iter(dtypes))) if len(dtypes) == 1 else None
-    )
+    return head, None
+
+
+def _header_dtype(ckpt: Checkpoint, dtypes: set[str]) -> str | None:
+    """The one dtype of the stored tensors (torch's name for it); 'mixed (...)' for a GGUF file
+    of several; None for a safetensors checkpoint of several."""
     if ckpt.format == "gguf" and len(dtypes) > 1:
-        dtype = "mixed (" + ", ".join(sorted(dtypes)) + ")"
-    _warn_packed(config, dtypes, notes)
-    v = named[embedding][0]
-    stored_layers = _count_layers(items)
+        return "mixed (" + ", ".join(sorted(dtypes)) + ")"
+    if len(dtypes) != 1:
+        return None
+    (only,) = dtypes
+    return TORCH_DTYPE_NAMES.get(only, only)
+
+
+def _disagreements(
+    config: ModelConfig, ckpt: Checkpoint, notes: list[str]
+) -> dict[str, tuple[int, int]]:
+    """What the config and the checkpoint disagree on (by label), each noted in notes."""
     disagree = {label: (said, stored) for label, said, stored in mismatches(config, ckpt)}
     for label, (said, stored) in disagree.items():
         notes.append(
             f"the config and the checkpoint disagree: the config says {label} {said:,}, the "
             f"checkpoint stores {stored:,}; the figures here are the checkpoint's"
         )
-    hidden = config.hidden_size if config.hidden_size and "width" not in disagree else None
-    return Inventory(
-        items=items,
-        embedding=embedding,
-        head=head,
-        tied=tied,
-        vocab_size=v if v > 0 else config.vocab_size or 0,
-        hidden_size=hidden or named[embedding][-1],
-        num_layers=stored_layers
-        if "layers" in disagree or not config.num_layers
-        else config.num_layers,
-        dtype=dtype,
-        config=config,
-        stored_head=stored_head,
-        skipped=skipped,
-        notes=notes,
-    )
+    return disagree
 
 
 def mismatches(config: ModelConfig, ckpt: Checkpoint) -> list[tuple[str, int, int]]:

@@ -18,8 +18,23 @@ def _yes_no(value: bool | None) -> Text:
 
 def render(r: AddrReport) -> RenderableType:
     """The table's layout, one line per row, the check and the costs."""
+    lines: list[RenderableType] = [_layout(r), _table(r), _read_back(r), Text(_costs(r))]
+    if r.tp is not None:
+        t = r.tp
+        lines.append(
+            Text(
+                f"--tp {t.size}: V padded to {count(t.padded_rows)} (a multiple of {t.pad_to}), "
+                f"{count(t.rows_per_rank)} rows ({size(t.shard_bytes)}) per rank, as vLLM's "
+                "VocabParallelEmbedding splits it."
+            )
+        )
+    return Group(*lines)
+
+
+def _layout(r: AddrReport) -> Text:
+    """The line on the tensor: file, shape, dtype, strides and sizes."""
     v, d = r.shape
-    layout = shown(
+    return shown(
         f"{r.tensor} in {r.file}: shape [{count(v)}, {count(d)}], {r.dtype}, "
         f"{r.element_size} bytes per element, stride ({count(d)}, 1), "
         f"row {count(r.row_bytes)} bytes, table {count(r.table_bytes)} bytes "
@@ -34,6 +49,10 @@ def render(r: AddrReport) -> RenderableType:
         ),
         style="bold",
     )
+
+
+def _table(r: AddrReport) -> Table:
+    """One line per row asked for: its token, offsets, tensor-parallel place and read-back."""
     table = Table()
     table.add_column("row", justify="right", no_wrap=True)
     table.add_column("token", min_width=7)
@@ -55,20 +74,26 @@ def render(r: AddrReport) -> RenderableType:
             cells += [str(row.tp.rank), str(row.tp.local_row), str(row.tp.local_offset_bytes)]
         cells.append(_yes_no(row.check))
         table.add_row(*cells)
-    lines: list[RenderableType] = [layout, table]
+    return table
+
+
+def _read_back(r: AddrReport) -> Text:
+    """Whether the rows read at their file offsets equal the rows the model loads."""
     c = r.check
-    if c.method is not None:
-        verdict = "equal" if c.all_equal else "NOT equal"
-        lines.append(
-            shown(
-                f"Read back: {c.rows_checked} row(s) read at file_offset are {verdict} to the "
-                f"rows {c.method} loads.",
-                style="green" if c.all_equal else "bold red",
-            )
-        )
-    else:
-        lines.append(shown(f"Read back: skipped ({c.skipped}).", style="dim"))
+    if c.method is None:
+        return shown(f"Read back: skipped ({c.skipped}).", style="dim")
+    verdict = "equal" if c.all_equal else "NOT equal"
+    return shown(
+        f"Read back: {c.rows_checked} row(s) read at file_offset are {verdict} to the "
+        f"rows {c.method} loads.",
+        style="green" if c.all_equal else "bold red",
+    )
+
+
+def _costs(r: AddrReport) -> str:
+    """What a lookup reads against what a one-hot product computes, per token and in all."""
     k = r.costs
+    d = r.shape[1]
     cost = (
         f"A lookup reads d x element size = {d} x {r.element_size} = "
         f"{count(k.lookup_bytes_per_token)} bytes per "
@@ -80,14 +105,4 @@ def render(r: AddrReport) -> RenderableType:
             f" {count(k.tokens)} tokens read at most {count(k.batch_bytes)} bytes "
             f"({size(k.batch_bytes)}), against {count(k.batch_onehot_ops)} one-hot operations."
         )
-    lines.append(Text(cost))
-    if r.tp is not None:
-        t = r.tp
-        lines.append(
-            Text(
-                f"--tp {t.size}: V padded to {count(t.padded_rows)} (a multiple of {t.pad_to}), "
-                f"{count(t.rows_per_rank)} rows ({size(t.shard_bytes)}) per rank, as vLLM's "
-                "VocabParallelEmbedding splits it."
-            )
-        )
-    return Group(*lines)
+    return cost
