@@ -1,11 +1,23 @@
-"""Parameter shares: group an inventory by role and by block part."""
+"""`params`: who owns the parameters, grouped by role and by block part."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
+from embedlens.errors import UsageError
+from embedlens.io.source import resolve
 from embedlens.model.anatomy import Placement, place
-from embedlens.model.inventory import Inventory
+from embedlens.model.inventory import Inventory, from_model, take_inventory
+from embedlens.model.loaded import (
+    check_loaded,
+    is_spec,
+    loaded_config,
+    loaded_name,
+    on_meta,
+    spec_text,
+)
+from embedlens.model.loading import check_device, check_dtype
 from embedlens.reports.params import (
     BlockRow,
     MoEInfo,
@@ -16,6 +28,66 @@ from embedlens.reports.params import (
 
 GROUP_ORDER = ("embedding", "lm_head", "position_embedding", "blocks", "final_norm", "other")
 PART_ORDER = ("attention", "mlp", "experts", "router", "norms", "other")
+META_FALLBACK = "no safetensors or GGUF headers to read: counted from the config on the meta device"
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from embedlens.model.loaded import ModelSpec
+
+
+def params(
+    model: ModelSpec | PreTrainedModel,
+    *,
+    meta_only: bool = False,
+    load: bool = False,
+    per_block: bool = False,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> ParamsReport:
+    """Who owns the parameters: embedding, LM head, blocks, norms (tied weights counted once).
+
+    model: a hub id, a folder, a .gguf file, or a loaded transformers model (counted as it is,
+        never moved or changed; meta_only, load, revision and dtype do not apply to it).
+    By default the figures come from the checkpoint's safetensors or GGUF headers (no weights
+    read), else from the config on the meta device; meta_only: always from the config on the
+    meta device; load: from the loaded weights (dtype, device, trust_remote_code apply).
+    """
+    if not is_spec(model):
+        built = check_loaded(
+            model,
+            meta_only=meta_only,
+            load=load,
+            revision=revision is not None,
+            dtype=dtype != "auto",
+        )
+        meta = on_meta(built)
+        inv = from_model(built, loaded_config(built), loaded=not meta)
+        return params_report(
+            loaded_name(built), inv, "meta" if meta else "weights", per_block=per_block
+        )
+    check_modes(meta_only=meta_only, load=load, dtype=dtype, device=device)
+    spec = spec_text(model)
+    inv, used, _ = take_inventory(
+        resolve(spec, revision),
+        "meta" if meta_only else "weights" if load else None,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        device=device,
+    )
+    if used == "meta" and not meta_only:
+        inv.notes.insert(0, META_FALLBACK)
+    return params_report(spec, inv, used, per_block=per_block)
+
+
+def check_modes(*, meta_only: bool, load: bool, dtype: str, device: str) -> None:
+    """UsageError for --meta-only with --load, or an unknown dtype or device."""
+    if meta_only and load:
+        raise UsageError("--meta-only and --load exclude each other")
+    check_dtype(dtype)
+    check_device(device)
 
 
 def params_report(

@@ -1,11 +1,109 @@
-"""Tied weights: weigh the config flag, the checkpoint and the built model separately."""
+"""`tied`: weigh the config flag, the checkpoint and the built model separately."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from embedlens.model.inventory import Inventory
+from embedlens.analysis.params import check_modes
+from embedlens.io.source import resolve
+from embedlens.model.inventory import Inventory, from_model, take_inventory
+from embedlens.model.loaded import (
+    check_loaded,
+    is_spec,
+    loaded_config,
+    loaded_name,
+    on_meta,
+    spec_text,
+)
 from embedlens.reports.tied import TiedEvidence, TiedReport
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from embedlens.model.loaded import ModelSpec
+
+ON_META = "parameter identity on meta"
+LOADED = "data_ptr() of the loaded weights"
+
+
+def tied(
+    model: ModelSpec | PreTrainedModel,
+    *,
+    meta_only: bool = False,
+    load: bool = False,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> TiedReport:
+    """Whether the LM head shares the embedding's storage, and what that saves.
+
+    model: a hub id, a folder, a .gguf file, or a loaded transformers model (its config flag and
+        data_ptr() are read; it is never moved or changed; meta_only, load, revision and dtype
+        do not apply to it).
+    By default the evidence is the config and the checkpoint's headers; meta_only adds parameter
+    identity in a build on the meta device (headers not read); load adds data_ptr() of the
+    loaded weights (dtype, device, trust_remote_code apply).
+    """
+    if not is_spec(model):
+        built = check_loaded(
+            model,
+            meta_only=meta_only,
+            load=load,
+            revision=revision is not None,
+            dtype=dtype != "auto",
+        )
+        return _tied_loaded(built)
+    check_modes(meta_only=meta_only, load=load, dtype=dtype, device=device)
+    spec = spec_text(model)
+    source = resolve(spec, revision)
+    header_inv = None
+    if not meta_only:
+        header_inv = take_inventory(source, "header", trust_remote_code=trust_remote_code)[0]
+    inv, built_model, check = header_inv, None, None
+    if meta_only or load:
+        mode = "meta" if meta_only else "weights"
+        inv, _, built_model = take_inventory(
+            source, mode, trust_remote_code=trust_remote_code, dtype=dtype, device=device
+        )
+        check = ON_META if meta_only else LOADED
+    assert inv is not None
+    flag = (header_inv or inv).config.tie_word_embeddings
+    if flag is None and built_model is not None:
+        flag = _built_flag(built_model)
+    has_head = None
+    if header_inv is not None:
+        has_head = header_inv.head is not None or header_inv.stored_head is not None
+    return tied_report(
+        spec,
+        inv,
+        checkpoint_has_head=has_head,
+        config_flag=flag,
+        same_storage=None if built_model is None else storage_shared(built_model, loaded=load),
+        storage_check=check,
+    )
+
+
+def _tied_loaded(model: PreTrainedModel) -> TiedReport:
+    """The evidence a loaded model holds: its config's flag and its head's storage."""
+    config = loaded_config(model)
+    meta = on_meta(model)
+    flag = config.tie_word_embeddings
+    if flag is None:
+        flag = _built_flag(model)
+    return tied_report(
+        loaded_name(model),
+        from_model(model, config, loaded=not meta),
+        checkpoint_has_head=None,
+        config_flag=flag,
+        same_storage=storage_shared(model, loaded=not meta),
+        storage_check=ON_META if meta else LOADED,
+    )
+
+
+def _built_flag(model: Any) -> bool:
+    """The tie flag of a built model's (text) config, transformers' default when unset."""
+    return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
 
 
 def storage_shared(model: Any, *, loaded: bool) -> bool:

@@ -54,23 +54,20 @@ def params(
     weights read, no torch), from the config on the meta device with --meta-only, or from the
     loaded model with --load.
     """
-    from embedlens.analysis.params import params_report
-    from embedlens.errors import UsageError
-    from embedlens.io.source import resolve
-    from embedlens.model.inventory import take_inventory
+    from embedlens.analysis.params import params as run
 
     common(quiet=quiet, debug=debug, device=device)
-    if meta_only and load:
-        raise UsageError("--meta-only and --load exclude each other")
-    mode = "meta" if meta_only else "weights" if load else None
     with progress(f"Reading {model}"):
-        source = resolve(model, revision)
-        inv, used, _ = take_inventory(
-            source, mode, trust_remote_code=trust_remote_code, dtype=dtype, device=device
+        report = run(
+            model,
+            meta_only=meta_only,
+            load=load,
+            per_block=per_block,
+            revision=revision,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
         )
-        report = params_report(model, inv, used, per_block=per_block)
-    if used == "meta" and not meta_only:
-        note("no safetensors or GGUF headers to read: counted from the config on the meta device")
     for text in report.notes:
         note("note: " + text)
     emit(report, as_json=as_json)

@@ -51,44 +51,18 @@ def tied(
     Evidence is shown piece by piece: the config's flag, whether the checkpoint stores a head
     matrix, and (with --meta-only or --load) whether the built model's head is the embedding.
     """
-    from embedlens.analysis.tied import storage_shared, tied_report
-    from embedlens.errors import UsageError
-    from embedlens.io.source import resolve
-    from embedlens.model.inventory import take_inventory
+    from embedlens.analysis.tied import tied as run
 
     common(quiet=quiet, debug=debug, device=device)
-    if meta_only and load:
-        raise UsageError("--meta-only and --load exclude each other")
     with progress(f"Reading {model}"):
-        source = resolve(model, revision)
-        header_inv, _, _ = (
-            take_inventory(source, "header", trust_remote_code=trust_remote_code)
-            if not meta_only
-            else (None, None, None)
-        )
-        inv, model_obj, check = header_inv, None, None
-        if meta_only or load:
-            mode = "meta" if meta_only else "weights"
-            inv, _, model_obj = take_inventory(
-                source, mode, trust_remote_code=trust_remote_code, dtype=dtype, device=device
-            )
-            check = (
-                "parameter identity on meta" if meta_only else "data_ptr() of the loaded weights"
-            )
-        assert inv is not None
-        flag = (header_inv or inv).config.tie_word_embeddings
-        if flag is None and model_obj is not None:
-            flag = bool(getattr(model_obj.config.get_text_config(), "tie_word_embeddings", False))
-        has_head = None
-        if header_inv is not None:
-            has_head = header_inv.head is not None or header_inv.stored_head is not None
-        report = tied_report(
+        report = run(
             model,
-            inv,
-            checkpoint_has_head=has_head,
-            config_flag=flag,
-            same_storage=None if model_obj is None else storage_shared(model_obj, loaded=load),
-            storage_check=check,
+            meta_only=meta_only,
+            load=load,
+            revision=revision,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
         )
     for text in report.notes:
         note("note: " + text)
