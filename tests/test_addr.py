@@ -246,7 +246,7 @@ def test_no_torch_or_transformers(tiny, smollm2):
         (["0", "--tp", "3"], "--tp 3 does not divide the padded vocabulary", 2),
         (["0", "--tp", "0"], "--tp must be at least 1", 2),
         (["0", "--tokens", "0"], "--tokens must be at least 1", 2),
-        (["0", "--matrix", "middle"], "unknown matrix 'middle'", 2),
+        (["0", "--matrix", "middle"], "'middle' is not one of 'input', 'output'", 2),
     ],
 )
 def test_bad_input(cli, tiny, args, message, code):

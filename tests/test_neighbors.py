@@ -325,7 +325,8 @@ def test_no_torch_or_transformers(tiny):
         ([" "], "' ' encodes to no tokens"),
         (["king - "], "cannot parse the expression"),
         (["king + - man"], "cannot parse the expression"),
-        (["king", "--matrix", "middle"], "unknown matrix 'middle'"),
+        (["king", "--matrix", "middle"], "'middle' is not one of 'input', 'output'"),
+        (["king", "--pool", "middle"], "'middle' is not one of 'first', 'mean', 'last'"),
     ],
 )
 def test_bad_input(cli, hand_set, args, message):

@@ -43,7 +43,12 @@ def _remote_code_model(folder: Path, tiny_folder: Path, marker: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+# Commands that read headers, the tokenizer and one matrix: no model code could run, so a model
+# that needs its repository's code is read, not refused.
+HEADER_ONLY = ("neighbors", "addr")
+
+
+@pytest.mark.parametrize("command", sorted(c for c in COMMANDS if c not in HEADER_ONLY))
 def test_remote_code_never_runs(cli, tiny, tmp_path, command):
     marker = tmp_path / "marker"
     folder = _remote_code_model(tmp_path / "evil", tiny("llama-tied"), marker)
@@ -54,6 +59,18 @@ def test_remote_code_never_runs(cli, tiny, tmp_path, command):
         "hint: embedlens never runs a model's own code unless you pass --trust-remote-code" in err
     )
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", HEADER_ONLY)
+def test_header_commands_read_a_remote_code_model_without_running_it(cli, tiny, tmp_path, command):
+    """neighbors and addr offer no --trust-remote-code: they read the model, and its code never
+    runs."""
+    marker = tmp_path / "marker"
+    folder = _remote_code_model(tmp_path / "evil", tiny("llama-tied"), marker)
+    plain = cli.json(command, tiny("llama-tied"), *COMMANDS[command])
+    data = cli.json(command, folder, *COMMANDS[command])
+    assert not marker.exists()
+    assert {**data, "model": ""} == {**plain, "model": ""}
 
 
 def test_remote_code_control(cli, tiny, tmp_path):

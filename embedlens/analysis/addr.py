@@ -9,6 +9,7 @@ dequantised by gguf's dequantiser and compared with the row as embedlens' reader
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,9 +17,10 @@ from pathlib import Path
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
+from embedlens.io.source import resolve
 from embedlens.model import words
-from embedlens.model.matrix import Table, check_row_range
-from embedlens.model.tokenizer import Vocab
+from embedlens.model.matrix import Table, Which, check_matrix, check_row_range, locate
+from embedlens.model.tokenizer import Vocab, load_vocab
 from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlace, TpSplit
 
 VLLM_PAD_TO = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -258,3 +260,36 @@ def addr_report(
         ),
         notes=notes,
     )
+
+
+def addr(
+    model: str | os.PathLike[str],
+    rows: int | str | Sequence[int | str],
+    *,
+    matrix: Which = "input",
+    tokens: int | None = None,
+    tp: int | None = None,
+    check: bool = True,
+    revision: str | None = None,
+) -> AddrReport:
+    """Where each row of the embedding (or head) table lives, proved by reading it back.
+
+    rows: row ids, or tokens' texts (a text's first token is used); tokens: also give the bytes
+    a batch of that many lookups reads; tp: the tensor-parallel size (which rank holds each row,
+    as vLLM splits the table); check: read each row back and compare it with the format's own
+    loader.
+    """
+    which = check_matrix(matrix)
+    given = [rows] if isinstance(rows, int | str) else list(rows)
+    spec = os.fspath(model)
+    source = resolve(spec, revision)
+    table = locate(source, which)
+    notes = list(table.notes)
+    vocab: Vocab | None
+    try:
+        vocab = load_vocab(source, table.checkpoint.gguf)
+    except UnsupportedError as e:
+        vocab = None
+        notes.append(f"tokens are not shown: {e.message}")
+    texts = [str(r) for r in given]
+    return addr_report(spec, table, vocab, texts, tokens=tokens, tp=tp, check=check, notes=notes)

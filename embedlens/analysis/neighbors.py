@@ -9,17 +9,28 @@ for, and a query's own rows (every word of an expression) are never its neighbou
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from embedlens.errors import CheckpointError, EmbedlensError, UsageError
+from embedlens.io.source import resolve as resolve_source
 from embedlens.model import words
-from embedlens.model.matrix import Rows, Table, check_row_range
-from embedlens.model.tokenizer import Vocab
-from embedlens.model.words import check_pool, pooled
+from embedlens.model.matrix import (
+    Rows,
+    Table,
+    Which,
+    check_matrix,
+    check_row_range,
+    locate,
+    open_rows,
+)
+from embedlens.model.tokenizer import Vocab, load_vocab
+from embedlens.model.words import Pool, check_pool, pooled
 from embedlens.reports.neighbors import (
     Neighbor,
     NeighborsReport,
@@ -337,4 +348,59 @@ def neighbors_report(
         include_special=include_special,
         queries=results,
         notes=[*notes, *word_notes(vocab, queries, pool)],
+    )
+
+
+def neighbors(
+    model: str | os.PathLike[str],
+    queries: str | Sequence[str] = (),
+    *,
+    top_k: int = 5,
+    ids: Sequence[int] = (),
+    matrix: Which = "input",
+    include_special: bool = False,
+    pool: Pool = "first",
+    revision: str | None = None,
+) -> NeighborsReport:
+    """The nearest tokens to each query by cosine in the embedding (or head) matrix.
+
+    queries: words, or expressions such as "king - man + woman" (a word in quotes keeps its
+    spaces); ids: rows queried by id; matrix: "input" (the embedding) or "output" (the LM head);
+    pool: how a word of several tokens is queried ("first", "mean" or "last" token).
+    """
+    if top_k < 1:
+        raise UsageError(f"-k must be at least 1 (got {top_k})")
+    which = check_matrix(matrix)
+    check_pool(pool)
+    spec = os.fspath(model)
+    source = resolve_source(spec, revision)
+    table = locate(source, which)
+    vocab = load_vocab(source, table.checkpoint.gguf)
+    real = min(vocab.size, table.rows)
+    words_given = [queries] if isinstance(queries, str) else list(queries)
+    found = resolve(vocab, words_given, list(ids), real=real, total=table.rows, pool=pool)
+    allowed = searchable(vocab, real, include_special=include_special)
+    searched = int(allowed.sum())
+    if top_k > searched:
+        raise UsageError(
+            f"-k {top_k} is more than the {searched:,} rows searched",
+            hint=f"use -k between 1 and {searched:,}",
+        )
+    notes = list(table.notes)
+    if vocab.size > table.rows:
+        notes.append(
+            f"the tokenizer has {vocab.size:,} tokens but the matrix only {table.rows:,} "
+            "rows: the tokens past them have no row"
+        )
+    return neighbors_report(
+        spec,
+        table,
+        open_rows(source, table),
+        vocab,
+        found,
+        allowed,
+        k=top_k,
+        include_special=include_special,
+        notes=notes,
+        pool=pool,
     )

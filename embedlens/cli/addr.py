@@ -9,13 +9,11 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
-    DeviceOpt,
-    DtypeOpt,
     JsonOpt,
+    MatrixOpt,
     ModelArg,
     QuietOpt,
     RevisionOpt,
-    TrustOpt,
     common,
 )
 from embedlens.cli._output import emit, note, progress
@@ -39,9 +37,7 @@ def addr(
             show_default=False,
         ),
     ],
-    matrix: Annotated[
-        str, typer.Option("--matrix", help="input (the embedding) or output (the LM head).")
-    ] = "input",
+    matrix: MatrixOpt = "input",
     tokens: Annotated[
         int | None,
         typer.Option("--tokens", help="Also give the bytes a batch of N lookups reads."),
@@ -60,9 +56,6 @@ def addr(
     ] = True,
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "cpu",
-    trust_remote_code: TrustOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -72,26 +65,12 @@ def addr(
     in the tensor and in the file, the cost of a lookup against a one-hot product, and with --tp
     the rank that holds the row. The check reads just those rows' bytes.
     """
-    from embedlens.analysis.addr import addr_report
-    from embedlens.errors import UnsupportedError
-    from embedlens.io.source import resolve
-    from embedlens.model.matrix import check_matrix, locate
-    from embedlens.model.tokenizer import Vocab, load_vocab
+    from embedlens.analysis.addr import addr as find_addr
 
-    common(quiet=quiet, debug=debug, device=device)
-    which = check_matrix(matrix)
+    common(quiet=quiet, debug=debug)
     with progress(f"Reading {model}"):
-        source = resolve(model, revision)
-        table = locate(source, which, trust_remote_code=trust_remote_code)
-        notes = list(table.notes)
-        vocab: Vocab | None
-        try:
-            vocab = load_vocab(source, table.checkpoint.gguf)
-        except UnsupportedError as e:
-            vocab = None
-            notes.append(f"tokens are not shown: {e.message}")
-        report = addr_report(
-            model, table, vocab, rows, tokens=tokens, tp=tp, check=check, notes=notes
+        report = find_addr(
+            model, rows, matrix=matrix, tokens=tokens, tp=tp, check=check, revision=revision
         )
     for text in report.notes:
         note("note: " + text)

@@ -85,10 +85,10 @@ def check_matrix(which: str) -> Which:
     return "input" if which == "input" else "output"
 
 
-def locate(
-    source: ModelSource, which: Which = "input", *, trust_remote_code: bool = False
-) -> Table:
-    """Find the embedding (or the head) from the checkpoint's headers; no weights are read."""
+def locate(source: ModelSource, which: Which = "input") -> Table:
+    """Find the embedding (or the head) from the checkpoint's headers; no weights are read.
+
+    No model code runs here, so a config whose model needs the repository's code is read too."""
     ckpt = open_checkpoint(source, partial=True)
     if ckpt is None:
         raise CheckpointError(
@@ -98,7 +98,7 @@ def locate(
     config = (
         read_config(source, ckpt)
         if source.is_gguf
-        else read_config(source, trust_remote_code=trust_remote_code)
+        else read_config(source, trust_remote_code=True)  # read only: no code is imported
     )
     inv = from_checkpoint(ckpt, config)
     assert inv.embedding is not None

@@ -8,10 +8,12 @@ mean (' cat', the word after a space). Both are reported as notes, never silentl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from embedlens.errors import UsageError
 
-POOLS = ("first", "mean", "last")
+Pool = Literal["first", "mean", "last"]
+POOLS: tuple[Pool, ...] = ("first", "mean", "last")
 """How a word that splits into several tokens is queried: its first token's row, the mean of the
 unit rows of all its tokens, or its last token's row."""
 
