@@ -121,7 +121,7 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
     ("lens", T, ["the king", "--position", "1000"], 2, "position 1000 is out of range"),
     ("lens", T, ["ki\udcffng"], 2, "b'ki\\xffng' is not valid UTF-8 text"),
     ("lens", T, ["the king", "--target", ""], 2, "--target '' encodes to no token"),
-    ("lens", T, ["the king", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
+    ("lens", T, ["the king", "--dtype", "float8"], 2, "Invalid value for '--dtype': 'float8'"),
     ("lens", T, ["the king", "--device", "tpu"], 2, "unknown device 'tpu'"),
     # values that are not sizes, refused before anything loads (the model does not exist)
     ("lens", M, ["hi", "--device-map", "auto", "--max-memory", "cpu=lots"], 2,

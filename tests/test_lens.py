@@ -391,7 +391,7 @@ def test_help_says_float32(cli):
         ([PROMPT, "--position", "first"], "--position must be an integer or 'all'"),
         ([PROMPT, "--plot", "x.gif"], "unknown format"),
         ([PROMPT, "--no-thinking"], "only apply with --chat"),
-        ([PROMPT, "--device-map", "everywhere"], "unknown --device-map"),
+        ([PROMPT, "--device-map", "everywhere"], "Invalid value for '--device-map'"),
         ([PROMPT, "--max-memory", "cpu=1GB"], "only apply with --device-map"),
     ],
 )
@@ -410,7 +410,7 @@ def test_chat_without_template(tiny, cli, tmp_path):
 
 def test_chunked_decoding_matches_one_pass(tiny, monkeypatch):
     """Rows decoded a few at a time give what one pass gives (the grid never holds all logits)."""
-    from embedlens.analysis import lens as analysis
+    from embedlens.analysis import lens_engine as analysis
 
     model = _load(tiny("qwen3"))
     ids = _ids(tiny("qwen3"))

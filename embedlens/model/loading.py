@@ -252,7 +252,7 @@ def load_model(
     config: Any = None,
     notes: list[str] | None = None,
 ) -> Any:
-    """Load the causal LM with its weights, in eval mode, gradients off.
+    """Load the causal LM with its weights, in eval mode.
 
     `config`, a transformers config already read from the same source, saves reading it again.
     A weight the checkpoint lacks or holds in another shape is an error (transformers would fill
@@ -260,7 +260,6 @@ def load_model(
     """
     check_source(source, trust_remote_code=trust_remote_code)
     _quiet_transformers()
-    import torch
     from transformers import AutoModelForCausalLM
 
     where, kwargs = _where(source)
@@ -296,8 +295,7 @@ def load_model(
         notes.extend(extra)
     if device_map is None:
         model.to(resolve_device(device))
-    model.eval()
-    torch.set_grad_enabled(False)
+    model.eval()  # autograd is left as the caller has it: the lens runs under inference_mode
     return model
 
 

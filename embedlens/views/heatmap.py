@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from embedlens.errors import EmbedlensError, MissingDependencyError
+from embedlens.errors import EmbedlensError, MissingDependencyError, UsageError
 from embedlens.reports.lens import LensReport
 
 _CJK_FONTS = (
@@ -34,6 +34,7 @@ _CJK_FONTS = (
 )
 MAX_LABEL = 12
 """Tokens longer than this are cut in the cells (the JSON keeps them whole)."""
+PLOT_SUFFIXES = (".png", ".svg", ".html")
 
 
 def require_matplotlib() -> None:
@@ -42,6 +43,13 @@ def require_matplotlib() -> None:
         raise MissingDependencyError(
             "--plot needs matplotlib", hint="pip install 'embedlens[plot]'"
         )
+
+
+def check_plot_file(path: Path) -> None:
+    """Before any work: the file names a format the heatmap is drawn in, and matplotlib is there."""
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot '{path}': unknown format", hint="name a .png, .svg or .html file")
+    require_matplotlib()
 
 
 def _label(token: str) -> str:
