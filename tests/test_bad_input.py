@@ -81,6 +81,12 @@ EXTRA: dict[str, list[str]] = {
     "chat-template-loops": ["--chat", "hello"],
     "chat-template-huge": ["--chat", "hello"],
 }
+# `addr` given row ids reads only those rows' tokens; a token's text makes it read the whole
+# tokenizer, where these broken parts lie (test_addr covers a row id on a broken token).
+TAIL_FOR: dict[tuple[str, str], list[str]] = {
+    ("gguf-merge-without-space", "addr"): [" king"],
+    ("gguf-token-not-utf8", "addr"): [" king"],
+}
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
 T, S, M = "{tiny}", "{smol}", "no-such-model"
@@ -186,7 +192,8 @@ def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, comm
     work.mkdir()
     model = MAKERS[broken](work, tiny, smollm2)
     before = _digest(work)
-    err = run_in_empty_folder(command, model, *TAIL[command], *EXTRA.get(broken, []), code=1)
+    tail = TAIL_FOR.get((broken, command), TAIL[command])
+    err = run_in_empty_folder(command, model, *tail, *EXTRA.get(broken, []), code=1)
     assert BROKEN[broken].format(model=model) in err.splitlines()[0], err
     assert _digest(work) == before  # the broken copy itself is left as it was
 

@@ -58,8 +58,7 @@ def addr(
         bool,
         typer.Option(
             "--check/--no-check",
-            help="Read each row back from the file and compare it with the format's own "
-            "loader (gguf's reader takes seconds on a large vocabulary).",
+            help="Read each row back from the file and compare it with the format's own loader.",
         ),
     ] = True,
     as_json: JsonOpt = False,
@@ -76,7 +75,7 @@ def addr(
     in the tensor and in the file, the cost of a lookup against a one-hot product, and with --tp
     the rank that holds the row. The check reads just those rows' bytes.
     """
-    from embedlens.analysis.addr import addr_report
+    from embedlens.analysis.addr import addr_report, row_ids
     from embedlens.errors import UnsupportedError
     from embedlens.matrix import check_matrix, locate
     from embedlens.source import resolve
@@ -90,7 +89,8 @@ def addr(
         notes = list(table.notes)
         vocab: Vocab | None
         try:
-            vocab = load_vocab(source, table.checkpoint.gguf)
+            # Rows given as ids need only their own tokens, not the whole tokenizer.
+            vocab = load_vocab(source, table.checkpoint.gguf, only=row_ids(rows))
         except UnsupportedError as e:
             vocab = None
             notes.append(f"tokens are not shown: {e.message}")
@@ -154,7 +154,7 @@ def render_addr(r: AddrReport) -> RenderableType:
         lines.append(
             shown(
                 f"Read back: {c.rows_checked} row(s) read at file_offset are {verdict} to the "
-                f"rows {c.method} loads.",
+                f"rows loaded by {c.method}.",
                 style="green" if c.all_equal else "bold red",
             )
         )
