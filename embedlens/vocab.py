@@ -198,6 +198,17 @@ def _unsupported_kind(header: GGUFHeader, kind: str) -> UnsupportedError:
     )
 
 
+def _check_merges(header: GGUFHeader, kind: str, merges: bool, scores: bool) -> None:
+    """UnsupportedError naming the file when its BPE vocabulary has no merges to build from."""
+    if kind == "gpt2" and not merges:
+        what = "a byte-level vocabulary (tokenizer.ggml.model 'gpt2') without merges"
+    elif kind == "llama" and not merges and not scores:
+        what = "a SentencePiece vocabulary (tokenizer.ggml.model 'llama') with neither merges nor scores"
+    else:
+        return
+    raise UnsupportedError(f"'{header.path.name}' has {what}: its tokenizer cannot be rebuilt")
+
+
 def _corrupt(header: GGUFHeader, key: str, index: int, what: str) -> CheckpointError:
     return CheckpointError(
         f"'{header.path.name}' has a corrupt tokenizer: {key}[{index}] {what}",
@@ -255,6 +266,7 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE)."""
     meta = gguf_tokenizer(header)
     kind, tokens, types, merges = meta.kind, meta.tokens, meta.types, meta.merges
+    _check_merges(header, kind, merges is not None, meta.scores is not None)
     try:
         if kind == "gpt2":
             tok = _byte_level(tokens, merges, header.meta("tokenizer.ggml.pre"))
@@ -290,10 +302,7 @@ def gguf_rows_vocab(header: GGUFHeader, ids: Iterable[int]) -> Vocab:
     if kind not in ("gpt2", "llama"):
         raise _unsupported_kind(header, kind)
     merges = header.metadata.get("tokenizer.ggml.merges")
-    if kind == "gpt2" and merges is None:
-        raise UnsupportedError("this GGUF byte-level vocabulary has no merges")
-    if kind == "llama" and merges is None and "tokenizer.ggml.scores" not in header.metadata:
-        raise UnsupportedError("this GGUF SentencePiece vocabulary has neither merges nor scores")
+    _check_merges(header, kind, merges is not None, "tokenizer.ggml.scores" in header.metadata)
     if isinstance(merges, LazyArray) and merges.item_type != _STRING:
         raise _not_strings(header, "tokenizer.ggml.merges", merges)
     types = _numbers_at(header, "tokenizer.ggml.token_type", ids)
@@ -400,8 +409,7 @@ def _strings(array: LazyArray) -> tuple[list[str], int | None]:
 def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    if merges is None:
-        raise UnsupportedError("this GGUF byte-level vocabulary has no merges")
+    assert merges is not None, "vocab_from_gguf checks that a byte-level vocabulary has merges"
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
@@ -457,10 +465,9 @@ def _sentencepiece(
     vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
     if merges is not None:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-    elif scores is not None:
-        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
     else:
-        raise UnsupportedError("this GGUF SentencePiece vocabulary has neither merges nor scores")
+        assert scores is not None, "vocab_from_gguf checks for merges or scores"
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
     unk = "<unk>" if "<unk>" in vocab else None
     bpe = models.BPE(
         vocab=vocab,

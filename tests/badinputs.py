@@ -372,6 +372,32 @@ def gguf_token_not_utf8(tmp, tiny, smol):
     return _gguf_rewrite(smol, tmp / "latin.gguf", meta=meta)
 
 
+def _gguf_hide(smol: Path, out: Path, keys: list[str]) -> Path:
+    """A copy of a GGUF file whose metadata keys are renamed (last letter to 'X'): as if absent."""
+    data = smol.read_bytes()
+    for key in keys:
+        stored = struct.pack("<Q", len(key)) + key.encode()
+        assert data.count(stored) == 1, key
+        data = data.replace(stored, struct.pack("<Q", len(key)) + key[:-1].encode() + b"X")
+    out.write_bytes(data)
+    return out
+
+
+@maker
+def gguf_no_tokenizer(tmp, tiny, smol):
+    return _gguf_hide(smol, tmp / "notok.gguf", ["tokenizer.ggml.model"])
+
+
+@maker
+def gguf_tokenizer_unknown(tmp, tiny, smol):
+    return _gguf_rewrite(smol, tmp / "foo.gguf", meta={"tokenizer.ggml.model": (8, "foo")})
+
+
+@maker
+def gguf_no_merges(tmp, tiny, smol):
+    return _gguf_hide(smol, tmp / "nomerges.gguf", ["tokenizer.ggml.merges"])
+
+
 @maker
 def rope_type_unknown(tmp, tiny, smol):
     folder = _copy(tmp, tiny)

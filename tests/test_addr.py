@@ -297,3 +297,14 @@ def test_gguf_check_finds_the_row_on_its_own(smollm2):
     assert gguf_check(entry, [42, 4197], header)[1] == [True, True]
     shifted = replace(entry, file_offset=entry.file_offset + entry.row_bytes)
     assert gguf_check(shifted, [42, 4197], header)[1] == [False, False]
+
+
+def test_row_ids_on_a_gguf_without_a_usable_tokenizer(cli, smollm2, tiny, tmp_path):
+    """Ids need no tokenizer: the rows are addressed and a note says why tokens are not shown
+    (a token's text is an error, in the bad-input suite)."""
+    from tests.badinputs import MAKERS
+
+    broken = MAKERS["gguf-no-merges"](tmp_path, tiny, smollm2)
+    data = cli.json("addr", broken, "3")
+    assert data["rows"][0]["token"] is None and data["check"]["all_equal"] is True
+    assert any("without merges" in n for n in data["notes"])

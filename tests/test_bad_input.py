@@ -57,6 +57,10 @@ BROKEN = {
     "gguf-merge-without-space": "tokenizer.ggml.merges[5] 're' has no space between its two tokens",
     "gguf-tokens-as-numbers": "tokenizer.ggml.tokens is an array of GGUF type 5, not a list of str",
     "gguf-token-not-utf8": "tokenizer.ggml.tokens[7] b'\\xff\\xfe<gh_stars>' is not valid UTF-8",
+    "gguf-no-tokenizer": "'notok.gguf' carries no tokenizer in its metadata",
+    "gguf-tokenizer-unknown": "'foo.gguf' has a 'foo' tokenizer; embedlens rebuilds 'gpt2'",
+    "gguf-no-merges": "'nomerges.gguf' has a byte-level vocabulary (tokenizer.ggml.model 'gpt2') "
+    "without merges",
     "rope-type-unknown": "config.json of '{model}' asks for rope type 'bogus', which transformers",
     "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
     "no-tokenizer-json": "has no tokenizer.json",
@@ -70,6 +74,9 @@ ONLY: dict[str, tuple[str, ...]] = {
     "gguf-merge-without-space": ("neighbors", "addr", "lens"),
     "gguf-tokens-as-numbers": ("neighbors", "addr", "lens"),
     "gguf-token-not-utf8": ("neighbors", "addr", "lens"),
+    "gguf-no-tokenizer": ("neighbors", "addr", "lens"),
+    "gguf-tokenizer-unknown": ("neighbors", "addr", "lens"),
+    "gguf-no-merges": ("neighbors", "addr", "lens"),
     "rope-type-unknown": ("lens",),
     "tokenizer-without-added-tokens": ("lens",),
     "no-tokenizer-json": ("neighbors", "lens"),
@@ -84,8 +91,14 @@ EXTRA: dict[str, list[str]] = {
 # `addr` given row ids reads only those rows' tokens; a token's text makes it read the whole
 # tokenizer, where these broken parts lie (test_addr covers a row id on a broken token).
 TAIL_FOR: dict[tuple[str, str], list[str]] = {
-    ("gguf-merge-without-space", "addr"): [" king"],
-    ("gguf-token-not-utf8", "addr"): [" king"],
+    (broken, "addr"): [" king"]
+    for broken in (
+        "gguf-merge-without-space",
+        "gguf-token-not-utf8",
+        "gguf-no-tokenizer",
+        "gguf-tokenizer-unknown",
+        "gguf-no-merges",
+    )
 }
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).

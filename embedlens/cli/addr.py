@@ -88,10 +88,13 @@ def addr(
         table = locate(source, which, trust_remote_code=trust_remote_code)
         notes = list(table.notes)
         vocab: Vocab | None
+        ids = row_ids(rows)
         try:
             # Rows given as ids need only their own tokens, not the whole tokenizer.
-            vocab = load_vocab(source, table.checkpoint.gguf, only=row_ids(rows))
+            vocab = load_vocab(source, table.checkpoint.gguf, only=ids)
         except UnsupportedError as e:
+            if ids is None:  # a row given as text cannot be read without the tokenizer
+                raise
             vocab = None
             notes.append(f"tokens are not shown: {e.message}")
         report = addr_report(
