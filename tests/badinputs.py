@@ -442,3 +442,30 @@ def chat_template_loops(tmp, tiny, smol):
 @maker
 def chat_template_huge(tmp, tiny, smol):
     return _chat_template(tmp, tiny, "{{ 'x' * 20000000 }}")
+
+
+def _config_chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -> Path:
+    """The tiny model with its chat template in tokenizer_config.json."""
+    folder = _copy(tmp, tiny)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+@maker
+def chat_template_repeats(tmp, tiny, smol):
+    # one string multiplication of 10 GB, in C: no timer interrupts it
+    return _config_chat_template(tmp, tiny, "{{ 'x' * 10**10 }}")
+
+
+@maker
+def chat_template_power(tmp, tiny, smol):
+    return _config_chat_template(tmp, tiny, "{{ 7 ** 10000000000 }}")
+
+
+@maker
+def chat_template_range(tmp, tiny, smol):
+    return _config_chat_template(tmp, tiny, "{% for i in range(10**10) %}x{% endfor %}")

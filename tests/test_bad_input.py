@@ -65,7 +65,12 @@ BROKEN = {
     "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
     "no-tokenizer-json": "has no tokenizer.json",
     "chat-template-loops": "chat_template.jinja' renders more than 4,096 characters",
-    "chat-template-huge": "chat_template.jinja' renders more than 4,096 characters",
+    "chat-template-huge": "chat_template.jinja' computes a value of about 20,000,000 characters",
+    "chat-template-repeats": "tokenizer_config.json' computes a value of about 10,000,000,000 "
+    "characters with '*', more than the 4,096",
+    "chat-template-power": "tokenizer_config.json' computes a value of about 8,450,980,401 "
+    "characters with '**'",
+    "chat-template-range": "tokenizer_config.json' fails: Range too big",
 }
 assert set(BROKEN) == set(MAKERS)
 # The commands a broken model reaches; the others never read the broken part (params and tied
@@ -82,11 +87,17 @@ ONLY: dict[str, tuple[str, ...]] = {
     "no-tokenizer-json": ("neighbors", "lens"),
     "chat-template-loops": ("lens",),
     "chat-template-huge": ("lens",),
+    "chat-template-repeats": ("lens",),
+    "chat-template-power": ("lens",),
+    "chat-template-range": ("lens",),
 }
 # What a broken model needs besides TAIL to reach its broken part.
 EXTRA: dict[str, list[str]] = {
     "chat-template-loops": ["--chat", "hello"],
     "chat-template-huge": ["--chat", "hello"],
+    "chat-template-repeats": ["--chat", "hello"],
+    "chat-template-power": ["--chat", "hello"],
+    "chat-template-range": ["--chat", "hello"],
 }
 # `addr` given row ids reads only those rows' tokens; a token's text makes it read the whole
 # tokenizer, where these broken parts lie (test_addr covers a row id on a broken token).
