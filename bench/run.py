@@ -394,7 +394,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
         Row("addr, 3 rows (Qwen3-0.6B checkpoint)", [*el, "addr", str(qwen), "0", "42", "king", "--json"],
             import_torch, "python -c 'import torch'"),
         Row("addr, 2 rows (Q8_0 GGUF, 262k-token vocabulary)",
-            [*el, "addr", str(vocab_gguf), "0", "3999", "--json"],
+            [*el, "addr", str(vocab_gguf), "42", "1000", "--json"],
             import_torch, "python -c 'import torch'", abs_budget=1.0),
         Row("lens (SmolLM2, last position)",
             [*el, "lens", str(smol), "The capital of France is", "--json"],

@@ -372,6 +372,32 @@ def gguf_token_not_utf8(tmp, tiny, smol):
     return _gguf_rewrite(smol, tmp / "latin.gguf", meta=meta)
 
 
+def _gguf_hide(smol: Path, out: Path, keys: list[str]) -> Path:
+    """A copy of a GGUF file whose metadata keys are renamed (last letter to 'X'): as if absent."""
+    data = smol.read_bytes()
+    for key in keys:
+        stored = struct.pack("<Q", len(key)) + key.encode()
+        assert data.count(stored) == 1, key
+        data = data.replace(stored, struct.pack("<Q", len(key)) + key[:-1].encode() + b"X")
+    out.write_bytes(data)
+    return out
+
+
+@maker
+def gguf_no_tokenizer(tmp, tiny, smol):
+    return _gguf_hide(smol, tmp / "notok.gguf", ["tokenizer.ggml.model"])
+
+
+@maker
+def gguf_tokenizer_unknown(tmp, tiny, smol):
+    return _gguf_rewrite(smol, tmp / "foo.gguf", meta={"tokenizer.ggml.model": (8, "foo")})
+
+
+@maker
+def gguf_no_merges(tmp, tiny, smol):
+    return _gguf_hide(smol, tmp / "nomerges.gguf", ["tokenizer.ggml.merges"])
+
+
 @maker
 def rope_type_unknown(tmp, tiny, smol):
     folder = _copy(tmp, tiny)
@@ -416,3 +442,30 @@ def chat_template_loops(tmp, tiny, smol):
 @maker
 def chat_template_huge(tmp, tiny, smol):
     return _chat_template(tmp, tiny, "{{ 'x' * 20000000 }}")
+
+
+def _config_chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -> Path:
+    """The tiny model with its chat template in tokenizer_config.json."""
+    folder = _copy(tmp, tiny)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+@maker
+def chat_template_repeats(tmp, tiny, smol):
+    # one string multiplication of 10 GB, in C: no timer interrupts it
+    return _config_chat_template(tmp, tiny, "{{ 'x' * 10**10 }}")
+
+
+@maker
+def chat_template_power(tmp, tiny, smol):
+    return _config_chat_template(tmp, tiny, "{{ 7 ** 10000000000 }}")
+
+
+@maker
+def chat_template_range(tmp, tiny, smol):
+    return _config_chat_template(tmp, tiny, "{% for i in range(10**10) %}x{% endfor %}")

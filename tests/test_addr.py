@@ -134,7 +134,7 @@ def test_gguf_quantised_rows(cli, smollm2):
         row = dequantize(np.frombuffer(raw, dtype=np.uint8), GGMLQuantizationType.Q8_0)
         assert np.array_equal(row, ref.rows[r["row"]])
         assert r["check"] is True
-    assert data["check"]["method"] == "gguf.quants.dequantize"
+    assert data["check"]["method"] == "gguf.GGUFReader + gguf.quants.dequantize"
     assert data["costs"] == {
         "lookup_bytes_per_token": 612,
         "onehot_ops_per_token": 2 * 49152 * 576,
@@ -262,3 +262,49 @@ def test_missing_row_and_corrupt_file(cli, tiny, tmp_path):
     weights.write_bytes(weights.read_bytes()[:-100])
     assert "is truncated" in cli.fails("addr", folder, "0", code=1)
     assert TOKENIZER_LEN < VOCAB
+
+
+def test_row_ids_read_only_their_tokens(cli, smollm2, tiny, tmp_path):
+    """Rows given as ids show the tokens the whole tokenizer shows, and the tokenizer's size;
+    a broken token is named when a row asked for is that token, and left unread otherwise."""
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.model.tokenizer import vocab_from_gguf
+    from tests.badinputs import MAKERS
+
+    whole = vocab_from_gguf(read_gguf_header(smollm2))
+    data = cli.json("addr", smollm2, "0", "42", "4197", "49151")
+    assert data["tokenizer_size"] == whole.size == 49152
+    assert [r["token"] for r in data["rows"]] == [whole.text(i) for i in (0, 42, 4197, 49151)]
+    assert data["rows"][2]["token"] == " king"
+    broken = MAKERS["gguf-token-not-utf8"](tmp_path, tiny, smollm2)
+    err = cli.fails("addr", broken, "3", "7", code=1)
+    assert "tokenizer.ggml.tokens[7] b'\\xff\\xfe" in err and "is not valid UTF-8" in err
+    assert cli.json("addr", broken, "3")["rows"][0]["token"] == whole.text(3)
+
+
+def test_gguf_check_finds_the_row_on_its_own(smollm2):
+    """The read-back locates each row with gguf's reader: an entry whose offset is one row off
+    is found unequal, not compared with itself."""
+    from dataclasses import replace
+
+    from embedlens.analysis.addr import gguf_check
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate
+
+    table = locate(resolve(str(smollm2), None), "input", trust_remote_code=False)
+    entry, header = table.entry, table.checkpoint.gguf
+    assert header is not None and entry.file_offset is not None
+    assert gguf_check(entry, [42, 4197], header)[1] == [True, True]
+    shifted = replace(entry, file_offset=entry.file_offset + entry.row_bytes)
+    assert gguf_check(shifted, [42, 4197], header)[1] == [False, False]
+
+
+def test_row_ids_on_a_gguf_without_a_usable_tokenizer(cli, smollm2, tiny, tmp_path):
+    """Ids need no tokenizer: the rows are addressed and a note says why tokens are not shown
+    (a token's text is an error, in the bad-input suite)."""
+    from tests.badinputs import MAKERS
+
+    broken = MAKERS["gguf-no-merges"](tmp_path, tiny, smollm2)
+    data = cli.json("addr", broken, "3")
+    assert data["rows"][0]["token"] is None and data["check"]["all_equal"] is True
+    assert any("without merges" in n for n in data["notes"])

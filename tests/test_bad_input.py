@@ -57,11 +57,20 @@ BROKEN = {
     "gguf-merge-without-space": "tokenizer.ggml.merges[5] 're' has no space between its two tokens",
     "gguf-tokens-as-numbers": "tokenizer.ggml.tokens is an array of GGUF type 5, not a list of str",
     "gguf-token-not-utf8": "tokenizer.ggml.tokens[7] b'\\xff\\xfe<gh_stars>' is not valid UTF-8",
+    "gguf-no-tokenizer": "'notok.gguf' carries no tokenizer in its metadata",
+    "gguf-tokenizer-unknown": "'foo.gguf' has a 'foo' tokenizer; embedlens rebuilds 'gpt2'",
+    "gguf-no-merges": "'nomerges.gguf' has a byte-level vocabulary (tokenizer.ggml.model 'gpt2') "
+    "without merges",
     "rope-type-unknown": "config.json of '{model}' asks for rope type 'bogus', which transformers",
     "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
     "no-tokenizer-json": "has no tokenizer.json",
     "chat-template-loops": "chat_template.jinja' renders more than 4,096 characters",
-    "chat-template-huge": "chat_template.jinja' renders more than 4,096 characters",
+    "chat-template-huge": "chat_template.jinja' computes a value of about 20,000,000 characters",
+    "chat-template-repeats": "tokenizer_config.json' computes a value of about 10,000,000,000 "
+    "characters with '*', more than the 4,096",
+    "chat-template-power": "tokenizer_config.json' computes a value of about 8,450,980,401 "
+    "characters with '**'",
+    "chat-template-range": "tokenizer_config.json' fails: Range too big",
 }
 assert set(BROKEN) == set(MAKERS)
 # The commands a broken model reaches; the others never read the broken part (params and tied
@@ -70,16 +79,37 @@ ONLY: dict[str, tuple[str, ...]] = {
     "gguf-merge-without-space": ("neighbors", "addr", "lens"),
     "gguf-tokens-as-numbers": ("neighbors", "addr", "lens"),
     "gguf-token-not-utf8": ("neighbors", "addr", "lens"),
+    "gguf-no-tokenizer": ("neighbors", "addr", "lens"),
+    "gguf-tokenizer-unknown": ("neighbors", "addr", "lens"),
+    "gguf-no-merges": ("neighbors", "addr", "lens"),
     "rope-type-unknown": ("lens",),
     "tokenizer-without-added-tokens": ("lens",),
     "no-tokenizer-json": ("neighbors", "lens"),
     "chat-template-loops": ("lens",),
     "chat-template-huge": ("lens",),
+    "chat-template-repeats": ("lens",),
+    "chat-template-power": ("lens",),
+    "chat-template-range": ("lens",),
 }
 # What a broken model needs besides TAIL to reach its broken part.
 EXTRA: dict[str, list[str]] = {
     "chat-template-loops": ["--chat", "hello"],
     "chat-template-huge": ["--chat", "hello"],
+    "chat-template-repeats": ["--chat", "hello"],
+    "chat-template-power": ["--chat", "hello"],
+    "chat-template-range": ["--chat", "hello"],
+}
+# `addr` given row ids reads only those rows' tokens; a token's text makes it read the whole
+# tokenizer, where these broken parts lie (test_addr covers a row id on a broken token).
+TAIL_FOR: dict[tuple[str, str], list[str]] = {
+    (broken, "addr"): [" king"]
+    for broken in (
+        "gguf-merge-without-space",
+        "gguf-token-not-utf8",
+        "gguf-no-tokenizer",
+        "gguf-tokenizer-unknown",
+        "gguf-no-merges",
+    )
 }
 
 # Bad arguments to good models: (command, model, arguments, exit code, part of the error line).
@@ -187,7 +217,8 @@ def test_broken_model(run_in_empty_folder, tiny, smollm2, tmp_path, broken, comm
     work.mkdir()
     model = MAKERS[broken](work, tiny, smollm2)
     before = _digest(work)
-    err = run_in_empty_folder(command, model, *TAIL[command], *EXTRA.get(broken, []), code=1)
+    tail = TAIL_FOR.get((broken, command), TAIL[command])
+    err = run_in_empty_folder(command, model, *tail, *EXTRA.get(broken, []), code=1)
     assert BROKEN[broken].format(model=model) in err.splitlines()[0], err
     assert _digest(work) == before  # the broken copy itself is left as it was
 

@@ -144,3 +144,27 @@ def test_commands_on_a_sentencepiece_gguf(tmp_path, cli, command):
     else:
         (row,) = data["rows"]
         assert data["dtype"] == "F32" and row["token"] == " king" and row["check"] is True
+
+
+def _texts(vocab, ids):
+    return [vocab.text(i) for i in ids], vocab.size, {i for i in vocab.special_ids if i in ids}
+
+
+def test_rows_vocab_shows_what_the_whole_one_shows(tmp_path, smollm2):
+    """gguf_rows_vocab reads only the ids asked for; their texts (byte tokens, '▁' pieces,
+    control and user-defined tokens, SmolLM2's whole byte-level vocabulary) and the size are
+    those of the tokenizer rebuilt whole, and it refuses to encode."""
+    from embedlens.model.tokenizer import gguf_rows_vocab
+
+    tokens, scores, types = _sentencepiece_vocab()
+    types[tokens.index("▁king")] = 4  # user-defined
+    sp = _write_gguf(tmp_path / "sp.gguf", tokens, model="llama", scores=scores, types=types)
+    for path in (sp, smollm2):
+        header = read_gguf_header(path)
+        whole = vocab_from_gguf(header)
+        ids = list(range(whole.size))
+        assert _texts(gguf_rows_vocab(header, ids), ids) == _texts(whole, ids)
+        few = [whole.size - 1, 3, 1]
+        assert _texts(gguf_rows_vocab(header, few), few) == _texts(whole, few)
+    with pytest.raises(ValueError, match="only some ids"):
+        gguf_rows_vocab(header, [1]).encode("king")

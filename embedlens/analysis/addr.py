@@ -3,8 +3,8 @@
 The arithmetic reads headers only. A row starts at row x row_bytes from the tensor's first byte;
 row_bytes is d x element size for plain dtypes and d / block elements x block bytes for GGUF
 quantised blocks. The proof reads the row's bytes at its file offset and compares them with the
-row as the format's own library loads it (safetensors' `safe_open`); a GGUF row's blocks are
-dequantised by gguf's dequantiser and compared with the row as embedlens' reader widens it.
+row as the format's own library loads it (safetensors' `safe_open`); a GGUF row with the row's
+bytes where gguf's own reader finds it, and with its values as gguf's dequantiser widens them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
+from embedlens.io.gguf import GGUFHeader, LazyArray
 from embedlens.io.source import resolve
 from embedlens.model import words
 from embedlens.model.matrix import Table, Which, check_matrix, check_row_range, locate
@@ -80,6 +82,13 @@ def costs(rows: int, width: int, row_bytes: int, tokens: int | None) -> Costs:
     )
 
 
+def row_ids(given: Sequence[str]) -> list[int] | None:
+    """The rows as ids when every ROW is one; None when a ROW is a token's text."""
+    if not given or not all(_ID.match(text.strip()) for text in given):
+        return None
+    return [int(text) for text in given]
+
+
 def resolve_rows(
     given: Sequence[str], vocab: Vocab | None, total: int
 ) -> list[tuple[str, int, list[int]]]:
@@ -136,10 +145,16 @@ def _raw_dtype_names() -> Iterator[None]:
             np.sctypeDict.pop(name, None)
 
 
-def gguf_check(entry: TensorEntry, rows: Sequence[int]) -> tuple[str, list[bool]]:
-    """Each GGUF row's blocks, read at its file offset and dequantised by gguf's dequantiser,
-    against the same row as embedlens' memory-mapped reader (matrix.Rows) widens it. Only the
-    rows' bytes are read: gguf's GGUFReader would decode the whole vocabulary first."""
+def gguf_check(
+    entry: TensorEntry, rows: Sequence[int], header: GGUFHeader
+) -> tuple[str, list[bool]]:
+    """Each GGUF row as gguf's own reader places it and gguf's dequantiser widens it, against
+    the row's bytes read at embedlens' file offset and the row as embedlens' memory-mapped reader
+    (matrix.Rows, what `neighbors` reads) widens it. gguf's GGUFReader walks the header itself
+    (keys, values, tensor infos, alignment, data offset), except that it steps over each long
+    string array (the vocabulary, the merges) by the span embedlens measured: decoding them is
+    what makes it take seconds (a wrong span would derail its walk, not pass it), and takes
+    each numeric array whole."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -150,13 +165,51 @@ def gguf_check(entry: TensorEntry, rows: Sequence[int]) -> tuple[str, list[bool]
         qtype = GGMLQuantizationType[entry.dtype]
     except KeyError as e:
         raise UnsupportedError(f"gguf cannot dequantise ggml type {entry.dtype}") from e
+    theirs = _gguf_reader_rows(header, entry.name, rows)
     mapped = Rows(entry, "gguf").take(list(rows))
     results = []
-    for r, mine in zip(rows, mapped, strict=True):
-        raw = np.frombuffer(raw_row(entry, r), dtype=np.uint8)
-        ref = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(-1)
-        results.append(bool(np.array_equal(ref, mine, equal_nan=True)))
-    return "gguf.quants.dequantize", results
+    for r, ref, mine in zip(rows, theirs, mapped, strict=True):
+        widened = np.asarray(dequantize(np.frombuffer(ref, np.uint8), qtype), dtype=np.float32)
+        same = raw_row(entry, r) == ref
+        results.append(same and bool(np.array_equal(widened.reshape(-1), mine, equal_nan=True)))
+    return "gguf.GGUFReader + gguf.quants.dequantize", results
+
+
+def _gguf_reader_rows(header: GGUFHeader, name: str, rows: Sequence[int]) -> list[bytes]:
+    """The rows' bytes of tensor `name` as gguf's GGUFReader lays the file out."""
+    import struct
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    spans = {a.start: a.end for a in header.metadata.values() if isinstance(a, LazyArray)}
+
+    class HeaderReader(GGUFReader):
+        """GGUFReader that takes a long array whole instead of one item at a time."""
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item, count = (int(x) for x in struct.unpack_from("<IQ", self.data, orig_offs))
+            parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+            types = [GGUFValueType.ARRAY, GGUFValueType(item)]
+            start = orig_offs + 12  # past the array's item type and length
+            if item == GGUFValueType.STRING and start in spans:
+                return spans[start] - orig_offs, parts, [], types
+            scalar = self.gguf_scalar_to_np.get(GGUFValueType(item))
+            if scalar is None:
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts.append(self._get(start, scalar, count))
+            return int(sum(p.nbytes for p in parts)), parts, [2], types
+
+    try:
+        reader = HeaderReader(header.path)
+        tensor = next(t for t in reader.tensors if t.name == name)
+        return [np.asarray(tensor.data[r]).tobytes() for r in rows]
+    except (ValueError, KeyError, IndexError, StopIteration, struct.error) as e:
+        raise CheckpointError(
+            f"gguf's reader disagrees with embedlens on '{header.path.name}': {e}"
+        ) from e
 
 
 def reference_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, list[bytes]]:
@@ -202,7 +255,8 @@ def addr_report(
     elif entry.path is None or entry.file_offset is None:
         skipped = f"'{entry.file}' is not downloaded: its header was read from the hub"
     elif table.checkpoint.format == "gguf":
-        method, checks = gguf_check(entry, [r for _, r, _ in found])
+        assert table.checkpoint.gguf is not None
+        method, checks = gguf_check(entry, [r for _, r, _ in found], table.checkpoint.gguf)
         results = list(checks)
     else:
         method, refs = reference_rows(entry.path, entry.name, [r for _, r, _ in found])
@@ -285,11 +339,15 @@ def addr(
     source = resolve(spec, revision)
     table = locate(source, which)
     notes = list(table.notes)
+    texts = [str(r) for r in given]
+    ids = row_ids(texts)
     vocab: Vocab | None
     try:
-        vocab = load_vocab(source, table.checkpoint.gguf)
+        # Rows given as ids need only their own tokens, not the whole tokenizer.
+        vocab = load_vocab(source, table.checkpoint.gguf, only=ids)
     except UnsupportedError as e:
+        if ids is None:  # a row given as text cannot be read without the tokenizer
+            raise
         vocab = None
         notes.append(f"tokens are not shown: {e.message}")
-    texts = [str(r) for r in given]
     return addr_report(spec, table, vocab, texts, tokens=tokens, tp=tp, check=check, notes=notes)

@@ -13,6 +13,7 @@ import importlib.util
 import mmap
 import struct
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,33 @@ class LazyArray:
             buf = fh.read(self.end - self.start)
         cursor = _Cursor(buf, 0, str(self.path), budget=len(buf))
         return [cursor.value(self.item_type) for _ in range(self.count)]
+
+    def items_at(self, indices: Iterable[int]) -> dict[int, Any]:
+        """Only the given items, read where they lie: a string as its raw bytes (strings are
+        walked to the last index asked for, without decoding the others), a number as itself."""
+        wanted = sorted({i for i in indices if 0 <= i < self.count})
+        if not wanted:
+            return {}
+        with open(self.path, "rb") as fh:
+            if self.item_type in _SCALARS:
+                fmt, size = _SCALARS[self.item_type]
+                out = {}
+                for i in wanted:
+                    fh.seek(self.start + i * size)
+                    out[i] = struct.unpack(fmt, fh.read(size))[0]
+                return out
+            if self.item_type != _STRING:
+                raise CheckpointError(f"'{self.path.name}' has an unsupported GGUF array type")
+            fh.seek(self.start)
+            buf = fh.read(self.end - self.start)
+        found: dict[int, Any] = {}
+        pos, unpack, want = 0, _U64.unpack_from, set(wanted)
+        for i in range(wanted[-1] + 1):  # the span was checked when the header was parsed
+            (n,) = unpack(buf, pos)
+            if i in want:
+                found[i] = bytes(buf[pos + 8 : pos + 8 + n])
+            pos += 8 + n
+        return found
 
 
 @dataclass(frozen=True)

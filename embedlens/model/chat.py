@@ -6,6 +6,7 @@ characters must end in a clear error, not a hang or gigabytes of text to tokenis
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -38,8 +39,17 @@ def render(render_fn: Callable[[], Any], *, limit: int, what: str) -> str:
         f"{what} renders more than {limit:,} characters, more than the model's context can hold",
         hint="the template is broken; fix it, or run without --chat",
     )
-    with _output_bound(limit, too_long), _time_bound(SECONDS, what):
-        text = str(render_fn())
+    with (
+        _output_bound(limit, too_long),
+        _bounded_operators(limit, what),
+        _time_bound(SECONDS, what),
+    ):
+        try:
+            text = str(render_fn())
+        except OverflowError as e:  # the sandbox's bound on range(), or a float too large
+            raise ConfigError(
+                f"{what} fails: {e}", hint="the template is broken; fix it, or run without --chat"
+            ) from e
     if len(text) > limit:
         raise too_long
     return text
@@ -66,6 +76,48 @@ def _output_bound(limit: int, error: ConfigError) -> Iterator[None]:
         yield
     finally:
         jinja2.Environment.concat = before
+
+
+@contextmanager
+def _bounded_operators(limit: int, what: str) -> Iterator[None]:
+    """Make Jinja's sandbox refuse a `*` or `**` whose result would pass `limit` characters
+    (or digits) before computing it: `'x' * 10**10` runs in C, where no timer interrupts it.
+    Templates compiled while this is open call the check (transformers compiles a template in
+    its sandbox on first use); Jinja folds no intercepted operator at compile time."""
+    from jinja2.sandbox import SandboxedEnvironment
+
+    def call_binop(env: Any, context: Any, operator: str, left: Any, right: Any) -> Any:
+        size = _result_size(operator, left, right)
+        if size is not None and size > limit:
+            raise ConfigError(
+                f"{what} computes a value of about {size:,} characters with '{operator}', more "
+                f"than the {limit:,} the model's context can hold",
+                hint="the template is broken; fix it, or run without --chat",
+            )
+        return before_call(env, context, operator, left, right)
+
+    before_ops = SandboxedEnvironment.__dict__["intercepted_binops"]
+    before_call = SandboxedEnvironment.__dict__["call_binop"]
+    SandboxedEnvironment.intercepted_binops = before_ops | {"*", "**"}
+    SandboxedEnvironment.call_binop = call_binop  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SandboxedEnvironment.intercepted_binops = before_ops
+        SandboxedEnvironment.call_binop = before_call  # type: ignore[method-assign]
+
+
+def _result_size(operator: str, left: Any, right: Any) -> int | None:
+    """The length of a repeated sequence, or the decimal digits of a power of integers; None
+    for anything else."""
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                return len(seq) * max(n, 0)
+        return None
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        return int(right * math.log10(abs(left))) + 1 if abs(left) > 1 else 1
+    return None
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _STRING = 8  # GGUF metadata value type of a string
+_NUMBERS = frozenset({0, 1, 2, 3, 4, 5, 6, 10, 11, 12})  # GGUF integer and float types
 _SPACE = "\u2581"  # SentencePiece's stand-in for a space
 _SURROGATES = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8
 
@@ -59,11 +60,19 @@ class Vocab:
     unk_id: int | None
     origin: str
     """Where it came from: 'tokenizer.json' or 'GGUF metadata'."""
+    only: frozenset[int] | None = None
+    """When set, the tokenizer holds just these ids (gguf_rows_vocab): it shows them, and
+    refuses to encode or look up text."""
     _text: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, no special tokens added (no BOS)."""
+        self._whole()
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _whole(self) -> None:
+        if self.only is not None:
+            raise ValueError("this vocabulary holds only some ids: it cannot read text")
 
     def piece(self, token_id: int) -> str | None:
         """The vocabulary entry as stored ('Ġking', '▁king'), or None outside the vocabulary."""
@@ -84,14 +93,19 @@ class Vocab:
 
     def lookup(self, text: str) -> int | None:
         """The id of the vocabulary entry spelled exactly `text` (stored form), if there is one."""
+        self._whole()
         return self.tokenizer.token_to_id(text)
 
 
-def load_vocab(source: ModelSource, gguf: GGUFHeader | None = None) -> Vocab:
-    """The model's tokenizer: tokenizer.json beside the weights, or a GGUF file's metadata."""
+def load_vocab(
+    source: ModelSource, gguf: GGUFHeader | None = None, *, only: Iterable[int] | None = None
+) -> Vocab:
+    """The model's tokenizer: tokenizer.json beside the weights, or a GGUF file's metadata
+    (with `only`, just those ids of it: gguf_rows_vocab)."""
     if source.is_gguf:
         assert source.path is not None
-        return vocab_from_gguf(gguf or read_gguf_header(source.path))
+        header = gguf or read_gguf_header(source.path)
+        return vocab_from_gguf(header) if only is None else gguf_rows_vocab(header, only)
     path = source.find("tokenizer.json")
     if path is None:
         raise UnsupportedError(
@@ -153,10 +167,7 @@ class GGUFTokenizer:
 def gguf_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
     """Read and check a GGUF file's tokenizer arrays: CheckpointError naming the key and the
     entry when one is not what the format says (strings in UTF-8, merges as 'left right')."""
-    kind = header.meta("tokenizer.ggml.model")
-    raw_tokens = header.metadata.get("tokenizer.ggml.tokens")
-    if kind is None or raw_tokens is None:
-        raise UnsupportedError(f"'{header.path.name}' carries no tokenizer in its metadata")
+    kind = _gguf_kind(header)
     tokens = _string_array(header, "tokenizer.ggml.tokens")
     merges = _string_array(header, "tokenizer.ggml.merges")
     for i, merge in enumerate(merges or ()):
@@ -170,6 +181,33 @@ def gguf_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
     types = _number_array(header, "tokenizer.ggml.token_type", int) or []
     scores = _number_array(header, "tokenizer.ggml.scores", float)
     return GGUFTokenizer(str(kind), tokens or [], [int(t) for t in types], merges, scores)
+
+
+def _gguf_kind(header: GGUFHeader) -> str:
+    """The GGUF tokenizer's model ('gpt2', 'llama', ...); UnsupportedError when it has none."""
+    kind = header.meta("tokenizer.ggml.model")
+    if kind is None or header.metadata.get("tokenizer.ggml.tokens") is None:
+        raise UnsupportedError(f"'{header.path.name}' carries no tokenizer in its metadata")
+    return str(kind)
+
+
+def _unsupported_kind(header: GGUFHeader, kind: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"'{header.path.name}' has a '{kind}' tokenizer; embedlens rebuilds 'gpt2' "
+        "(byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies from GGUF metadata",
+        hint="use the model's folder with its tokenizer.json instead",
+    )
+
+
+def _check_merges(header: GGUFHeader, kind: str, merges: bool, scores: bool) -> None:
+    """UnsupportedError naming the file when its BPE vocabulary has no merges to build from."""
+    if kind == "gpt2" and not merges:
+        what = "a byte-level vocabulary (tokenizer.ggml.model 'gpt2') without merges"
+    elif kind == "llama" and not merges and not scores:
+        what = "a SentencePiece vocabulary (tokenizer.ggml.model 'llama') with neither merges nor scores"
+    else:
+        return
+    raise UnsupportedError(f"'{header.path.name}' has {what}: its tokenizer cannot be rebuilt")
 
 
 def _corrupt(header: GGUFHeader, key: str, index: int, what: str) -> CheckpointError:
@@ -190,14 +228,18 @@ def _string_array(header: GGUFHeader, key: str) -> list[str] | None:
         strings = value
         bad = next((i for i, t in enumerate(strings) if _SURROGATES.search(t)), None)
     else:
-        raise CheckpointError(
-            f"'{header.path.name}' has a corrupt tokenizer: {key} is {_kind(value)}, not a list "
-            "of strings"
-        )
+        raise _not_strings(header, key, value)
     if bad is not None:
         raw = strings[bad].encode("utf-8", "surrogateescape")
         raise _corrupt(header, key, bad, f"{raw!r} is not valid UTF-8")
     return strings
+
+
+def _not_strings(header: GGUFHeader, key: str, value: object) -> CheckpointError:
+    return CheckpointError(
+        f"'{header.path.name}' has a corrupt tokenizer: {key} is {_kind(value)}, not a list "
+        "of strings"
+    )
 
 
 def _number_array(header: GGUFHeader, key: str, kind: type) -> list[Any] | None:
@@ -225,6 +267,7 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE)."""
     meta = gguf_tokenizer(header)
     kind, tokens, types, merges = meta.kind, meta.tokens, meta.types, meta.merges
+    _check_merges(header, kind, merges is not None, meta.scores is not None)
     try:
         if kind == "gpt2":
             tok = _byte_level(tokens, merges, header.meta("tokenizer.ggml.pre"))
@@ -232,11 +275,7 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
             add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
             tok = _sentencepiece(tokens, merges, meta.scores, add_space=bool(add_space))
         else:
-            raise UnsupportedError(
-                f"'{header.path.name}' has a '{kind}' tokenizer; embedlens rebuilds 'gpt2' "
-                "(byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies from GGUF metadata",
-                hint="use the model's folder with its tokenizer.json instead",
-            )
+            raise _unsupported_kind(header, kind)
         _add_gguf_tokens(tok, tokens, types, byte_level=kind == "gpt2")
     except (UnsupportedError, CheckpointError):
         raise
@@ -247,6 +286,80 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     unk = header.meta("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == _CONTROL}
     return _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
+
+
+def gguf_rows_vocab(header: GGUFHeader, ids: Iterable[int]) -> Vocab:
+    """A GGUF vocabulary that shows just the given ids, their pieces read straight from the
+    token array: rebuilding a 262k-token tokenizer takes a second, this a few milliseconds.
+    Each token is decoded by a tokenizer holding only the asked pieces, built as
+    vocab_from_gguf builds the whole one, so its text is the same. A short vocabulary is
+    loaded whole (vocab_from_gguf)."""
+    kind = _gguf_kind(header)
+    value = header.metadata["tokenizer.ggml.tokens"]
+    if not isinstance(value, LazyArray):
+        return vocab_from_gguf(header)
+    if value.item_type != _STRING:
+        raise _not_strings(header, "tokenizer.ggml.tokens", value)
+    if kind not in ("gpt2", "llama"):
+        raise _unsupported_kind(header, kind)
+    merges = header.metadata.get("tokenizer.ggml.merges")
+    _check_merges(header, kind, merges is not None, "tokenizer.ggml.scores" in header.metadata)
+    if isinstance(merges, LazyArray) and merges.item_type != _STRING:
+        raise _not_strings(header, "tokenizer.ggml.merges", merges)
+    types = _numbers_at(header, "tokenizer.ggml.token_type", ids)
+    _numbers_at(header, "tokenizer.ggml.scores", ())
+    pieces: dict[int, str] = {}
+    for i, raw in value.items_at(ids).items():
+        try:
+            pieces[i] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _corrupt(
+                header, "tokenizer.ggml.tokens", i, f"{raw!r} is not valid UTF-8"
+            ) from None
+    order = sorted(pieces)
+    tokens = [pieces[i] for i in order]
+    kinds = [int(types.get(i, 0)) for i in order]
+    try:
+        tok = _partial_tokenizer(dict(zip(tokens, order, strict=True)), byte_level=kind == "gpt2")
+        _add_gguf_tokens(tok, tokens, kinds, byte_level=kind == "gpt2")
+    except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
+        raise CheckpointError(
+            f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
+        ) from e
+    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    special = {i for i, t in zip(order, kinds, strict=True) if t == _CONTROL}
+    vocab = _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
+    return replace(vocab, size=value.count, only=frozenset(order))
+
+
+def _numbers_at(header: GGUFHeader, key: str, ids: Iterable[int]) -> dict[int, Any]:
+    """The given items of a numeric array (token types, scores), checked as _number_array
+    checks the whole one."""
+    value = header.metadata.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, LazyArray):
+        numbers = _number_array(header, key, float) or []
+        return {i: numbers[i] for i in ids if 0 <= i < len(numbers)}
+    if value.item_type not in _NUMBERS:
+        raise CheckpointError(
+            f"'{header.path.name}' has a corrupt tokenizer: {key} is {_kind(value)}, not a list "
+            f"of numbers"
+        )
+    return value.items_at(ids)
+
+
+def _partial_tokenizer(vocab: dict[str, int], *, byte_level: bool) -> Tokenizer:
+    """A tokenizer of just these pieces (ids kept), decoding as the whole one decodes."""
+    from tokenizers import Tokenizer, models
+
+    if byte_level:
+        spelling = byte_alphabet()
+        alphabet = set(spelling.values())
+        vocab = {_respelled(t, spelling, alphabet): i for t, i in vocab.items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))  # type: ignore[arg-type]
+    tok.decoder = _byte_level_decoder() if byte_level else _sentencepiece_decoder()
+    return tok
 
 
 def _wrap(
@@ -295,17 +408,14 @@ def _strings(array: LazyArray) -> tuple[list[str], int | None]:
 
 
 def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    if merges is None:
-        raise UnsupportedError("this GGUF byte-level vocabulary has no merges")
+    assert merges is not None, "vocab_from_gguf checks that a byte-level vocabulary has merges"
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
-        if not set(token) <= alphabet:  # stored as text: respell it in the byte alphabet
-            token = "".join(spelling[b] for b in token.encode("utf-8", "surrogateescape"))
-        vocab.setdefault(token, index)
+        vocab.setdefault(_respelled(token, spelling, alphabet), index)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)  # type: ignore[arg-type]
     tok = Tokenizer(bpe)
@@ -319,8 +429,29 @@ def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tok
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = _byte_level_decoder()
     return tok
+
+
+def _respelled(token: str, spelling: dict[int, str], alphabet: set[str]) -> str:
+    """A byte-level token in the byte alphabet: a token stored as text is respelled."""
+    if set(token) <= alphabet:
+        return token
+    return "".join(spelling[b] for b in token.encode("utf-8", "surrogateescape"))
+
+
+def _byte_level_decoder() -> Any:
+    from tokenizers import decoders
+
+    return decoders.ByteLevel()
+
+
+def _sentencepiece_decoder() -> Any:
+    from tokenizers import decoders
+
+    return decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
 
 
 def _sentencepiece(
@@ -330,15 +461,14 @@ def _sentencepiece(
     *,
     add_space: bool,
 ) -> Tokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
     if merges is not None:
         pairs = [_merge_pair(m) for m in merges]
-    elif scores is not None:
-        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
     else:
-        raise UnsupportedError("this GGUF SentencePiece vocabulary has neither merges nor scores")
+        assert scores is not None, "vocab_from_gguf checks for merges or scores"
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
     unk = "<unk>" if "<unk>" in vocab else None
     bpe = models.BPE(
         vocab=vocab,
@@ -351,9 +481,7 @@ def _sentencepiece(
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=_SPACE, prepend_scheme="first" if add_space else "never", split=False
     )
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
+    tok.decoder = _sentencepiece_decoder()
     return tok
 
 

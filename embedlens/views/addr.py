@@ -85,7 +85,7 @@ def _read_back(r: AddrReport) -> Text:
     verdict = "equal" if c.all_equal else "NOT equal"
     return shown(
         f"Read back: {c.rows_checked} row(s) read at file_offset are {verdict} to the "
-        f"rows {c.method} loads.",
+        f"rows loaded by {c.method}.",
         style="green" if c.all_equal else "bold red",
     )
 
