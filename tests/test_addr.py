@@ -291,7 +291,7 @@ def test_gguf_check_finds_the_row_on_its_own(smollm2):
     from embedlens.io.source import resolve
     from embedlens.model.matrix import locate
 
-    table = locate(resolve(str(smollm2), None), "input", trust_remote_code=False)
+    table = locate(resolve(str(smollm2), None), "input")
     entry, header = table.entry, table.checkpoint.gguf
     assert header is not None and entry.file_offset is not None
     assert gguf_check(entry, [42, 4197], header)[1] == [True, True]

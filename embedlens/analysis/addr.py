@@ -190,7 +190,10 @@ def _gguf_reader_rows(header: GGUFHeader, name: str, rows: Sequence[int]) -> lis
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
             if raw_type != GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
-            item, count = (int(x) for x in struct.unpack_from("<IQ", self.data, orig_offs))
+            item, count = (
+                int(x)
+                for x in struct.unpack("<IQ", self.data[orig_offs : orig_offs + 12].tobytes())
+            )
             parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
             types = [GGUFValueType.ARRAY, GGUFValueType(item)]
             start = orig_offs + 12  # past the array's item type and length
@@ -241,8 +244,10 @@ def addr_report(
     entry = table.entry
     v, d = table.rows, table.width
     found = resolve_rows(given, vocab, v)
-    for text, _, ids in found if vocab is not None else []:
-        if not _ID.match(text.strip()):  # a word: say how it split, and its spaced form
+    for text, _, ids in found:
+        if vocab is not None and not _ID.match(
+            text.strip()
+        ):  # a word: say how it split, and its spaced form
             notes += words.word_notes(text, ids, vocab.encode, vocab.text, verb="addressed")
     split = None if tp is None else tp_split(v, tp, entry.row_bytes)
     cost = costs(v, d, entry.row_bytes, tokens)

@@ -362,9 +362,9 @@ def resolve_layers(items: list[LayerItem], num_layers: int) -> list[int]:
             out.append(n % (top + 1))
         else:
             start, stop, step = item
-            for n in (start, stop):
-                if n is not None:
-                    check(n, stop=n is stop)
+            for bound in (start, stop):
+                if bound is not None:
+                    check(bound, stop=bound is stop)
             out.extend(range(top + 1)[slice(start, stop, step)])
     if not out:
         raise UsageError("--layers selects no layer")

@@ -99,7 +99,7 @@ def find_blocks(model: nn.Module) -> Blocks:
             found = None
         if isinstance(found, nn.Module):
             root = found
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     expected = getattr(text, "num_hidden_layers", None)
     names = {id(m): n for n, m in model.named_modules()}
@@ -156,7 +156,7 @@ def _forward(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor | None) -> 
     if keep is not None and "logits_to_keep" in params:
         kwargs["logits_to_keep"] = keep.to(ids.device)
     out = model(input_ids=ids, **kwargs)
-    logits = out.logits if hasattr(out, "logits") else out[0]
+    logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]
     if keep is not None and "logits_to_keep" not in params:
         logits = logits[:, keep.to(logits.device)]
     return logits
@@ -223,7 +223,8 @@ def _capture(
 
 
 def _head_hooks(model: nn.Module, cap: _Capture) -> list[Any]:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
         return []
 

@@ -247,10 +247,10 @@ def cosines(
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             norms = np.sqrt(np.einsum("ij,ij->i", block, block))
             dots = block @ qt
-            bad = np.zeros(len(block), dtype=bool)
+            bad: npt.NDArray[np.bool_] = np.zeros(len(block), dtype=bool)
             redo = ~(np.isfinite(norms) & np.isfinite(dots).all(axis=1))
             if redo.any():
-                bad = ~np.isfinite(block).all(axis=1)
+                bad = np.asarray(~np.isfinite(block).all(axis=1))
                 broken.extend(int(i) + start for i in np.flatnonzero(bad))
                 redo &= ~bad
             if redo.any():

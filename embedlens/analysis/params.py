@@ -107,7 +107,9 @@ def params_report(
         raise CheckpointError("the model has no parameters")
     bytes_known = all(b is not None for _, _, b in placed)
 
-    def group_rows(key_of: dict[str, list[tuple[int, int | None]]], order: tuple[str, ...]):
+    def group_rows(
+        key_of: dict[str, list[tuple[int, int | None]]], order: tuple[str, ...]
+    ) -> list[ParamGroup]:
         rows = []
         for name in order:
             entries = key_of.get(name)

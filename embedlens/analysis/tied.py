@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.params import check_modes
 from embedlens.io.source import resolve
-from embedlens.model.inventory import Inventory, from_model, take_inventory
+from embedlens.model.inventory import Inventory, InventoryMode, from_model, take_inventory
 from embedlens.model.loaded import (
     check_loaded,
     is_spec,
@@ -62,7 +62,7 @@ def tied(
         header_inv = take_inventory(source, "header", trust_remote_code=trust_remote_code)[0]
     inv, built_model, check = header_inv, None, None
     if meta_only or load:
-        mode = "meta" if meta_only else "weights"
+        mode: InventoryMode = "meta" if meta_only else "weights"
         inv, _, built_model = take_inventory(
             source, mode, trust_remote_code=trust_remote_code, dtype=dtype, device=device
         )

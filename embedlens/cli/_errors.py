@@ -10,9 +10,10 @@ from typing import ParamSpec, TypeVar
 
 import typer
 
-from embedlens.cli._output import err_console, shown, silence_stdout
+from embedlens.cli._output import err_console, silence_stdout
 from embedlens.errors import EmbedlensError, UsageError
 from embedlens.text import debug_enabled, one_line
+from embedlens.views.format import shown
 
 P = ParamSpec("P")
 R = TypeVar("R")

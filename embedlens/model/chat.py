@@ -99,7 +99,7 @@ def _bounded_operators(limit: int, what: str) -> Iterator[None]:
     before_ops = SandboxedEnvironment.__dict__["intercepted_binops"]
     before_call = SandboxedEnvironment.__dict__["call_binop"]
     SandboxedEnvironment.intercepted_binops = before_ops | {"*", "**"}
-    SandboxedEnvironment.call_binop = call_binop  # type: ignore[method-assign]
+    SandboxedEnvironment.call_binop = call_binop  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

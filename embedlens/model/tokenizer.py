@@ -357,7 +357,7 @@ def _partial_tokenizer(vocab: dict[str, int], *, byte_level: bool) -> Tokenizer:
         spelling = byte_alphabet()
         alphabet = set(spelling.values())
         vocab = {_respelled(t, spelling, alphabet): i for t, i in vocab.items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))  # type: ignore[arg-type]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.decoder = _byte_level_decoder() if byte_level else _sentencepiece_decoder()
     return tok
 
