@@ -106,3 +106,16 @@ class Runner:
 def cli() -> Runner:
     """Invoke embedlens end to end."""
     return Runner()
+
+
+_SLOW_FIXTURES = {"smollm2", "hub"}  # the real model's file; a local hub server and subprocesses
+_SLOW_MODULES = {"test_interrupts.py", "test_install.py"}  # signals and installs in subprocesses
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` what reads the real SmolLM2 file or runs whole processes, so that
+    `pytest -m "not slow"` is a quick check while editing (the whole suite runs in CI)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & _SLOW_FIXTURES or item.path.name in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

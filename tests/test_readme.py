@@ -81,3 +81,35 @@ def test_ci_runs_the_readme_commands():
 def test_readme_commands_refuses_a_readme_without_them():
     with pytest.raises(ValueError, match="Set-up"):
         _readme_commands().commands("# embedlens\n\n```bash\npytest\n```\n")
+
+
+def python_examples() -> list[str]:
+    """README's ```python blocks (run on SmolLM2 in a folder that holds it)."""
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", python_examples(), ids=lambda b: b.splitlines()[0][:40])
+def test_readme_python_example_gives_what_it_shows(block, smollm2, tmp_path, monkeypatch):
+    """Each line ending in `# value` evaluates to that value; every other line runs."""
+    import ast
+
+    (tmp_path / SMOLLM2).symlink_to(smollm2)
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, object] = {}
+    checked = 0
+    for line in block.splitlines():
+        code, _, shown = line.partition("  # ")
+        if shown.strip() and not code.lstrip().startswith(("import", "from")):
+            value = eval(code.strip(), scope)
+            assert value == ast.literal_eval(shown.strip()), line
+            checked += 1
+        elif line.strip():
+            exec(line, scope)
+    assert checked >= 3
+
+
+def test_readme_has_python_examples_for_every_command():
+    text = "".join(python_examples())
+    for name in ("params", "tied", "neighbors", "addr", "lens"):
+        assert f"embedlens.{name}(" in text
