@@ -179,6 +179,6 @@ def test_errors_that_are_not_usage(tiny, tmp_path):
     report = addr(bare, [3])
     assert report.rows[0].token is None
     assert any(n.startswith("tokens are not shown: ") for n in report.notes)
-    with pytest.raises(UnsupportedError, match="has no tokenizer.json"):
+    with pytest.raises(UnsupportedError, match=r"has no tokenizer\.json"):
         addr(bare, ["king"])  # a row given as text needs the tokenizer: the real reason is said
     assert issubclass(UsageError, EmbedlensError)
