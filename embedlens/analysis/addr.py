@@ -229,44 +229,49 @@ def reference_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, lis
         raise CheckpointError(f"safetensors cannot read '{name}' from '{path.name}': {e}") from e
 
 
-def addr_report(
-    model: str,
+def _read_back(
+    table: Table, rows: list[int], *, check: bool
+) -> tuple[str | None, str | None, list[bool | None]]:
+    """(method, why skipped, per-row result) of reading the rows back from the file."""
+    entry = table.entry
+    if not check:
+        return None, "--no-check", [None] * len(rows)
+    if entry.path is None or entry.file_offset is None:
+        why = f"'{entry.file}' is not downloaded: its header was read from the hub"
+        return None, why, [None] * len(rows)
+    if table.checkpoint.format == "gguf":
+        assert table.checkpoint.gguf is not None
+        method, checks = gguf_check(entry, rows, table.checkpoint.gguf)
+        return method, None, list(checks)
+    method, refs = reference_rows(entry.path, entry.name, rows)
+    return method, None, [raw_row(entry, r) == ref for r, ref in zip(rows, refs, strict=True)]
+
+
+def _layout_notes(table: Table, vocab: Vocab | None, real: int, rows: list[AddrRow]) -> list[str]:
+    """What the layout alone does not say: a scaled lookup, padding rows."""
+    notes = []
+    scale = _LOOKUP_SCALES.get(str(table.config.model_type))
+    if scale is not None:
+        notes.append(
+            f"{table.config.model_type} multiplies the looked-up row by {scale}: the layer's "
+            "output is not the stored row"
+        )
+    if any(r.padding for r in rows) and vocab is not None:
+        notes.append(f"rows from {real:,} on are padding: the tokenizer has {vocab.size:,} tokens")
+    return notes
+
+
+def _rows(
     table: Table,
     vocab: Vocab | None,
-    given: Sequence[str],
-    *,
-    tokens: int | None,
-    tp: int | None,
-    check: bool,
-    notes: list[str],
-) -> AddrReport:
-    """Addresses of the given rows, the table's layout and costs, and the read-back proof."""
+    found: list[tuple[str, int, list[int]]],
+    results: list[bool | None],
+    real: int,
+    split: TpSplit | None,
+) -> list[AddrRow]:
+    """One line per row asked for: its token, offsets, tensor-parallel place and read-back."""
     entry = table.entry
-    v, d = table.rows, table.width
-    found = resolve_rows(given, vocab, v)
-    for text, _, ids in found:
-        if vocab is not None and not _ID.match(
-            text.strip()
-        ):  # a word: say how it split, and its spaced form
-            notes += words.word_notes(text, ids, vocab.encode, vocab.text, verb="addressed")
-    split = None if tp is None else tp_split(v, tp, entry.row_bytes)
-    cost = costs(v, d, entry.row_bytes, tokens)
-    real = min(vocab.size, v) if vocab is not None else v
-    results: list[bool | None] = [None] * len(found)
-    method: str | None = None
-    skipped: str | None = None
-    if not check:
-        skipped = "--no-check"
-    elif entry.path is None or entry.file_offset is None:
-        skipped = f"'{entry.file}' is not downloaded: its header was read from the hub"
-    elif table.checkpoint.format == "gguf":
-        assert table.checkpoint.gguf is not None
-        method, checks = gguf_check(entry, [r for _, r, _ in found], table.checkpoint.gguf)
-        results = list(checks)
-    else:
-        method, refs = reference_rows(entry.path, entry.name, [r for _, r, _ in found])
-        results = [raw_row(entry, r) == ref for (_, r, _), ref in zip(found, refs, strict=True)]
-    rows = [
+    return [
         AddrRow(
             row=r,
             query=text,
@@ -283,15 +288,33 @@ def addr_report(
         )
         for (text, r, ids), ok in zip(found, results, strict=True)
     ]
+
+
+def addr_report(
+    model: str,
+    table: Table,
+    vocab: Vocab | None,
+    given: Sequence[str],
+    *,
+    tokens: int | None,
+    tp: int | None,
+    check: bool,
+    notes: list[str],
+) -> AddrReport:
+    """Addresses of the given rows, the table's layout and costs, and the read-back proof."""
+    entry = table.entry
+    v, d = table.rows, table.width
+    found = resolve_rows(given, vocab, v)
+    for text, _, ids in found:
+        if vocab is not None and not _ID.match(text.strip()):  # a word: how it split
+            notes += words.word_notes(text, ids, vocab.encode, vocab.text, verb="addressed")
+    split = None if tp is None else tp_split(v, tp, entry.row_bytes)
+    cost = costs(v, d, entry.row_bytes, tokens)
+    real = min(vocab.size, v) if vocab is not None else v
+    method, skipped, results = _read_back(table, [r for _, r, _ in found], check=check)
+    rows = _rows(table, vocab, found, results, real, split)
     checked = [ok for ok in results if ok is not None]
-    scale = _LOOKUP_SCALES.get(str(table.config.model_type))
-    if scale is not None:
-        notes.append(
-            f"{table.config.model_type} multiplies the looked-up row by {scale}: the layer's "
-            "output is not the stored row"
-        )
-    if any(r.padding for r in rows) and vocab is not None:
-        notes.append(f"rows from {real:,} on are padding: the tokenizer has {vocab.size:,} tokens")
+    notes += _layout_notes(table, vocab, real, rows)
     is_gguf = table.checkpoint.format == "gguf"
     return AddrReport(
         model=model,

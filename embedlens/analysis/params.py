@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from embedlens.errors import UsageError
+from embedlens.errors import CheckpointError, UsageError
 from embedlens.io.source import resolve
 from embedlens.model.anatomy import Placement, place
 from embedlens.model.inventory import Inventory, from_model, take_inventory
@@ -90,6 +90,45 @@ def check_modes(*, meta_only: bool, load: bool, dtype: str, device: str) -> None
     check_device(device)
 
 
+def _group_rows(
+    key_of: dict[str, list[tuple[int, int | None]]],
+    order: tuple[str, ...],
+    total: int,
+    *,
+    bytes_known: bool,
+) -> list[ParamGroup]:
+    """One row per named group, in order: parameters, share of the total, bytes when known."""
+    rows = []
+    for name in order:
+        entries = key_of.get(name)
+        if not entries:
+            continue
+        n = sum(e[0] for e in entries)
+        b = sum(e[1] or 0 for e in entries) if bytes_known else None
+        rows.append(ParamGroup(name=name, params=n, fraction=n / total, bytes=b))
+    return rows
+
+
+def _block_rows(per_layer: dict[int, dict[str, int]]) -> list[BlockRow]:
+    """One row per decoder block, its parameters by part."""
+    return [
+        BlockRow(
+            layer=layer, params=sum(parts.values()), **{k: parts.get(k, 0) for k in PART_ORDER}
+        )
+        for layer, parts in sorted(per_layer.items())
+    ]
+
+
+def _forward_flops(
+    by_role: dict[str, list[tuple[int, int | None]]], used: int, head_flops: int
+) -> int:
+    """A token's forward pass: 2 per weight used, but lookups (embeddings) cost no product."""
+    gathered = sum(n for n, _ in by_role.get("embedding", []))
+    gathered += sum(n for n, _ in by_role.get("position_embedding", []))
+    head_weights = sum(n for n, _ in by_role.get("lm_head", []))
+    return 2 * (used - gathered - head_weights) + head_flops
+
+
 def params_report(
     model: str, inv: Inventory, source: ParamsSource, *, per_block: bool = False
 ) -> ParamsReport:
@@ -102,23 +141,13 @@ def params_report(
     ]
     total = sum(n for _, n, _ in placed)
     if total <= 0:
-        from embedlens.errors import CheckpointError
-
         raise CheckpointError("the model has no parameters")
     bytes_known = all(b is not None for _, _, b in placed)
 
     def group_rows(
         key_of: dict[str, list[tuple[int, int | None]]], order: tuple[str, ...]
     ) -> list[ParamGroup]:
-        rows = []
-        for name in order:
-            entries = key_of.get(name)
-            if not entries:
-                continue
-            n = sum(e[0] for e in entries)
-            b = sum(e[1] or 0 for e in entries) if bytes_known else None
-            rows.append(ParamGroup(name=name, params=n, fraction=n / total, bytes=b))
-        return rows
+        return _group_rows(key_of, order, total, bytes_known=bytes_known)
 
     by_role: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
     by_part: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
@@ -134,10 +163,7 @@ def params_report(
     v, d = inv.vocab_size, inv.hidden_size
     moe = _moe(inv, total, sum(n for n, _ in by_part.get("experts", [])))
     head_flops = 2 * inv.embedding_shape[0] * inv.embedding_shape[-1]
-    gathered = embedding + sum(n for n, _ in by_role.get("position_embedding", []))
-    used = moe.active_params if moe is not None else total
-    head_weights = sum(n for n, _ in by_role.get("lm_head", []))
-    forward = 2 * (used - gathered - head_weights) + head_flops
+    forward = _forward_flops(by_role, moe.active_params if moe is not None else total, head_flops)
     return ParamsReport(
         model=model,
         source=source,
@@ -158,14 +184,7 @@ def params_report(
         groups=group_rows(by_role, GROUP_ORDER),
         block_parts=group_rows(by_part, PART_ORDER),
         moe=moe,
-        blocks=[
-            BlockRow(
-                layer=layer, params=sum(parts.values()), **{k: parts.get(k, 0) for k in PART_ORDER}
-            )
-            for layer, parts in sorted(per_layer.items())
-        ]
-        if per_block
-        else [],
+        blocks=_block_rows(per_layer) if per_block else [],
         skipped=list(inv.skipped),
         notes=list(inv.notes),
     )

@@ -117,6 +117,38 @@ def storage_shared(model: Any, *, loaded: bool) -> bool:
     return bool(head.weight.data_ptr() == embed.weight.data_ptr())
 
 
+def _verdict(
+    inv: Inventory, has_head: bool | None, same_storage: bool | None, storage_check: str | None
+) -> tuple[bool, str]:
+    """Tied or not, and by which evidence (the built model's storage outranks the files)."""
+    if same_storage is not None:
+        how = f"the built model's head {'is' if same_storage else 'is not'} the embedding"
+        return same_storage, f"{how} ({storage_check})"
+    if has_head is False:
+        return True, "the checkpoint stores no head matrix, so the head must reuse the embedding"
+    if has_head and inv.tied and inv.stored_head is not None:
+        return True, (
+            "the checkpoint's head is a byte-identical copy of the embedding, and the config "
+            "ties them"
+        )
+    how = "the checkpoint stores a head matrix of its own" if has_head else "the config says so"
+    return inv.tied, how
+
+
+def _disagreement(
+    config_flag: bool | None, has_head: bool | None, same_storage: bool | None
+) -> str:
+    """The note for evidence that disagrees, naming each piece."""
+    pieces = (
+        ("config", config_flag),
+        ("checkpoint_has_lm_head", has_head),
+        ("same_storage", same_storage),
+    )
+    return "the evidence disagrees: " + ", ".join(
+        f"{label}={value}" for label, value in pieces if value is not None
+    )
+
+
 def tied_report(
     model_name: str,
     inv: Inventory,
@@ -133,33 +165,11 @@ def tied_report(
     """
     has_head = checkpoint_has_head
     notes = list(inv.notes)
-    if same_storage is not None:
-        tied = same_storage
-        how = f"the built model's head {'is' if tied else 'is not'} the embedding ({storage_check})"
-    elif has_head is False:
-        tied = True
-        how = "the checkpoint stores no head matrix, so the head must reuse the embedding"
-    elif has_head and inv.tied and inv.stored_head is not None:
-        tied = True
-        how = "the checkpoint's head is a byte-identical copy of the embedding, and the config ties them"
-    else:
-        tied = inv.tied
-        how = "the checkpoint stores a head matrix of its own" if has_head else "the config says so"
+    tied, how = _verdict(inv, has_head, same_storage, storage_check)
     known = [e for e in (config_flag, None if has_head is None else not has_head, same_storage)]
     consistent = len({e for e in known if e is not None}) <= 1
     if not consistent:
-        notes.append(
-            "the evidence disagrees: "
-            + ", ".join(
-                f"{label}={value}"
-                for label, value in (
-                    ("config", config_flag),
-                    ("checkpoint_has_lm_head", has_head),
-                    ("same_storage", same_storage),
-                )
-                if value is not None
-            )
-        )
+        notes.append(_disagreement(config_flag, has_head, same_storage))
     v, d = inv.embedding_shape[0], inv.embedding_shape[-1]
     embed_item = next((i for i in inv.items if i.name == inv.embedding), None)
     saved = v * d if tied else 0

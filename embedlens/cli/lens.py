@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,6 +22,9 @@ from embedlens.cli._options import (
 )
 from embedlens.cli._output import emit, note, progress, warn
 
+if TYPE_CHECKING:
+    from embedlens.reports.lens import LensReport
+
 EXAMPLES = (
     "Examples:\n\n"
     '  $ embedlens lens ./SmolLM2-135M-Instruct.Q4_1.gguf "The capital of France is"\n\n'
@@ -39,89 +42,110 @@ DtypeLensOpt = Annotated[
 ]
 
 
+PromptArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="PROMPT",
+        help="Text to run (with --chat: the start of the assistant's answer).",
+        show_default=False,
+    ),
+]
+
+LayersOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--layers",
+        help="Layers to show: 0,4,8 or 20: or 0:10:2 (0 = embedding output, "
+        "the last = the model's output). All by default.",
+    ),
+]
+
+PositionOpt = Annotated[
+    str,
+    typer.Option(
+        "--position",
+        help="Token position read (-1 = last); 'all' adds a layer x position grid of top-1 "
+        "predictions.",
+    ),
+]
+
+TargetOpt = Annotated[
+    str | None,
+    typer.Option("--target", help="Follow this token's probability and rank at every layer."),
+]
+
+ChatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--chat",
+        metavar="MESSAGE",
+        help="Apply the chat template to this user message (with the generation prompt); "
+        "PROMPT then starts the assistant's answer.",
+    ),
+]
+
+NoThinkingOpt = Annotated[
+    bool,
+    typer.Option("--no-thinking", help="With --chat: pass enable_thinking=False to the template."),
+]
+
+TemplateArgOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--template-arg", metavar="KEY=VALUE", help="With --chat: another template variable."
+    ),
+]
+
+PlotOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        metavar="FILE",
+        help="Draw the layer x position grid as a heatmap (.png, .svg or .html; needs "
+        "matplotlib: pip install 'embedlens[plot]').",
+    ),
+]
+
+DeviceMapOpt = Annotated[
+    DeviceMap | None,
+    typer.Option(
+        "--device-map",
+        help="'auto' spreads the model over GPUs, CPU and disk (accelerate).",
+    ),
+]
+
+MaxMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory", help="With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB."
+    ),
+]
+
+OffloadFolderOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--offload-folder",
+        help="With --device-map: where weights that fit nowhere go (a temporary folder, "
+        "removed afterwards, by default).",
+    ),
+]
+
+
 @handles_errors
 def lens(
     model: ModelArg,
-    prompt: Annotated[
-        str,
-        typer.Argument(
-            metavar="PROMPT",
-            help="Text to run (with --chat: the start of the assistant's answer).",
-            show_default=False,
-        ),
-    ],
+    prompt: PromptArg,
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="Predictions per layer.")] = 5,
-    layers: Annotated[
-        str | None,
-        typer.Option(
-            "--layers",
-            help="Layers to show: 0,4,8 or 20: or 0:10:2 (0 = embedding output, "
-            "the last = the model's output). All by default.",
-        ),
-    ] = None,
-    position: Annotated[
-        str,
-        typer.Option(
-            "--position",
-            help="Token position read (-1 = last); 'all' adds a layer x position grid of top-1 "
-            "predictions.",
-        ),
-    ] = "-1",
-    target: Annotated[
-        str | None,
-        typer.Option("--target", help="Follow this token's probability and rank at every layer."),
-    ] = None,
-    chat: Annotated[
-        str | None,
-        typer.Option(
-            "--chat",
-            metavar="MESSAGE",
-            help="Apply the chat template to this user message (with the generation prompt); "
-            "PROMPT then starts the assistant's answer.",
-        ),
-    ] = None,
-    no_thinking: Annotated[
-        bool,
-        typer.Option(
-            "--no-thinking", help="With --chat: pass enable_thinking=False to the template."
-        ),
-    ] = False,
-    template_arg: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--template-arg", metavar="KEY=VALUE", help="With --chat: another template variable."
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            metavar="FILE",
-            help="Draw the layer x position grid as a heatmap (.png, .svg or .html; needs "
-            "matplotlib: pip install 'embedlens[plot]').",
-        ),
-    ] = None,
-    device_map: Annotated[
-        DeviceMap | None,
-        typer.Option(
-            "--device-map",
-            help="'auto' spreads the model over GPUs, CPU and disk (accelerate).",
-        ),
-    ] = None,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--max-memory", help="With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB."
-        ),
-    ] = None,
-    offload_folder: Annotated[
-        Path | None,
-        typer.Option(
-            "--offload-folder",
-            help="With --device-map: where weights that fit nowhere go (a temporary folder, "
-            "removed afterwards, by default).",
-        ),
-    ] = None,
+    layers: LayersOpt = None,
+    position: PositionOpt = "-1",
+    target: TargetOpt = None,
+    chat: ChatOpt = None,
+    no_thinking: NoThinkingOpt = False,
+    template_arg: TemplateArgOpt = None,
+    plot: PlotOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
     dtype: DtypeLensOpt = "float32",
@@ -163,6 +187,12 @@ def lens(
             device=device,
             trust_remote_code=trust_remote_code,
         )
+    _say(report, plot)
+    emit(report, as_json=as_json)
+
+
+def _say(report: LensReport, plot: Path | None) -> None:
+    """On stderr: the not-faithful warning and the notes; then the plot, when one was asked for."""
     if not report.check.ok:
         warn(
             f"the lens does not reproduce this model's logits (max |Δ| = "
@@ -176,4 +206,3 @@ def lens(
 
         save_heatmap(report, plot)
         note(f"wrote {plot}")
-    emit(report, as_json=as_json)

@@ -28,36 +28,45 @@ EXAMPLES = (
 )
 
 
+QueriesArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="QUERY...",
+        help="Words or expressions such as "
+        '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'"). '
+        "A word of several tokens is queried as --pool says.",
+        show_default=False,
+    ),
+]
+
+IdsOpt = Annotated[
+    list[int] | None,
+    typer.Option("--id", help="Query a row by id (repeatable).", show_default=False),
+]
+
+IncludeSpecialOpt = Annotated[
+    bool, typer.Option("--include-special", help="Search special tokens' rows too.")
+]
+
+PoolOpt = Annotated[
+    Pool,
+    typer.Option(
+        "--pool",
+        help="A word of several tokens: its first token's row, the mean of all its "
+        "tokens' unit rows, or its last token's row.",
+    ),
+]
+
+
 @handles_errors
 def neighbors(
     model: ModelArg,
-    queries: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="QUERY...",
-            help="Words or expressions such as "
-            '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'"). '
-            "A word of several tokens is queried as --pool says.",
-            show_default=False,
-        ),
-    ] = None,
+    queries: QueriesArg = None,
     k: Annotated[int, typer.Option("-k", "--top-k", help="Neighbours per query.")] = 5,
-    ids: Annotated[
-        list[int] | None,
-        typer.Option("--id", help="Query a row by id (repeatable).", show_default=False),
-    ] = None,
+    ids: IdsOpt = None,
     matrix: MatrixOpt = "input",
-    include_special: Annotated[
-        bool, typer.Option("--include-special", help="Search special tokens' rows too.")
-    ] = False,
-    pool: Annotated[
-        Pool,
-        typer.Option(
-            "--pool",
-            help="A word of several tokens: its first token's row, the mean of all its "
-            "tokens' unit rows, or its last token's row.",
-        ),
-    ] = "first",
+    include_special: IncludeSpecialOpt = False,
+    pool: PoolOpt = "first",
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
     quiet: QuietOpt = False,
