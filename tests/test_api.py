@@ -44,3 +44,33 @@ def test_the_version_is_the_package_version(cli):
 
     assert embedlens.__version__ == version("embedlens")
     assert cli("--version").stdout == f"embedlens {embedlens.__version__}\n"
+
+
+def test_a_report_shows_as_the_cli_prints_it_and_as_html(tiny, cli):
+    """`rich.print(report)` gives the command's tables; Jupyter gets the same as HTML tables."""
+    import io
+
+    from rich.console import Console
+
+    folder = tiny("llama-tied")
+    report = embedlens.params(folder)
+    buffer = io.StringIO()
+    Console(file=buffer, width=140, color_system=None, highlight=False).print(report)
+    assert buffer.getvalue() == cli("params", folder).stdout
+    page = report._repr_html_()
+    assert page.count("<table") == 1 and "<caption" in page and "decoder blocks" in page
+    assert f"{report.total:,}" in page and "<script" not in page
+
+
+def test_html_escapes_what_model_files_hold(tiny):
+    from embedlens.views.format import shown
+    from embedlens.views.html import to_html
+
+    assert "&lt;b&gt;" in to_html(shown("<b>")) and "<b>" not in to_html(shown("<b>"))
+
+
+def test_a_lens_with_a_grid_shows_its_heatmap_in_a_notebook(tiny):
+    report = embedlens.lens(tiny("llama-tied"), "Hello world", position="all")
+    page = report._repr_html_()
+    assert page.count("<table") == 2 and "<svg" in page and "Top-1 at every layer" in page
+    assert "<svg" not in embedlens.lens(tiny("llama-tied"), "Hello world")._repr_html_()

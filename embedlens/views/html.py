@@ -73,11 +73,26 @@ def _pieces(renderable: RenderableType) -> Iterable[str]:
         yield console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
 
 
+def _style(style: Style | str) -> Style:
+    """A Rich style, a theme name ('table.title') resolved through Rich's default theme."""
+    if isinstance(style, Style):
+        return style
+    from rich.default_styles import DEFAULT_STYLES
+    from rich.errors import StyleSyntaxError
+
+    if style in DEFAULT_STYLES:
+        return DEFAULT_STYLES[style]
+    try:
+        return Style.parse(style)
+    except StyleSyntaxError:
+        return Style()
+
+
 def _css(style: Style | str | None) -> str:
     """Inline CSS for the few Rich styles reports use: bold, dim, italic, reverse, colours."""
     if style is None or style == "":
         return ""
-    parsed = Style.parse(style) if isinstance(style, str) else style
+    parsed = _style(style)
     rules = []
     if parsed.bold:
         rules.append("font-weight:bold")
@@ -116,7 +131,7 @@ def _segments(text: Text) -> Iterable[tuple[str, Style | str | None]]:
         styles = [s.style for s in text.spans if s.start <= start and s.end >= end]
         combined: Style | None = None
         for s in styles:
-            parsed = Style.parse(s) if isinstance(s, str) else s
+            parsed = _style(s)
             combined = parsed if combined is None else combined + parsed
         yield plain[start:end], combined
 
