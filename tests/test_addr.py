@@ -43,6 +43,7 @@ def torch_row_bytes(path: Path, name: str, row: int) -> bytes:
     return t.view(torch.uint8).numpy().tobytes()
 
 
+@pytest.mark.slow
 def test_float32_rows(cli, tiny):
     folder = tiny("llama-tied")
     name = "model.embed_tokens.weight"

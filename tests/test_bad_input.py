@@ -269,6 +269,7 @@ def test_rows_near_float32s_largest_value(cli, tiny, tmp_path):
     assert (result.exit_code, result.stderr) == (0, ""), result.stderr
 
 
+@pytest.mark.slow
 def test_a_model_path_that_is_not_utf8(tiny, tmp_path):
     """A path whose name is not UTF-8 works, with stdout in strict UTF-8: JSON escapes it (and
     gives its bytes back through surrogateescape), a table prints its bytes as ls does."""
@@ -396,6 +397,7 @@ def _one_error_line(stderr: str, says: str) -> None:
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
 @pytest.mark.parametrize("command", COMMANDS)
 def test_closed_stdout(tiny, command, as_json):
@@ -416,6 +418,7 @@ def _close_stdout() -> None:
     ("command", "as_json"),
     [(c, True) for c in COMMANDS] + [("params", False), ("addr", False)],
 )
+@pytest.mark.slow
 def test_full_stdout(tiny, command, as_json):
     argv = [command, str(tiny("llama-tied")), *TAIL[command]] + (["--json"] if as_json else [])
     with open("/dev/full", "w") as full:
@@ -424,6 +427,7 @@ def test_full_stdout(tiny, command, as_json):
     _one_error_line(result.stderr, "cannot write the output to stdout: No space left on device")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("argv", [[], ["params", "--help"]], ids=["usage", "help"])
 def test_help_that_cannot_be_written(argv):
@@ -440,6 +444,7 @@ def test_help_that_cannot_be_written(argv):
 @pytest.mark.parametrize(
     ("command", "as_json"), [("params", True), ("neighbors", True), ("params", False)]
 )
+@pytest.mark.slow
 def test_output_cut_short_is_taken_back(tiny, tmp_path, command, as_json):
     """The file stops growing after 100 bytes: what was written of the output is taken back."""
     import resource
@@ -481,6 +486,7 @@ def _left_behind(env: dict[str, str]) -> list[str]:
     [("lens", "the king", "--plot", "{out}/lens.png"), ("tied", "--load"),
      ("neighbors", "king"), ("lens", "the king", "--device-map", "auto")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_no_files_left_behind(tiny, tmp_path, args):
     import subprocess
     import sys
@@ -499,6 +505,7 @@ def test_no_files_left_behind(tiny, tmp_path, args):
     assert sorted(p.name for p in out.iterdir()) == (["lens.png"] if "--plot" in args else [])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_removes_the_offload_folder(tiny, tmp_path):
     """SIGTERM during `lens --device-map auto` unwinds like Ctrl-C: the offload folder goes."""
@@ -639,6 +646,7 @@ def test_a_query_on_a_row_holding_nan_or_inf(cli, tiny, tmp_path, word, says):
 COMMAND_TAIL = [pytest.param(c, id=c) for c in COMMANDS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", COMMAND_TAIL)
 def test_an_unreadable_model_folder(tiny, tmp_path, command):
     """A folder its user may not read, in a real process. Root reads anything, so as root the
@@ -672,6 +680,7 @@ def test_an_unreadable_model_folder(tiny, tmp_path, command):
     assert not list(cwd.iterdir())
 
 
+@pytest.mark.slow
 def test_a_chat_template_that_loops_without_writing(cli, tiny, tmp_path, monkeypatch):
     """A template that loops and writes nothing is stopped by the time bound, not its size."""
     import time

@@ -472,6 +472,7 @@ def test_gguf_claims_are_bounded_whatever_the_file_size(header):
     assert outcome(read_gguf_header, header, sparse_size=400 << 20) is None
 
 
+@pytest.mark.slow
 def test_gguf_longest_string_array_is_walked_in_time():
     """4M strings (the cap, 16 times the largest vocabulary), here all empty: read in time."""
     header = _claim(struct.pack("<QQQ", 0, 1, 1), b"k", struct.pack("<IIQ", 9, 8, 1 << 22))

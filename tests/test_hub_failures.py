@@ -113,6 +113,7 @@ def test_server_errors(hub, tmp_path, behaviour, error, hint):
     assert "hint: " in err and hint in err
 
 
+@pytest.mark.slow
 def test_connection_refused(tmp_path):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     err = fails(run(endpoint, tmp_path, "params", "org/ok"))

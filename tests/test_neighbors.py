@@ -294,6 +294,7 @@ def test_bfloat16_and_sharded_hub_checkpoints(cli, tiny, tmp_path, hf_home):
     ]
 
 
+@pytest.mark.slow
 def test_no_torch_or_transformers(tiny):
     code = (
         "import sys, json\n"

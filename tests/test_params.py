@@ -161,6 +161,7 @@ def test_table_output(cli, tiny):
     assert "2·V·d" in result.stdout
 
 
+@pytest.mark.slow
 def test_header_mode_imports_no_torch(tiny):
     folder = tiny("llama-untied")
     code = (
