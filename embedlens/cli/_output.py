@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import stat
 import sys
@@ -107,13 +106,7 @@ def write_stdout(text: str) -> None:
 
 def write_json(report: Report) -> None:
     """Write the report as exactly one JSON object on stdout, never through Rich."""
-    data = report.to_dict()
-    text = json.dumps(data, ensure_ascii=False, allow_nan=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a MODEL path that is not UTF-8: all escaped, still valid JSON
-        text = json.dumps(data, ensure_ascii=True, allow_nan=False)
-    write_stdout(text + "\n")
+    write_stdout(report.to_json() + "\n")
 
 
 def emit(report: Report, *, as_json: bool) -> None:

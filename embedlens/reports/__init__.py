@@ -37,8 +37,15 @@ class Report:
         return out
 
     def to_json(self, *, indent: int | None = None) -> str:
-        """`to_dict()` as JSON text (non-finite numbers are null, as in `--json`)."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False, indent=indent)
+        """`to_dict()` as JSON text (non-finite numbers are null, as in `--json`); text that is not
+        UTF-8 (a MODEL path's raw bytes) is escaped, so the result always encodes."""
+        data = self.to_dict()
+        text = json.dumps(data, ensure_ascii=False, allow_nan=False, indent=indent)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=indent)
+        return text
 
     def __rich__(self) -> RenderableType:
         """The tables the command line prints (`rich.print(report)`)."""
