@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer.testing
 from typer.testing import CliRunner
 
 from tests import models
@@ -70,6 +72,17 @@ def smollm2() -> Path:
     return path
 
 
+@functools.cache
+def _command(app: Any) -> Any:
+    """Typer's Click command for the app, built once: Typer's runner rebuilds it (signatures,
+    type hints, every option) on every invoke, which was a third of the quick tests' time."""
+    return _typer_command(app)
+
+
+_typer_command = typer.testing._get_command
+typer.testing._get_command = _command  # type: ignore[attr-defined]
+
+
 class Runner:
     """CliRunner around the embedlens app, stdout and stderr kept apart."""
 
@@ -110,12 +123,16 @@ def cli() -> Runner:
 
 _SLOW_FIXTURES = {"smollm2", "hub"}  # the real model's file; a local hub server and subprocesses
 _SLOW_MODULES = {"test_interrupts.py", "test_install.py"}  # signals and installs in subprocesses
+_QUICK_FAMILIES = 2  # a sweep over model families keeps its first two in the quick run
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `slow` what reads the real SmolLM2 file or runs whole processes, so that
+    """Mark `slow` what reads the real SmolLM2 file or runs whole processes, and the rest of a
+    sweep over model families past its first two, so that
     `pytest -m "not slow"` is a quick check while editing (the whole suite runs in CI)."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if fixtures & _SLOW_FIXTURES or item.path.name in _SLOW_MODULES:
+        callspec = getattr(item, "callspec", None)
+        sweep = callspec is not None and callspec.indices.get("family", 0) >= _QUICK_FAMILIES
+        if fixtures & _SLOW_FIXTURES or item.path.name in _SLOW_MODULES or sweep:
             item.add_marker(pytest.mark.slow)

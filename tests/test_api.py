@@ -69,6 +69,7 @@ def test_html_escapes_what_model_files_hold(tiny):
     assert "&lt;b&gt;" in to_html(shown("<b>")) and "<b>" not in to_html(shown("<b>"))
 
 
+@pytest.mark.slow  # draws with matplotlib
 def test_a_lens_with_a_grid_shows_its_heatmap_in_a_notebook(tiny):
     report = embedlens.lens(tiny("llama-tied"), "Hello world", position="all")
     page = report._repr_html_()

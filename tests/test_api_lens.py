@@ -58,6 +58,7 @@ def test_to_dict_is_the_cli_json(tiny, cli, kwargs, args):
     assert json.loads(report.to_json()) == report.to_dict()
 
 
+@pytest.mark.slow  # draws with matplotlib
 def test_grid_for_a_plot_is_the_cli_plot_json(tiny, cli, tmp_path):
     """grid=True computes the layer x position grid at one position, as --plot does."""
     folder = tiny("gpt2")

@@ -343,6 +343,7 @@ def test_bfloat16_runs_and_checks_itself(tiny, cli):
     assert data["check"]["ok"] and data["check"]["tolerance"] >= 1e-3
 
 
+@pytest.mark.slow  # draws with matplotlib
 @pytest.mark.parametrize("suffix", [".png", ".svg", ".html"])
 def test_plot(tiny, cli, tmp_path, suffix):
     out = tmp_path / ("lens" + suffix)
