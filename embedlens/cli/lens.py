@@ -204,5 +204,6 @@ def _say(report: LensReport, plot: Path | None) -> None:
     if plot is not None:
         from embedlens.views.heatmap import save_heatmap
 
-        save_heatmap(report, plot)
+        for text in save_heatmap(report, plot):
+            note("note: " + text)
         note(f"wrote {plot}")
