@@ -96,6 +96,16 @@ TemplateArgOpt = Annotated[
     ),
 ]
 
+ChatTemplateOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--chat-template",
+        metavar="FILE",
+        help="With --chat: a Jinja chat template to use instead of the tokenizer's (for base "
+        "models and GGUF files without one).",
+    ),
+]
+
 PlotOpt = Annotated[
     Path | None,
     typer.Option(
@@ -142,6 +152,7 @@ def lens(
     chat: ChatOpt = None,
     no_thinking: NoThinkingOpt = False,
     template_arg: TemplateArgOpt = None,
+    chat_template: ChatTemplateOpt = None,
     plot: PlotOpt = None,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
@@ -178,6 +189,7 @@ def lens(
             chat=chat,
             no_thinking=no_thinking,
             template_args=template_arg,
+            chat_template=chat_template,
             grid=plot is not None,
             device_map=device_map,
             max_memory=max_memory,
