@@ -31,6 +31,7 @@ EXAMPLES = (
     '  $ embedlens lens Qwen/Qwen3-0.6B "中国的首都是" --chat "中国的首都是哪里？" --no-thinking'
     " --target 北京\n\n"
     '  $ embedlens lens ./my-model "The capital of France is" --position all --plot lens.png\n\n'
+    '  $ embedlens lens ./base.gguf "Paris" --chat "The capital of France?" --chat-template chat.jinja\n\n'
     '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json'
 )
 
