@@ -398,7 +398,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             import_torch, "python -c 'import torch'", abs_budget=1.0),
         Row("lens (SmolLM2, last position)",
             [*el, "lens", str(smol), "The capital of France is", "--json"],
-            [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.75,
+            [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.6,
             mem_budget=1.0),
     ]  # fmt: skip
     return table, qwen, smol

@@ -51,3 +51,38 @@ def test_a_changed_signature_turns_the_patches_off(monkeypatch: pytest.MonkeyPat
     assert not gguf_patches.patchable()
     with gguf_patches.sharing_gguf_reads():
         assert gguf.dequantize is moved and gguf.GGUFReader.__name__ == "GGUFReader"
+
+
+def test_the_weights_load_skips_the_tokenizer_fields_and_loads_the_same_weights(smollm2: Path):
+    """Inside the context the weights' load parses no tokenizer field (some 147k values for
+    SmolLM2) and gives exactly the tensors transformers loads unpatched."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import ggml
+
+    where, name = str(smollm2.parent), smollm2.name
+    plain = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    parsed: list[int] = []
+    original = ggml._gguf_parse_value
+
+    def counting(value, data_type):  # type: ignore[no-untyped-def]
+        parsed.append(1)
+        return original(value, data_type)
+
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    before = hf_gguf._gguf_parse_value
+    hf_gguf._gguf_parse_value = counting
+    try:
+        with gguf_patches.sharing_gguf_reads():
+            AutoConfig.from_pretrained(where, gguf_file=name)  # the metadata parse, kept
+            parsed.clear()
+            shared = AutoModelForCausalLM.from_pretrained(
+                where, gguf_file=name, dtype=torch.float32
+            )
+    finally:
+        hf_gguf._gguf_parse_value = before
+    assert 0 < len(parsed) < 1000  # the architecture's fields, not 49k tokens and merges
+    a, b = plain.state_dict(), shared.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -60,6 +60,8 @@ class _Ask:
     top_k: int
     target: str | None
     grid: bool
+    template: tuple[str, str] | None = None
+    """A chat template the caller gave (its text, and how messages name it)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ def lens(
     chat: str | None = None,
     no_thinking: bool = False,
     template_args: Mapping[str, Any] | Sequence[str] | None = None,
+    chat_template: str | os.PathLike[str] | None = None,
     grid: bool = False,
     device_map: str | None = None,
     max_memory: Mapping[int | str, int | str] | str | None = None,
@@ -117,10 +120,13 @@ def lens(
     position: the token position read (-1 = the last), or 'all' for the layer x position grid.
     chat: a user message to apply the chat template to; `prompt` then starts the answer.
     template_args: more template variables, as a dict or as 'KEY=VALUE' strings.
+    chat_template: the chat template to use instead of the tokenizer's (for a model without
+        one): a str is the template's Jinja text, a Path (any os.PathLike) a file holding it.
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
     """
     ask = _ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args, grid)
+    ask = dataclasses.replace(ask, template=user_template(chat_template, chat))
     if not isinstance(model, (str, os.PathLike)):
         _refuse_load_options(
             revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code
@@ -154,6 +160,24 @@ def _ask(
     if not prompt.strip() and chat is None:
         raise UsageError("the prompt is empty")
     return _Ask(prompt, chat, switches, items, pos, top_k, target, grid or pos is None)
+
+
+def user_template(
+    chat_template: str | os.PathLike[str] | None, chat: str | None
+) -> tuple[str, str] | None:
+    """The caller's chat template, read and checked before any model file is: (text, name)."""
+    if chat_template is None:
+        return None
+    if chat is None:
+        raise UsageError("--chat-template only applies with --chat")
+    if isinstance(chat_template, str):
+        if not chat_template.strip():
+            raise UsageError("the chat template given is empty")
+        return chat_template, "the chat template given"
+    from embedlens.model.chat import read_template
+
+    path = os.fspath(chat_template)
+    return read_template(path), f"the chat template in '{path}'"
 
 
 def _load_options(
@@ -461,7 +485,9 @@ def _offload_dir(device_map: str | None, folder: Path | None) -> Iterator[str | 
 def _prepare(ask: _Ask, tokenizer: Any, config: PretrainedConfig | None, template: str) -> _Prompt:
     """Tokenise the prompt, find the target, and check both fit the model (before any weight
     is read)."""
-    text, ids = prompt_ids(tokenizer, ask.prompt, ask.chat, ask.switches, template, config)
+    own = None if ask.template is None else ask.template[0]
+    name = template if ask.template is None else ask.template[1]
+    text, ids = prompt_ids(tokenizer, ask.prompt, ask.chat, ask.switches, name, config, own)
     notes: list[str] = []
     target_id = None if ask.target is None else target_token(tokenizer, ask.target, notes)
     _check_fits(config, ids, ask.layers)
@@ -475,18 +501,21 @@ def prompt_ids(
     switches: dict[str, Any],
     template: str,
     config: PretrainedConfig | None,
+    chat_template: str | None = None,
 ) -> tuple[str, list[int]]:
     """The text run and its ids: PROMPT as the tokenizer encodes it by default, or after a chat
     template (whose output already holds the special tokens, so none are added again).
 
     The template (named by `template`) renders within bounds of time and size, and its text is
-    checked against what the model's context could hold before it is tokenised.
+    checked against what the model's context could hold before it is tokenised. A
+    `chat_template` (Jinja text) is used instead of the tokenizer's own.
     """
     if chat is None:
         ids = list(tokenizer(prompt)["input_ids"])
         text = prompt
     else:
-        text = _render_chat(tokenizer, chat, switches, template, _context(config)) + prompt
+        context = _context(config)
+        text = _render_chat(tokenizer, chat, switches, template, context, chat_template) + prompt
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise UsageError("the prompt is empty: it encodes to no tokens")
@@ -494,28 +523,38 @@ def prompt_ids(
 
 
 def _render_chat(
-    tokenizer: Any, chat: str, switches: dict[str, Any], template: str, context: int | None
+    tokenizer: Any,
+    chat: str,
+    switches: dict[str, Any],
+    template: str,
+    context: int | None,
+    own: str | None = None,
 ) -> str:
-    """The chat template applied to one user message, with the generation prompt."""
-    if not getattr(tokenizer, "chat_template", None):
+    """The chat template (the tokenizer's, or `own`) applied to one user message, with the
+    generation prompt."""
+    if own is None and not getattr(tokenizer, "chat_template", None):
         raise UsageError(
             "this model's tokenizer has no chat template, so --chat cannot be used",
-            hint="run without --chat and write the whole prompt yourself",
+            hint="give one with --chat-template FILE (a Jinja file), or run without --chat "
+            "and write the whole prompt yourself",
         )
-    from embedlens.model import chat as chat_template
+    from embedlens.model import chat as bounded
 
     messages = [{"role": "user", "content": chat}]
-    limit = chat_template.max_chars(context)
+    limit = bounded.max_chars(context)
+    extra = {} if own is None else {"chat_template": own}
     try:
-        text = chat_template.render(
+        text = bounded.render(
             lambda: tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **switches
+                messages, tokenize=False, add_generation_prompt=True, **extra, **switches
             ),
             limit=limit,
             what=template,
         )
-    except EmbedlensError:
-        raise
+    except EmbedlensError as e:
+        if own is None or isinstance(e, UsageError):
+            raise
+        raise UsageError(e.message, hint="fix the template given with --chat-template") from e
     except Exception as e:
         raise UsageError(f"the chat template failed: {e}") from e
     if len(text) > limit:

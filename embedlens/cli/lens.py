@@ -31,6 +31,7 @@ EXAMPLES = (
     '  $ embedlens lens Qwen/Qwen3-0.6B "中国的首都是" --chat "中国的首都是哪里？" --no-thinking'
     " --target 北京\n\n"
     '  $ embedlens lens ./my-model "The capital of France is" --position all --plot lens.png\n\n'
+    '  $ embedlens lens ./base.gguf "Paris" --chat "The capital of France?" --chat-template chat.jinja\n\n'
     '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json'
 )
 
@@ -96,6 +97,16 @@ TemplateArgOpt = Annotated[
     ),
 ]
 
+ChatTemplateOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--chat-template",
+        metavar="FILE",
+        help="With --chat: a Jinja chat template to use instead of the tokenizer's (for base "
+        "models and GGUF files without one).",
+    ),
+]
+
 PlotOpt = Annotated[
     Path | None,
     typer.Option(
@@ -142,6 +153,7 @@ def lens(
     chat: ChatOpt = None,
     no_thinking: NoThinkingOpt = False,
     template_arg: TemplateArgOpt = None,
+    chat_template: ChatTemplateOpt = None,
     plot: PlotOpt = None,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
@@ -178,6 +190,7 @@ def lens(
             chat=chat,
             no_thinking=no_thinking,
             template_args=template_arg,
+            chat_template=chat_template,
             grid=plot is not None,
             device_map=device_map,
             max_memory=max_memory,
@@ -204,5 +217,6 @@ def _say(report: LensReport, plot: Path | None) -> None:
     if plot is not None:
         from embedlens.views.heatmap import save_heatmap
 
-        save_heatmap(report, plot)
+        for text in save_heatmap(report, plot):
+            note("note: " + text)
         note(f"wrote {plot}")

@@ -7,13 +7,14 @@ characters must end in a clear error, not a hang or gigabytes of text to tokenis
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from embedlens.errors import ConfigError
+from embedlens.errors import ConfigError, UsageError
 
 SECONDS = 5.0
 """How long a chat template may take to render (real ones take milliseconds)."""
@@ -143,3 +144,32 @@ def _time_bound(seconds: float, what: str) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+"""The largest chat template file read (real ones are a few KiB)."""
+
+
+def read_template(path: str | os.PathLike[str]) -> str:
+    """A chat template from a file (UTF-8 Jinja text); a file that cannot be one is a
+    UsageError naming it."""
+    where = os.fspath(path)
+    try:
+        with open(where, "rb") as fh:
+            raw = fh.read(MAX_TEMPLATE_BYTES + 1)
+    except IsADirectoryError:
+        raise UsageError(f"--chat-template '{where}' is a folder, not a template file") from None
+    except OSError as e:
+        raise UsageError(f"cannot read --chat-template '{where}': {e.strerror or e}") from None
+    if len(raw) > MAX_TEMPLATE_BYTES:
+        raise UsageError(
+            f"--chat-template '{where}' is larger than {MAX_TEMPLATE_BYTES >> 20} MiB: not a chat "
+            "template"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--chat-template '{where}' is not UTF-8 text") from None
+    if not text.strip():
+        raise UsageError(f"--chat-template '{where}' is empty")
+    return text

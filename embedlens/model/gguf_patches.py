@@ -146,13 +146,16 @@ class _Caches:
         self.read: list[tuple[Any, int, int]] = []
         """(mmap, offset, length) of the bytes the last dequantisation read."""
         self.plain_reader = _plain_reader(reader_cls, self.mapped)
+        self.reading_weights = False
+        """While the weights load: the reader hides the tokenizer's fields (see _WithoutTokenizer)."""
 
     def reader(self, path: Any, mode: str = "r") -> Any:
         """gguf.GGUFReader, one per file and mode."""
         key = (os.path.realpath(path), mode)
         if key not in self.readers:
             self.readers[key] = self.plain_reader(path, mode)
-        return self.readers[key]
+        reader = self.readers[key]
+        return _WithoutTokenizer(reader) if self.reading_weights else reader
 
     def name_map(self, arch: Any, n_blocks: int) -> Any:
         """gguf.get_tensor_name_map, one per (architecture, blocks)."""
@@ -165,11 +168,15 @@ class _Caches:
         copies); the weights, which come last, after freeing it."""
         if return_tensors or args or kwargs:
             self.metadata.clear()  # loading the weights comes last: free the parse before it
-            return self.load_fn(path, return_tensors, *args, **kwargs)
+            self.reading_weights = bool(return_tensors)
+            try:
+                return self.load_fn(path, return_tensors, *args, **kwargs)
+            finally:
+                self.reading_weights = False
         key = os.path.realpath(path)
         if key not in self.metadata:
             self.metadata[key] = self.load_fn(path, False)
-        return copy.deepcopy(self.metadata[key])
+        return _fresh(self.metadata[key])
 
     def release(self) -> None:
         """Let go of the file pages the last dequantisation read."""
@@ -189,6 +196,48 @@ class _Caches:
                 start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
                 self.read.append((mm, start, address - base + data.nbytes - start))
         return out
+
+
+_ATOMS = (str, bytes, int, float, bool, type(None))
+
+
+def _fresh(value: Any) -> Any:
+    """A copy of a metadata parse as deep as deepcopy's, faster: its containers are copied, and
+    immutable values (the 49k-long token lists hold only strings) shared."""
+    if isinstance(value, list):
+        if all(type(v) in _ATOMS for v in value):
+            return list(value)
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        out = copy.copy(value)  # the same mapping type
+        for k, v in value.items():
+            out[k] = _fresh(v)
+        return out
+    if type(value) in _ATOMS:
+        return value
+    return copy.deepcopy(value)
+
+
+class _WithoutTokenizer:
+    """A reader whose `fields` leave out the tokenizer's (`tokenizer.*`), for the weights' load.
+
+    transformers' weights load parses every metadata field again (some 147k values for a 49k
+    vocabulary) and keeps only the tensors; its tensor processors read the architecture's keys
+    (heads, experts), never the tokenizer's. Everything else is the reader's own."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    @property
+    def fields(self) -> Any:
+        kept = type(self._reader.fields)()
+        for key, field in self._reader.fields.items():
+            if not key.startswith("tokenizer."):
+                kept[key] = field
+        return kept
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
 
 
 def _plain_reader(reader_cls: Any, mapped: list[tuple[int, int, Any]]) -> Any:

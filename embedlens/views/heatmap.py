@@ -1,39 +1,55 @@
 """The logit-lens picture: a layer x position heatmap of top-1 probabilities, tokens in the cells.
 
 matplotlib is an optional extra (`pip install 'embedlens[plot]'`) and is imported only here,
-inside the functions. PNG is drawn with whatever fonts are installed (CJK fonts are used when
-present); SVG and HTML keep the tokens as text, so a browser renders every script.
+inside the functions. Tokens are quoted as the tables quote them; each cell holds the top-1
+token and, when it fits, its probability. PNG is drawn with DejaVu Sans and, for the glyphs it
+lacks, installed fonts that have them (CJK fonts first); characters no font has are said in a
+note. SVG and HTML keep the tokens as text, so the viewer's fonts draw every script, and fetch
+nothing from elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import html
 import importlib.util
 import io
+import unicodedata
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from embedlens.errors import EmbedlensError, MissingDependencyError, UsageError
-from embedlens.reports.lens import LensReport
+from embedlens.reports.lens import GridRow, LensReport, TargetAt
+from embedlens.text import visible
+from embedlens.views.format import prob
 
-_CJK_FONTS = (
+_PREFERRED_FONTS = (
     "Noto Sans CJK SC",
     "Noto Sans CJK JP",
     "Source Han Sans SC",
     "Source Han Sans",
     "WenQuanYi Zen Hei",
     "WenQuanYi Micro Hei",
+    "Droid Sans Fallback",
     "Microsoft YaHei",
     "PingFang SC",
     "Hiragino Sans GB",
     "SimHei",
     "Arial Unicode MS",
+    "Noto Sans",
 )
-MAX_LABEL = 12
-"""Tokens longer than this are cut in the cells (the JSON keeps them whole)."""
+"""Fonts tried first for glyphs DejaVu Sans lacks (then any other installed font that has them)."""
+BASE_FONT = "DejaVu Sans"
+CELL_FONT = 7.0
+"""Points: the cells' text; smaller (down to MIN_FONT) when the columns are narrow."""
+MIN_FONT = 4.5
+TICK_LABEL = 16
+"""The most characters (a wide one counts twice) of a token under a column, quotes excluded."""
 PLOT_SUFFIXES = (".png", ".svg", ".html")
 
 
@@ -52,63 +68,213 @@ def check_plot_file(path: Path) -> None:
     require_matplotlib()
 
 
-def _label(token: str) -> str:
-    text = token.replace("\n", "\\n").replace("\t", "\\t")
-    text = "'" + text + "'" if text.strip() != text or not text else text
-    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1] + "…"
+def _width(text: str) -> int:
+    """Columns the text takes: a wide (CJK, fullwidth) character counts twice."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
-def _fonts() -> list[str]:
+def label(token: str, limit: int) -> str:
+    """A token quoted as the tables quote it, its middle ellipsised past `limit` columns (its
+    start and end stay: a leading or trailing space is still seen)."""
+    text = visible(token)
+    if _width(text) <= limit:
+        return "'" + text + "'"
+    keep = max(limit - 1, 2)
+    head, tail = "", ""
+    while _width(head) + _width(tail) < keep:
+        if _width(head) <= 2 * _width(tail):
+            head += text[len(head)]
+        else:
+            tail = text[len(text) - len(tail) - 1] + tail
+    return "'" + head + "…" + tail + "'"
+
+
+@dataclass(frozen=True)
+class Fonts:
+    """The font families to draw with, and the characters no installed font has."""
+
+    families: list[str]
+    missing: list[str]
+
+
+def fonts_for(texts: Iterable[str]) -> Fonts:
+    """DejaVu Sans, then installed fonts holding the glyphs it lacks (CJK fonts first), chosen by
+    the characters in `texts`; what none holds is `missing`."""
     from matplotlib import font_manager
 
-    have = {f.name for f in font_manager.fontManager.ttflist}
-    return ["DejaVu Sans", *(f for f in _CJK_FONTS if f in have)]
+    chars = {c for text in texts for c in text if c.isprintable() and not c.isspace()}
+    lacking = {c for c in chars if not _covers(font_manager.findfont(BASE_FONT), c)}
+    families = [BASE_FONT]
+    if lacking:
+        by_name: dict[str, str] = {}
+        for entry in font_manager.fontManager.ttflist:
+            by_name.setdefault(entry.name, entry.fname)
+        order = [n for n in _PREFERRED_FONTS if n in by_name]
+        order += sorted(n for n in by_name if n not in order and n != BASE_FONT)
+        # matplotlib's Last Resort font "has" every character, as a box: it covers nothing
+        order = [n for n in order if not n.startswith("Last Resort")]
+        for name in order:
+            found = {c for c in lacking if _covers(by_name[name], c)}
+            if found:
+                families.append(name)
+                lacking -= found
+            if not lacking:
+                break
+    return Fonts(families, sorted(lacking))
+
+
+@functools.cache
+def _charmap(path: str) -> frozenset[int]:
+    from matplotlib import ft2font
+
+    try:
+        return frozenset(ft2font.FT2Font(path).get_charmap())
+    except (OSError, RuntimeError, ValueError):
+        return frozenset()
+
+
+def _covers(path: str, char: str) -> bool:
+    return ord(char) in _charmap(path)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Sizes of the picture: inches per column and row, the cells' font, what fits in a cell."""
+
+    column: float
+    row: float
+    font: float
+    limit: int
+    """Columns of a token's text a cell shows (quotes excluded)."""
+    probs: bool
+    """Whether the probability fits under the token."""
+
+
+def _layout(n_positions: int, n_rows: int) -> _Layout:
+    column = min(1.0, 36.0 / max(n_positions, 1))
+    row = min(0.36, 56.0 / max(n_rows, 1))
+    font = max(MIN_FONT, min(CELL_FONT, column * 72 * 0.9 / 9.0))
+    limit = max(3, int(column * 72 * 0.9 / (0.62 * font)) - 2)
+    return _Layout(column, row, font, limit, probs=row * 72 >= 2.4 * font)
+
+
+def _cell_text(token: str, p: float, logprob: float, layout: _Layout) -> str:
+    text = label(token, layout.limit)
+    return text + "\n" + prob(p, logprob, 2) if layout.probs else text
+
+
+def texts(report: LensReport) -> list[str]:
+    """Every text the heatmap draws from the model or the user (for choosing fonts)."""
+    grid = report.grid or []
+    out = [c.token for row in grid for c in row.cells]
+    out += [t.token for t in report.tokens]
+    out.append(report.display_model)
+    if report.target is not None:
+        out.append(report.target.token)
+    return out
 
 
 def figure(report: LensReport) -> Any:
-    """The heatmap as a matplotlib Figure (the grid's last layer at the top)."""
+    """The heatmap as a matplotlib Figure (the grid's last layer at the top), with a column of
+    the target's probability beside it when the report follows one."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    import numpy as np
 
     if report.grid is None:
         raise EmbedlensError("there is no layer x position grid to draw")
     rows = list(reversed(report.grid))
-    probs = np.array([[c.prob for c in row.cells] for row in rows])
     positions = [c.position for c in rows[0].cells]
-    width = min(40.0, 1.5 + 0.95 * len(positions))
-    height = min(60.0, 1.6 + 0.32 * len(rows))
-    fig, ax = plt.subplots(figsize=(width, height))
+    layout = _layout(len(positions), len(rows))
+    targets = _target_column(report, [row.layer for row in rows])
+    width = 2.2 + layout.column * len(positions) + (1.1 if targets else 0.0)
+    height = 2.0 + layout.row * len(rows)
+    ratios = [len(positions) * layout.column] + ([0.9] if targets else [])
+    fig, axes = plt.subplots(
+        1, len(ratios), figsize=(width, height), width_ratios=ratios, layout="constrained"
+    )
+    ax = axes[0] if targets else axes
+    image = _draw_grid(ax, report, rows, layout)
+    if targets:
+        _draw_target(axes[1], report, targets, layout)
+    title = fig.suptitle(
+        f"Logit lens: {report.display_model} ({report.dtype}): top-1 at every layer and position",
+        fontsize=10,
+    )
+    title.set_parse_math(False)
+    fig.colorbar(image, ax=axes, fraction=0.03, pad=0.02, label="probability")
+    return fig
+
+
+def _draw_grid(ax: Any, report: LensReport, rows: list[GridRow], layout: _Layout) -> Any:
+    import numpy as np
+
+    probs = np.array([[c.prob for c in row.cells] for row in rows])
     image = ax.imshow(probs, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
     for y, row in enumerate(rows):
         for x, cell in enumerate(row.cells):
-            ax.text(
-                x,
-                y,
-                _label(cell.token),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if cell.prob > 0.55 else "black",
-                parse_math=False,
+            _put(
+                ax, x, y, _cell_text(cell.token, cell.prob, cell.logprob, layout), cell.prob, layout
             )
+    positions = [c.position for c in rows[0].cells]
     ax.set_xticks(range(len(positions)))
     ax.set_xticklabels(
-        [_label(report.tokens[p].token) for p in positions], rotation=60, ha="right", fontsize=8
+        [label(report.tokens[p].token, TICK_LABEL) for p in positions],
+        rotation=60,
+        ha="right",
+        rotation_mode="anchor",
+        fontsize=8,
     )
-    for label in ax.get_xticklabels():
-        label.set_parse_math(False)
+    for tick in ax.get_xticklabels():
+        tick.set_parse_math(False)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([_layer_label(report, row.layer) for row in rows], fontsize=7)
-    ax.set_xlabel("input token (the cell shows the prediction for the next one)")
+    ax.set_xlabel("input token (a cell: the prediction for the next one, and its probability)")
     ax.set_ylabel("layer")
-    title = ax.set_title(f"Logit lens: {report.display_model}", fontsize=10)
-    title.set_parse_math(False)
-    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02, label="top-1 probability")
-    fig.tight_layout()
-    return fig
+    return image
+
+
+def _put(ax: Any, x: int, y: int, text: str, p: float, layout: _Layout) -> None:
+    ax.text(
+        x,
+        y,
+        text,
+        ha="center",
+        va="center",
+        fontsize=layout.font,
+        linespacing=1.1,
+        color="white" if p > 0.55 else "black",
+        parse_math=False,
+    )
+
+
+def _target_column(report: LensReport, layers: list[int]) -> list[TargetAt] | None:
+    """The target's probability and rank at each row's layer (top row first), if followed."""
+    if report.target is None:
+        return None
+    at = {row.layer: row.target for row in report.layers}
+    column = [at.get(layer) for layer in layers]
+    return None if any(t is None for t in column) else [t for t in column if t is not None]
+
+
+def _draw_target(ax: Any, report: LensReport, column: list[TargetAt], layout: _Layout) -> None:
+    """One column: the target's probability at each layer, at the position read, and its rank."""
+    import numpy as np
+
+    assert report.target is not None
+    ax.imshow(np.array([[t.prob] for t in column]), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
+    for y, t in enumerate(column):
+        text = prob(t.prob, t.logprob, 2) + ("\n#" + str(t.rank) if layout.probs else "")
+        _put(ax, 0, y, text, t.prob, dataclasses.replace(layout, font=CELL_FONT))
+    ax.set_yticks(range(len(column)))
+    ax.set_yticklabels([])
+    ax.set_xticks([0])
+    ax.set_xticklabels([label(report.target.token, TICK_LABEL)], fontsize=8)
+    ax.get_xticklabels()[0].set_parse_math(False)
+    read = label(report.tokens[report.position_index].token, TICK_LABEL)
+    heading = ax.set_title(f"target\n(after {read})\np, #rank", fontsize=7)
+    heading.set_parse_math(False)
 
 
 def _layer_label(report: LensReport, layer: int) -> str:
@@ -120,15 +286,16 @@ def _layer_label(report: LensReport, layer: int) -> str:
 
 
 @contextmanager
-def _drawn(report: LensReport) -> Iterator[Any]:
+def _drawn(report: LensReport, fonts: Fonts) -> Iterator[Any]:
     """The heatmap's figure, drawn with fonts that cover the tokens; closed afterwards."""
     import matplotlib
     import matplotlib.pyplot as plt
 
     with (
         warnings.catch_warnings(),
-        matplotlib.rc_context({"font.family": _fonts(), "svg.fonttype": "none"}),
+        matplotlib.rc_context({"font.family": fonts.families, "svg.fonttype": "none"}),
     ):
+        # characters no font has are said once, in a note, not once per glyph
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
         fig = figure(report)
         try:
@@ -137,25 +304,48 @@ def _drawn(report: LensReport) -> Iterator[Any]:
             plt.close(fig)
 
 
+_NO_METADATA: dict[str, str | None] = {"Date": None, "Creator": None, "Type": None, "Format": None}
+
+
 def heatmap_svg(report: LensReport) -> str:
-    """The heatmap as an inline <svg> element (for HTML pages and notebooks)."""
+    """The heatmap as an inline <svg> element (for HTML pages and notebooks): tokens as text,
+    nothing fetched from elsewhere."""
     buffer = io.StringIO()
-    with _drawn(report) as fig:
-        fig.savefig(buffer, format="svg")
+    with _drawn(report, fonts_for(texts(report))) as fig:
+        fig.savefig(buffer, format="svg", metadata=_NO_METADATA)
     svg = buffer.getvalue()
     return svg[svg.index("<svg") :]
 
 
-def save_heatmap(report: LensReport, path: Path) -> None:
-    """Write the heatmap to `path`: .png, .svg, or .html (the SVG inside a page)."""
+def save_heatmap(report: LensReport, path: Path) -> list[str]:
+    """Write the heatmap to `path`: .png, .svg, or .html (the SVG inside a page, self-contained).
+
+    Returns notes: in a PNG, the characters no installed font has (drawn as boxes)."""
     suffix = path.suffix.lower()
     if suffix == ".html":
         _write(path, _page(report, heatmap_svg(report)).encode("utf-8"))
-        return
+        return []
+    fonts = fonts_for(texts(report))
     binary = io.BytesIO()
-    with _drawn(report) as fig:
-        fig.savefig(binary, format=suffix.lstrip("."), dpi=150)
+    with _drawn(report, fonts) as fig:
+        fig.savefig(binary, format=suffix.lstrip("."), dpi=150, metadata=_metadata(suffix))
     _write(path, binary.getvalue())
+    return _missing_note(fonts.missing) if suffix == ".png" else []
+
+
+def _metadata(suffix: str) -> dict[str, str | None] | None:
+    return _NO_METADATA if suffix == ".svg" else None
+
+
+def _missing_note(missing: list[str]) -> list[str]:
+    """The note for characters no installed font has."""
+    if not missing:
+        return []
+    shown = " ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+    return [
+        f"no installed font has glyphs for {shown}: the PNG draws them as empty boxes (install "
+        "a CJK font such as Noto Sans CJK, or write .svg or .html, where the viewer draws the text)"
+    ]
 
 
 def _write(path: Path, data: bytes) -> None:

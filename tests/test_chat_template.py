@@ -1,0 +1,141 @@
+"""`lens --chat`: a model without a chat template fails before it loads, and `--chat-template FILE`
+(or `chat_template=` in Python) gives one, still rendered within bounds."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import embedlens
+from embedlens.errors import UsageError
+from tests.badinputs import _gguf_rewrite
+
+TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> {% endif %}"
+)
+"""The template the tiny models ship (tests/models.py)."""
+
+
+@pytest.fixture
+def no_load(monkeypatch) -> list[Any]:
+    """Record every call of the function that loads a model's weights (none is expected)."""
+    from embedlens.model import loading
+
+    calls: list[Any] = []
+    original = loading.load_model
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model", recording)
+    return calls
+
+
+@pytest.fixture
+def bare(tiny, tmp_path) -> Path:
+    """The tiny Llama without a chat template, as a base model is."""
+    folder = tmp_path / "base"
+    shutil.copytree(tiny("llama-tied"), folder)
+    (folder / "chat_template.jinja").unlink()
+    return folder
+
+
+def test_no_template_fails_before_the_model_loads(cli, bare, no_load):
+    err = cli.fails("lens", bare, "Paris", "--chat", "hello", code=2)
+    assert "no chat template" in err and "--chat-template FILE" in err
+    assert no_load == []
+
+
+def test_a_template_file_makes_chat_work(cli, tiny, bare, tmp_path, no_load):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    given = cli.json("lens", bare, "Paris", "--chat", "the capital", "--chat-template", template)
+    own = cli.json("lens", tiny("llama-tied"), "Paris", "--chat", "the capital")
+    assert given["tokens"] == own["tokens"]
+    assert [t["token"] for t in given["tokens"]] == [
+        "<s>",
+        "the",
+        "capital",
+        "</s>",
+        "<s>",
+        "Paris",
+    ]
+    assert given["layers"] == own["layers"]
+    assert len(no_load) == 2
+
+
+def test_a_template_file_replaces_the_models_own(cli, tiny, tmp_path):
+    template = tmp_path / "red.jinja"
+    template.write_text("<s> red {{ messages[0]['content'] }} </s> <s> ")
+    data = cli.json(
+        "lens", tiny("llama-tied"), "Paris", "--chat", "cat", "--chat-template", template
+    )
+    assert [t["token"] for t in data["tokens"]] == ["<s>", "red", "cat", "</s>", "<s>", "Paris"]
+
+
+def test_api_takes_the_text_or_a_path(bare, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    from_text = embedlens.lens(bare, "Paris", chat="the capital", chat_template=TEMPLATE)
+    from_path = embedlens.lens(bare, "Paris", chat="the capital", chat_template=template)
+    assert from_text.tokens == from_path.tokens
+    assert [t.token for t in from_text.tokens][-2:] == ["<s>", "Paris"]
+    with pytest.raises(UsageError, match="only applies with --chat"):
+        embedlens.lens(bare, "Paris", chat_template=TEMPLATE)
+    with pytest.raises(UsageError, match="no chat template"):
+        embedlens.lens(bare, "Paris", chat="the capital")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read --chat-template"),
+        ("folder", "is a folder"),
+        (b"\xff\xfe{{ x }}", "is not UTF-8"),
+        ("  \n", "is empty"),
+        ("{% for m in messages %}{{ m['content'] }}", "the chat template failed"),
+        ("{{ 'x' * 10**12 }}", "with '*'"),  # the bound on repeated text holds for given files
+        ("{{ messages[0]['content'] * 10**9 }}", "with '*'"),
+    ],
+)
+def test_bad_template_files(cli, bare, tmp_path, no_load, content, message):
+    path = tmp_path / "bad.jinja"
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    err = cli.fails("lens", bare, "Paris", "--chat", "hi", "--chat-template", path, code=2)
+    assert message in err
+    assert no_load == []
+
+
+def test_template_without_chat_is_a_usage_error(cli, bare, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    err = cli.fails("lens", bare, "Paris", "--chat-template", path, code=2)
+    assert "--chat-template only applies with --chat" in err
+
+
+def test_gguf_without_a_template(cli, smollm2, tmp_path, no_load):
+    """A GGUF file whose chat template is empty: --chat fails before the weights load, and its
+    template given as a file gives what the file's own template gives."""
+    from embedlens.io.gguf import read_gguf_header
+
+    own = str(read_gguf_header(smollm2).metadata["tokenizer.chat_template"])
+    bare = _gguf_rewrite(smollm2, tmp_path / "bare.gguf", meta={"tokenizer.chat_template": (8, "")})
+    err = cli.fails("lens", bare, "Paris", "--chat", "The capital of France?", code=2)
+    assert "no chat template" in err and no_load == []
+    template = tmp_path / "smol.jinja"
+    template.write_text(own)
+    args = ["Paris", "--chat", "The capital of France?", "--layers", "29:", "-k", "2"]
+    given = cli.json("lens", bare, *args, "--chat-template", template)
+    shipped = cli.json("lens", smollm2, *args)
+    assert given["tokens"] == shipped["tokens"]
+    assert given["layers"] == shipped["layers"]
