@@ -11,7 +11,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from embedlens.reports.lens import (
     LensCheck,
     LensLayer,
     LensReport,
+    LensSummaryReport,
     LensTarget,
     LensToken,
     Prediction,
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from embedlens.analysis.lens_engine import LensResult
+    from embedlens.analysis.lens_many import EachFn
     from embedlens.io.source import ModelSource
+    from embedlens.model.prompts import PromptSource
 
 DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 DEVICE_MAPS: tuple[str, ...] = get_args(DeviceMap)
@@ -88,12 +91,12 @@ class _Prompt:
 
 def lens(
     model: str | os.PathLike[str] | nn.Module,
-    prompt: str,
+    prompt: str | None = None,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
     layers: str | Sequence[int] | None = None,
     top_k: int = 5,
-    position: int | str = -1,
+    position: int | str | Sequence[int] = -1,
     target: str | None = None,
     chat: str | None = None,
     no_thinking: bool = False,
@@ -106,7 +109,10 @@ def lens(
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
-) -> LensReport:
+    prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
+    each: EachFn | None = None,
+    skip_bad: bool = False,
+) -> Any:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
 
@@ -119,7 +125,23 @@ def lens(
     template_args: more template variables, as a dict or as 'KEY=VALUE' strings.
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
+    prompts: many prompts instead of `prompt` (strings, or dicts with `prompt` and optional
+        `target`, `chat`, `id`; or `PromptSource.open(path)`): returns a `LensSummaryReport`
+        of per-layer statistics, and calls `each(report, line)` with each prompt's report (the
+        `LensReport` a single run gives) as it comes. `position` may then be a list.
+    skip_bad: with `prompts`, skip (and count) bad prompts instead of stopping at the first.
     """
+    if prompts is not None or prompt is None:
+        return _lens_prompts(
+            model, prompt, prompts, tokenizer, dict(
+                top_k=top_k, layers=layers, position=position, no_thinking=no_thinking,
+                template_args=template_args, skip_bad=skip_bad, each=each,
+            ), (target, chat, grid),
+            (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code),
+        )  # fmt: skip
+    if isinstance(position, (list, tuple)):
+        raise UsageError("a list of positions applies only with prompts=")
+    assert isinstance(position, (int, str))
     ask = _ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args, grid)
     if not isinstance(model, (str, os.PathLike)):
         _refuse_load_options(
@@ -130,6 +152,37 @@ def lens(
         revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code
     )
     return _lens_files(os.fspath(model), ask, load, tokenizer)
+
+
+def _lens_prompts(
+    model: str | os.PathLike[str] | nn.Module,
+    prompt: str | None,
+    prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None,
+    tokenizer: Any,
+    options: dict[str, Any],
+    single_only: tuple[str | None, str | None, bool],
+    loading: tuple[Any, ...],
+) -> LensSummaryReport:
+    """`lens(model, prompts=[...])`: see `lens_many`."""
+    from embedlens.analysis import lens_many
+
+    if prompts is None:
+        raise UsageError("give a prompt, or prompts=[...]")
+    if prompt is not None:
+        raise UsageError("give either a prompt or prompts=, not both")
+    if single_only[0] is not None or single_only[1] is not None or single_only[2]:
+        raise UsageError(
+            "--target, --chat and --grid apply to one prompt; with --prompts give target and "
+            "chat on each line (JSON Lines)"
+        )
+    ask = lens_many.many(**options)
+    source = lens_many.source_of(prompts)
+    if not isinstance(model, (str, os.PathLike)):
+        _refuse_load_options(*loading)
+        _check_loaded(model, tokenizer)
+        return lens_many.lens_loaded(model, source, ask, tokenizer)
+    load = _load_options(*loading)
+    return lens_many.lens_files(os.fspath(model), source, ask, load, tokenizer)
 
 
 def _ask(
@@ -255,6 +308,18 @@ def _lens_files(name: str, ask: _Ask, load: _Load, tokenizer: Any) -> LensReport
 
 def _lens_loaded(model: object, ask: _Ask, tokenizer: Any) -> LensReport:
     """The lens on a model the caller loaded: run as it is, its training flags restored after."""
+    _check_loaded(model, tokenizer)
+    assert tokenizer is not None
+    name = getattr(model, "name_or_path", None) or type(model).__name__
+    config = getattr(model, "config", None)
+    prompt = _prepare(ask, tokenizer, config, f"the chat template of '{name}'")
+    with _eval_mode(model):  # type: ignore[arg-type]
+        report = _run_report(str(name), model, tokenizer, ask, prompt)  # type: ignore[arg-type]
+    return dataclasses.replace(report, notes=[*prompt.notes, *report.notes])
+
+
+def _check_loaded(model: object, tokenizer: Any) -> None:
+    """A loaded model must be a torch module, and come with its tokenizer."""
     from torch import nn
 
     if not isinstance(model, nn.Module):
@@ -267,12 +332,6 @@ def _lens_loaded(model: object, ask: _Ask, tokenizer: Any) -> LensReport:
             "a loaded model needs its tokenizer to read the prompt",
             hint="pass tokenizer=, e.g. AutoTokenizer.from_pretrained(...) of the same model",
         )
-    name = getattr(model, "name_or_path", None) or type(model).__name__
-    config = getattr(model, "config", None)
-    prompt = _prepare(ask, tokenizer, config, f"the chat template of '{name}'")
-    with _eval_mode(model):
-        report = _run_report(str(name), model, tokenizer, ask, prompt)
-    return dataclasses.replace(report, notes=[*prompt.notes, *report.notes])
 
 
 @contextmanager
