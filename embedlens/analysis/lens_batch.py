@@ -18,17 +18,16 @@ import torch
 from torch import nn
 
 from embedlens.analysis.lens_engine import (
-    CHUNK_BYTES,
     Blocks,
     Check,
     LensResult,
     Tail,
     Top,
+    _best_ids,
     _check_decoded,
     _first_tensor,
     _hooks,
     _threads_for,
-    _top,
     find_blocks,
     input_device,
     post_head_step,
@@ -36,11 +35,13 @@ from embedlens.analysis.lens_engine import (
     tail_steps,
     tolerance,
 )
-from embedlens.analysis.lens_stats import kl_and_entropy
 from embedlens.errors import UnsupportedError
 
-BATCH_TOKENS = 2048
-"""Padded tokens per forward pass, at most (a prompt longer than this runs alone)."""
+BATCH_TOKENS = 256
+"""Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
+similar length go together, so little of a pass is padding."""
+CHUNK_BYTES = 64 * 2**20
+"""Decoded logits reduced at once (float32 bytes); the reduction holds a few such arrays."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,10 @@ class _Decode:
         self.agrees = [True] * len(items)
         self.top1: list[dict[int, int]] = [{} for _ in items]
         self.tol = tolerance(next(lens.model.parameters()).dtype, real)
+        self.ref_log = torch.log_softmax(real, dim=-1)
+        """The model's own log-probabilities at each row: KL is taken against them."""
+        self.negent = (self.ref_log.exp() * self.ref_log).sum(-1)
+        """Σ p log p of the model's output at each row (minus its entropy)."""
 
     def run(self, tail: Tail, residual: dict[int, torch.Tensor], device: torch.device) -> None:
         lens = self.lens
@@ -199,33 +204,42 @@ class _Decode:
             out = tail(h).float()
             _check_decoded(out, part, torch.tensor([self.where[r][1] for _, r in part]))
             self._take(part, out)
-        for r, (b, p) in enumerate(self.where):
-            row = self.real[r : r + 1]
-            top = _top(row, self.lens.k, self._vocab(), self.items[b].target)[0]
+        targets = [self.items[b].target for b, _ in self.where]
+        tops = top_rows(self.real, self.ref_log, self.lens.k, self._vocab(), targets)
+        for r, ((b, p), top) in enumerate(zip(self.where, tops, strict=True)):
             self.top1[b][p] = top.ids[0]
             if lens.n_layers in lens.layers:
                 self.rows[b][(lens.n_layers, p)] = top
-                _, h_model = kl_and_entropy(row, row)
-                self.kl[b][(lens.n_layers, p)] = (0.0, float(h_model[0]))
+                self.kl[b][(lens.n_layers, p)] = (0.0, -float(self.negent[r]))
 
     def _vocab(self) -> int:
         return min(self.lens.real_vocab, int(self.real.shape[-1]))
 
     def _take(self, part: list[tuple[int, int]], out: torch.Tensor) -> None:
-        rows = torch.tensor([r for _, r in part])
-        theirs = self.real[rows.to(self.real.device)].to(out.device)
-        kl, entropy = kl_and_entropy(out, theirs)
-        for i, (layer, r) in enumerate(part):
+        n_layers = self.lens.n_layers
+        last = [i for i, (layer, _) in enumerate(part) if layer == n_layers]
+        for i in last:
+            r = part[i][1]
+            b = self.where[r][0]
+            theirs = self.real[r].to(out.device)
+            self.diff[b] = max(self.diff[b], float((out[i] - theirs).abs().max()))
+            self.agrees[b] = self.agrees[b] and bool(out[i].argmax() == theirs.argmax())
+        keep = [i for i, (layer, _) in enumerate(part) if layer != n_layers]
+        if not keep:
+            return
+        x = out[keep]
+        refs = torch.tensor([part[i][1] for i in keep])
+        lx = torch.log_softmax(x, dim=-1)
+        targets = [self.items[self.where[part[i][1]][0]].target for i in keep]
+        tops = top_rows(x, lx, self.lens.k, self._vocab(), targets)
+        py = self.ref_log[refs.to(self.ref_log.device)].to(x.device).exp()
+        kl = (self.negent[refs].to(x.device) - (py * lx).sum(-1)).clamp_min(0.0).tolist()
+        entropy = (-(lx.exp() * lx).sum(-1)).tolist()
+        for j, i in enumerate(keep):
+            layer, r = part[i]
             b, p = self.where[r]
-            if layer == self.lens.n_layers:
-                d = float((out[i] - theirs[i]).abs().max())
-                self.diff[b] = max(self.diff[b], d)
-                same = bool(out[i].argmax() == theirs[i].argmax())
-                self.agrees[b] = self.agrees[b] and same
-                continue
-            target = self.items[b].target
-            self.rows[b][(layer, p)] = _top(out[i : i + 1], self.lens.k, self._vocab(), target)[0]
-            self.kl[b][(layer, p)] = (float(kl[i]), float(entropy[i]))
+            self.rows[b][(layer, p)] = tops[j]
+            self.kl[b][(layer, p)] = (kl[j], entropy[j])
 
     def result(
         self, b: int, steps: list[str], full: bool
@@ -301,3 +315,45 @@ def _forward_masked(
     if "logits_to_keep" not in params:
         logits = logits[:, keep.to(logits.device)]
     return logits
+
+
+def top_rows(
+    x: torch.Tensor, lx: torch.Tensor, k: int, real_vocab: int, targets: Sequence[int | None]
+) -> list[Top]:
+    """`_top` of the engine for many rows at once: the k best real tokens by logit (equal logits:
+    the lower id first), their probabilities and log-probabilities (from `lx`, the rows'
+    log_softmax over the whole output), and each row's target with its rank by logit."""
+    real = x[:, :real_vocab]
+    kk = min(k, real_vocab)
+    values, idx = real.topk(kk, dim=-1)
+    ties = ((real >= values[:, -1:]).sum(-1) > kk).tolist()
+    by_id = idx.sort(dim=-1).values
+    order = torch.sort(real.gather(1, by_id), dim=-1, descending=True, stable=True).indices
+    best = by_id.gather(1, order)
+    for r in (r for r, tied in enumerate(ties) if tied):  # equal logits across the k-th place
+        best[r] = _best_ids(real[r], values[r, -1], kk)
+    best_lp = lx.gather(1, best)
+    ids, logprobs, probs = best.tolist(), best_lp.tolist(), best_lp.exp().tolist()
+    at = _targets(x, lx, real, targets)
+    return [
+        Top(ids[r], probs[r], logprobs[r], *at.get(r, (None, None, None)))
+        for r in range(x.shape[0])
+    ]
+
+
+def _targets(
+    x: torch.Tensor, lx: torch.Tensor, real: torch.Tensor, targets: Sequence[int | None]
+) -> dict[int, tuple[float, int, float]]:
+    """row -> (probability, rank, log-probability) of its target, for rows that have one."""
+    rows = [r for r, t in enumerate(targets) if t is not None]
+    if not rows:
+        return {}
+    tid = torch.tensor([targets[r] for r in rows], device=x.device)
+    at = torch.tensor(rows, device=x.device)
+    value = x[at, tid][:, None]
+    sub = real[at]
+    lower = torch.arange(sub.shape[1], device=x.device)[None, :] < tid[:, None]
+    rank = ((sub > value).sum(-1) + ((sub == value) & lower).sum(-1) + 1).tolist()
+    lp = lx[at, tid]
+    probs, logprobs = lp.exp().tolist(), lp.tolist()
+    return {r: (probs[j], int(rank[j]), logprobs[j]) for j, r in enumerate(rows)}

@@ -12,19 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
 from embedlens.analysis.lens_engine import LensResult, Top
-
-
-def kl_and_entropy(lens: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(softmax(model) ‖ softmax(lens)) and the entropy of softmax(lens), per row, in nats."""
-    lx = torch.log_softmax(lens.float(), dim=-1)
-    ly = torch.log_softmax(model.float(), dim=-1)
-    py = ly.exp()
-    kl = (py * (ly - lx)).sum(-1).clamp_min(0.0)
-    entropy = -(lx.exp() * lx).sum(-1)
-    return kl, entropy
 
 
 @dataclass
