@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args, overload
 
 from embedlens.errors import EmbedlensError, UsageError
 from embedlens.reports.lens import (
@@ -89,7 +89,21 @@ class _Prompt:
     notes: list[str]
 
 
+@overload
+def lens(model: str | os.PathLike[str] | nn.Module, prompt: str, **options: Any) -> LensReport: ...
+
+
+@overload
 def lens(
+    model: str | os.PathLike[str] | nn.Module,
+    prompt: None = None,
+    *,
+    prompts: Iterable[str | Mapping[str, Any]] | PromptSource,
+    **options: Any,
+) -> LensSummaryReport: ...
+
+
+def lens(  # type: ignore[misc]  # the overloads take options as **options
     model: str | os.PathLike[str] | nn.Module,
     prompt: str | None = None,
     *,
@@ -112,7 +126,7 @@ def lens(
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
     each: EachFn | None = None,
     skip_bad: bool = False,
-) -> Any:
+) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
 
