@@ -153,9 +153,6 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
             ), (target, chat, grid),
             (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code),
         )  # fmt: skip
-    if isinstance(position, (list, tuple)):
-        raise UsageError("a list of positions applies only with prompts=")
-    assert isinstance(position, (int, str))
     ask = _ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args, grid)
     if not isinstance(model, (str, os.PathLike)):
         _refuse_load_options(
@@ -203,7 +200,7 @@ def _ask(
     prompt: str,
     layers: str | Sequence[int] | None,
     top_k: int,
-    position: int | str,
+    position: int | str | Sequence[int],
     target: str | None,
     chat: str | None,
     no_thinking: bool,
@@ -211,6 +208,8 @@ def _ask(
     grid: bool,
 ) -> _Ask:
     """Check what was asked, before any file is read."""
+    if not isinstance(position, (int, str)):
+        raise UsageError("a list of positions applies only with prompts=")
     if top_k < 1:
         raise UsageError(f"-k must be at least 1, not {top_k}")
     items = None if layers is None else layer_items(layers)

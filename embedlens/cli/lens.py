@@ -189,38 +189,19 @@ def lens(
     from embedlens.analysis.lens import lens as run_lens
 
     common(quiet=quiet, debug=debug, device=device)
+    opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
+                no_thinking=no_thinking, template_args=template_arg, device_map=device_map,
+                max_memory=max_memory, offload_folder=offload_folder, revision=revision,
+                dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # fmt: skip
     if prompts is not None or prompt is None:
-        opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
-                    no_thinking=no_thinking, template_args=template_arg, device_map=device_map,
-                    max_memory=max_memory, offload_folder=offload_folder, revision=revision,
-                    dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                    skip_bad=skip_bad)  # fmt: skip
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           options=opts)  # fmt: skip
+                           options={**opts, "skip_bad": skip_bad})  # fmt: skip
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
         check_plot_file(plot)
     with progress(f"Running the lens on {model}"):
-        report = run_lens(
-            model,
-            prompt,
-            layers=layers,
-            top_k=top_k,
-            position=position,
-            target=target,
-            chat=chat,
-            no_thinking=no_thinking,
-            template_args=template_arg,
-            grid=plot is not None,
-            device_map=device_map,
-            max_memory=max_memory,
-            offload_folder=offload_folder,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-        )
+        report = run_lens(model, prompt, grid=plot is not None, **opts)
     _say(report, plot)
     emit(report, as_json=as_json)
 
