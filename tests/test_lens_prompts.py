@@ -358,3 +358,27 @@ def test_curves_plot(tiny, cli, tmp_path):
     assert "over 5 prompts" in svg and "median rank of the target" in svg
     page = (tmp_path / "curves.html").read_text(encoding="utf-8")
     assert "<svg" in page and "<script" not in page and "<link" not in page
+
+
+def test_smollm2_prompts_equal_single_runs(smollm2, cli, tmp_path):
+    """The real model, prompts of different lengths in one batch: each equals its single run."""
+    prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived a"]
+    path = jsonl(tmp_path, [{"prompt": prompts[0], "target": " Paris"}, {"prompt": prompts[1]}])
+    result = cli("lens", smollm2, "--prompts", path, "--json", "-k", "3")
+    assert result.exit_code == 0, result.stderr
+    out = lines_of(result.stdout)
+    singles = [
+        cli.json("lens", smollm2, prompts[0], "--target", " Paris", "-k", "3"),
+        cli.json("lens", smollm2, prompts[1], "-k", "3"),
+    ]
+    for got, single in zip(out, singles, strict=False):
+        assert [t["id"] for row in got["layers"] for t in row["top"]] == [
+            t["id"] for row in single["layers"] for t in row["top"]
+        ]
+        for a, b in zip(got["layers"], single["layers"], strict=True):
+            for x, y in zip(a["top"], b["top"], strict=True):
+                assert x["logprob"] == pytest.approx(y["logprob"], rel=1e-3, abs=1e-3)
+        assert got["check"]["ok"]
+    assert out[-1]["layers"][-1]["target_prob"] == pytest.approx(
+        singles[0]["layers"][-1]["target"]["prob"], rel=1e-4
+    )
