@@ -236,6 +236,25 @@ def write_word_tokenizer(folder: Path, n_tokens: int) -> None:
     ).save_pretrained(folder)
 
 
+PROMPT_WORDS = (
+    "the a of to and in is was he she it king queen man woman city river house water light time "
+    "day year world people work life hand part place case week company system program question "
+    "number night point home room mother area money story fact month right study book eye job word"
+).split()
+
+
+def write_prompts(path: Path, words: list[str], n: int = 100) -> Path:
+    """n prompts of 5 to 20 words (5 to 20 tokens for a word-level tokenizer, about as many for
+    SmolLM2's on these common words), one per line, the same every time."""
+    import random
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(words) for _ in range(5 + i % 16)) for i in range(n)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def smollm2_path() -> Path:
     import importlib.util
 
@@ -400,6 +419,14 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(smol), "The capital of France is", "--json"],
             [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.6,
             mem_budget=1.0),
+        Row("lens --prompts, 100 prompts (SmolLM2)",
+            [*el, "lens", str(smol), "--prompts", str(CACHE / "prompts-english.txt"), "--json"],
+            [*el, "lens", str(smol), "The capital of France is", "--json"],
+            "a single-prompt lens", budget=2.0),
+        Row("lens --prompts, 100 prompts (Qwen3-0.6B checkpoint)",
+            [*el, "lens", str(qwen), "--prompts", str(CACHE / "prompts-words.txt"), "--json"],
+            [*el, "lens", str(qwen), "king queen man woman", "--json"],
+            "a single-prompt lens", budget=3.0),
     ]  # fmt: skip
     return table, qwen, smol
 
@@ -414,6 +441,8 @@ def main() -> None:
     if args.build_only:
         qwen_checkpoint(args.quick, build=True)
         large_vocab_gguf(args.quick, build=True)
+        write_prompts(CACHE / "prompts-english.txt", PROMPT_WORDS)
+        write_prompts(CACHE / "prompts-words.txt", [*QUERIES, "man", "woman", "dog", "two"])
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

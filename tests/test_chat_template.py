@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import embedlens
 from embedlens.errors import UsageError
 from tests.badinputs import _gguf_rewrite
+from tests.test_lens_prompts import close
 
 TEMPLATE = (
     "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
@@ -139,3 +141,21 @@ def test_gguf_without_a_template(cli, smollm2, tmp_path, no_load):
     shipped = cli.json("lens", smollm2, *args)
     assert given["tokens"] == shipped["tokens"]
     assert given["layers"] == shipped["layers"]
+
+
+def test_a_template_file_serves_every_chat_line_of_a_prompts_file(cli, tiny, bare, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "Paris", "chat": "the capital"}\n{"prompt": "king"}\n')
+    result = cli("lens", bare, "--prompts", lines, "--chat-template", template, "--json")
+    assert result.exit_code == 0, result.stderr
+    first, second, summary = (json.loads(x) for x in result.stdout.splitlines())
+    own = cli.json("lens", tiny("llama-tied"), "Paris", "--chat", "the capital")
+    assert first["tokens"] == own["tokens"]
+    close(first["layers"], own["layers"])  # batched: equal up to float32 rounding
+    assert second["tokens"] == cli.json("lens", bare, "king")["tokens"]
+    assert summary["summary"] is True and summary["n_prompts"] == 2
+    without = cli("lens", bare, "--prompts", lines)
+    assert without.exit_code == 2 and "line 1" in without.stderr
+    assert "no chat template" in without.stderr

@@ -38,6 +38,8 @@ def console_examples() -> list[tuple[str, list[str]]]:
 @pytest.mark.parametrize("command, shown", console_examples(), ids=lambda x: str(x)[:60])
 def test_readme_example_prints_what_it_shows(command, shown, smollm2, tmp_path):
     (tmp_path / SMOLLM2).symlink_to(smollm2)
+    for block in re.findall(r"```jsonl\n(.*?)```", README, flags=re.S):  # the prompts file shown
+        (tmp_path / "facts.jsonl").write_text(block, encoding="utf-8")
     argv = shlex.split(command)
     code = "import sys; from embedlens.cli import main; sys.argv = sys.argv[1:]; main()"
     env = {**os.environ, "COLUMNS": "100", "EMBEDLENS_NO_COLOR": "1", "NO_COLOR": "1"}

@@ -11,11 +11,11 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args, overload
 
 from embedlens.errors import EmbedlensError, UsageError
 from embedlens.reports.lens import (
@@ -24,6 +24,7 @@ from embedlens.reports.lens import (
     LensCheck,
     LensLayer,
     LensReport,
+    LensSummaryReport,
     LensTarget,
     LensToken,
     Prediction,
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from embedlens.analysis.lens_engine import LensResult
+    from embedlens.analysis.lens_many import EachFn
     from embedlens.io.source import ModelSource
+    from embedlens.model.prompts import PromptSource
 
 DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 DEVICE_MAPS: tuple[str, ...] = get_args(DeviceMap)
@@ -88,14 +91,28 @@ class _Prompt:
     notes: list[str]
 
 
+@overload
+def lens(model: str | os.PathLike[str] | nn.Module, prompt: str, **options: Any) -> LensReport: ...
+
+
+@overload
 def lens(
     model: str | os.PathLike[str] | nn.Module,
-    prompt: str,
+    prompt: None = None,
+    *,
+    prompts: Iterable[str | Mapping[str, Any]] | PromptSource,
+    **options: Any,
+) -> LensSummaryReport: ...
+
+
+def lens(  # type: ignore[misc]  # the overloads take options as **options
+    model: str | os.PathLike[str] | nn.Module,
+    prompt: str | None = None,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
     layers: str | Sequence[int] | None = None,
     top_k: int = 5,
-    position: int | str = -1,
+    position: int | str | Sequence[int] = -1,
     target: str | None = None,
     chat: str | None = None,
     no_thinking: bool = False,
@@ -109,7 +126,10 @@ def lens(
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
-) -> LensReport:
+    prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
+    each: EachFn | None = None,
+    skip_bad: bool = False,
+) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
 
@@ -124,7 +144,21 @@ def lens(
         one): a str is the template's Jinja text, a Path (any os.PathLike) a file holding it.
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
+    prompts: many prompts instead of `prompt` (strings, or dicts with `prompt` and optional
+        `target`, `chat`, `id`; or `PromptSource.open(path)`): returns a `LensSummaryReport`
+        of per-layer statistics, and calls `each(report, line)` with each prompt's report (the
+        `LensReport` a single run gives) as it comes. `position` may then be a list.
+    skip_bad: with `prompts`, skip (and count) bad prompts instead of stopping at the first.
     """
+    if prompts is not None or prompt is None:
+        return _lens_prompts(
+            model, prompt, prompts, tokenizer, dict(
+                top_k=top_k, layers=layers, position=position, no_thinking=no_thinking,
+                template_args=template_args, skip_bad=skip_bad, each=each,
+                template=user_template(chat_template, None, per_line=True),
+            ), (target, chat, grid),
+            (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code),
+        )  # fmt: skip
     ask = _ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args, grid)
     ask = dataclasses.replace(ask, template=user_template(chat_template, chat))
     if not isinstance(model, (str, os.PathLike)):
@@ -138,11 +172,42 @@ def lens(
     return _lens_files(os.fspath(model), ask, load, tokenizer)
 
 
+def _lens_prompts(
+    model: str | os.PathLike[str] | nn.Module,
+    prompt: str | None,
+    prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None,
+    tokenizer: Any,
+    options: dict[str, Any],
+    single_only: tuple[str | None, str | None, bool],
+    loading: tuple[Any, ...],
+) -> LensSummaryReport:
+    """`lens(model, prompts=[...])`: see `lens_many`."""
+    from embedlens.analysis import lens_many
+
+    if prompts is None:
+        raise UsageError("give a prompt, or prompts=[...]")
+    if prompt is not None:
+        raise UsageError("give either a prompt or prompts=, not both")
+    if single_only[0] is not None or single_only[1] is not None or single_only[2]:
+        raise UsageError(
+            "--target, --chat and --grid apply to one prompt; with --prompts give target and "
+            "chat on each line (JSON Lines)"
+        )
+    ask = lens_many.many(**options)
+    source = lens_many.source_of(prompts)
+    if not isinstance(model, (str, os.PathLike)):
+        _refuse_load_options(*loading)
+        _check_loaded(model, tokenizer)
+        return lens_many.lens_loaded(model, source, ask, tokenizer)
+    load = _load_options(*loading)
+    return lens_many.lens_files(os.fspath(model), source, ask, load, tokenizer)
+
+
 def _ask(
     prompt: str,
     layers: str | Sequence[int] | None,
     top_k: int,
-    position: int | str,
+    position: int | str | Sequence[int],
     target: str | None,
     chat: str | None,
     no_thinking: bool,
@@ -150,6 +215,8 @@ def _ask(
     grid: bool,
 ) -> _Ask:
     """Check what was asked, before any file is read."""
+    if not isinstance(position, (int, str)):
+        raise UsageError("a list of positions applies only with prompts=")
     if top_k < 1:
         raise UsageError(f"-k must be at least 1, not {top_k}")
     items = None if layers is None else layer_items(layers)
@@ -163,12 +230,13 @@ def _ask(
 
 
 def user_template(
-    chat_template: str | os.PathLike[str] | None, chat: str | None
+    chat_template: str | os.PathLike[str] | None, chat: str | None, *, per_line: bool = False
 ) -> tuple[str, str] | None:
-    """The caller's chat template, read and checked before any model file is: (text, name)."""
+    """The caller's chat template, read and checked before any model file is: (text, name).
+    `per_line`: many prompts, whose lines carry their own chat messages."""
     if chat_template is None:
         return None
-    if chat is None:
+    if chat is None and not per_line:
         raise UsageError("--chat-template only applies with --chat")
     if isinstance(chat_template, str):
         if not chat_template.strip():
@@ -279,6 +347,18 @@ def _lens_files(name: str, ask: _Ask, load: _Load, tokenizer: Any) -> LensReport
 
 def _lens_loaded(model: object, ask: _Ask, tokenizer: Any) -> LensReport:
     """The lens on a model the caller loaded: run as it is, its training flags restored after."""
+    _check_loaded(model, tokenizer)
+    assert tokenizer is not None
+    name = getattr(model, "name_or_path", None) or type(model).__name__
+    config = getattr(model, "config", None)
+    prompt = _prepare(ask, tokenizer, config, f"the chat template of '{name}'")
+    with _eval_mode(model):  # type: ignore[arg-type]
+        report = _run_report(str(name), model, tokenizer, ask, prompt)  # type: ignore[arg-type]
+    return dataclasses.replace(report, notes=[*prompt.notes, *report.notes])
+
+
+def _check_loaded(model: object, tokenizer: Any) -> None:
+    """A loaded model must be a torch module, and come with its tokenizer."""
     from torch import nn
 
     if not isinstance(model, nn.Module):
@@ -291,12 +371,6 @@ def _lens_loaded(model: object, ask: _Ask, tokenizer: Any) -> LensReport:
             "a loaded model needs its tokenizer to read the prompt",
             hint="pass tokenizer=, e.g. AutoTokenizer.from_pretrained(...) of the same model",
         )
-    name = getattr(model, "name_or_path", None) or type(model).__name__
-    config = getattr(model, "config", None)
-    prompt = _prepare(ask, tokenizer, config, f"the chat template of '{name}'")
-    with _eval_mode(model):
-        report = _run_report(str(name), model, tokenizer, ask, prompt)
-    return dataclasses.replace(report, notes=[*prompt.notes, *report.notes])
 
 
 @contextmanager

@@ -6,10 +6,11 @@ import io
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from rich.console import Console, RenderableType
+from rich.text import Text
 
 from embedlens.errors import OutputError
 from embedlens.reports import Report
@@ -154,3 +155,36 @@ def progress(message: str) -> Iterator[None]:
         return
     with err_console.status(shown(message), spinner="dots"):
         yield
+
+
+@contextmanager
+def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
+    """A progress line on stderr counting items done and their rate (only on a terminal and
+    without --quiet); yields the function that counts one more."""
+    if _state["quiet"] or not err_console.is_terminal:
+        yield lambda: None
+        return
+    from rich.progress import (
+        Progress,
+        ProgressColumn,
+        SpinnerColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:.1f} {unit}/s" if speed else "", style="dim")
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}", markup=False),
+        TextColumn("{task.completed:.0f} " + unit),
+        Rate(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task(shown(message).plain, total=None)
+        yield lambda: bar.advance(task)

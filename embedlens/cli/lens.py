@@ -9,6 +9,7 @@ import typer
 
 from embedlens.analysis.lens import DeviceMap
 from embedlens.cli._errors import handles_errors
+from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._options import (
     DebugOpt,
     DeviceOpt,
@@ -32,7 +33,9 @@ EXAMPLES = (
     " --target 北京\n\n"
     '  $ embedlens lens ./my-model "The capital of France is" --position all --plot lens.png\n\n'
     '  $ embedlens lens ./base.gguf "Paris" --chat "The capital of France?" --chat-template chat.jinja\n\n'
-    '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json'
+    '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json\n\n'
+    "  $ embedlens lens ./my-model --prompts prompts.jsonl --plot curves.png\n\n"
+    "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl"
 )
 
 DtypeLensOpt = Annotated[
@@ -44,11 +47,31 @@ DtypeLensOpt = Annotated[
 
 
 PromptArg = Annotated[
-    str,
+    str | None,
     typer.Argument(
-        metavar="PROMPT",
-        help="Text to run (with --chat: the start of the assistant's answer).",
+        metavar="[PROMPT]",
+        help="Text to run (with --chat: the start of the assistant's answer); or --prompts.",
         show_default=False,
+    ),
+]
+
+PromptsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prompts",
+        metavar="FILE",
+        help="Run every prompt of FILE (- for stdin), the model loaded once: one per line, or "
+        "JSON Lines with prompt and optional target, chat, id. Prints a per-layer summary; "
+        "--json writes one line per prompt, then the summary.",
+    ),
+]
+EachOpt = Annotated[
+    bool, typer.Option("--each", help="With --prompts: also print each prompt's table.")
+]
+SkipBadOpt = Annotated[
+    bool,
+    typer.Option(
+        "--skip-bad", help="With --prompts: skip (and count) bad lines instead of stopping."
     ),
 ]
 
@@ -145,7 +168,7 @@ OffloadFolderOpt = Annotated[
 @handles_errors
 def lens(
     model: ModelArg,
-    prompt: PromptArg,
+    prompt: PromptArg = None,
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="Predictions per layer.")] = 5,
     layers: LayersOpt = None,
     position: PositionOpt = "-1",
@@ -165,6 +188,9 @@ def lens(
     trust_remote_code: TrustOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
+    prompts: PromptsOpt = None,
+    each: EachOpt = False,
+    skip_bad: SkipBadOpt = False,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -175,31 +201,20 @@ def lens(
     from embedlens.analysis.lens import lens as run_lens
 
     common(quiet=quiet, debug=debug, device=device)
+    opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
+                no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
+                device_map=device_map,
+                max_memory=max_memory, offload_folder=offload_folder, revision=revision,
+                dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # fmt: skip
+    if prompts is not None or prompt is None:
+        return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
+                           options={**opts, "skip_bad": skip_bad})  # fmt: skip
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
         check_plot_file(plot)
     with progress(f"Running the lens on {model}"):
-        report = run_lens(
-            model,
-            prompt,
-            layers=layers,
-            top_k=top_k,
-            position=position,
-            target=target,
-            chat=chat,
-            no_thinking=no_thinking,
-            template_args=template_arg,
-            chat_template=chat_template,
-            grid=plot is not None,
-            device_map=device_map,
-            max_memory=max_memory,
-            offload_folder=offload_folder,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-        )
+        report = run_lens(model, prompt, grid=plot is not None, **opts)
     _say(report, plot)
     emit(report, as_json=as_json)
 

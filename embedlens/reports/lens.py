@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from embedlens.reports import Report
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,58 @@ class LensReport(Report):
     placement: dict[str, int] | None = None
     """With --device-map: how many of the model's placed modules went to each device."""
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def display_model(self) -> str:
+        """The model as titles show it: a local path by its last part, a repo id whole."""
+        path = Path(self.model)
+        return path.name if path.exists() else self.model
+
+
+@dataclass(frozen=True)
+class LensLayerStats:
+    """One layer's statistics over every prompt and position read (`--prompts`)."""
+
+    layer: int
+    kl: float
+    """Mean KL(model's output ‖ lens at this layer), in nats."""
+    entropy: float
+    """Mean entropy of the lens's distribution, in nats."""
+    top1_agreement: float
+    """The fraction of (prompt, position) where the lens's top-1 is the model's top-1."""
+    target_prob: float | None
+    target_logprob: float | None
+    target_rank_median: float | None
+    """Over the prompts with a target (null without any); ranks by logit, 1 = top."""
+
+
+@dataclass(frozen=True)
+class LensSummaryReport(Report):
+    """The lens over many prompts: per-layer statistics (the last line of `--prompts --json`)."""
+
+    command: ClassVar[str] = "lens"
+    model: str
+    n_prompts: int
+    """Prompts run (lines skipped with --skip-bad not counted)."""
+    n_positions: int
+    """(prompt, position) pairs the statistics are taken over."""
+    n_skipped: int
+    """Bad lines skipped with --skip-bad."""
+    n_targets: int
+    """Prompts with a target (the target statistics are over these)."""
+    position: int | str | list[int]
+    """The positions read in each prompt, as asked (-1, 'all' or a list)."""
+    num_layers: int
+    dtype: str
+    layers: list[LensLayerStats]
+    summary: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def __rich__(self) -> RenderableType:
+        """The summary table (`rich.print(report)`)."""
+        from embedlens.views.lens_summary import render
+
+        return render(self)
 
     @property
     def display_model(self) -> str:

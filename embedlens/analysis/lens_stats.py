@@ -1,0 +1,109 @@
+"""Per-layer statistics of the logit lens over many prompts and positions.
+
+For each (prompt, position, layer) read: KL(model's output ‖ lens at the layer) in nats, the
+entropy of the lens's distribution (both over the model's whole output, as its softmax runs),
+whether the lens's top-1 is the model's top-1 (by logit, among real tokens), and, with a target,
+its probability, log-probability and rank. Sums and a histogram of ranks are kept per layer, so
+memory does not grow with the number of prompts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from embedlens.analysis.lens_engine import LensResult, Top
+
+
+@dataclass
+class _Layer:
+    n: int = 0
+    kl: float = 0.0
+    entropy: float = 0.0
+    agree: int = 0
+    n_target: int = 0
+    target_prob: float = 0.0
+    target_logprob: float = 0.0
+    ranks: Counter[int] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    """One layer's means over every prompt and position read."""
+
+    layer: int
+    kl: float
+    entropy: float
+    top1_agreement: float
+    target_prob: float | None
+    target_logprob: float | None
+    target_rank_median: float | None
+
+
+class LensStats:
+    """Sums per layer, added to one prompt at a time."""
+
+    def __init__(self) -> None:
+        self._layers: dict[int, _Layer] = {}
+        self.n_prompts = 0
+        self.n_positions = 0
+        self.n_targets = 0
+
+    def add(
+        self,
+        result: LensResult,
+        kl: dict[tuple[int, int], tuple[float, float]],
+        model_top1: dict[int, int],
+    ) -> None:
+        """One prompt: its decoded rows, (KL, entropy) for each (layer, position), and the
+        model's own top-1 at each position."""
+        self.n_prompts += 1
+        self.n_positions += len(result.positions)
+        has_target = False
+        for layer in result.layers:
+            acc = self._layers.setdefault(layer, _Layer())
+            for pos in result.positions:
+                top: Top = result.rows[(layer, pos)]
+                k, h = kl[(layer, pos)]
+                acc.n += 1
+                acc.kl += k
+                acc.entropy += h
+                acc.agree += int(top.ids[0] == model_top1[pos])
+                if top.target_rank is not None:
+                    has_target = True
+                    acc.n_target += 1
+                    acc.target_prob += float(top.target_prob or 0.0)
+                    acc.target_logprob += float(top.target_logprob or 0.0)
+                    acc.ranks[top.target_rank] += 1
+        self.n_targets += int(has_target)
+
+    def summary(self) -> list[LayerSummary]:
+        """The means per layer, in layer order."""
+        return [_summarise(layer, acc) for layer, acc in sorted(self._layers.items())]
+
+
+def _summarise(layer: int, acc: _Layer) -> LayerSummary:
+    n, t = max(acc.n, 1), acc.n_target
+    return LayerSummary(
+        layer=layer,
+        kl=acc.kl / n,
+        entropy=acc.entropy / n,
+        top1_agreement=acc.agree / n,
+        target_prob=acc.target_prob / t if t else None,
+        target_logprob=acc.target_logprob / t if t else None,
+        target_rank_median=median_of_counts(acc.ranks) if t else None,
+    )
+
+
+def median_of_counts(counts: Counter[int]) -> float:
+    """The median of values given as value -> count (the mean of the two middle ones when even)."""
+    total = sum(counts.values())
+    middle = [(total - 1) // 2, total // 2]
+    out: list[int] = []
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        while middle and middle[0] < seen:
+            out.append(value)
+            middle.pop(0)
+    return (out[0] + out[1]) / 2

@@ -1,0 +1,102 @@
+"""`embedlens lens MODEL --prompts FILE`: many prompts, one load, a summary of every layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from embedlens.cli._output import counter, emit, note, rendered, warn, write_stdout
+from embedlens.errors import UsageError
+
+if TYPE_CHECKING:
+    from embedlens.model.prompts import PromptLine
+    from embedlens.reports.lens import LensReport, LensSummaryReport
+
+
+def run_prompts(
+    model: str,
+    prompt: str | None,
+    prompts: str | None,
+    *,
+    each: bool,
+    as_json: bool,
+    plot: Path | None,
+    options: dict[str, Any],
+) -> None:
+    """Run the lens over a file of prompts: per-prompt output as it comes, the summary last."""
+    from embedlens.analysis.lens import lens as run_lens
+    from embedlens.model.prompts import PromptSource
+
+    if prompts is None:
+        raise UsageError("give a PROMPT, or --prompts FILE (- for stdin)")
+    if prompt is not None:
+        raise UsageError("give either PROMPT or --prompts, not both")
+    if plot is not None:
+        from embedlens.views.heatmap import check_plot_file
+
+        check_plot_file(plot)
+    show = _Shown(as_json=as_json, each=each)
+    source = PromptSource.open(prompts)
+    with counter(f"Running the lens on {model}", "prompts") as advance:
+
+        def on_report(report: LensReport, line: PromptLine) -> None:
+            show.report(report, line)
+            advance()
+
+        summary: LensSummaryReport = run_lens(model, prompts=source, each=on_report, **options)
+    show.finish(summary, plot)
+    emit(summary, as_json=as_json)
+
+
+class _Shown:
+    """What each prompt prints: its JSON line, or its table with --each; notes once each."""
+
+    def __init__(self, *, as_json: bool, each: bool) -> None:
+        self.as_json = as_json
+        self.each = each
+        self.noted: set[str] = set()
+        self.unfaithful = 0
+
+    def report(self, report: LensReport, line: PromptLine) -> None:
+        if not report.check.ok:
+            self.unfaithful += 1
+        self.notes(report.notes)
+        if self.as_json:
+            write_stdout(json_line(report, line.id))
+        elif self.each:
+            write_stdout(rendered(report.__rich__()))
+
+    def notes(self, notes: list[str]) -> None:
+        for text in notes:
+            if text not in self.noted:
+                self.noted.add(text)
+                note("note: " + text)
+
+    def finish(self, summary: LensSummaryReport, plot: Path | None) -> None:
+        """The warning when some prompts were not faithful, the notes, then the plot."""
+        if self.unfaithful:
+            warn(
+                f"the lens does not reproduce this model's logits on {self.unfaithful} of "
+                f"{summary.n_prompts} prompts: its rows are not faithful for this architecture "
+                "(run one of them alone to see the suspect step)"
+            )
+        self.notes(summary.notes)
+        if plot is not None:
+            from embedlens.views.curves import save_curves
+
+            save_curves(summary, plot)
+            note(f"wrote {plot}")
+
+
+def json_line(report: LensReport, ident: str | int | None) -> str:
+    """The single run's JSON object on one line, with the line's `id` when it has one."""
+    if ident is None:
+        return report.to_json() + "\n"
+    data = {**report.to_dict(), "id": ident}
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(data, ensure_ascii=True, allow_nan=False)
+    return text + "\n"
