@@ -7,7 +7,8 @@ rows, tokens the tokenizer never produces as themselves, tokens the vocabulary n
 Tokens at or above the reference rows' own 99th percentile are candidates. Rows that are exactly
 equal to each other are listed too: training would have moved them apart.
 
-One float32 copy of the matrix is held; everything else is a vector or a [d, d] matrix.
+The matrix is read once, block by block (a float32 block at a time, never the whole matrix);
+everything else is a vector of V or a [d, d] matrix.
 """
 
 from __future__ import annotations
@@ -38,61 +39,91 @@ class ReferenceRows:
         return sorted(self.kinds)
 
 
-def read_matrix(rows: Rows) -> npt.NDArray[np.float32]:
-    """The whole matrix as float32, one block at a time into a single array."""
-    v, d = rows.shape
-    out = np.empty((v, d), dtype=np.float32)
-    for start in range(0, v, rows.block_rows):
-        stop = min(v, start + rows.block_rows)
-        out[start:stop] = rows.block(start, stop)
-    return out
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row figures from one pass over the matrix (float32 vectors of V)."""
+
+    indicator: npt.NDArray[np.float32]
+    norms: npt.NDArray[np.float32]
+    signature: npt.NDArray[np.float32]
+    """Each row's product with a fixed random vector: equal rows have equal signatures."""
 
 
-def first_component(matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+def first_component(rows: Rows) -> npt.NDArray[np.float64]:
     """The unit first principal component of the rows (of the centred covariance).
 
     Estimated from at most SAMPLE_ROWS evenly spaced rows: the direction all rows share is
-    dominant, and the full [V, d] x [d, V] product would cost seconds on a large vocabulary.
+    dominant, and the full [d, V] x [V, d] product would cost seconds on a large vocabulary.
     """
-    v = matrix.shape[0]
-    sample = matrix[:: max(1, -(-v // SAMPLE_ROWS))]
+    v = rows.shape[0]
+    sample = rows.take(list(range(0, v, max(1, -(-v // SAMPLE_ROWS)))))
     mean = sample.mean(axis=0, dtype=np.float64)
     gram = (sample.T @ sample).astype(np.float64) / sample.shape[0]
     _, vectors = np.linalg.eigh(gram - np.outer(mean, mean))
     return np.asarray(vectors[:, -1], dtype=np.float64)
 
 
-def indicator(
-    matrix: npt.NDArray[np.float32], reference: list[int]
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    """(indicator, norm) of every row: cosine to the reference rows' mean, first PC removed."""
-    u = first_component(matrix).astype(np.float32)
-    norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix))
-    proj = matrix @ u
-    ref = matrix[reference].mean(axis=0) if reference else np.zeros(matrix.shape[1], np.float32)
+def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
+    """The mean of the reference rows: taken one by one when they are few, else summed block by
+    block (a vocabulary whose every token is a reference row is not copied whole)."""
+    v, d = rows.shape
+    if not reference:
+        return np.zeros(d)
+    if len(reference) <= SAMPLE_ROWS:
+        return np.asarray(rows.take(reference).mean(axis=0, dtype=np.float64))
+    mask = np.zeros(v, dtype=bool)
+    mask[reference] = True
+    total = np.zeros(d)
+    for start in range(0, v, rows.block_rows):
+        stop = min(v, start + rows.block_rows)
+        total += rows.block(start, stop)[mask[start:stop]].sum(axis=0, dtype=np.float64)
+    return total / len(reference)
+
+
+def row_stats(rows: Rows, reference: list[int]) -> RowStats:
+    """Indicator, norm and signature of every row, reading the matrix once, block by block:
+    cosine to the reference rows' mean with the first principal component u removed, from
+    |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to u)."""
+    v, d = rows.shape
+    u = first_component(rows)
+    ref = reference_mean(rows, reference)
     ref = ref - float(ref @ u) * u
     ref_norm = float(np.linalg.norm(ref))
+    probe = np.random.default_rng(0).standard_normal(d)
+    weights = np.stack([u, ref / ref_norm if ref_norm else ref, probe], axis=1).astype(np.float32)
+    products = np.empty((v, 3), dtype=np.float32)
+    squares = np.empty(v, dtype=np.float32)
+    for start in range(0, v, rows.block_rows):
+        stop = min(v, start + rows.block_rows)
+        block = rows.block(start, stop)
+        np.matmul(block, weights, out=products[start:stop])
+        np.einsum("ij,ij->i", block, block, out=squares[start:stop])
+    norms = np.sqrt(squares)
+    proj, dots = products[:, 0], products[:, 1]
+    residual = np.sqrt(np.maximum(squares - proj * proj, 0.0))
     if ref_norm == 0.0:
-        return np.full(matrix.shape[0], np.nan, dtype=np.float32), norms
-    # |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r since r is orthogonal to u.
-    residual = np.sqrt(np.maximum(norms * norms - proj * proj, 0.0))
-    dots = matrix @ (ref / ref_norm)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(residual > 1e-12 * (norms + 1e-30), dots / residual, np.nan)
-    return out.astype(np.float32), norms
+        values = np.full(v, np.nan, dtype=np.float32)
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.where(residual > 1e-12 * (norms + 1e-30), dots / residual, np.nan)
+    return RowStats(values.astype(np.float32), norms, products[:, 2].copy())
 
 
-def identical_rows(matrix: npt.NDArray[np.float32], limit: int) -> list[list[int]]:
-    """Groups of real tokens' rows (below `limit`) that are exactly equal, largest first."""
-    real = matrix[:limit]
-    rng = np.random.default_rng(0)
-    sig = real @ rng.standard_normal(real.shape[1], dtype=np.float32)
-    order = np.argsort(sig, kind="stable")
-    same = np.flatnonzero(sig[order][1:] == sig[order][:-1])
+def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -> list[list[int]]:
+    """Groups of real tokens' rows (below `limit`) that are exactly equal, largest first: rows
+    with equal signatures, compared in full."""
+    order = np.argsort(signature[:limit], kind="stable")
+    sig = signature[order]
+    same = np.flatnonzero(sig[1:] == sig[:-1])
+    if same.size == 0:
+        return []
+    pairs = [(int(order[k]), int(order[k + 1])) for k in same]
+    ids = sorted({i for pair in pairs for i in pair})
+    at = {i: k for k, i in enumerate(ids)}
+    table = rows.take(ids)
     groups: dict[int, list[int]] = {}
-    for k in same:
-        a, b = int(order[k]), int(order[k + 1])
-        if np.array_equal(real[a], real[b]):
+    for a, b in pairs:
+        if np.array_equal(table[at[a]], table[at[b]]):
             head = next((h for h, g in groups.items() if a in g), a)
             groups.setdefault(head, [a])
             if b not in groups[head]:
@@ -104,16 +135,17 @@ def scan(
     rows: Rows, table: Table, vocab: Vocab, reference: ReferenceRows, *, all_tokens: bool
 ) -> Undertrained:
     """The indicator over every row; candidates best first."""
-    matrix = read_matrix(rows)
-    ref_ids = [i for i in reference.ids if i < matrix.shape[0]]
-    values, norms = indicator(matrix, ref_ids)
-    real = min(vocab.size, matrix.shape[0])
+    v = rows.shape[0]
+    ref_ids = [i for i in reference.ids if i < v]
+    stats = row_stats(rows, ref_ids)
+    values, norms = stats.indicator, stats.norms
+    real = min(vocab.size, v)
     threshold: float | None = None
     ref_values = values[ref_ids] if ref_ids else np.empty(0, np.float32)
     ref_values = ref_values[np.isfinite(ref_values)]
     if ref_values.size:
         threshold = float(np.percentile(ref_values, PERCENTILE))
-    is_ref = np.zeros(matrix.shape[0], dtype=bool)
+    is_ref = np.zeros(v, dtype=bool)
     is_ref[ref_ids] = True
     candidates: list[Candidate] = []
     if threshold is not None:
@@ -149,9 +181,15 @@ def scan(
         counts=counts,
         norm_median=float(np.median(norms[:real])) if real else 0.0,
         reference_norm_median=float(np.median(norms[ref_ids])) if ref_ids else None,
-        identical_rows=identical_rows(matrix, real),
+        identical_rows=identical_rows(rows, stats.signature, real),
         candidates=candidates,
         verified=0,
-        indicators=[float(x) for x in values] if all_tokens else None,
-        norms=[float(x) for x in norms] if all_tokens else None,
+        indicators=_listed(values) if all_tokens else None,
+        norms=_listed(norms) if all_tokens else None,
     )
+
+
+def _listed(values: npt.NDArray[np.float32]) -> list[float]:
+    """Every row's value to 6 decimals (float32 holds about 7 digits; a 262k-row list prints in a
+    fraction of the time full-length floats take)."""
+    return list(np.round(values.astype(np.float64), 6).tolist())

@@ -98,9 +98,10 @@ def _static(
     layout = read_layout(vocab, table)
     problems = layout_problems(layout)
     rows = min(vocab.size, table.rows)
-    unreachable, kinds = find_unreachable(vocab, rows)
     pieces = pieces_by_id(vocab)
-    prints = read_fingerprint(vocab, table, entries(vocab, pieces))
+    raw = entries(vocab, pieces)
+    unreachable, kinds = find_unreachable(vocab, rows, pieces, raw)
+    prints = read_fingerprint(vocab, table, raw)
     if prints.matches is False:
         problems.append(
             f"the weights' metadata names tokenizer hash {prints.metadata_value} "

@@ -16,11 +16,9 @@ from embedlens.errors import EmbedlensError
 from embedlens.io.checkpoint import read_safetensors_header
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
-from embedlens.model.tokens import piece_bytes
+from embedlens.model.tokens import token_bytes
 from embedlens.reports.vocab import Fingerprint
 
-SPACE = "\u2581"  # SentencePiece's stand-in for a space
-BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _HASH_KEY = re.compile(r"tokeni[sz]er.*(hash|sha|fingerprint)", re.IGNORECASE)
 _PREFIX = b"embedlens-vocab-v1\n"
 
@@ -28,17 +26,6 @@ _PREFIX = b"embedlens-vocab-v1\n"
 def byte_level(vocab: Vocab) -> bool:
     """Whether the vocabulary spells bytes in GPT-2's byte alphabet ('Ġking')."""
     return "ByteLevel" in str(vocab.tokenizer.decoder)
-
-
-def token_bytes(piece: str | None, byte_level: bool) -> bytes:
-    """A vocabulary entry's bytes: byte-level and <0xNN> pieces as their bytes, '▁' as a space."""
-    if piece is None:
-        return b""
-    if byte_level or (piece.startswith("<0x") and BYTE_PIECE.match(piece)):
-        raw = piece_bytes(piece)
-        if raw is not None:
-            return raw
-    return piece.replace(SPACE, " ").encode("utf-8", "surrogateescape")
 
 
 def pieces_by_id(vocab: Vocab) -> list[str | None]:
@@ -54,7 +41,7 @@ def entries(vocab: Vocab, pieces: list[str | None] | None = None) -> list[bytes]
     """Every id's bytes, in id order."""
     bl = byte_level(vocab)
     pieces = pieces if pieces is not None else pieces_by_id(vocab)
-    return [token_bytes(p, bl) for p in pieces]
+    return [b"" if p is None else token_bytes(p, bl) for p in pieces]
 
 
 def fingerprint(vocab: Vocab, raw: list[bytes] | None = None) -> str:

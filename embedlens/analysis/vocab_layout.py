@@ -11,14 +11,15 @@ from __future__ import annotations
 import re
 
 from embedlens.analysis.undertrained import ReferenceRows
-from embedlens.analysis.vocab_fingerprint import BYTE_PIECE, SPACE, byte_level, token_bytes
+from embedlens.analysis.vocab_fingerprint import byte_level
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
-from embedlens.model.tokens import REPLACEMENT
+from embedlens.model.tokens import REPLACEMENT, SPACE
 from embedlens.reports.vocab import Layout, TokenRef, Unreachable, UnreachableToken
 
 # Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
 # [unused7], <extra_id_3>.
+BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
 LISTED = 100  # unreachable tokens listed per kind (all are counted)
 
@@ -105,37 +106,76 @@ def layout_problems(layout: Layout) -> list[str]:
 # --- tokens never produced -----------------------------------------------------------------------
 
 
-def find_unreachable(vocab: Vocab, n: int) -> tuple[Unreachable, dict[int, str]]:
+def find_unreachable(
+    vocab: Vocab, n: int, pieces: list[str | None], raw: list[bytes]
+) -> tuple[Unreachable, dict[int, str]]:
     """Ordinary tokens (ids below n) that decoding and encoding again does not give back: the
-    report (the first LISTED of each kind listed) and every such id with its kind."""
-    tok = vocab.tokenizer
+    report (the first LISTED of each kind listed) and every such id with its kind. `raw` holds
+    every id's bytes (vocab_fingerprint.entries), `pieces` its entry as stored."""
     skip = set(added_ids(vocab)) | vocab.special_ids
     ids = [i for i in range(n) if i not in skip]
-    texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    encodings = tok.encode_batch(texts, add_special_tokens=False)
-    found: list[tuple[int, str, list[int]]] = []
-    metaspace, bl = _metaspace(vocab), byte_level(vocab)
-    piece_of = tok.id_to_token
-    for i, text, enc in zip(ids, texts, encodings, strict=True):
-        got = enc.ids
+    bl = byte_level(vocab)
+    found: dict[int, list[int] | None] = {}
+    if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
+        whole = [i for i in ids if _utf8(raw[i])]
+        found.update((i, None) for i in sorted(set(ids) - set(whole)))
+        found.update(_round_trip(vocab, whole, [raw[i].decode("utf-8") for i in whole]))
+    else:
+        texts = vocab.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        found.update(_round_trip(vocab, ids, texts))
+    kinds = {i: _kind(pieces[i] or "", raw[i]) for i in sorted(found)}
+    return _listed(vocab, found, kinds), kinds
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _encode(vocab: Vocab, texts: list[str]) -> list[list[int]]:
+    tok = vocab.tokenizer
+    batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in batch(texts, add_special_tokens=False)]
+
+
+def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, list[int] | None]:
+    """The ids among `ids` whose text (`texts`) does not encode back to them, with what it gives."""
+    tok = vocab.tokenizer
+    metaspace = _metaspace(vocab)
+    found: dict[int, list[int] | None] = {}
+    for i, text, got in zip(ids, texts, _encode(vocab, texts), strict=True):
         if len(got) == 1 and got[0] == i:
             continue
-        piece = piece_of(i) or ""
+        piece = vocab.piece(i) or ""
         if metaspace and not piece.startswith(SPACE) and REPLACEMENT not in text:
             # A piece without '▁' never starts a word: encoding it alone adds the '▁'. Ask the
             # model's merges directly whether they build it.
             got = [t.id for t in tok.model.tokenize(piece)]
             if got == [i]:
                 continue
-        found.append((i, _kind(piece, text, bl), list(got)))
+        found[i] = got
+    return found
+
+
+def _listed(
+    vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]
+) -> Unreachable:
+    """The report: counts by kind, and the first LISTED of each kind with what they encode as."""
     by_kind: dict[str, int] = {}
-    listed: list[UnreachableToken] = []
-    for i, kind, got in found:
-        by_kind[kind] = by_kind.get(kind, 0) + 1
-        if by_kind[kind] <= LISTED:
-            listed.append(UnreachableToken(i, vocab.text(i), kind, got))
-    report = Unreachable(len(found), dict(sorted(by_kind.items())), listed)
-    return report, {i: kind for i, kind, _ in found}
+    chosen: list[int] = []
+    for i in sorted(found):
+        by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
+        if by_kind[kinds[i]] <= LISTED:
+            chosen.append(i)
+    unknown = [i for i in chosen if found[i] is None]
+    if unknown:  # fragments: what their decoded text (with U+FFFD) encodes as
+        texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)
+        found.update(zip(unknown, _encode(vocab, texts), strict=True))
+    listed = [UnreachableToken(i, vocab.text(i), kinds[i], list(found[i] or [])) for i in chosen]
+    return Unreachable(len(found), dict(sorted(by_kind.items())), listed)
 
 
 def _metaspace(vocab: Vocab) -> bool:
@@ -143,11 +183,13 @@ def _metaspace(vocab: Vocab) -> bool:
     return pre is not None and ("Metaspace" in type(pre).__name__ or SPACE in str(pre))
 
 
-def _kind(piece: str, text: str, byte_level: bool) -> str:
-    if BYTE_PIECE.match(piece):
+def _kind(piece: str, raw: bytes) -> str:
+    """Why a token never comes back: a byte piece, a fragment of a character, or merges that
+    other merges win over."""
+    if piece.startswith("<0x") and BYTE_PIECE.match(piece):
         return "byte_fallback" if int(piece[3:5], 16) < 0x80 else "single_byte"
-    if REPLACEMENT in text and REPLACEMENT not in piece:
-        return "single_byte" if len(token_bytes(piece, byte_level)) == 1 else "partial_utf8"
+    if not _utf8(raw):
+        return "single_byte" if len(raw) == 1 else "partial_utf8"
     return "shadowed"
 
 

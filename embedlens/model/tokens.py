@@ -12,6 +12,7 @@ import re
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 REPLACEMENT = "\ufffd"
+SPACE = "\u2581"  # SentencePiece's stand-in for a space
 
 
 @functools.cache
@@ -44,6 +45,28 @@ def piece_bytes(piece: str) -> bytes | None:
     if piece and all(ch in table for ch in piece):
         return bytes(table[ch] for ch in piece)
     return None
+
+
+@functools.cache
+def _to_latin1() -> tuple[dict[int, int], re.Pattern[str]]:
+    """str.translate table from byte-level stand-ins to the code points of their bytes, and a
+    pattern that finds a character outside the byte alphabet."""
+    alphabet = byte_alphabet()
+    outside = re.compile("[^" + re.escape("".join(alphabet.values())) + "]")
+    return {ord(ch): b for b, ch in alphabet.items()}, outside
+
+
+def token_bytes(piece: str, byte_level: bool) -> bytes:
+    """A vocabulary entry's bytes: <0xNN> pieces and (in a byte-level vocabulary) pieces spelled
+    in the byte alphabet as their bytes, anything else as UTF-8 with SentencePiece's '▁' as a
+    space. As piece_bytes, without a Python call per character (a 262k vocabulary at once)."""
+    if piece.startswith("<0x") and _BYTE_PIECE.match(piece):
+        return bytes([int(piece[3:5], 16)])
+    if byte_level:
+        table, outside = _to_latin1()
+        if piece and outside.search(piece) is None:
+            return piece.translate(table).encode("latin-1")
+    return piece.replace(SPACE, " ").encode("utf-8", "surrogateescape")
 
 
 def show_bytes(raw: bytes) -> str:
