@@ -35,7 +35,12 @@ PROMPTS = (
 
 def builtin_text(language: str) -> str:
     """One of the built-in texts shipped with the package."""
-    return resources.files("embedlens").joinpath("data").joinpath(LANGUAGES[language]).read_text("utf-8")
+    return (
+        resources.files("embedlens")
+        .joinpath("data")
+        .joinpath(LANGUAGES[language])
+        .read_text("utf-8")
+    )
 
 
 def _template(vocab: Vocab, prompt: str) -> list[int | None]:
@@ -87,7 +92,8 @@ def verify_candidates(
         for start in range(0, len(chosen), _BATCH):
             batch = [c.id for c in chosen[start : start + _BATCH]]
             ids = torch.tensor([[t if t is not None else tok for t in template] for tok in batch])
-            logits = model(input_ids=ids.to(dev)).logits[:, -1, :].float()
+            with torch.inference_mode():
+                logits = model(input_ids=ids.to(dev)).logits[:, -1, :].float()
             logp = torch.log_softmax(logits, dim=-1)
             for row, tok in enumerate(batch):
                 best[tok] = max(best[tok], float(logp[row, tok].exp()))
@@ -147,5 +153,6 @@ def check_fit(model: Any, vocab: Vocab, name: str, *, rows: int) -> Fit:
 def _loss(model: Any, torch: Any, ids: list[int], dev: Any) -> float:
     """Mean next-token cross-entropy (nats) over the sequence."""
     t = torch.tensor([ids], device=dev)
-    logits = model(input_ids=t).logits[0, :-1].float()
+    with torch.inference_mode():
+        logits = model(input_ids=t).logits[0, :-1].float()
     return float(torch.nn.functional.cross_entropy(logits, t[0, 1:]))

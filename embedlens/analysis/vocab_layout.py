@@ -160,9 +160,7 @@ def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, lis
     return found
 
 
-def _listed(
-    vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]
-) -> Unreachable:
+def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]) -> Unreachable:
     """The report: counts by kind, and the first LISTED of each kind with what they encode as."""
     by_kind: dict[str, int] = {}
     chosen: list[int] = []

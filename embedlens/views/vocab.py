@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from embedlens.reports.vocab import Undertrained, VocabDiff, VocabReport
+from embedlens.reports.vocab import Candidate, Undertrained, VocabDiff, VocabReport
 from embedlens.views.format import count, quoted, shown
 
 TOP = 15  # candidates shown without --all
@@ -84,31 +84,7 @@ def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
     )
     listed = u.candidates if top is None else u.candidates[:top]
     if listed:
-        t = Table()
-        t.add_column("#", justify="right")
-        t.add_column("id", justify="right")
-        t.add_column("token")
-        t.add_column("indicator", justify="right")
-        t.add_column("norm", justify="right")
-        if u.verified:
-            t.add_column("repeat p", justify="right")
-        t.add_column("verdict")
-        for rank, c in enumerate(listed, 1):
-            token = quoted(c.token)
-            if c.special:
-                token.append(" (special)", style="dim")
-            cells: list[str | Text] = [
-                str(rank),
-                str(c.id),
-                token,
-                _num(c.indicator),
-                _num(c.norm, 2),
-            ]
-            if u.verified:
-                cells.append("-" if c.repeat_prob is None else f"{c.repeat_prob:.2e}")
-            cells.append(c.verdict)
-            t.add_row(*cells)
-        parts.append(t)
+        parts.append(_candidates(u, listed))
         if len(listed) < len(u.candidates):
             parts.append(Text(f"... {len(u.candidates) - len(listed)} more (--all)", style="dim"))
     ref = _num(u.reference_norm_median, 2)
@@ -117,6 +93,26 @@ def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
         ids = ", ".join(str(i) for i in group[:12]) + (", ..." if len(group) > 12 else "")
         parts.append(Text(f"{len(group)} rows are exactly equal (never moved apart): ids {ids}"))
     return parts
+
+
+def _candidates(u: Undertrained, listed: list[Candidate]) -> Table:
+    """The candidates' table: id, token, indicator, norm, (with --verify) repeat probability."""
+    t = Table()
+    for name in ("#", "id", "token", "indicator", "norm"):
+        t.add_column(name, justify="left" if name == "token" else "right")
+    if u.verified:
+        t.add_column("repeat p", justify="right")
+    t.add_column("verdict")
+    for rank, c in enumerate(listed, 1):
+        token = quoted(c.token)
+        if c.special:
+            token.append(" (special)", style="dim")
+        cells: list[str | Text] = [str(rank), str(c.id), token, _num(c.indicator), _num(c.norm, 2)]
+        if u.verified:
+            cells.append("-" if c.repeat_prob is None else f"{c.repeat_prob:.2e}")
+        cells.append(c.verdict)
+        t.add_row(*cells)
+    return t
 
 
 def _diff(d: VocabDiff) -> list[RenderableType]:
