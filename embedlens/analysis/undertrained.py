@@ -71,12 +71,12 @@ def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
         return np.zeros(d)
     if len(reference) <= SAMPLE_ROWS:
         return np.asarray(rows.take(reference).mean(axis=0, dtype=np.float64))
-    mask = np.zeros(v, dtype=bool)
-    mask[reference] = True
+    weights = np.zeros(v, dtype=np.float32)
+    weights[reference] = 1.0
     total = np.zeros(d)
     for start in range(0, v, rows.block_rows):
         stop = min(v, start + rows.block_rows)
-        total += rows.block(start, stop)[mask[start:stop]].sum(axis=0, dtype=np.float64)
+        total += weights[start:stop] @ rows.block(start, stop)  # one block's sum in float32
     return total / len(reference)
 
 

@@ -41,6 +41,16 @@ class _Load:
     trust_remote_code: bool
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """What the loaded model is asked: --check-fit (with --tokenizer), --verify."""
+
+    check_fit: bool
+    verify: bool
+    max_verify: int
+    tokenizer: str | None
+
+
 def vocab(
     model: str,
     *,
@@ -74,10 +84,11 @@ def vocab(
     scanned, fit = report.undertrained, None
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
-        scanned, fit = _loaded(source, how, vocab_used, scanned, check_fit, verify, max_verify,
-                               tokenizer, table, on_progress)  # fmt: skip
-    diff = None if other is None or against is None else compare(vocab_used, other, against,
-                                                                  fingerprint=report.fingerprint)  # fmt: skip
+        asked = _Asked(check_fit, verify, max_verify, tokenizer)
+        scanned, fit = _loaded(source, how, asked, vocab_used, scanned, table, on_progress)
+    diff = None
+    if other is not None and against is not None:
+        diff = compare(vocab_used, other, against, fingerprint=report.fingerprint)
     return _finish(report, scanned, diff, fit)
 
 
@@ -108,24 +119,31 @@ def _static(
             "but this vocabulary's fingerprint differs"
         )
     reference = reference_rows(vocab, kinds, table.rows, pieces)
-    scanned = scan(open_rows(source, table), table, vocab, reference,
-                   all_tokens=every_row)  # fmt: skip
+    rows_read = open_rows(source, table)
+    scanned = scan(rows_read, table, vocab, reference, all_tokens=every_row)
     notes = [] if table.tied else list(table.notes)
     if vocab.size > table.rows:
         notes.append("tokens past the last row are left out of the scan")
-    return VocabReport(model, origin, layout, prints, unreachable, scanned, None, None, problems,
-                       notes)  # fmt: skip
+    return VocabReport(
+        model=model,
+        tokenizer=origin,
+        layout=layout,
+        fingerprint=prints,
+        unreachable=unreachable,
+        undertrained=scanned,
+        against=None,
+        fit=None,
+        problems=problems,
+        notes=notes,
+    )
 
 
 def _loaded(
     source: ModelSource,
     how: _Load,
+    asked: _Asked,
     vocab: Vocab,
     scanned: Undertrained,
-    check_fit: bool,
-    verify: bool,
-    max_verify: int,
-    tokenizer: str | None,
     table: Table,
     on_progress: Progress | None,
 ) -> tuple[Undertrained, Fit | None]:
@@ -135,13 +153,13 @@ def _loaded(
     model = vocab_fit.load(
         source, dtype=how.dtype, device=how.device, trust_remote_code=how.trust_remote_code
     )
-    if verify:
+    if asked.verify:
         scanned = vocab_fit.verify_candidates(
-            model, vocab, scanned, max_verify=max_verify, on_progress=on_progress
+            model, vocab, scanned, max_verify=asked.max_verify, on_progress=on_progress
         )
     fit = None
-    if check_fit:
-        fit = vocab_fit.check_fit(model, vocab, tokenizer or "model", rows=table.rows)
+    if asked.check_fit:
+        fit = vocab_fit.check_fit(model, vocab, asked.tokenizer or "model", rows=table.rows)
     return scanned, fit
 
 

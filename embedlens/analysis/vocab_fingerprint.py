@@ -16,7 +16,7 @@ from embedlens.errors import EmbedlensError
 from embedlens.io.checkpoint import read_safetensors_header
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
-from embedlens.model.tokens import token_bytes
+from embedlens.model.tokens import tokens_bytes
 from embedlens.reports.vocab import Fingerprint
 
 _HASH_KEY = re.compile(r"tokeni[sz]er.*(hash|sha|fingerprint)", re.IGNORECASE)
@@ -41,7 +41,7 @@ def entries(vocab: Vocab, pieces: list[str | None] | None = None) -> list[bytes]
     """Every id's bytes, in id order."""
     bl = byte_level(vocab)
     pieces = pieces if pieces is not None else pieces_by_id(vocab)
-    return [b"" if p is None else token_bytes(p, bl) for p in pieces]
+    return tokens_bytes([p or "" for p in pieces], bl)
 
 
 def fingerprint(vocab: Vocab, raw: list[bytes] | None = None) -> str:

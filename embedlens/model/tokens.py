@@ -7,7 +7,9 @@ of a multi-byte character decodes to U+FFFD on its own; the contract shows its b
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import re
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -67,6 +69,23 @@ def token_bytes(piece: str, byte_level: bool) -> bytes:
         if piece and outside.search(piece) is None:
             return piece.translate(table).encode("latin-1")
     return piece.replace(SPACE, " ").encode("utf-8", "surrogateescape")
+
+
+def tokens_bytes(pieces: list[str], byte_level: bool) -> list[bytes]:
+    """token_bytes of every piece, a byte-level vocabulary in one translation of all its pieces
+    joined (each byte-alphabet character is one byte); pieces spelled otherwise one by one."""
+    if not byte_level:
+        return [token_bytes(p, False) for p in pieces]
+    table, outside = _to_latin1()
+    ends = list(itertools.accumulate(len(p) for p in pieces))
+    joined = "".join(pieces)
+    raw = joined.translate(table).encode("latin-1", "replace")
+    out = [raw[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    odd = {bisect.bisect_right(ends, m.start()) for m in outside.finditer(joined)}
+    odd.update(i for i, p in enumerate(pieces) if p.startswith("<0x"))
+    for i in odd:
+        out[i] = token_bytes(pieces[i], True)
+    return out
 
 
 def show_bytes(raw: bytes) -> str:
