@@ -25,7 +25,13 @@ from embedlens.analysis.vocab_layout import (
 from embedlens.errors import UsageError
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model.matrix import Table, locate, open_rows
-from embedlens.model.tokenizer import Vocab, check_tokenizer_json, load_vocab, vocab_from_file
+from embedlens.model.tokenizer import (
+    Vocab,
+    byte_level_merge_results,
+    check_tokenizer_json,
+    load_vocab,
+    vocab_from_file,
+)
 from embedlens.reports.vocab import Fit, Undertrained, VocabDiff, VocabReport
 
 Progress = Callable[[int, int], None]
@@ -80,7 +86,9 @@ def vocab(
     else:
         vocab_used, origin = load_other(tokenizer), tokenizer
     other = load_other(against) if against is not None else None
-    report = _static(model, origin, vocab_used, source, table, every_row=every_row)
+    gguf = table.checkpoint.gguf
+    merged = byte_level_merge_results(gguf) if tokenizer is None and gguf is not None else None
+    report = _static(model, origin, vocab_used, source, table, merged, every_row=every_row)
     scanned, fit = report.undertrained, None
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
@@ -103,7 +111,14 @@ def _check_arguments(model: object, max_verify: int) -> None:
 
 
 def _static(
-    model: str, origin: str, vocab: Vocab, source: ModelSource, table: Table, *, every_row: bool
+    model: str,
+    origin: str,
+    vocab: Vocab,
+    source: ModelSource,
+    table: Table,
+    merged: frozenset[str] | None,
+    *,
+    every_row: bool,
 ) -> VocabReport:
     """Everything that reads headers, the tokenizer and one matrix."""
     layout = read_layout(vocab, table)
@@ -111,7 +126,7 @@ def _static(
     rows = min(vocab.size, table.rows)
     pieces = pieces_by_id(vocab)
     raw = entries(vocab, pieces)
-    unreachable, kinds = find_unreachable(vocab, rows, pieces, raw)
+    unreachable, kinds = find_unreachable(vocab, rows, pieces, raw, merged)
     prints = read_fingerprint(vocab, table, raw)
     if prints.matches is False:
         problems.append(

@@ -14,7 +14,7 @@ from embedlens.analysis.undertrained import ReferenceRows
 from embedlens.analysis.vocab_fingerprint import byte_level
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
-from embedlens.model.tokens import REPLACEMENT, SPACE
+from embedlens.model.tokens import REPLACEMENT, SPACE, in_byte_alphabet
 from embedlens.reports.vocab import Layout, TokenRef, Unreachable, UnreachableToken
 
 # Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
@@ -107,24 +107,41 @@ def layout_problems(layout: Layout) -> list[str]:
 
 
 def find_unreachable(
-    vocab: Vocab, n: int, pieces: list[str | None], raw: list[bytes]
+    vocab: Vocab,
+    n: int,
+    pieces: list[str | None],
+    raw: list[bytes],
+    merged: frozenset[str] | None = None,
 ) -> tuple[Unreachable, dict[int, str]]:
     """Ordinary tokens (ids below n) that decoding and encoding again does not give back: the
     report (the first LISTED of each kind listed) and every such id with its kind. `raw` holds
-    every id's bytes (vocab_fingerprint.entries), `pieces` its entry as stored."""
+    every id's bytes (vocab_fingerprint.entries), `pieces` its entry as stored; `merged`, when
+    known, every piece a byte-level BPE merge builds (byte_level_merge_results)."""
     skip = set(added_ids(vocab)) | vocab.special_ids
     ids = [i for i in range(n) if i not in skip]
     bl = byte_level(vocab)
     found: dict[int, list[int] | None] = {}
+    unmerged: set[int] = set()
     if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
         whole = [i for i in ids if _utf8(raw[i])]
         found.update((i, None) for i in sorted(set(ids) - set(whole)))
+        if merged is not None:  # BPE builds a piece of two or more symbols only by a merge
+            unmerged = {i for i in whole if _unmerged(pieces[i], merged)}
+            found.update((i, None) for i in sorted(unmerged))
+            whole = [i for i in whole if i not in unmerged]
         found.update(_round_trip(vocab, whole, [raw[i].decode("utf-8") for i in whole]))
     else:
         texts = vocab.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
         found.update(_round_trip(vocab, ids, texts))
-    kinds = {i: _kind(pieces[i] or "", raw[i]) for i in sorted(found)}
+    kinds = {
+        i: "unmerged" if i in unmerged else _kind(pieces[i] or "", raw[i]) for i in sorted(found)
+    }
     return _listed(vocab, found, kinds), kinds
+
+
+def _unmerged(piece: str | None, merged: frozenset[str]) -> bool:
+    """A piece of two or more byte symbols that no merge builds (spelled in the byte alphabet)."""
+    return piece is not None and len(piece) > 1 and piece not in merged and in_byte_alphabet(piece)
 
 
 def _utf8(raw: bytes) -> bool:
@@ -169,7 +186,7 @@ def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, s
         if by_kind[kinds[i]] <= LISTED:
             chosen.append(i)
     unknown = [i for i in chosen if found[i] is None]
-    if unknown:  # fragments: what their decoded text (with U+FFFD) encodes as
+    if unknown:  # fragments and unmerged pieces: what their decoded text encodes as
         texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)
         found.update(zip(unknown, _encode(vocab, texts), strict=True))
     listed = [UnreachableToken(i, vocab.text(i), kinds[i], list(found[i] or [])) for i in chosen]
@@ -197,7 +214,7 @@ def reference_rows(
     """Rows known unused: padding, tokens never produced as themselves, tokens named unused."""
     ids: dict[int, str] = {i: "padding" for i in range(vocab.size, rows)}
     for i, kind in unreachable.items():
-        if kind in ("single_byte", "shadowed", "byte_fallback"):
+        if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
             ids[i] = kind
     for i, piece in enumerate(pieces[:rows]):
         if piece is not None and piece[:1] in "<[" and _UNUSED_NAME.match(piece):
