@@ -405,3 +405,48 @@ def test_check_fit_with_ids_past_the_rows_does_not_fit(cli, tiny, tmp_path):
     assert en["fits"] is False and en["loss"] is None and en["shifted_loss"] is None
     assert data["fit"]["fits"] is False
     assert data["layout"]["missing_rows"] == len(order) - VOCAB
+
+
+def _bpe_gguf(path: Path, extra: list[str], merges: list[str]) -> Path:
+    """A byte-level BPE GGUF: the 256 byte symbols, then `extra` pieces, built by `merges`."""
+    import gguf
+
+    from embedlens.model.tokens import byte_alphabet
+
+    tokens = list(byte_alphabet().values()) + extra
+    rows = np.random.default_rng(0).standard_normal((len(tokens), 32)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_tensor("token_embd.weight", rows)
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_pieces_no_merge_builds_are_unmerged(cli, tmp_path):
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.model.tokenizer import vocab_from_gguf
+
+    path = _bpe_gguf(tmp_path / "bpe.gguf", ["ab", "abc", "xy", "abab"], ["a b", "ab ab"])
+    data = cli.json("vocab", path)
+    kinds = {t["token"]: (t["id"], t["kind"]) for t in data["unreachable"]["tokens"]}
+    assert kinds["abc"] == (257, "unmerged") and kinds["xy"] == (258, "unmerged")
+    assert "ab" not in kinds and "abab" not in kinds
+    assert data["unreachable"]["by_kind"]["unmerged"] == 2
+    assert data["undertrained"]["reference_by_kind"]["unmerged"] == 2
+    # The round trip agrees: encoding their text does not give them back.
+    vocab = vocab_from_gguf(read_gguf_header(path))
+    for text, (i, _) in (("abc", kinds["abc"]), ("xy", kinds["xy"])):
+        assert vocab.encode(text) != [i]
+        assert [t["encodes_as"] for t in data["unreachable"]["tokens"] if t["id"] == i] == [
+            vocab.encode(text)
+        ]
+    assert vocab.encode("abab") == [259]

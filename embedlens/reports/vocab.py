@@ -60,7 +60,7 @@ class UnreachableToken:
     id: int
     token: str
     kind: str
-    """'single_byte', 'partial_utf8', 'byte_fallback' or 'shadowed'."""
+    """'single_byte', 'partial_utf8', 'byte_fallback', 'shadowed' or 'unmerged'."""
     encodes_as: list[int]
 
 
