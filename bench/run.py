@@ -298,6 +298,16 @@ with torch.device("meta"):
 print(sum(p.numel() for p in model.parameters()))
 """
 
+# What holding the matrix once in float32 costs: `vocab`'s memory budget is twice this.
+MATRIX_FLOAT32 = """
+import sys
+import gguf, numpy as np
+reader = gguf.GGUFReader(sys.argv[1])
+tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+table = np.ones(int(np.prod(tensor.shape)), dtype=np.float32)  # V x d float32 values, touched
+print(table.nbytes)
+"""
+
 IMPORT_MODEL_CLASSES = """
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -415,6 +425,16 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
         Row("addr, 2 rows (Q8_0 GGUF, 262k-token vocabulary)",
             [*el, "addr", str(vocab_gguf), "42", "1000", "--json"],
             import_torch, "python -c 'import torch'", abs_budget=1.0),
+        Row("vocab, static (Q8_0 GGUF, 262k-token vocabulary)",
+            [*el, "vocab", str(vocab_gguf), "--json"],
+            [sys.executable, "-c", MATRIX_FLOAT32, str(vocab_gguf)], "holding the matrix in float32",
+            mem_budget=2.0, abs_budget=2.0),
+        Row("vocab --against itself (Q8_0 GGUF, 262k-token vocabulary)",
+            [*el, "vocab", str(vocab_gguf), "--against", str(vocab_gguf), "--json"],
+            [sys.executable, "-c", MATRIX_FLOAT32, str(vocab_gguf)], "holding the matrix in float32",
+            mem_budget=2.0),
+        Row("vocab, static (SmolLM2)", [*el, "vocab", str(smol), "--json"], import_torch,
+            "python -c 'import torch'"),
         Row("lens (SmolLM2, last position)",
             [*el, "lens", str(smol), "The capital of France is", "--json"],
             [sys.executable, str(LENS_PLAIN)], "plain transformers lens", budget=0.6,

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
+    from embedlens.analysis.vocab import vocab
     from embedlens.errors import (
         CheckpointError,
         ConfigError,
@@ -43,6 +44,7 @@ _EXPORTS = {
     "neighbors": "embedlens.analysis.neighbors",
     "addr": "embedlens.analysis.addr",
     "lens": "embedlens.analysis.lens",
+    "vocab": "embedlens.analysis.vocab",
     "Report": "embedlens.reports",
     **{
         name: "embedlens.errors"
@@ -79,6 +81,7 @@ __all__ = [
     "neighbors",
     "params",
     "tied",
+    "vocab",
 ]
 
 

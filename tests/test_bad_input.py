@@ -1,4 +1,4 @@
-"""The bad-input suite: broken models and bad arguments across the five commands.
+"""The bad-input suite: broken models and bad arguments across the six commands.
 
 Every case must end in the contract's error: one `error:` line (and maybe a `hint:` line) on
 stderr, nothing on stdout, no traceback, exit 1 (run time) or 2 (usage). Each case runs in an
@@ -21,9 +21,16 @@ import pytest
 
 from tests.badinputs import MAKERS
 
-COMMANDS = ("params", "tied", "neighbors", "addr", "lens")
+COMMANDS = ("params", "tied", "neighbors", "addr", "lens", "vocab")
 # What each command needs besides MODEL to get going.
-TAIL = {"params": [], "tied": [], "neighbors": ["king"], "addr": ["3"], "lens": ["the king"]}
+TAIL = {
+    "params": [],
+    "tied": [],
+    "neighbors": ["king"],
+    "addr": ["3"],
+    "lens": ["the king"],
+    "vocab": [],
+}
 
 # Broken models: the part of the error line every command must give.
 BROKEN = {
@@ -76,15 +83,15 @@ assert set(BROKEN) == set(MAKERS)
 # The commands a broken model reaches; the others never read the broken part (params and tied
 # read no tokenizer, only lens builds the model).
 ONLY: dict[str, tuple[str, ...]] = {
-    "gguf-merge-without-space": ("neighbors", "addr", "lens"),
-    "gguf-tokens-as-numbers": ("neighbors", "addr", "lens"),
-    "gguf-token-not-utf8": ("neighbors", "addr", "lens"),
-    "gguf-no-tokenizer": ("neighbors", "addr", "lens"),
-    "gguf-tokenizer-unknown": ("neighbors", "addr", "lens"),
-    "gguf-no-merges": ("neighbors", "addr", "lens"),
+    "gguf-merge-without-space": ("neighbors", "addr", "lens", "vocab"),
+    "gguf-tokens-as-numbers": ("neighbors", "addr", "lens", "vocab"),
+    "gguf-token-not-utf8": ("neighbors", "addr", "lens", "vocab"),
+    "gguf-no-tokenizer": ("neighbors", "addr", "lens", "vocab"),
+    "gguf-tokenizer-unknown": ("neighbors", "addr", "lens", "vocab"),
+    "gguf-no-merges": ("neighbors", "addr", "lens", "vocab"),
     "rope-type-unknown": ("lens",),
     "tokenizer-without-added-tokens": ("lens",),
-    "no-tokenizer-json": ("neighbors", "lens"),
+    "no-tokenizer-json": ("neighbors", "lens", "vocab"),
     "chat-template-loops": ("lens",),
     "chat-template-huge": ("lens",),
     "chat-template-repeats": ("lens",),
@@ -167,6 +174,11 @@ BAD_ARGS: list[tuple[str, str, list[str], int, str]] = [
      "--device-map auto puts the whole model on disk, and a GGUF model offloaded to disk cannot"),
     ("lens", S, ["The capital of France is", "--target", "queen"], 2,
      "--target 'queen' is not a single token: it splits into 2 ('que', 'en')"),
+    ("vocab", T, ["--max-verify", "0"], 2, "--max-verify must be at least 1 (got 0)"),
+    ("vocab", T, ["--against", "no-such-tokenizer"], 1, "'no-such-tokenizer' is not in the local hub cache"),
+    ("vocab", T, ["--tokenizer", "{tiny}/config.json"], 1,
+     "'config.json' has no 'added_tokens' list"),
+    ("vocab", T, ["--dtype", "float8"], 2, "'float8' is not one of 'auto', 'float32'"),
 ]  # fmt: skip
 
 

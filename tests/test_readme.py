@@ -54,7 +54,7 @@ def test_readme_example_prints_what_it_shows(command, shown, smollm2, tmp_path):
 
 def test_readme_examples_were_found():
     commands = [c.split()[1] for c, _ in console_examples()]
-    assert {"params", "tied", "neighbors", "addr", "lens"} <= set(commands)
+    assert {"params", "tied", "neighbors", "addr", "lens", "vocab"} <= set(commands)
 
 
 def _readme_commands():

@@ -15,6 +15,7 @@ try:
     from embedlens.cli import neighbors as _neighbors
     from embedlens.cli import params as _params
     from embedlens.cli import tied as _tied
+    from embedlens.cli import vocab as _vocab
     from embedlens.cli._errors import print_error
     from embedlens.cli._output import silence_stdout, write_stdout
     from embedlens.cli._scratch import make_scratch, remove_scratch, unwind_on_sigterm
@@ -110,6 +111,7 @@ app.command(epilog=_tied.EXAMPLES)(_tied.tied)
 app.command(epilog=_lens.EXAMPLES)(_lens.lens)
 app.command(epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
 app.command(epilog=_addr.EXAMPLES)(_addr.addr)
+app.command(epilog=_vocab.EXAMPLES)(_vocab.vocab)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ _SAFETENSORS_NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
 # larger because each dequantize() call has a fixed cost.
 _BLOCK_BYTES = 2 << 20
 _GGUF_BLOCK_BYTES = 16 << 20
+_Q8_0 = (32, 34)  # elements and bytes of a Q8_0 block: a float16 scale and 32 int8 values
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,8 @@ class Rows:
     ) -> npt.NDArray[np.float32]:
         import numpy as np
 
+        if self._qtype is not None and self.entry.dtype == "Q8_0" and self.entry.block == _Q8_0:
+            return _dequantize_q8_0(raw, self.shape[1], out)
         if self._qtype is not None:
             from gguf.quants import dequantize
 
@@ -204,6 +207,23 @@ class Rows:
         raw: npt.NDArray[np.generic] = self._map[np.asarray(ids, dtype=np.int64)]
         rows: npt.NDArray[np.float32] = self._convert(raw).copy()
         return rows
+
+
+def _dequantize_q8_0(
+    raw: npt.NDArray[np.generic], width: int, out: npt.NDArray[np.uint32] | None
+) -> npt.NDArray[np.float32]:
+    """Q8_0 rows as float32 in one vectorised product (each block of 32 int8 values times its
+    float16 scale), into `out` when given: what gguf's dequantize gives, without its per-group
+    Python calls."""
+    import numpy as np
+
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, width // 32, 34)
+    scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)
+    values = blocks[:, :, 2:].view(np.int8)
+    result = np.empty((n, width), np.float32) if out is None else out.view(np.float32)
+    np.multiply(values, scales, out=result.reshape(n, width // 32, 32))
+    return result
 
 
 def open_rows(source: ModelSource, table: Table) -> Rows:

@@ -288,6 +288,17 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     return _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
 
 
+def byte_level_merge_results(header: GGUFHeader) -> frozenset[str] | None:
+    """Every piece a byte-level BPE GGUF's merges build ('a b' builds 'ab'), as the tokenizer
+    vocab_from_gguf rebuilds applies them; None for another kind of vocabulary."""
+    if header.meta("tokenizer.ggml.model") != "gpt2":
+        return None
+    merges = _string_array(header, "tokenizer.ggml.merges")
+    if merges is None:
+        return None
+    return frozenset(m.replace(" ", "", 1) for m in merges)
+
+
 def gguf_rows_vocab(header: GGUFHeader, ids: Iterable[int]) -> Vocab:
     """A GGUF vocabulary that shows just the given ids, their pieces read straight from the
     token array: rebuilding a 262k-token tokenizer takes a second, this a few milliseconds.

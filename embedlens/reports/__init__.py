@@ -27,7 +27,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object `--json` prints: schema_version, command, model, then the fields."""
-        body = _plain(dataclasses.asdict(self))  # type: ignore[call-overload]
+        body = _plain(self)
         out: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "command": self.command,
@@ -60,6 +60,12 @@ class Report:
 
 
 def _plain(value: Any) -> Any:
+    """A report as JSON-native values (what dataclasses.asdict gives, non-finite floats as None),
+    in one pass: a list of floats (every row's value) is converted without a call per item."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if type(value) is list and value and all(type(v) is float for v in value):
+        return [v if math.isfinite(v) else None for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

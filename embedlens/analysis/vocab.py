@@ -1,0 +1,212 @@
+"""`vocab`: is this vocabulary healthy, trained, and the one these weights were trained with?
+
+The static parts read the headers, the tokenizer and one matrix (the head, or the embedding when
+tied), never torch: the vocabulary against the matrices' rows and the tokens the tokenizer never
+produces on its own (`vocab_layout.py`), a fingerprint of the vocabulary (`vocab_fingerprint.py`),
+and the under-trained indicator (`undertrained.py`); `--against` compares two vocabularies id by
+id (`vocab_diff.py`). `--verify` and `--check-fit` load the model (`vocab_fit.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedlens.analysis.undertrained import scan
+from embedlens.analysis.vocab_diff import compare
+from embedlens.analysis.vocab_fingerprint import entries, pieces_by_id, read_fingerprint
+from embedlens.analysis.vocab_layout import (
+    find_unreachable,
+    layout_problems,
+    read_layout,
+    reference_rows,
+)
+from embedlens.errors import UsageError
+from embedlens.io.source import ModelSource, resolve
+from embedlens.model.matrix import Table, locate, open_rows
+from embedlens.model.tokenizer import (
+    Vocab,
+    byte_level_merge_results,
+    check_tokenizer_json,
+    load_vocab,
+    vocab_from_file,
+)
+from embedlens.reports.vocab import Fit, Undertrained, VocabDiff, VocabReport
+
+Progress = Callable[[int, int], None]
+MAX_VERIFY = 20
+
+
+@dataclass(frozen=True)
+class _Load:
+    """How --verify and --check-fit load the model."""
+
+    dtype: str
+    device: str
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What the loaded model is asked: --check-fit (with --tokenizer), --verify."""
+
+    check_fit: bool
+    verify: bool
+    max_verify: int
+    tokenizer: str | None
+
+
+def vocab(
+    model: str,
+    *,
+    against: str | None = None,
+    check_fit: bool = False,
+    tokenizer: str | None = None,
+    verify: bool = False,
+    max_verify: int = MAX_VERIFY,
+    all: bool = False,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    on_progress: Progress | None = None,
+) -> VocabReport:
+    """Check MODEL's vocabulary against its matrices, scan for under-trained tokens, and (on
+    request) compare it with another vocabulary (`against`) or measure whether the weights fit
+    it (`check_fit`, with `tokenizer` another tokenizer than the model's own); `verify` asks the
+    model to repeat the first `max_verify` candidates; `all` keeps every row's indicator."""
+    every_row = all
+    _check_arguments(model, max_verify)
+    source = resolve(model, revision)
+    table = locate(source, "output")
+    if tokenizer is None:
+        vocab_used = load_vocab(source, table.checkpoint.gguf)
+        origin = vocab_used.origin
+    else:
+        vocab_used, origin = load_other(tokenizer), tokenizer
+    other = load_other(against) if against is not None else None
+    gguf = table.checkpoint.gguf
+    merged = byte_level_merge_results(gguf) if tokenizer is None and gguf is not None else None
+    report = _static(model, origin, vocab_used, source, table, merged, every_row=every_row)
+    scanned, fit = report.undertrained, None
+    if check_fit or (verify and scanned.candidates):
+        how = _Load(dtype, device, trust_remote_code)
+        asked = _Asked(check_fit, verify, max_verify, tokenizer)
+        scanned, fit = _loaded(source, how, asked, vocab_used, scanned, table, on_progress)
+    diff = None
+    if other is not None and against is not None:
+        diff = compare(vocab_used, other, against, fingerprint=report.fingerprint)
+    return _finish(report, scanned, diff, fit)
+
+
+def _check_arguments(model: object, max_verify: int) -> None:
+    if not isinstance(model, str):
+        raise UsageError(
+            "vocab reads MODEL from its files: give a hub repo id, a folder or a .gguf file",
+            hint="a loaded model's vocabulary cannot be checked against its checkpoint",
+        )
+    if max_verify < 1:
+        raise UsageError(f"--max-verify must be at least 1 (got {max_verify})")
+
+
+def _static(
+    model: str,
+    origin: str,
+    vocab: Vocab,
+    source: ModelSource,
+    table: Table,
+    merged: frozenset[str] | None,
+    *,
+    every_row: bool,
+) -> VocabReport:
+    """Everything that reads headers, the tokenizer and one matrix."""
+    layout = read_layout(vocab, table)
+    problems = layout_problems(layout)
+    rows = min(vocab.size, table.rows)
+    pieces = pieces_by_id(vocab)
+    raw = entries(vocab, pieces)
+    unreachable, kinds = find_unreachable(vocab, rows, pieces, raw, merged)
+    prints = read_fingerprint(vocab, table, raw)
+    if prints.matches is False:
+        problems.append(
+            f"the weights' metadata names tokenizer hash {prints.metadata_value} "
+            "but this vocabulary's fingerprint differs"
+        )
+    reference = reference_rows(vocab, kinds, table.rows, pieces)
+    rows_read = open_rows(source, table)
+    scanned = scan(rows_read, table, vocab, reference, all_tokens=every_row)
+    notes = [] if table.tied else list(table.notes)
+    if vocab.size > table.rows:
+        notes.append("tokens past the last row are left out of the scan")
+    return VocabReport(
+        model=model,
+        tokenizer=origin,
+        layout=layout,
+        fingerprint=prints,
+        unreachable=unreachable,
+        undertrained=scanned,
+        against=None,
+        fit=None,
+        problems=problems,
+        notes=notes,
+    )
+
+
+def _loaded(
+    source: ModelSource,
+    how: _Load,
+    asked: _Asked,
+    vocab: Vocab,
+    scanned: Undertrained,
+    table: Table,
+    on_progress: Progress | None,
+) -> tuple[Undertrained, Fit | None]:
+    """--verify and --check-fit: load the model once for both."""
+    from embedlens.analysis import vocab_fit
+
+    model = vocab_fit.load(
+        source, dtype=how.dtype, device=how.device, trust_remote_code=how.trust_remote_code
+    )
+    if asked.verify:
+        scanned = vocab_fit.verify_candidates(
+            model, vocab, scanned, max_verify=asked.max_verify, on_progress=on_progress
+        )
+    fit = None
+    if asked.check_fit:
+        fit = vocab_fit.check_fit(model, vocab, asked.tokenizer or "model", rows=table.rows)
+    return scanned, fit
+
+
+def _finish(
+    report: VocabReport, scanned: Undertrained, diff: VocabDiff | None, fit: Fit | None
+) -> VocabReport:
+    """The report with the model's answers and the comparison, their problems added."""
+    from dataclasses import replace
+
+    problems = list(report.problems)
+    if diff is not None and not diff.compatible:
+        problems.extend(diff.summary)
+    if fit is not None and not fit.fits:
+        bad = ", ".join(x.language for x in fit.languages if not x.fits)
+        problems.append(
+            f"the weights do not fit this tokenizer ({bad}): its ids score no better than "
+            "ids shifted by one"
+        )
+    return replace(report, undertrained=scanned, against=diff, fit=fit, problems=problems)
+
+
+def load_other(spec: str) -> Vocab:
+    """Another vocabulary: a tokenizer.json, a folder holding one, or any MODEL."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        check_tokenizer_json(path)
+        return vocab_from_file(path)
+    if (
+        path.is_dir()
+        and (path / "tokenizer.json").is_file()
+        and not (path / "config.json").is_file()
+    ):
+        check_tokenizer_json(path / "tokenizer.json")
+        return vocab_from_file(path / "tokenizer.json")
+    return load_vocab(resolve(spec))

@@ -1,0 +1,82 @@
+"""A vocabulary's bytes and fingerprint: SHA-256 of its id -> token-bytes list and special ids.
+
+Each entry is hashed as the bytes it stands for (byte-level 'Ġking' as b' king', SentencePiece
+'▁king' as b' king', '<0x41>' as b'A'), so a model's GGUF and tokenizer.json forms, which spell
+their pieces alike, give the same fingerprint. A tokenizer hash stored in the weights' metadata
+(a safetensors `__metadata__` or GGUF key naming the tokenizer and a hash) is compared with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+
+from embedlens.errors import EmbedlensError
+from embedlens.io.checkpoint import read_safetensors_header
+from embedlens.model.matrix import Table
+from embedlens.model.tokenizer import Vocab
+from embedlens.model.tokens import tokens_bytes
+from embedlens.reports.vocab import Fingerprint
+
+_HASH_KEY = re.compile(r"tokeni[sz]er.*(hash|sha|fingerprint)", re.IGNORECASE)
+_PREFIX = b"embedlens-vocab-v1\n"
+
+
+def byte_level(vocab: Vocab) -> bool:
+    """Whether the vocabulary spells bytes in GPT-2's byte alphabet ('Ġking')."""
+    return "ByteLevel" in str(vocab.tokenizer.decoder)
+
+
+def pieces_by_id(vocab: Vocab) -> list[str | None]:
+    """Every id's vocabulary entry as stored (None for an id without one), in one call."""
+    pieces: list[str | None] = [None] * vocab.size
+    for piece, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items():
+        if 0 <= i < vocab.size:
+            pieces[i] = piece
+    return pieces
+
+
+def entries(vocab: Vocab, pieces: list[str | None] | None = None) -> list[bytes]:
+    """Every id's bytes, in id order."""
+    bl = byte_level(vocab)
+    pieces = pieces if pieces is not None else pieces_by_id(vocab)
+    return tokens_bytes([p or "" for p in pieces], bl)
+
+
+def fingerprint(vocab: Vocab, raw: list[bytes] | None = None) -> str:
+    """SHA-256 of the ids in order with each token's bytes, then the special tokens' ids."""
+    raw = raw if raw is not None else entries(vocab)
+    pack = struct.Struct("<II").pack
+    blob = b"".join(pack(i, len(r)) + r for i, r in enumerate(raw))
+    specials = b"".join(struct.pack("<I", i) for i in sorted(vocab.special_ids))
+    return hashlib.sha256(_PREFIX + blob + b"special" + specials).hexdigest()
+
+
+def read_fingerprint(vocab: Vocab, table: Table, raw: list[bytes]) -> Fingerprint:
+    """The fingerprint, and whether a tokenizer hash in the weights' metadata matches it."""
+    sha = fingerprint(vocab, raw)
+    key, value = metadata_hash(table)
+    return Fingerprint(sha, key, value, None if value is None else same_hash(value, sha))
+
+
+def metadata_hash(table: Table) -> tuple[str | None, str | None]:
+    """A tokenizer hash stored in a GGUF's metadata or a safetensors file's __metadata__."""
+    found: dict[str, object] = {}
+    if table.checkpoint.gguf is not None:
+        found = dict(table.checkpoint.gguf.metadata)
+    elif table.entry.path is not None:
+        try:
+            found = dict(read_safetensors_header(table.entry.path).metadata)
+        except EmbedlensError:
+            found = {}
+    for key, value in found.items():
+        if _HASH_KEY.search(key) and isinstance(value, str):
+            return key, value
+    return None, None
+
+
+def same_hash(stored: str, sha: str) -> bool:
+    """Whether a stored hash ('sha256:…', or a prefix of 8 or more hex digits) names `sha`."""
+    value = stored.strip().lower().removeprefix("sha256:")
+    return value == sha or (len(value) >= 8 and sha.startswith(value))

@@ -1,0 +1,222 @@
+"""The vocabulary against the matrices: sizes, padding and missing rows, where added tokens sit,
+the tokens the tokenizer never produces as themselves, and the rows known to be unused.
+
+A token is unreachable when decoding it and encoding the text again does not give it back: byte
+fragments of a multi-byte character, SentencePiece byte pieces of bytes that have their own token,
+merges that other merges always win over. All tokens go through the tokenizer in two batched calls.
+"""
+
+from __future__ import annotations
+
+import re
+
+from embedlens.analysis.undertrained import ReferenceRows
+from embedlens.analysis.vocab_fingerprint import byte_level
+from embedlens.model.matrix import Table
+from embedlens.model.tokenizer import Vocab
+from embedlens.model.tokens import REPLACEMENT, SPACE, in_byte_alphabet
+from embedlens.reports.vocab import Layout, TokenRef, Unreachable, UnreachableToken
+
+# Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
+# [unused7], <extra_id_3>.
+BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+_UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
+LISTED = 100  # unreachable tokens listed per kind (all are counted)
+
+
+def added_ids(vocab: Vocab) -> list[int]:
+    """Ids of the tokens added on top of the tokenizer's model (specials included), sorted."""
+    return sorted(vocab.tokenizer.get_added_tokens_decoder())
+
+
+def read_layout(vocab: Vocab, table: Table) -> Layout:
+    """Sizes, padding and missing rows, special tokens, and where the added tokens sit."""
+    inv = table.checkpoint.tensors
+    embedding = _embedding_entry(table)
+    added = added_ids(vocab)
+    placement, inserted = _placement(added, vocab.size)
+    specials = sorted(vocab.special_ids | set(added))
+    return Layout(
+        tokenizer_size=vocab.size,
+        embedding_tensor=embedding,
+        embedding_rows=inv[embedding].shape[0],
+        head_tensor=table.name,
+        head_rows=table.rows,
+        width=table.width,
+        tied=table.tied,
+        padding_rows=max(0, min(table.rows, inv[embedding].shape[0]) - vocab.size),
+        missing_rows=max(0, vocab.size - min(table.rows, inv[embedding].shape[0])),
+        special_tokens=[TokenRef(i, vocab.text(i)) for i in specials if i in vocab.special_ids],
+        added_tokens=len(added),
+        added_placement=placement,
+        inserted=[TokenRef(i, vocab.text(i)) for i in inserted],
+    )
+
+
+def _embedding_entry(table: Table) -> str:
+    if table.tied or table.which == "input":
+        return table.name
+    from embedlens.model.inventory import from_checkpoint
+
+    inv = from_checkpoint(table.checkpoint, table.config)
+    assert inv.embedding is not None
+    return inv.embedding
+
+
+def _placement(added: list[int], size: int) -> tuple[str, list[int]]:
+    """Where the added tokens sit among the ordinary ones, and those with ordinary ids both sides."""
+    if not added:
+        return "none", []
+    taken = set(added)
+    ordinary = [i for i in range(size) if i not in taken]
+    if not ordinary:
+        return "start", []
+    low, high = ordinary[0], ordinary[-1]
+    inside = [i for i in added if low < i < high]
+    if inside:
+        return "inside", inside
+    at_start = any(i < low for i in added)
+    at_end = any(i > high for i in added)
+    return ("start and end" if at_start and at_end else "start" if at_start else "end"), []
+
+
+def layout_problems(layout: Layout) -> list[str]:
+    """What in the layout makes the model misbehave."""
+    problems: list[str] = []
+    if layout.missing_rows:
+        problems.append(
+            f"{layout.missing_rows:,} tokens have no row: the tokenizer has "
+            f"{layout.tokenizer_size:,} tokens, the matrices {min(layout.embedding_rows, layout.head_rows):,} "
+            "rows; looking them up fails"
+        )
+    if layout.embedding_rows != layout.head_rows:
+        problems.append(
+            f"the embedding has {layout.embedding_rows:,} rows but the head {layout.head_rows:,}"
+        )
+    if layout.inserted:
+        first = layout.inserted[0].id
+        problems.append(
+            f"{len(layout.inserted)} added tokens sit inside the ordinary range (from id {first}): "
+            f"if they were inserted after training, every id after them moved and looks up its "
+            "neighbour's row (check with --check-fit, or --against the original tokenizer)"
+        )
+    return problems
+
+
+# --- tokens never produced -----------------------------------------------------------------------
+
+
+def find_unreachable(
+    vocab: Vocab,
+    n: int,
+    pieces: list[str | None],
+    raw: list[bytes],
+    merged: frozenset[str] | None = None,
+) -> tuple[Unreachable, dict[int, str]]:
+    """Ordinary tokens (ids below n) that decoding and encoding again does not give back: the
+    report (the first LISTED of each kind listed) and every such id with its kind. `raw` holds
+    every id's bytes (vocab_fingerprint.entries), `pieces` its entry as stored; `merged`, when
+    known, every piece a byte-level BPE merge builds (byte_level_merge_results)."""
+    skip = set(added_ids(vocab)) | vocab.special_ids
+    ids = [i for i in range(n) if i not in skip]
+    bl = byte_level(vocab)
+    found: dict[int, list[int] | None] = {}
+    unmerged: set[int] = set()
+    if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
+        whole = [i for i in ids if _utf8(raw[i])]
+        found.update((i, None) for i in sorted(set(ids) - set(whole)))
+        if merged is not None:  # BPE builds a piece of two or more symbols only by a merge
+            unmerged = {i for i in whole if _unmerged(pieces[i], merged)}
+            found.update((i, None) for i in sorted(unmerged))
+            whole = [i for i in whole if i not in unmerged]
+        found.update(_round_trip(vocab, whole, [raw[i].decode("utf-8") for i in whole]))
+    else:
+        texts = vocab.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        found.update(_round_trip(vocab, ids, texts))
+    kinds = {
+        i: "unmerged" if i in unmerged else _kind(pieces[i] or "", raw[i]) for i in sorted(found)
+    }
+    return _listed(vocab, found, kinds), kinds
+
+
+def _unmerged(piece: str | None, merged: frozenset[str]) -> bool:
+    """A piece of two or more byte symbols that no merge builds (spelled in the byte alphabet)."""
+    return piece is not None and len(piece) > 1 and piece not in merged and in_byte_alphabet(piece)
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _encode(vocab: Vocab, texts: list[str]) -> list[list[int]]:
+    tok = vocab.tokenizer
+    batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in batch(texts, add_special_tokens=False)]
+
+
+def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, list[int] | None]:
+    """The ids among `ids` whose text (`texts`) does not encode back to them, with what it gives."""
+    tok = vocab.tokenizer
+    metaspace = _metaspace(vocab)
+    found: dict[int, list[int] | None] = {}
+    for i, text, got in zip(ids, texts, _encode(vocab, texts), strict=True):
+        if len(got) == 1 and got[0] == i:
+            continue
+        piece = vocab.piece(i) or ""
+        if metaspace and not piece.startswith(SPACE) and REPLACEMENT not in text:
+            # A piece without '▁' never starts a word: encoding it alone adds the '▁'. Ask the
+            # model's merges directly whether they build it.
+            got = [t.id for t in tok.model.tokenize(piece)]
+            if got == [i]:
+                continue
+        found[i] = got
+    return found
+
+
+def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]) -> Unreachable:
+    """The report: counts by kind, and the first LISTED of each kind with what they encode as."""
+    by_kind: dict[str, int] = {}
+    chosen: list[int] = []
+    for i in sorted(found):
+        by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
+        if by_kind[kinds[i]] <= LISTED:
+            chosen.append(i)
+    unknown = [i for i in chosen if found[i] is None]
+    if unknown:  # fragments and unmerged pieces: what their decoded text encodes as
+        texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)
+        found.update(zip(unknown, _encode(vocab, texts), strict=True))
+    listed = [UnreachableToken(i, vocab.text(i), kinds[i], list(found[i] or [])) for i in chosen]
+    return Unreachable(len(found), dict(sorted(by_kind.items())), listed)
+
+
+def _metaspace(vocab: Vocab) -> bool:
+    pre = vocab.tokenizer.pre_tokenizer
+    return pre is not None and ("Metaspace" in type(pre).__name__ or SPACE in str(pre))
+
+
+def _kind(piece: str, raw: bytes) -> str:
+    """Why a token never comes back: a byte piece, a fragment of a character, or merges that
+    other merges win over."""
+    if piece.startswith("<0x") and BYTE_PIECE.match(piece):
+        return "byte_fallback" if int(piece[3:5], 16) < 0x80 else "single_byte"
+    if not _utf8(raw):
+        return "single_byte" if len(raw) == 1 else "partial_utf8"
+    return "shadowed"
+
+
+def reference_rows(
+    vocab: Vocab, unreachable: dict[int, str], rows: int, pieces: list[str | None]
+) -> ReferenceRows:
+    """Rows known unused: padding, tokens never produced as themselves, tokens named unused."""
+    ids: dict[int, str] = {i: "padding" for i in range(vocab.size, rows)}
+    for i, kind in unreachable.items():
+        if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
+            ids[i] = kind
+    for i, piece in enumerate(pieces[:rows]):
+        if piece is not None and piece[:1] in "<[" and _UNUSED_NAME.match(piece):
+            ids[i] = "named_unused"
+    return ReferenceRows(ids)

@@ -1,0 +1,151 @@
+"""`embedlens vocab`: is this vocabulary healthy, trained, and the one these weights were trained with?"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from embedlens.cli._errors import handles_errors
+from embedlens.cli._options import (
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    QuietOpt,
+    RevisionOpt,
+    TrustOpt,
+    common,
+)
+from embedlens.cli._output import emit, err_console, note, progress
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+EXAMPLES = (
+    "Examples:\n\n"
+    "  $ embedlens vocab ./SmolLM2-135M-Instruct.Q4_1.gguf\n\n"
+    "  $ embedlens vocab ./my-model --against ./old-tokenizer/tokenizer.json\n\n"
+    "  $ embedlens vocab ./my-model --check-fit --tokenizer ./new-tokenizer\n\n"
+    "  $ embedlens vocab Qwen/Qwen3-0.6B --verify --max-verify 50 --json"
+)
+
+
+AgainstOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--against",
+        metavar="OTHER",
+        help="Compare with another vocabulary: a model, a tokenizer folder or tokenizer.json, "
+        "or a GGUF.",
+    ),
+]
+CheckFitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--check-fit",
+        help="Load the model and measure whether its weights fit the tokenizer (built-in "
+        "English and Chinese texts, against ids shifted by one).",
+    ),
+]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tokenizer",
+        metavar="OTHER",
+        help="Check this tokenizer against the weights instead of the model's own.",
+    ),
+]
+VerifyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify", help="Load the model and ask it to repeat each under-trained candidate."
+    ),
+]
+MaxVerifyOpt = Annotated[
+    int, typer.Option("--max-verify", metavar="N", help="Candidates --verify asks about.")
+]
+AllOpt = Annotated[
+    bool, typer.Option("--all", help="Show every candidate (JSON: every row's indicator).")
+]
+
+
+@handles_errors
+def vocab(
+    model: ModelArg,
+    against: AgainstOpt = None,
+    check_fit: CheckFitOpt = False,
+    tokenizer: TokenizerOpt = None,
+    verify: VerifyOpt = False,
+    max_verify: MaxVerifyOpt = 20,
+    all_tokens: AllOpt = False,
+    as_json: JsonOpt = False,
+    revision: RevisionOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    trust_remote_code: TrustOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Check the vocabulary against the weights: rows, unreachable and under-trained tokens.
+
+    Without --verify and --check-fit it reads the headers, the tokenizer and one matrix (the
+    head, or the embedding when tied), never torch. The fingerprint is a SHA-256 of the
+    vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
+    start-up.
+    """
+    from embedlens.analysis.vocab import vocab as run
+
+    common(quiet=quiet, debug=debug, device=device)
+    # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
+    # busy cores (read when numpy is first imported; a value the user set wins).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    spinner = nullcontext() if verify else progress(f"Reading {model}")
+    with _Bar(quiet) as bar, spinner:
+        report = run(
+            model,
+            against=against,
+            check_fit=check_fit,
+            tokenizer=tokenizer,
+            verify=verify,
+            max_verify=max_verify,
+            all=all_tokens or as_json,
+            revision=revision,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            on_progress=bar.update,
+        )
+    for text in report.notes:
+        note("note: " + text)
+    emit(report, as_json=as_json)
+
+
+class _Bar:
+    """A progress bar on stderr for --verify's batches (terminal only, not with --quiet)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self._quiet = quiet
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        if self._quiet or not err_console.is_terminal:
+            return
+        from rich.progress import Progress
+
+        if self._progress is None or self._task is None:
+            self._progress = Progress(console=err_console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("Verifying", total=total)
+        self._progress.update(self._task, completed=done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()

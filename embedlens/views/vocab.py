@@ -1,0 +1,181 @@
+"""How the `vocab` report is shown: the layout, the under-trained scan, the comparison, the fit."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from embedlens.reports.vocab import Candidate, Undertrained, VocabDiff, VocabReport
+from embedlens.views.format import count, quoted, shown
+
+TOP = 15  # candidates shown without --all
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def _layout(r: VocabReport) -> Table:
+    lay = r.layout
+    t = Table(title=shown(f"Vocabulary ({r.tokenizer})", "bold"), show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    t.add_row("tokenizer tokens", count(lay.tokenizer_size))
+    t.add_row(
+        "embedding rows", f"{count(lay.embedding_rows)} ({lay.embedding_tensor}, d = {lay.width})"
+    )
+    t.add_row(
+        "head rows",
+        "tied to the embedding" if lay.tied else f"{count(lay.head_rows)} ({lay.head_tensor})",
+    )
+    t.add_row("padding rows", count(lay.padding_rows))
+    t.add_row("tokens without a row", count(lay.missing_rows))
+    specials = Text(f"{len(lay.special_tokens)}")
+    for s in lay.special_tokens[:3]:
+        specials.append(" ")
+        specials.append_text(quoted(s.token))
+    if len(lay.special_tokens) > 3:
+        specials.append(" ...")
+    t.add_row("special tokens", specials)
+    t.add_row("added tokens", f"{lay.added_tokens}, placed: {lay.added_placement}")
+    t.add_row("unreachable tokens", _kinds(r.unreachable.count, r.unreachable.by_kind))
+    t.add_row("fingerprint", "sha256:" + r.fingerprint.sha256)
+    if r.fingerprint.metadata_key is not None:
+        verdict = "matches" if r.fingerprint.matches else "DIFFERS"
+        t.add_row("metadata hash", f"{r.fingerprint.metadata_key}: {verdict}")
+    return t
+
+
+def _kinds(n: int, by_kind: dict[str, int]) -> str:
+    if not by_kind:
+        return count(n)
+    return count(n) + " (" + ", ".join(f"{k} {count(v)}" for k, v in by_kind.items()) + ")"
+
+
+def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
+    parts: list[RenderableType] = []
+    head = "the embedding, tied head" if u.matrix == "input" else "the head"
+    if u.threshold is None:
+        parts.append(
+            shown(
+                f"Under-trained scan of {u.tensor} ({head}): no reference rows (no padding, unreachable or "
+                "unused-named tokens), so no indicator; norms only.",
+                style="yellow",
+            )
+        )
+        return parts
+    counts = ", ".join(f"{k} {count(v)}" for k, v in u.counts.items())
+    parts.append(
+        shown(
+            f"Under-trained scan of {u.tensor} ({head}): {counts}",
+            style="bold",
+        )
+    )
+    parts.append(
+        Text(
+            f"indicator: cosine to the mean of {count(u.reference_count)} reference rows "
+            f"({', '.join(f'{k} {count(v)}' for k, v in u.reference_by_kind.items())}), first principal component "
+            f"removed; candidates {u.threshold_rule} ({u.threshold:.3f})",
+            style="dim",
+        )
+    )
+    listed = u.candidates if top is None else u.candidates[:top]
+    if listed:
+        parts.append(_candidates(u, listed))
+        if len(listed) < len(u.candidates):
+            parts.append(Text(f"... {len(u.candidates) - len(listed)} more (--all)", style="dim"))
+    ref = _num(u.reference_norm_median, 2)
+    parts.append(Text(f"median row norm {u.norm_median:.2f}; reference rows' {ref}", style="dim"))
+    for group in u.identical_rows[:3]:
+        ids = ", ".join(str(i) for i in group[:12]) + (", ..." if len(group) > 12 else "")
+        parts.append(Text(f"{len(group)} rows are exactly equal (never moved apart): ids {ids}"))
+    return parts
+
+
+def _candidates(u: Undertrained, listed: list[Candidate]) -> Table:
+    """The candidates' table: id, token, indicator, norm, (with --verify) repeat probability."""
+    t = Table()
+    for name in ("#", "id", "token", "indicator", "norm"):
+        t.add_column(name, justify="left" if name == "token" else "right")
+    if u.verified:
+        t.add_column("repeat p", justify="right")
+    t.add_column("verdict")
+    for rank, c in enumerate(listed, 1):
+        token = quoted(c.token)
+        if c.special:
+            token.append(" (special)", style="dim")
+        cells: list[str | Text] = [str(rank), str(c.id), token, _num(c.indicator), _num(c.norm, 2)]
+        if u.verified:
+            cells.append("-" if c.repeat_prob is None else f"{c.repeat_prob:.2e}")
+        cells.append(c.verdict)
+        t.add_row(*cells)
+    return t
+
+
+def _diff(d: VocabDiff) -> list[RenderableType]:
+    title = f"Against '{d.other}' ({count(d.other_size)} tokens): "  # shown: a path
+    if d.identical:
+        return [shown(title + "identical vocabulary", style="bold green")]
+    state = "compatible (only appended tokens)" if d.compatible else "DIFFERENT"
+    parts: list[RenderableType] = [
+        shown(
+            title + f"{state}; same id {count(d.same_ids)}, shifted {count(d.shifted)}, added "
+            f"{count(d.added)}, removed {count(d.removed)}, renamed {count(d.renamed)}",
+            style="bold",
+        )
+    ]
+    parts.extend(shown("  " + line) for line in d.summary)
+    for label, refs in (("added", d.added_examples), ("removed", d.removed_examples)):
+        if refs:
+            line = Text(f"  {label}:")
+            for ref in refs:
+                line.append(f" {ref.id} ")
+                line.append_text(quoted(ref.token))
+            parts.append(line)
+    for rn in d.renamed_examples:
+        line = Text(f"  renamed: {rn.id} ")
+        line.append_text(quoted(rn.token))
+        line.append(" -> ")
+        line.append_text(quoted(rn.other_token))
+        parts.append(line)
+    return parts
+
+
+def render(r: VocabReport) -> RenderableType:
+    """The layout table, the scan, the comparison and the fit check, then the verdict."""
+    top = None if r.undertrained.indicators is not None else TOP
+    parts: list[RenderableType] = [_layout(r)]
+    parts.extend(_scan(r.undertrained, top))
+    if r.against is not None:
+        parts.extend(_diff(r.against))
+    if r.fit is not None:
+        t = Table(title=shown(f"Fit with the tokenizer ({r.fit.tokenizer})", style="bold"))
+        for col in ("text", "tokens", "loss", "ids shifted by one", "uniform", "fits"):
+            t.add_column(col, justify="left" if col in ("text", "fits") else "right")
+        for x in r.fit.languages:
+            t.add_row(
+                x.language,
+                str(x.tokens),
+                _num(x.loss, 2),
+                _num(x.shifted_loss, 2),
+                _num(x.uniform_loss, 2),
+                "yes" if x.fits else "NO",
+            )
+        parts.append(t)
+        parts.append(
+            Text(
+                f"a text fits when shifting its ids costs at least {r.fit.margin:.1f} nats",
+                style="dim",
+            )
+        )
+    if r.problems:
+        for p in r.problems:
+            parts.append(shown("problem: " + p, "bold red"))
+    else:
+        parts.append(
+            Text("No problem found between this vocabulary and the weights.", style="green")
+        )
+    return Group(*parts)
