@@ -75,3 +75,16 @@ def test_a_lens_with_a_grid_shows_its_heatmap_in_a_notebook(tiny):
     page = report._repr_html_()
     assert page.count("<table") == 2 and "<svg" in page and "Top-1 at every layer" in page
     assert "<svg" not in embedlens.lens(tiny("llama-tied"), "Hello world")._repr_html_()
+
+
+def test_cli_choices_are_the_ones_the_library_checks():
+    """The CLI's --dtype and --device-map choices (Literal types, cheap to import) name exactly
+    the values the functions accept."""
+    from typing import get_args
+
+    from embedlens.analysis.lens import DEVICE_MAPS
+    from embedlens.cli._options import DeviceMap, Dtype
+    from embedlens.model.loading import DTYPES
+
+    assert get_args(Dtype) == DTYPES
+    assert get_args(DeviceMap) == DEVICE_MAPS

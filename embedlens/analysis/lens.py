@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from embedlens.errors import EmbedlensError, UsageError
 from embedlens.reports.lens import (
@@ -40,8 +40,7 @@ if TYPE_CHECKING:
     from embedlens.io.source import ModelSource
     from embedlens.model.prompts import PromptSource
 
-DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
-DEVICE_MAPS: tuple[str, ...] = get_args(DeviceMap)
+DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequential")
 LayerItem = int | tuple[int | None, int | None, int | None]
 MemoryMap = dict[int | str, int | str]
 

@@ -24,6 +24,9 @@ DtypeOpt = Annotated[
     Dtype,
     typer.Option("--dtype", help="Dtype the weights are loaded in (with --load or --meta-only)."),
 ]
+DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
+"""The --device-map choices (analysis.lens.DEVICE_MAPS checks the same ones from Python)."""
+
 Matrix = Literal["input", "output"]
 MatrixOpt = Annotated[
     Matrix, typer.Option("--matrix", help="input (the embedding) or output (the LM head).")

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from embedlens.analysis.lens import DeviceMap
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._options import (
     DebugOpt,
+    DeviceMap,
     DeviceOpt,
     Dtype,
     JsonOpt,
