@@ -144,30 +144,26 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
     prompts: many prompts instead of `prompt` (strings, or dicts with `prompt` and optional
-        `target`, `chat`, `id`; or `PromptSource.open(path)`): returns a `LensSummaryReport`
-        of per-layer statistics, and calls `each(report, line)` with each prompt's report (the
-        `LensReport` a single run gives) as it comes. `position` may then be a list.
+        `target`, `chat`, `id`; or `PromptSource.open(path)`): returns a `LensSummaryReport` of
+        per-layer statistics, and calls `each(report, line)` with each prompt's `LensReport` as
+        it comes. `position` may then be a list.
     skip_bad: with `prompts`, skip (and count) bad prompts instead of stopping at the first.
     """
+    loading = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
     if prompts is not None or prompt is None:
         return _lens_prompts(
             model, prompt, prompts, tokenizer, dict(
                 top_k=top_k, layers=layers, position=position, no_thinking=no_thinking,
                 template_args=template_args, skip_bad=skip_bad, each=each,
                 template=user_template(chat_template, None, per_line=True),
-            ), (target, chat, grid),
-            (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code),
+            ), (target, chat, grid), loading,
         )  # fmt: skip
     ask = _ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args, grid)
     ask = dataclasses.replace(ask, template=user_template(chat_template, chat))
     if not isinstance(model, (str, os.PathLike)):
-        _refuse_load_options(
-            revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code
-        )
+        _refuse_load_options(*loading)
         return _lens_loaded(model, ask, tokenizer)
-    load = _load_options(
-        revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code
-    )
+    load = _load_options(*loading)
     return _lens_files(os.fspath(model), ask, load, tokenizer)
 
 
