@@ -134,8 +134,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
 
     model: a hub id, a folder, a .gguf file, or a loaded transformers model (then `tokenizer` is
         required, and the loading options must stay at their defaults: it runs as it is).
-    layers: '0,4,8', '20:', '0:10:2' or a list of layer numbers (0 = the embedding output, the last
-        = the model's output); all by default.
+    layers: '0,4,8', '20:', '0:10:2' or a list of layers (0 = the embedding output); all by default.
     position: the token position read (-1 = the last), or 'all' for the layer x position grid.
     chat: a user message to apply the chat template to; `prompt` then starts the answer.
     template_args: more template variables, as a dict or as 'KEY=VALUE' strings.
