@@ -122,7 +122,11 @@ def cli() -> Runner:
 
 
 _SLOW_FIXTURES = {"smollm2", "hub"}  # the real model's file; a local hub server and subprocesses
-_SLOW_MODULES = {"test_interrupts.py", "test_install.py"}  # signals and installs in subprocesses
+_SLOW_MODULES = {
+    "test_interrupts.py",  # signals in subprocesses
+    "test_install.py",  # installs in subprocesses
+    "test_heatmap.py",  # drawings with matplotlib
+}
 _QUICK_FAMILIES = 2  # a sweep over model families keeps its first two in the quick run
 
 

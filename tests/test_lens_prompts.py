@@ -342,6 +342,7 @@ def test_median_of_counts():
         assert median_of_counts(Counter(values)) == statistics.median(values)
 
 
+@pytest.mark.slow  # draws with matplotlib
 def test_curves_plot(tiny, cli, tmp_path):
     pytest.importorskip("matplotlib")
     path = jsonl(
