@@ -222,7 +222,9 @@ def _dequantize_q8_0(
     scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)
     values = blocks[:, :, 2:].view(np.int8)
     result = np.empty((n, width), np.float32) if out is None else out.view(np.float32)
-    np.multiply(values, scales, out=result.reshape(n, width // 32, 32))
+    grouped = result.reshape(n, width // 32, 32)
+    np.copyto(grouped, values, casting="unsafe")  # int8 to float32, exact
+    grouped *= scales  # in place: a mixed-type product is three times slower
     return result
 
 
