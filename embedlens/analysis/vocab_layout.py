@@ -14,7 +14,7 @@ from embedlens.analysis.undertrained import ReferenceRows
 from embedlens.analysis.vocab_fingerprint import byte_level
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
-from embedlens.model.tokens import REPLACEMENT, SPACE, in_byte_alphabet
+from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
 from embedlens.reports.vocab import Layout, TokenRef, Unreachable, UnreachableToken
 
 # Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
@@ -123,10 +123,11 @@ def find_unreachable(
     found: dict[int, list[int] | None] = {}
     unmerged: set[int] = set()
     if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
-        whole = [i for i in ids if _utf8(raw[i])]
-        found.update((i, None) for i in sorted(set(ids) - set(whole)))
+        broken = _not_utf8(raw, ids)
+        found.update((i, None) for i in sorted(broken))
+        whole = [i for i in ids if i not in broken] if broken else ids
         if merged is not None:  # BPE builds a piece of two or more symbols only by a merge
-            unmerged = {i for i in whole if _unmerged(pieces[i], merged)}
+            unmerged = _unmerged(pieces, whole, merged)
             found.update((i, None) for i in sorted(unmerged))
             whole = [i for i in whole if i not in unmerged]
         found.update(_round_trip(vocab, whole, [raw[i].decode("utf-8") for i in whole]))
@@ -139,9 +140,12 @@ def find_unreachable(
     return _listed(vocab, found, kinds), kinds
 
 
-def _unmerged(piece: str | None, merged: frozenset[str]) -> bool:
-    """A piece of two or more byte symbols that no merge builds (spelled in the byte alphabet)."""
-    return piece is not None and len(piece) > 1 and piece not in merged and in_byte_alphabet(piece)
+def _unmerged(pieces: list[str | None], ids: list[int], merged: frozenset[str]) -> set[int]:
+    """The ids whose piece has two or more byte symbols (spelled in the byte alphabet) that no
+    merge builds."""
+    maybe = [i for i in ids if (p := pieces[i]) is not None and len(p) > 1 and p not in merged]
+    outside = outside_byte_alphabet([pieces[i] or "" for i in maybe])
+    return {i for k, i in enumerate(maybe) if k not in outside}
 
 
 def _utf8(raw: bytes) -> bool:
@@ -150,6 +154,17 @@ def _utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _not_utf8(raw: list[bytes], ids: list[int]) -> set[int]:
+    """The ids among `ids` whose bytes are not UTF-8 (one loop, no call per id)."""
+    broken: set[int] = set()
+    for i in ids:
+        try:
+            raw[i].decode("utf-8")
+        except UnicodeDecodeError:
+            broken.add(i)
+    return broken
 
 
 def _encode(vocab: Vocab, texts: list[str]) -> list[list[int]]:
@@ -217,6 +232,6 @@ def reference_rows(
         if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
             ids[i] = kind
     for i, piece in enumerate(pieces[:rows]):
-        if piece is not None and piece[:1] in "<[" and _UNUSED_NAME.match(piece):
+        if piece and piece[0] in "<[" and _UNUSED_NAME.match(piece):
             ids[i] = "named_unused"
     return ReferenceRows(ids)

@@ -217,14 +217,13 @@ def _dequantize_q8_0(
     Python calls."""
     import numpy as np
 
-    n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, width // 32, 34)
-    scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)
-    values = blocks[:, :, 2:].view(np.int8)
+    n, groups = raw.shape[0], width // 32
+    stored = np.ascontiguousarray(raw).view(np.uint8).reshape(n, groups, 34)
+    scales = stored.view(np.uint16)[:, :, 0].view(np.float16).astype(np.float32)
     result = np.empty((n, width), np.float32) if out is None else out.view(np.float32)
-    grouped = result.reshape(n, width // 32, 32)
-    np.copyto(grouped, values, casting="unsafe")  # int8 to float32, exact
-    grouped *= scales  # in place: a mixed-type product is three times slower
+    values = np.ascontiguousarray(stored[:, :, 2:]).view(np.int8)  # contiguous casts are faster
+    np.copyto(result.reshape(n, groups, 32), values, casting="unsafe")  # int8 to float32, exact
+    np.multiply(result, np.repeat(scales, 32, axis=1), out=result)
     return result
 
 
