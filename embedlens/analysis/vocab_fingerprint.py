@@ -30,6 +30,8 @@ def byte_level(vocab: Vocab) -> bool:
 
 def pieces_by_id(vocab: Vocab) -> list[str | None]:
     """Every id's vocabulary entry as stored (None for an id without one), in one call."""
+    if vocab.pieces is not None:  # read with the GGUF: asking the tokenizer takes 0.5 s at 262k
+        return list(vocab.pieces)
     pieces: list[str | None] = [None] * vocab.size
     for piece, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items():
         if 0 <= i < vocab.size:

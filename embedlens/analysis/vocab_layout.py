@@ -8,6 +8,7 @@ merges that other merges always win over. All tokens go through the tokenizer in
 
 from __future__ import annotations
 
+import heapq
 import re
 
 from embedlens.analysis.undertrained import ReferenceRows
@@ -194,12 +195,13 @@ def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, lis
 
 def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]) -> Unreachable:
     """The report: counts by kind, and the first LISTED of each kind with what they encode as."""
-    by_kind: dict[str, int] = {}
+    from collections import Counter
+
+    by_kind = Counter(kinds[i] for i in found)
     chosen: list[int] = []
-    for i in sorted(found):
-        by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
-        if by_kind[kinds[i]] <= LISTED:
-            chosen.append(i)
+    for kind in by_kind:  # the first LISTED ids of each kind
+        chosen.extend(heapq.nsmallest(LISTED, (i for i in found if kinds[i] == kind)))
+    chosen.sort()
     unknown = [i for i in chosen if found[i] is None]
     if unknown:  # fragments and unmerged pieces: what their decoded text encodes as
         texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)

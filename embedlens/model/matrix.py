@@ -222,8 +222,9 @@ def _dequantize_q8_0(
     scales = stored.view(np.uint16)[:, :, 0].view(np.float16).astype(np.float32)
     result = np.empty((n, width), np.float32) if out is None else out.view(np.float32)
     values = np.ascontiguousarray(stored[:, :, 2:]).view(np.int8)  # contiguous casts are faster
-    np.copyto(result.reshape(n, groups, 32), values, casting="unsafe")  # int8 to float32, exact
-    np.multiply(result, np.repeat(scales, 32, axis=1), out=result)
+    grouped = result.reshape(n, groups, 32)
+    np.copyto(grouped, values, casting="unsafe")  # int8 to float32, exact
+    np.multiply(grouped, scales[:, :, None], out=grouped)
     return result
 
 
