@@ -27,10 +27,6 @@ SAMPLE_ROWS = 16384
 EXACT_WIDTH = 256  # covariances up to this width are decomposed exactly (milliseconds)
 LANCZOS_TOL = 1e-9
 CHECK_EVERY = 8  # Lanczos steps between residual checks
-# Rows per step of a pass: 1 MiB of float32 stays in cache, and a [rows, d] x [d, 3] product of
-# that size runs on one BLAS thread (larger ones start threads that wait on each other when the
-# cores are busy: four times the CPU time).
-PASS_BYTES = 1 << 20
 THRESHOLD_RULE = "at or above the 99th percentile of the reference rows' indicator"
 
 
@@ -134,7 +130,7 @@ def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
     weights = np.zeros(v, dtype=np.float32)
     weights[reference] = 1.0
     total = np.zeros(d)
-    step = _step(rows)
+    step = rows.pass_rows
     for start in range(0, v, step):
         stop = min(v, start + step)
         total += weights[start:stop] @ rows.block(start, stop)  # one block's sum in float32
@@ -154,7 +150,7 @@ def row_stats(rows: Rows, reference: list[int]) -> RowStats:
     weights = np.stack([u, ref / ref_norm if ref_norm else ref, probe], axis=1).astype(np.float32)
     products = np.empty((v, 3), dtype=np.float32)
     squares = np.empty(v, dtype=np.float32)
-    step = _step(rows)
+    step = rows.pass_rows
     for start in range(0, v, step):
         stop = min(v, start + step)
         block = rows.block(start, stop)
@@ -169,10 +165,6 @@ def row_stats(rows: Rows, reference: list[int]) -> RowStats:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(residual > 1e-12 * (norms + 1e-30), dots / residual, np.nan)
     return RowStats(values.astype(np.float32), norms, products[:, 2].copy(), how)
-
-
-def _step(rows: Rows) -> int:
-    return max(1, PASS_BYTES // (4 * rows.shape[1]))
 
 
 def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -> list[list[int]]:
