@@ -450,3 +450,21 @@ def test_pieces_no_merge_builds_are_unmerged(cli, tmp_path):
             vocab.encode(text)
         ]
     assert vocab.encode("abab") == [259]
+
+
+def test_gguf_pieces_are_what_the_tokenizer_stores(tmp_path):
+    """vocab_from_gguf keeps every id's entry as read (not asking the rebuilt tokenizer): the
+    same as the tokenizer's own table, with a repeated entry and one stored as text."""
+    from dataclasses import replace
+
+    from embedlens.analysis.vocab_fingerprint import pieces_by_id
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.model.tokenizer import vocab_from_gguf
+
+    path = _bpe_gguf(tmp_path / "bpe.gguf", ["ab", "ab", "é x", "abab"], ["a b", "ab ab"])
+    vocab = vocab_from_gguf(read_gguf_header(path))
+    assert vocab.pieces is not None
+    asked = pieces_by_id(replace(vocab, pieces=None))
+    assert pieces_by_id(vocab) == asked
+    assert len(asked) == vocab.size and asked[256] == "ab" and asked[257] is None
+    assert asked[258] == "Ã©Ġx"  # stored as text, respelled in the byte alphabet

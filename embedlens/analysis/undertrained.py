@@ -24,6 +24,9 @@ from embedlens.reports.vocab import Candidate, Undertrained
 
 PERCENTILE = 99.0
 SAMPLE_ROWS = 16384
+EXACT_WIDTH = 256  # covariances up to this width are decomposed exactly (milliseconds)
+LANCZOS_TOL = 1e-9
+CHECK_EVERY = 8  # Lanczos steps between residual checks
 THRESHOLD_RULE = "at or above the 99th percentile of the reference rows' indicator"
 
 
@@ -47,20 +50,73 @@ class RowStats:
     norms: npt.NDArray[np.float32]
     signature: npt.NDArray[np.float32]
     """Each row's product with a fixed random vector: equal rows have equal signatures."""
+    component: str
+    """How the first principal component was found."""
 
 
-def first_component(rows: Rows) -> npt.NDArray[np.float64]:
-    """The unit first principal component of the rows (of the centred covariance).
+def first_component(rows: Rows) -> tuple[npt.NDArray[np.float64], str]:
+    """The unit first principal component of the rows (of the centred covariance), and how it
+    was found.
 
     Estimated from at most SAMPLE_ROWS evenly spaced rows: the direction all rows share is
     dominant, and the full [d, V] x [V, d] product would cost seconds on a large vocabulary.
-    """
+    A narrow covariance is decomposed exactly (eigh); a wider one by Lanczos (top_eigenvector),
+    which needs a few dozen [d, d] products where eigh costs seconds at d = 896."""
     v = rows.shape[0]
     sample = rows.take(list(range(0, v, max(1, -(-v // SAMPLE_ROWS)))))
     mean = sample.mean(axis=0, dtype=np.float64)
     gram = (sample.T @ sample).astype(np.float64) / sample.shape[0]
-    _, vectors = np.linalg.eigh(gram - np.outer(mean, mean))
-    return np.asarray(vectors[:, -1], dtype=np.float64)
+    covariance = gram - np.outer(mean, mean)
+    of = f"{sample.shape[0]:,} of {v:,} rows" if sample.shape[0] < v else f"all {v:,} rows"
+    if covariance.shape[0] <= EXACT_WIDTH:
+        _, vectors = np.linalg.eigh(covariance)
+        return np.asarray(vectors[:, -1], dtype=np.float64), f"eigendecomposition of {of}"
+    u, steps, residual = top_eigenvector(covariance)
+    how = f"Lanczos on the covariance of {of}, {steps} steps, relative residual {residual:.1e}"
+    return u, how
+
+
+def top_eigenvector(
+    a: npt.NDArray[np.float64], tol: float = LANCZOS_TOL
+) -> tuple[npt.NDArray[np.float64], int, float]:
+    """The unit eigenvector of a symmetric positive semi-definite matrix's largest eigenvalue,
+    the Lanczos steps taken and the relative residual |a y - t y| / t reached.
+
+    Lanczos with full reorthogonalisation from a fixed start: it stops when the residual is
+    below `tol` (the angle to the true vector is at most the residual over the gap to the second
+    eigenvalue), and is exact after d steps."""
+    d = a.shape[0]
+    basis = np.zeros((d + 1, d))
+    start = np.random.default_rng(0).standard_normal(d)
+    basis[0] = start / np.linalg.norm(start)
+    alphas: list[float] = []
+    betas: list[float] = []
+    for k in range(d):
+        w = a @ basis[k]
+        alphas.append(float(w @ basis[k]))
+        for _ in range(2):  # twice is enough to keep the basis orthogonal in floating point
+            w -= basis[: k + 1].T @ (basis[: k + 1] @ w)
+        beta = float(np.linalg.norm(w))
+        last = k + 1 == d or beta == 0.0
+        if (k + 1) % CHECK_EVERY == 0 or last:  # each check is an eigh of the tridiagonal
+            theta, ritz = _top_ritz(alphas, betas)
+            residual = beta * abs(float(ritz[-1])) / theta if theta > 0 else 0.0
+            if residual <= tol or last:
+                y = basis[: k + 1].T @ ritz
+                return y / np.linalg.norm(y), k + 1, residual
+        betas.append(beta)
+        basis[k + 1] = w / beta
+    raise AssertionError("unreachable: Lanczos ends after d steps")
+
+
+def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, npt.NDArray[np.float64]]:
+    """The largest eigenvalue of the Lanczos tridiagonal matrix and its unit eigenvector."""
+    k = len(alphas)
+    t = np.diag(alphas)
+    if k > 1:
+        t += np.diag(betas, 1) + np.diag(betas, -1)
+    values, vectors = np.linalg.eigh(t)
+    return float(values[-1]), np.asarray(vectors[:, -1], dtype=np.float64)
 
 
 def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
@@ -74,8 +130,9 @@ def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
     weights = np.zeros(v, dtype=np.float32)
     weights[reference] = 1.0
     total = np.zeros(d)
-    for start in range(0, v, rows.block_rows):
-        stop = min(v, start + rows.block_rows)
+    step = rows.pass_rows
+    for start in range(0, v, step):
+        stop = min(v, start + step)
         total += weights[start:stop] @ rows.block(start, stop)  # one block's sum in float32
     return total / len(reference)
 
@@ -85,7 +142,7 @@ def row_stats(rows: Rows, reference: list[int]) -> RowStats:
     cosine to the reference rows' mean with the first principal component u removed, from
     |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to u)."""
     v, d = rows.shape
-    u = first_component(rows)
+    u, how = first_component(rows)
     ref = reference_mean(rows, reference)
     ref = ref - float(ref @ u) * u
     ref_norm = float(np.linalg.norm(ref))
@@ -93,8 +150,9 @@ def row_stats(rows: Rows, reference: list[int]) -> RowStats:
     weights = np.stack([u, ref / ref_norm if ref_norm else ref, probe], axis=1).astype(np.float32)
     products = np.empty((v, 3), dtype=np.float32)
     squares = np.empty(v, dtype=np.float32)
-    for start in range(0, v, rows.block_rows):
-        stop = min(v, start + rows.block_rows)
+    step = rows.pass_rows
+    for start in range(0, v, step):
+        stop = min(v, start + step)
         block = rows.block(start, stop)
         np.matmul(block, weights, out=products[start:stop])
         np.einsum("ij,ij->i", block, block, out=squares[start:stop])
@@ -106,7 +164,7 @@ def row_stats(rows: Rows, reference: list[int]) -> RowStats:
     else:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(residual > 1e-12 * (norms + 1e-30), dots / residual, np.nan)
-    return RowStats(values.astype(np.float32), norms, products[:, 2].copy())
+    return RowStats(values.astype(np.float32), norms, products[:, 2].copy(), how)
 
 
 def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -> list[list[int]]:
@@ -133,8 +191,9 @@ def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -
 
 def scan(
     rows: Rows, table: Table, vocab: Vocab, reference: ReferenceRows, *, all_tokens: bool
-) -> Undertrained:
-    """The indicator over every row; candidates best first."""
+) -> tuple[Undertrained, str]:
+    """The indicator over every row, candidates best first; with how the first principal
+    component was found (for a note)."""
     v = rows.shape[0]
     ref_ids = [i for i in reference.ids if i < v]
     stats = row_stats(rows, ref_ids)
@@ -171,7 +230,7 @@ def scan(
         "candidate": len(candidates),
         "ok": real - len(candidates) - int(is_ref[:real].sum()),
     }
-    return Undertrained(
+    scanned = Undertrained(
         matrix="input" if table.tied else "output",
         tensor=table.name,
         reference_count=len(ref_ids),
@@ -187,6 +246,7 @@ def scan(
         indicators=_listed(values) if all_tokens else None,
         norms=_listed(norms) if all_tokens else None,
     )
+    return scanned, f"first principal component: {stats.component}"
 
 
 def _listed(values: npt.NDArray[np.float32]) -> list[float]:

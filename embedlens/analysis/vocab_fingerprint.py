@@ -30,6 +30,8 @@ def byte_level(vocab: Vocab) -> bool:
 
 def pieces_by_id(vocab: Vocab) -> list[str | None]:
     """Every id's vocabulary entry as stored (None for an id without one), in one call."""
+    if vocab.pieces is not None:  # read with the GGUF: asking the tokenizer takes 0.5 s at 262k
+        return list(vocab.pieces)
     pieces: list[str | None] = [None] * vocab.size
     for piece, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items():
         if 0 <= i < vocab.size:
@@ -47,10 +49,29 @@ def entries(vocab: Vocab, pieces: list[str | None] | None = None) -> list[bytes]
 def fingerprint(vocab: Vocab, raw: list[bytes] | None = None) -> str:
     """SHA-256 of the ids in order with each token's bytes, then the special tokens' ids."""
     raw = raw if raw is not None else entries(vocab)
-    pack = struct.Struct("<II").pack
-    blob = b"".join(pack(i, len(r)) + r for i, r in enumerate(raw))
+    blob = _entries_blob(raw)
     specials = b"".join(struct.pack("<I", i) for i in sorted(vocab.special_ids))
     return hashlib.sha256(_PREFIX + blob + b"special" + specials).hexdigest()
+
+
+def _entries_blob(raw: list[bytes]) -> bytes:
+    """Each id and its length as two little-endian uint32, then its bytes, for every id: laid
+    out with numpy (a Python call per id costs a quarter of a second at 262k ids)."""
+    import numpy as np
+
+    n = len(raw)
+    lengths = np.fromiter(map(len, raw), np.int64, n)
+    heads = np.empty((n, 2), dtype="<u4")
+    heads[:, 0] = np.arange(n)
+    heads[:, 1] = lengths
+    starts = np.cumsum(lengths + 8) - lengths - 8
+    out = np.empty(int(lengths.sum()) + 8 * n, dtype=np.uint8)
+    at = (starts[:, None] + np.arange(8)).ravel()
+    out[at] = heads.view(np.uint8).ravel()
+    body = np.ones(out.size, dtype=bool)
+    body[at] = False
+    out[body] = np.frombuffer(b"".join(raw), dtype=np.uint8)
+    return out.tobytes()
 
 
 def read_fingerprint(vocab: Vocab, table: Table, raw: list[bytes]) -> Fingerprint:

@@ -8,13 +8,14 @@ merges that other merges always win over. All tokens go through the tokenizer in
 
 from __future__ import annotations
 
+import heapq
 import re
 
 from embedlens.analysis.undertrained import ReferenceRows
 from embedlens.analysis.vocab_fingerprint import byte_level
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
-from embedlens.model.tokens import REPLACEMENT, SPACE, in_byte_alphabet
+from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
 from embedlens.reports.vocab import Layout, TokenRef, Unreachable, UnreachableToken
 
 # Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
@@ -123,10 +124,11 @@ def find_unreachable(
     found: dict[int, list[int] | None] = {}
     unmerged: set[int] = set()
     if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
-        whole = [i for i in ids if _utf8(raw[i])]
-        found.update((i, None) for i in sorted(set(ids) - set(whole)))
+        broken = _not_utf8(raw, ids)
+        found.update((i, None) for i in sorted(broken))
+        whole = [i for i in ids if i not in broken] if broken else ids
         if merged is not None:  # BPE builds a piece of two or more symbols only by a merge
-            unmerged = {i for i in whole if _unmerged(pieces[i], merged)}
+            unmerged = _unmerged(pieces, whole, merged)
             found.update((i, None) for i in sorted(unmerged))
             whole = [i for i in whole if i not in unmerged]
         found.update(_round_trip(vocab, whole, [raw[i].decode("utf-8") for i in whole]))
@@ -139,9 +141,12 @@ def find_unreachable(
     return _listed(vocab, found, kinds), kinds
 
 
-def _unmerged(piece: str | None, merged: frozenset[str]) -> bool:
-    """A piece of two or more byte symbols that no merge builds (spelled in the byte alphabet)."""
-    return piece is not None and len(piece) > 1 and piece not in merged and in_byte_alphabet(piece)
+def _unmerged(pieces: list[str | None], ids: list[int], merged: frozenset[str]) -> set[int]:
+    """The ids whose piece has two or more byte symbols (spelled in the byte alphabet) that no
+    merge builds."""
+    maybe = [i for i in ids if (p := pieces[i]) is not None and len(p) > 1 and p not in merged]
+    outside = outside_byte_alphabet([pieces[i] or "" for i in maybe])
+    return {i for k, i in enumerate(maybe) if k not in outside}
 
 
 def _utf8(raw: bytes) -> bool:
@@ -150,6 +155,17 @@ def _utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _not_utf8(raw: list[bytes], ids: list[int]) -> set[int]:
+    """The ids among `ids` whose bytes are not UTF-8 (one loop, no call per id)."""
+    broken: set[int] = set()
+    for i in ids:
+        try:
+            raw[i].decode("utf-8")
+        except UnicodeDecodeError:
+            broken.add(i)
+    return broken
 
 
 def _encode(vocab: Vocab, texts: list[str]) -> list[list[int]]:
@@ -179,12 +195,13 @@ def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, lis
 
 def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]) -> Unreachable:
     """The report: counts by kind, and the first LISTED of each kind with what they encode as."""
-    by_kind: dict[str, int] = {}
+    from collections import Counter
+
+    by_kind = Counter(kinds[i] for i in found)
     chosen: list[int] = []
-    for i in sorted(found):
-        by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
-        if by_kind[kinds[i]] <= LISTED:
-            chosen.append(i)
+    for kind in by_kind:  # the first LISTED ids of each kind
+        chosen.extend(heapq.nsmallest(LISTED, (i for i in found if kinds[i] == kind)))
+    chosen.sort()
     unknown = [i for i in chosen if found[i] is None]
     if unknown:  # fragments and unmerged pieces: what their decoded text encodes as
         texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)
@@ -217,6 +234,6 @@ def reference_rows(
         if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
             ids[i] = kind
     for i, piece in enumerate(pieces[:rows]):
-        if piece is not None and piece[:1] in "<[" and _UNUSED_NAME.match(piece):
+        if piece and piece[0] in "<[" and _UNUSED_NAME.match(piece):
             ids[i] = "named_unused"
     return ReferenceRows(ids)

@@ -37,6 +37,7 @@ _SAFETENSORS_NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
 # larger because each dequantize() call has a fixed cost.
 _BLOCK_BYTES = 2 << 20
 _GGUF_BLOCK_BYTES = 16 << 20
+_PASS_BYTES = 1 << 20
 _Q8_0 = (32, 34)  # elements and bytes of a Q8_0 block: a float16 scale and 32 int8 values
 
 
@@ -168,12 +169,26 @@ class Rows:
         self.block_rows = max(1, block_bytes // (4 * d))
         self._buffer: npt.NDArray[np.uint32] | None = None
 
+    @property
+    def pass_rows(self) -> int:
+        """Rows per block for a pass that multiplies each block by a few vectors: 1 MiB of
+        float32 stays in cache and its product runs on one BLAS thread (larger ones start
+        threads that wait on each other when the cores are busy: four times the CPU time);
+        GGUF types that gguf's dequantize() reads keep its larger blocks (a fixed cost a call)."""
+        if self._qtype is not None and not self._q8_0:
+            return self.block_rows
+        return max(1, _PASS_BYTES // (4 * self.shape[1]))
+
+    @property
+    def _q8_0(self) -> bool:
+        return self.entry.dtype == "Q8_0" and self.entry.block == _Q8_0
+
     def _convert(
         self, raw: npt.NDArray[np.generic], out: npt.NDArray[np.uint32] | None = None
     ) -> npt.NDArray[np.float32]:
         import numpy as np
 
-        if self._qtype is not None and self.entry.dtype == "Q8_0" and self.entry.block == _Q8_0:
+        if self._qtype is not None and self._q8_0:
             return _dequantize_q8_0(raw, self.shape[1], out)
         if self._qtype is not None:
             from gguf.quants import dequantize
@@ -217,12 +232,14 @@ def _dequantize_q8_0(
     Python calls."""
     import numpy as np
 
-    n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, width // 32, 34)
-    scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)
-    values = blocks[:, :, 2:].view(np.int8)
+    n, groups = raw.shape[0], width // 32
+    stored = np.ascontiguousarray(raw).view(np.uint8).reshape(n, groups, 34)
+    scales = stored.view(np.uint16)[:, :, 0].view(np.float16).astype(np.float32)
     result = np.empty((n, width), np.float32) if out is None else out.view(np.float32)
-    np.multiply(values, scales, out=result.reshape(n, width // 32, 32))
+    values = np.ascontiguousarray(stored[:, :, 2:]).view(np.int8)  # contiguous casts are faster
+    grouped = result.reshape(n, groups, 32)
+    np.copyto(grouped, values, casting="unsafe")  # int8 to float32, exact
+    np.multiply(grouped, scales[:, :, None], out=grouped)
     return result
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
 from embedlens.io.source import ModelSource
-from embedlens.model.tokens import byte_alphabet, readable
+from embedlens.model.tokens import byte_alphabet, outside_byte_alphabet, readable
 from embedlens.text import error_line
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ class Vocab:
     only: frozenset[int] | None = None
     """When set, the tokenizer holds just these ids (gguf_rows_vocab): it shows them, and
     refuses to encode or look up text."""
+    pieces: tuple[str | None, ...] | None = field(default=None, compare=False, repr=False)
+    """Every id's entry as the tokenizer stores it, when known without asking it (a GGUF)."""
     _text: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
 
     def encode(self, text: str) -> list[int]:
@@ -270,9 +272,11 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     _check_merges(header, kind, merges is not None, meta.scores is not None)
     try:
         if kind == "gpt2":
-            tok = _byte_level(tokens, merges, header.meta("tokenizer.ggml.pre"))
+            spelled = _byte_alphabet_spelling(tokens)
+            tok = _byte_level(spelled, merges, header.meta("tokenizer.ggml.pre"))
         elif kind == "llama":
             add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
+            spelled = tokens
             tok = _sentencepiece(tokens, merges, meta.scores, add_space=bool(add_space))
         else:
             raise _unsupported_kind(header, kind)
@@ -285,7 +289,16 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
         ) from e
     unk = header.meta("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == _CONTROL}
-    return _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
+    vocab = _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
+    return replace(vocab, pieces=_stored_pieces(spelled, vocab.size))
+
+
+def _stored_pieces(spelled: list[str], size: int) -> tuple[str | None, ...]:
+    """What get_vocab gives by id for a vocabulary built from these entries: each entry at its
+    first id (a repeated entry's later ids have none), ids from `size` on left out."""
+    first = {token: index for index, token in reversed(list(enumerate(spelled)))}
+    pieces = [t if first[t] == i else None for i, t in enumerate(spelled[:size])]
+    return tuple(pieces + [None] * (size - len(pieces)))
 
 
 def byte_level_merge_results(header: GGUFHeader) -> frozenset[str] | None:
@@ -419,14 +432,11 @@ def _strings(array: LazyArray) -> tuple[list[str], int | None]:
 
 
 def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:
+    """A byte-level BPE tokenizer of these tokens (spelled in the byte alphabet)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     assert merges is not None, "vocab_from_gguf checks that a byte-level vocabulary has merges"
-    spelling = byte_alphabet()
-    alphabet = set(spelling.values())
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(_respelled(token, spelling, alphabet), index)
+    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}  # first wins
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)  # type: ignore[arg-type]
     tok = Tokenizer(bpe)
@@ -442,6 +452,16 @@ def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tok
         )
     tok.decoder = _byte_level_decoder()
     return tok
+
+
+def _byte_alphabet_spelling(tokens: list[str]) -> list[str]:
+    """The tokens in the byte alphabet: those stored as text respelled."""
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    spelled = list(tokens)
+    for i in outside_byte_alphabet(tokens):
+        spelled[i] = _respelled(tokens[i], spelling, alphabet)
+    return spelled
 
 
 def _respelled(token: str, spelling: dict[int, str], alphabet: set[str]) -> str:

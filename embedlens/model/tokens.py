@@ -7,9 +7,7 @@ of a multi-byte character decodes to U+FFFD on its own; the contract shows its b
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
 import re
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -77,20 +75,46 @@ def in_byte_alphabet(piece: str) -> bool:
 
 
 def tokens_bytes(pieces: list[str], byte_level: bool) -> list[bytes]:
-    """token_bytes of every piece, a byte-level vocabulary in one translation of all its pieces
-    joined (each byte-alphabet character is one byte); pieces spelled otherwise one by one."""
+    """token_bytes of every piece, a byte-level vocabulary translated all at once (each
+    byte-alphabet character is one byte); pieces spelled otherwise one by one."""
     if not byte_level:
         return [token_bytes(p, False) for p in pieces]
-    table, outside = _to_latin1()
-    ends = list(itertools.accumulate(len(p) for p in pieces))
-    joined = "".join(pieces)
-    raw = joined.translate(table).encode("latin-1", "replace")
-    out = [raw[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-    odd = {bisect.bisect_right(ends, m.start()) for m in outside.finditer(joined)}
-    odd.update(i for i, p in enumerate(pieces) if p.startswith("<0x"))
+    raw, ends, odd = _translated(pieces)
+    out = [raw[a:b] for a, b in zip([0, *ends][:-1], ends, strict=True)]
     for i in odd:
         out[i] = token_bytes(pieces[i], True)
     return out
+
+
+def outside_byte_alphabet(pieces: list[str]) -> set[int]:
+    """The indices of the pieces holding a character outside the byte alphabet."""
+    return _translated(pieces, byte_pieces=False)[2]
+
+
+def _translated(
+    pieces: list[str], *, byte_pieces: bool = True
+) -> tuple[bytes, list[int], set[int]]:
+    """The pieces joined with each byte-alphabet character as its byte (anything else as '?'),
+    where each piece ends in it, and the pieces to spell one by one: those holding a character
+    outside the alphabet, and (with `byte_pieces`) those spelled '<0x..>'. One numpy lookup over
+    every code point instead of a Python call per piece."""
+    import numpy as np
+
+    table = _to_latin1()[0]
+    lookup = np.full(max(table) + 1, -1, dtype=np.int16)
+    lookup[list(table)] = list(table.values())
+    lengths = np.fromiter(map(len, pieces), np.int64, len(pieces))
+    codes = np.frombuffer("".join(pieces).encode("utf-32-le", "surrogatepass"), "<u4")
+    mapped = lookup[np.minimum(codes, lookup.size - 1)]
+    bad = (mapped < 0) | (codes >= lookup.size)
+    mapped[bad] = ord("?")
+    odd = set(np.unique(np.repeat(np.arange(len(pieces)), lengths)[bad]).tolist())
+    ends = np.cumsum(lengths)
+    if byte_pieces and codes.size:
+        first = codes[np.minimum(ends - lengths, codes.size - 1)]
+        maybe = np.flatnonzero((lengths == 6) & (first == ord("<"))).tolist()
+        odd.update(i for i in maybe if pieces[i].startswith("<0x"))
+    return mapped.astype(np.uint8).tobytes(), ends.tolist(), odd
 
 
 def show_bytes(raw: bytes) -> str:
