@@ -69,11 +69,6 @@ def token_bytes(piece: str, byte_level: bool) -> bytes:
     return piece.replace(SPACE, " ").encode("utf-8", "surrogateescape")
 
 
-def in_byte_alphabet(piece: str) -> bool:
-    """Whether every character of the piece is one of the byte alphabet's stand-ins."""
-    return _to_latin1()[1].search(piece) is None
-
-
 def tokens_bytes(pieces: list[str], byte_level: bool) -> list[bytes]:
     """token_bytes of every piece, a byte-level vocabulary translated all at once (each
     byte-alphabet character is one byte); pieces spelled otherwise one by one."""
