@@ -456,6 +456,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: CI's check")
     parser.add_argument("--runs", type=int, default=5, help="timed runs of each (default 5)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--only", metavar="TEXT", action="append", help="run the rows whose name holds TEXT"
+    )
     parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_only:
@@ -466,11 +469,18 @@ def main() -> None:
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # An installed package runs from compiled bytecode (pip writes it at install); a machine that
+    # sets PYTHONDONTWRITEBYTECODE would have every run compile embedlens' sources again, so the
+    # runs (commands and baselines alike) keep their bytecode in the cache (the warm-up writes it).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(CACHE / "pycache")
     # Build in a child: peak memory is read from each child's rusage, and a forked child starts
     # with its parent's resident pages, so this process must stay small until the floors.
     build = [sys.executable, __file__, "--build-only"] + (["--quick"] if args.quick else [])
     subprocess.run(build, check=True, env=env)
     table, qwen, smol = rows(args.quick)
+    if args.only:
+        table = [r for r in table if any(text in r.name for text in args.only)]
     for row in table:
         print(f"... {row.name}", file=sys.stderr, flush=True)
         measure(row, runs, env)
