@@ -69,7 +69,7 @@ class BatchOut:
 def batch_threads(model: nn.Module, n_tokens: int) -> Iterator[None]:
     """One CPU thread while other processes already keep as many cores busy as torch would use
     (load average at least its thread count): every one of a forward pass's hundreds of ops ends
-    in a barrier that then waits for a time slice. Measured on 2 cores at load 3.5 to 5.8, 100
+    in a barrier that then waits for a time slice. Measured on 2 cores at load 4.0 to 5.8, 100
     prompts on SmolLM2: 60 s wall and 40 s CPU on one thread, 86 to 97 s and 56 to 63 s on two.
     Otherwise `_threads_for` decides (one thread for small work only)."""
     before = torch.get_num_threads()
