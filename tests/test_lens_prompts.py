@@ -383,3 +383,58 @@ def test_smollm2_prompts_equal_single_runs(smollm2, cli, tmp_path):
     assert out[-1]["layers"][-1]["target_prob"] == pytest.approx(
         singles[0]["layers"][-1]["target"]["prob"], rel=1e-4
     )
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf"), float("nan")])
+def test_decoded_row_not_finite_is_refused(tiny, bad):
+    """A lens row with one non-finite logit (the model's own logits finite) stops the batch run."""
+    import embedlens
+    from embedlens.errors import NumericError
+
+    model = _load(tiny("llama-tied"))
+
+    def poison(_m: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        if out.shape[1] == 1 and out.shape[0] > 1:  # the lens's tail, not the real pass
+            out = out.clone()
+            out[0, 0, 3] = bad
+        return out
+
+    model.get_output_embeddings().register_forward_hook(poison)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny("llama-tied"))
+    with pytest.raises(NumericError, match="decoding layer"):
+        embedlens.lens(model, prompts=PROMPTS, tokenizer=tok)
+
+
+def test_top_rows_ties_across_the_kth_place():
+    """Equal logits across the k-th place give the lower ids first, as one row at a time does."""
+    from embedlens.analysis.lens_batch import top_rows
+    from embedlens.analysis.lens_engine import _best_ids
+
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0], [5.0, 1.0, 1.0, 4.0, 1.0], [0, 2, 2, 2, 9.0]])
+    lx = torch.log_softmax(x, dim=-1)
+    for k in (1, 2, 3, 5):
+        rows = top_rows(x, lx, k, 5, [None, None, None])
+        for r, top in enumerate(rows):
+            kk = min(k, 5)
+            kth = x[r].topk(kk).values[-1]
+            assert top.ids == _best_ids(x[r], kth, kk).tolist(), (k, r)
+
+
+def test_batch_threads_one_thread_when_cores_are_busy(tiny, monkeypatch):
+    from embedlens.analysis.lens_batch import batch_threads
+
+    model = _load(tiny("llama-tied"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr("os.getloadavg", lambda: (8.0, 8.0, 8.0))
+        with batch_threads(model, 10**6):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+        with batch_threads(model, 10**6):  # large work on an idle machine: torch's own setting
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
