@@ -191,9 +191,9 @@ def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -
 
 def scan(
     rows: Rows, table: Table, vocab: Vocab, reference: ReferenceRows, *, all_tokens: bool
-) -> tuple[Undertrained, str]:
-    """The indicator over every row, candidates best first; with how the first principal
-    component was found (for a note)."""
+) -> Undertrained:
+    """The indicator over every row, candidates best first, and how the first principal
+    component was found."""
     v = rows.shape[0]
     ref_ids = [i for i in reference.ids if i < v]
     stats = row_stats(rows, ref_ids)
@@ -237,6 +237,7 @@ def scan(
         reference_by_kind=dict(sorted(by_kind.items())),
         threshold=threshold,
         threshold_rule=THRESHOLD_RULE if threshold is not None else "no reference rows",
+        component=stats.component,
         counts=counts,
         norm_median=float(np.median(norms[:real])) if real else 0.0,
         reference_norm_median=float(np.median(norms[ref_ids])) if ref_ids else None,
@@ -246,7 +247,7 @@ def scan(
         indicators=_listed(values) if all_tokens else None,
         norms=_listed(norms) if all_tokens else None,
     )
-    return scanned, f"first principal component: {stats.component}"
+    return scanned
 
 
 def _listed(values: npt.NDArray[np.float32]) -> list[float]:

@@ -135,9 +135,8 @@ def _static(
         )
     reference = reference_rows(vocab, kinds, table.rows, pieces)
     rows_read = open_rows(source, table)
-    scanned, component = scan(rows_read, table, vocab, reference, all_tokens=every_row)
+    scanned = scan(rows_read, table, vocab, reference, all_tokens=every_row)
     notes = [] if table.tied else list(table.notes)
-    notes.append(component)
     if vocab.size > table.rows:
         notes.append("tokens past the last row are left out of the scan")
     return VocabReport(

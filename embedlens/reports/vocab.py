@@ -101,6 +101,8 @@ class Undertrained:
     threshold: float | None
     """Candidates have an indicator at or above it (None: no reference rows, no indicator)."""
     threshold_rule: str
+    component: str
+    """How the first principal component was found (exactly, or by Lanczos and how closely)."""
     counts: dict[str, int]
     """Tokens per verdict: 'reference', 'candidate', 'confirmed', 'rejected', 'ok'."""
     norm_median: float

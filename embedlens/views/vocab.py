@@ -78,7 +78,7 @@ def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
         Text(
             f"indicator: cosine to the mean of {count(u.reference_count)} reference rows "
             f"({', '.join(f'{k} {count(v)}' for k, v in u.reference_by_kind.items())}), first principal component "
-            f"removed; candidates {u.threshold_rule} ({u.threshold:.3f})",
+            f"removed ({u.component}); candidates {u.threshold_rule} ({u.threshold:.3f})",
             style="dim",
         )
     )
