@@ -351,8 +351,10 @@ def _forward_masked(
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ a·b along the last dimension of each row, [n, V] x [n, V] -> [n]."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
+    """Σ a·b along the last dimension of each row, [n, V] x [n, V] -> [n]. torch's sum adds in
+    blocks; a BLAS dot product (bmm) adds 10^5 float32 terms in a row and moved a KL of 99.53
+    nats by 0.01 against float64."""
+    return (a * b).sum(dim=-1)
 
 
 def top_rows(
