@@ -126,17 +126,29 @@ _SLOW_MODULES = {
     "test_interrupts.py",  # signals in subprocesses
     "test_install.py",  # installs in subprocesses
     "test_heatmap.py",  # drawings with matplotlib
+    "test_fuzz_headers.py",  # hypothesis writes and parses thousands of headers
 }
-_QUICK_FAMILIES = 2  # a sweep over model families keeps its first two in the quick run
+_SLOW_TESTS = {
+    "test_every_family_counts_like_transformers",  # every family in one test
+    "test_llama3_70b_embedding_and_head_are_three_percent",  # builds 70B modules on meta
+    "test_deepseek_v3_moe_active_parameters",  # builds a 671B MoE on meta
+    "test_softcapping_applied_once",  # these three build and save models of their own
+    "test_logit_scale_and_head_bias",
+    "test_padding_rows_never_predicted",
+    "test_each_prompt_equals_its_single_run",  # these two run every prompt again alone
+    "test_every_position_equals_the_single_run",
+}
+_QUICK_FAMILIES = 1  # a sweep over model families keeps its first in the quick run
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `slow` what reads the real SmolLM2 file or runs whole processes, and the rest of a
-    sweep over model families past its first two, so that
+    """Mark `slow` what reads the real SmolLM2 file, runs whole processes, draws, fuzzes or
+    builds models of its own, and each sweep over model families past its first, so that
     `pytest -m "not slow"` is a quick check while editing (the whole suite runs in CI)."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         callspec = getattr(item, "callspec", None)
         sweep = callspec is not None and callspec.indices.get("family", 0) >= _QUICK_FAMILIES
-        if fixtures & _SLOW_FIXTURES or item.path.name in _SLOW_MODULES or sweep:
+        named = getattr(item, "originalname", item.name) in _SLOW_TESTS
+        if fixtures & _SLOW_FIXTURES or item.path.name in _SLOW_MODULES or named or sweep:
             item.add_marker(pytest.mark.slow)
