@@ -49,6 +49,9 @@ def test_ctrl_c_exits_130_quietly(tiny, smollm2, args, marker):
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        # Python raises KeyboardInterrupt only where SIGINT was not ignored at start, and a shell
+        # ignores it in its background jobs: the child starts with the default disposition.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert _wait_for_library(proc.pid, marker), "the command never got going"
