@@ -10,7 +10,6 @@ self-checked as in `run_lens`; a prompt whose check fails in the batch is run ag
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens_engine import (
     Blocks,
     Check,
@@ -39,10 +39,10 @@ from embedlens.analysis.lens_engine import (
 )
 from embedlens.errors import UnsupportedError
 
-BATCH_TOKENS = 256
+BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
 similar length go together, so little of a pass is padding."""
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 256 * 2**20
 """Decoded logits reduced at once (float32 bytes); the reduction holds a few such arrays."""
 
 
@@ -66,14 +66,15 @@ class BatchOut:
 
 
 @contextmanager
-def batch_threads(model: nn.Module, n_tokens: int) -> Iterator[None]:
+def batch_threads(model: nn.Module, n_tokens: int, others_busy: float) -> Iterator[None]:
     """One CPU thread while other processes already keep as many cores busy as torch would use
-    (load average at least its thread count): every one of a forward pass's hundreds of ops ends
-    in a barrier that then waits for a time slice. Measured on 2 cores at load 4.0 to 5.8, 100
-    prompts on SmolLM2: 60 s wall and 40 s CPU on one thread, 86 to 97 s and 56 to 63 s on two.
-    Otherwise `_threads_for` decides (one thread for small work only)."""
+    (`others_busy`, from `cpu_busy.OthersBusy`: this process's own work not counted): every one
+    of a forward pass's hundreds of ops ends in a barrier that then waits for a time slice.
+    Measured on 2 cores at load 4.0 to 5.8, 100 prompts on SmolLM2: 60 s wall and 40 s CPU on
+    one thread, 86 to 97 s and 56 to 63 s on two. Otherwise `_threads_for` decides (one thread
+    for small work only)."""
     before = torch.get_num_threads()
-    busy = os.getloadavg()[0] >= before if hasattr(os, "getloadavg") else False
+    busy = others_busy >= before
     if input_device(model).type != "cpu" or before == 1 or not busy:
         with _threads_for(model, n_tokens):
             yield
@@ -110,6 +111,7 @@ class BatchLens:
         self.real_vocab = real_vocab
         self.steps: list[str] | None = None
         self.tail: Tail | None = None
+        self.others_busy = OthersBusy()
 
     def run(self, items: Sequence[BatchItem]) -> list[BatchOut]:
         """Every item's rows and statistics, in the order given."""
@@ -125,7 +127,7 @@ class BatchLens:
         device = input_device(model)
         wanted = sorted(set(self.layers) | {n_layers})
         n_tokens = sum(len(item.ids) for item in items)
-        with torch.inference_mode(), batch_threads(model, n_tokens):
+        with torch.inference_mode(), batch_threads(model, n_tokens, self.others_busy()):
             residual, real = _capture_batch(model, self.blocks, items, wanted)
             if not bool(torch.isfinite(real).all()):
                 return [self._alone(item) for item in items]
@@ -264,8 +266,8 @@ class _Decode:
             return False
         targets = [self.items[self.where[part[i][1]][0]].target for i in keep]
         tops = top_rows(x, lx, self.lens.k, self._vocab(), targets)
-        py = self.ref_prob[refs.to(self.ref_prob.device)].to(x.device)
-        kl = (self.negent[refs].to(x.device) - _rowdot(py, lx)).clamp_min(0.0).tolist()
+        cross = self._cross(refs.tolist(), lx)
+        kl = (self.negent[refs].to(x.device) - cross).clamp_min(0.0).tolist()
         entropy = (-negent).tolist()
         for j, i in enumerate(keep):
             layer, r = part[i]
@@ -273,6 +275,21 @@ class _Decode:
             self.rows[b][(layer, p)] = tops[j]
             self.kl[b][(layer, p)] = (kl[j], entropy[j])
         return True
+
+    def _cross(self, refs: list[int], lx: torch.Tensor) -> torch.Tensor:
+        """Σ p log q of each row: p the model's output at row refs[j], log q row j of `lx`.
+        A chunk reads the model's rows in runs of consecutive rows (one layer's rows in order),
+        so each run multiplies a slice of them: no [rows, V] copy of the model's rows."""
+        out = torch.empty(len(refs), dtype=lx.dtype, device=lx.device)
+        j = 0
+        while j < len(refs):
+            end = j + 1
+            while end < len(refs) and refs[end] == refs[end - 1] + 1:
+                end += 1
+            p = self.ref_prob[refs[j] : refs[j] + end - j].to(lx.device)
+            out[j:end] = _rowdot(p, lx[j:end])
+            j = end
+        return out
 
     def result(
         self, b: int, steps: list[str], full: bool
