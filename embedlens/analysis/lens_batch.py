@@ -42,7 +42,7 @@ from embedlens.errors import UnsupportedError
 BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
 similar length go together, so little of a pass is padding."""
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 128 * 2**20
 """Decoded logits reduced at once (float32 bytes); the reduction holds a few such arrays."""
 
 
