@@ -127,6 +127,7 @@ _SLOW_MODULES = {
     "test_install.py",  # installs in subprocesses
     "test_heatmap.py",  # drawings with matplotlib
     "test_fuzz_headers.py",  # hypothesis writes and parses thousands of headers
+    "test_code_shape.py",  # parses every source file (a lint: ruff runs beside it)
 }
 _SLOW_TESTS = {
     "test_every_family_counts_like_transformers",  # every family in one test

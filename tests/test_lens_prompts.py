@@ -429,11 +429,20 @@ def test_batch_threads_one_thread_when_cores_are_busy(tiny, monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with batch_threads(model, 10**6, others_busy=2.0):
+        asked: list[int] = []
+
+        def busy(cores: float):  # type: ignore[no-untyped-def]
+            return lambda: asked.append(1) or cores
+
+        with batch_threads(model, 10**6, busy(2.0)):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with batch_threads(model, 10**6, others_busy=0.3):  # large work, an idle machine:
+        with batch_threads(model, 10**6, busy(0.3)):  # large work, an idle machine:
             assert torch.get_num_threads() == 2  # torch's own setting
+        assert len(asked) == 2
+        with batch_threads(model, 1, busy(2.0)):  # small work: one thread, nothing measured
+            assert torch.get_num_threads() == 1
+        assert len(asked) == 2
     finally:
         torch.set_num_threads(before)
 

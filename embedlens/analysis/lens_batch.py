@@ -20,6 +20,7 @@ from torch import nn
 
 from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens_engine import (
+    SMALL_WORK,
     Blocks,
     Check,
     LensResult,
@@ -66,16 +67,19 @@ class BatchOut:
 
 
 @contextmanager
-def batch_threads(model: nn.Module, n_tokens: int, others_busy: float) -> Iterator[None]:
+def batch_threads(
+    model: nn.Module, n_tokens: int, others_busy: Callable[[], float]
+) -> Iterator[None]:
     """One CPU thread while other processes already keep as many cores busy as torch would use
-    (`others_busy`, from `cpu_busy.OthersBusy`: this process's own work not counted): every one
-    of a forward pass's hundreds of ops ends in a barrier that then waits for a time slice.
-    Measured on 2 cores at load 4.0 to 5.8, 100 prompts on SmolLM2: 60 s wall and 40 s CPU on
-    one thread, 86 to 97 s and 56 to 63 s on two. Otherwise `_threads_for` decides (one thread
-    for small work only)."""
+    (`others_busy()`, a `cpu_busy.OthersBusy`: this process's own work not counted, asked only
+    for large work): every one of a forward pass's hundreds of ops ends in a barrier that then
+    waits for a time slice. Measured on 2 cores at load 4.0 to 5.8, 100 prompts on SmolLM2: 60 s
+    wall and 40 s CPU on one thread, 86 to 97 s and 56 to 63 s on two. Otherwise `_threads_for`
+    decides (one thread for small work)."""
     before = torch.get_num_threads()
-    busy = others_busy >= before
-    if input_device(model).type != "cpu" or before == 1 or not busy:
+    on_cpu = input_device(model).type == "cpu"
+    large = sum(p.numel() for p in model.parameters()) * n_tokens >= SMALL_WORK
+    if not on_cpu or before == 1 or not large or others_busy() < before:
         with _threads_for(model, n_tokens):
             yield
         return
@@ -127,7 +131,7 @@ class BatchLens:
         device = input_device(model)
         wanted = sorted(set(self.layers) | {n_layers})
         n_tokens = sum(len(item.ids) for item in items)
-        with torch.inference_mode(), batch_threads(model, n_tokens, self.others_busy()):
+        with torch.inference_mode(), batch_threads(model, n_tokens, self.others_busy):
             residual, real = _capture_batch(model, self.blocks, items, wanted)
             if not bool(torch.isfinite(real).all()):
                 return [self._alone(item) for item in items]
