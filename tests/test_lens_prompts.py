@@ -422,17 +422,21 @@ def test_top_rows_ties_across_the_kth_place():
             assert top.ids == _best_ids(x[r], kth, kk).tolist(), (k, r)
 
 
-def test_batch_threads_one_thread_when_cores_are_busy(tiny, monkeypatch):
+def test_batch_threads_one_thread_when_cores_are_busy(tiny):
     from embedlens.analysis.lens_batch import batch_threads
 
     model = _load(tiny("llama-tied"))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        asked: list[int] = []
+        asked: list[float] = []
 
         def busy(cores: float):  # type: ignore[no-untyped-def]
-            return lambda: asked.append(1) or cores
+            def measure() -> float:
+                asked.append(cores)
+                return cores
+
+            return measure
 
         with batch_threads(model, 10**6, busy(2.0)):
             assert torch.get_num_threads() == 1

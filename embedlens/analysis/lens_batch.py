@@ -10,8 +10,8 @@ self-checked as in `run_lens`; a prompt whose check fails in the batch is run ag
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,6 @@ from torch import nn
 
 from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens_engine import (
-    SMALL_WORK,
     Blocks,
     Check,
     LensResult,
@@ -66,28 +65,16 @@ class BatchOut:
     model_top1: dict[int, int]
 
 
-@contextmanager
 def batch_threads(
     model: nn.Module, n_tokens: int, others_busy: Callable[[], float]
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """One CPU thread while other processes already keep as many cores busy as torch would use
     (`others_busy()`, a `cpu_busy.OthersBusy`: this process's own work not counted, asked only
-    for large work): every one of a forward pass's hundreds of ops ends in a barrier that then
-    waits for a time slice. Measured on 2 cores at load 4.0 to 5.8, 100 prompts on SmolLM2: 60 s
-    wall and 40 s CPU on one thread, 86 to 97 s and 56 to 63 s on two. Otherwise `_threads_for`
-    decides (one thread for small work)."""
-    before = torch.get_num_threads()
-    on_cpu = input_device(model).type == "cpu"
-    large = sum(p.numel() for p in model.parameters()) * n_tokens >= SMALL_WORK
-    if not on_cpu or before == 1 or not large or others_busy() < before:
-        with _threads_for(model, n_tokens):
-            yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    for large work), and for small work (`_threads_for`): every one of a forward pass's hundreds
+    of ops ends in a barrier that then waits for a time slice. Measured on 2 cores at load 4.0
+    to 5.8, 100 prompts on SmolLM2: 60 s wall and 40 s CPU on one thread, 86 to 97 s and 56 to
+    63 s on two."""
+    return _threads_for(model, n_tokens, others_busy)
 
 
 def batches(lengths: Sequence[int], budget: int = BATCH_TOKENS) -> list[list[int]]:

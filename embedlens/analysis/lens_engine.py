@@ -563,18 +563,23 @@ def _hint(model: nn.Module) -> str:
 
 
 @contextmanager
-def _threads_for(model: nn.Module, n_tokens: int) -> Iterator[None]:
-    """One CPU thread for a small forward pass, the default otherwise.
+def _threads_for(
+    model: nn.Module, n_tokens: int, others_busy: Callable[[], float] | None = None
+) -> Iterator[None]:
+    """One CPU thread for a small forward pass, the default otherwise; with `others_busy`
+    (cores other processes keep busy, asked only for large work), one thread for large work too
+    while that reaches torch's thread count.
 
     A short prompt through a small model is hundreds of thin matmuls; with several threads each
     one ends in a barrier, and on a machine whose other cores are busy every barrier waits for a
     time slice (measured on 2 busy cores: SmolLM2 on 5 tokens, 0.15 s on one thread, 1.5 to 3.6 s
-    on two). Large work keeps torch's own setting.
+    on two). Large work keeps torch's own setting unless the cores are busy.
     """
     on_cpu = input_device(model).type == "cpu"
     work = sum(p.numel() for p in model.parameters()) * n_tokens
     before = torch.get_num_threads()
-    if not on_cpu or work >= SMALL_WORK or before == 1:
+    large = work >= SMALL_WORK
+    if not on_cpu or before == 1 or (large and (others_busy is None or others_busy() < before)):
         yield
         return
     torch.set_num_threads(1)
