@@ -228,6 +228,14 @@ class _Run:
         self.stats: LensStats = LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        """Every prompt run, freed memory kept in the process meanwhile (`heap.py`: the decode
+        allocates and frees hundreds of large chunks)."""
+        from embedlens.analysis import heap
+
+        with heap.kept():
+            return self._all(source, n_bad, bad)
+
+    def _all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         window: list[tuple[PromptLine, _Ask, _Prompt, list[int] | None]] = []
         for line in source:
             if isinstance(line, BadLine):
