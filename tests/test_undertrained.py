@@ -72,3 +72,30 @@ def test_q8_0_rows_are_ggufs():
     assert np.array_equal(_dequantize_q8_0(raw, 128, None), dequantize(raw, q8))
     out = np.empty((70, 128), np.uint32)
     assert np.array_equal(_dequantize_q8_0(raw, 128, out), dequantize(raw, q8))
+
+
+def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypatch):
+    """The passes split the rows between threads (one per core); the reference rows' mean adds
+    the blocks' sums in order, so a machine with more cores prints the same figures. On the
+    real model (49,152 Q4_1 rows; 20,000 reference rows, more than are taken one by one)."""
+    from embedlens.analysis import undertrained
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate, open_rows
+
+    source = resolve(str(smollm2))
+    rows = open_rows(source, locate(source, "output"))
+    reference = list(range(0, 40_000, 2))
+    assert len(reference) > undertrained.SAMPLE_ROWS
+    seen = []
+    for n in (1, 2, 3):
+        monkeypatch.setattr(undertrained, "workers", lambda v, n=n: n)
+        stats = undertrained.row_stats(rows, reference)
+        seen.append((undertrained.reference_mean(rows, reference), stats))
+    (mean, first), others = seen[0], seen[1:]
+    for other_mean, stats in others:
+        assert np.array_equal(other_mean, mean)
+        assert np.array_equal(stats.indicator, first.indicator, equal_nan=True)
+        assert np.array_equal(stats.norms, first.norms)
+        assert np.array_equal(stats.signature, first.signature)
+    single = np.asarray(rows.take(reference), dtype=np.float64).mean(axis=0)
+    assert np.allclose(mean, single, rtol=1e-5, atol=1e-7)

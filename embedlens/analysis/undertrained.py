@@ -7,12 +7,16 @@ rows, tokens the tokenizer never produces as themselves, tokens the vocabulary n
 Tokens at or above the reference rows' own 99th percentile are candidates. Rows that are exactly
 equal to each other are listed too: training would have moved them apart.
 
-The matrix is read once, block by block (a float32 block at a time, never the whole matrix);
-everything else is a vector of V or a [d, d] matrix.
+The matrix is read once, block by block (a float32 block at a time, never the whole matrix), by
+one thread per core, each over its own share of the rows (numpy's products release the
+interpreter's lock); everything else is a vector of V or a [d, d] matrix.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +32,8 @@ EXACT_WIDTH = 256  # covariances up to this width are decomposed exactly (millis
 LANCZOS_TOL = 1e-9
 CHECK_EVERY = 8  # Lanczos steps between residual checks
 THRESHOLD_RULE = "at or above the 99th percentile of the reference rows' indicator"
+MAX_WORKERS = 8
+SHARE_ROWS = 16384  # rows a thread takes at least (fewer go on one thread)
 
 
 @dataclass(frozen=True)
@@ -119,9 +125,48 @@ def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, npt.NDArr
     return float(values[-1]), np.asarray(vectors[:, -1], dtype=np.float64)
 
 
+def workers(v: int) -> int:
+    """Threads for a pass over v rows: one per core this process may use, each with at least
+    SHARE_ROWS rows."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS, v // SHARE_ROWS))
+
+
+def in_shares(rows: Rows, work: Callable[[Rows, int, int], None]) -> None:
+    """work(rows, start, stop) over contiguous shares of the rows, one thread each (`workers`),
+    this thread taking the first; a worker's exception is raised here once all have ended.
+    Measured on 2 cores, 262,144 x 896 Q8_0 rows times three vectors: 0.22 to 0.32 s on one
+    thread, 0.12 to 0.13 s on two."""
+    v = rows.shape[0]
+    n = workers(v)
+    bounds = [v * k // n for k in range(n + 1)]
+    errors: list[BaseException] = []
+
+    def run(k: int, own: Rows) -> None:
+        try:
+            work(own, bounds[k], bounds[k + 1])
+        except BaseException as e:  # raised by the caller's thread below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=run, args=(k, rows.twin()), daemon=True) for k in range(1, n)
+    ]
+    for t in threads:
+        t.start()
+    run(0, rows)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
     """The mean of the reference rows: taken one by one when they are few, else summed block by
-    block (a vocabulary whose every token is a reference row is not copied whole)."""
+    block (a vocabulary whose every token is a reference row is not copied whole), the blocks'
+    sums added in order whatever the threads (the same figure on any machine)."""
     v, d = rows.shape
     if not reference:
         return np.zeros(d)
@@ -129,12 +174,36 @@ def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
         return np.asarray(rows.take(reference).mean(axis=0, dtype=np.float64))
     weights = np.zeros(v, dtype=np.float32)
     weights[reference] = 1.0
-    total = np.zeros(d)
     step = rows.pass_rows
-    for start in range(0, v, step):
-        stop = min(v, start + step)
-        total += weights[start:stop] @ rows.block(start, stop)  # one block's sum in float32
+    sums = np.empty((-(-v // step), d), dtype=np.float32)
+
+    def share(own: Rows, first: int, last: int) -> None:
+        for start in range(first, last, step):
+            stop = min(last, start + step)
+            block = own.block(start, stop)  # no BLAS call: its threads would spin beside ours
+            np.einsum("i,ij->j", weights[start:stop], block, out=sums[start // step])
+
+    in_shares(rows, _on_blocks(step, share))
+    total = np.zeros(d)
+    for block_sum in sums:
+        total += block_sum
     return total / len(reference)
+
+
+def _aligned(row: int, step: int) -> int:
+    return -(-row // step) * step
+
+
+def _on_blocks(
+    step: int, work: Callable[[Rows, int, int], None]
+) -> Callable[[Rows, int, int], None]:
+    """Work on whole blocks only: a share's bounds moved to block boundaries (so a block is
+    never split between two threads and every block is read the same way)."""
+
+    def aligned(own: Rows, first: int, last: int) -> None:
+        work(own, _aligned(first, step), min(_aligned(last, step), own.shape[0]))
+
+    return aligned
 
 
 def row_stats(rows: Rows, reference: list[int]) -> RowStats:
@@ -151,11 +220,15 @@ def row_stats(rows: Rows, reference: list[int]) -> RowStats:
     products = np.empty((v, 3), dtype=np.float32)
     squares = np.empty(v, dtype=np.float32)
     step = rows.pass_rows
-    for start in range(0, v, step):
-        stop = min(v, start + step)
-        block = rows.block(start, stop)
-        np.matmul(block, weights, out=products[start:stop])
-        np.einsum("ij,ij->i", block, block, out=squares[start:stop])
+
+    def share(own: Rows, first: int, last: int) -> None:
+        for start in range(first, last, step):
+            stop = min(last, start + step)
+            block = own.block(start, stop)
+            np.matmul(block, weights, out=products[start:stop])
+            np.einsum("ij,ij->i", block, block, out=squares[start:stop])
+
+    in_shares(rows, _on_blocks(step, share))
     norms = np.sqrt(squares)
     proj, dots = products[:, 0], products[:, 1]
     residual = np.sqrt(np.maximum(squares - proj * proj, 0.0))

@@ -8,7 +8,6 @@ merges that other merges always win over. All tokens go through the tokenizer in
 
 from __future__ import annotations
 
-import heapq
 import re
 
 from embedlens.analysis.undertrained import ReferenceRows
@@ -198,10 +197,16 @@ def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, s
     from collections import Counter
 
     by_kind = Counter(kinds[i] for i in found)
-    chosen: list[int] = []
-    for kind in by_kind:  # the first LISTED ids of each kind
-        chosen.extend(heapq.nsmallest(LISTED, (i for i in found if kinds[i] == kind)))
-    chosen.sort()
+    firsts: dict[str, list[int]] = {kind: [] for kind in by_kind}
+    open_kinds = len(firsts)
+    for i in sorted(found):  # the first LISTED ids of each kind, in one walk
+        ids = firsts[kinds[i]]
+        if len(ids) < LISTED:
+            ids.append(i)
+            open_kinds -= len(ids) == min(LISTED, by_kind[kinds[i]])
+            if not open_kinds:
+                break
+    chosen = sorted(i for ids in firsts.values() for i in ids)
     unknown = [i for i in chosen if found[i] is None]
     if unknown:  # fragments and unmerged pieces: what their decoded text encodes as
         texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)

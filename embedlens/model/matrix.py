@@ -215,6 +215,14 @@ class Rows:
             self._buffer = np.empty((max(raw.shape[0], self.block_rows), self.shape[1]), np.uint32)
         return self._convert(raw, self._buffer[: raw.shape[0]])
 
+    def twin(self) -> Rows:
+        """The same rows with a block buffer of their own (one per thread reading them)."""
+        import copy
+
+        other = copy.copy(self)
+        other._buffer = None
+        return other
+
     def take(self, ids: list[int]) -> npt.NDArray[np.float32]:
         """The given rows as float32, in order (a new array)."""
         import numpy as np

@@ -296,9 +296,17 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
 def _stored_pieces(spelled: list[str], size: int) -> tuple[str | None, ...]:
     """What get_vocab gives by id for a vocabulary built from these entries: each entry at its
     first id (a repeated entry's later ids have none), ids from `size` on left out."""
-    first = {token: index for index, token in reversed(list(enumerate(spelled)))}
-    pieces = [t if first[t] == i else None for i, t in enumerate(spelled[:size])]
+    if len(set(spelled)) == len(spelled):  # no entry repeated: each at its own id
+        pieces: list[str | None] = list(spelled[:size])
+    else:
+        first = _first_ids(spelled)
+        pieces = [t if first[t] == i else None for i, t in enumerate(spelled[:size])]
     return tuple(pieces + [None] * (size - len(pieces)))
+
+
+def _first_ids(tokens: list[str]) -> dict[str, int]:
+    """Each entry's first id (a repeated entry's later ids lose), built at C speed."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
 
 
 def byte_level_merge_results(header: GGUFHeader) -> frozenset[str] | None:
@@ -436,7 +444,7 @@ def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tok
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     assert merges is not None, "vocab_from_gguf checks that a byte-level vocabulary has merges"
-    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}  # first wins
+    vocab = _first_ids(tokens)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)  # type: ignore[arg-type]
     tok = Tokenizer(bpe)
@@ -494,7 +502,7 @@ def _sentencepiece(
 ) -> Tokenizer:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
+    vocab = _first_ids(tokens)
     if merges is not None:
         pairs = [_merge_pair(m) for m in merges]
     else:
