@@ -64,7 +64,9 @@ def _plain(value: Any) -> Any:
     in one pass: a list of floats (every row's value) is converted without a call per item."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if type(value) is list and value and all(type(v) is float for v in value):
+    if type(value) is list and value and set(map(type, value)) == {float}:
+        if math.isfinite(sum(value)):  # a NaN or an infinity would make the sum one
+            return list(value)
         return [v if math.isfinite(v) else None for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
