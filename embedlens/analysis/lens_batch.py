@@ -32,6 +32,7 @@ from embedlens.analysis.lens_engine import (
     _threads_for,
     find_blocks,
     input_device,
+    one_thread,
     post_head_step,
     run_lens,
     tail_steps,
@@ -361,8 +362,12 @@ def _forward_masked(
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Σ a·b along the last dimension of each row, [n, V] x [n, V] -> [n]. torch's sum adds in
     blocks; a BLAS dot product (bmm) adds 10^5 float32 terms in a row and moved a KL of 99.53
-    nats by 0.01 against float64."""
-    return (a * b).sum(dim=-1)
+    nats by 0.01 against float64. One row is summed on one thread (`one_thread`): torch splits
+    a reduction to a single value between threads, and its last bits would follow their count."""
+    if a.shape[0] > 1:
+        return (a * b).sum(dim=-1)
+    with one_thread():
+        return (a * b).sum(dim=-1)
 
 
 def top_rows(

@@ -371,8 +371,9 @@ def _top(logits: torch.Tensor, k: int, real_vocab: int, target: int | None) -> l
     kk = min(k, real_vocab)
     kth = real.topk(kk, dim=-1).values[:, -1]
     out: list[Top] = []
-    for r in range(x.shape[0]):
-        lse = torch.logsumexp(x[r].double(), dim=-1)
+    with one_thread():  # a reduction to one value is split between threads: same bytes on any
+        lses = [torch.logsumexp(x[r].double(), dim=-1) for r in range(x.shape[0])]
+    for r, lse in enumerate(lses):
         ids = _best_ids(real[r], kth[r], kk)
         at: dict[str, Any] = {}
         if target is not None:
@@ -580,6 +581,19 @@ def _threads_for(
     before = torch.get_num_threads()
     large = work >= SMALL_WORK
     if not on_cpu or before == 1 or (large and (others_busy is None or others_busy() < before)):
+        yield
+        return
+    with one_thread():
+        yield
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's CPU work on one thread inside the block. A reduction whose result is a single
+    value (one row's sum) is split between threads and its parts added in another order, so
+    its last bits would depend on the thread count; on one thread they do not."""
+    before = torch.get_num_threads()
+    if before == 1:
         yield
         return
     torch.set_num_threads(1)
