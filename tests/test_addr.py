@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -309,3 +310,88 @@ def test_row_ids_on_a_gguf_without_a_usable_tokenizer(cli, smollm2, tiny, tmp_pa
     data = cli.json("addr", broken, "3")
     assert data["rows"][0]["token"] is None and data["check"]["all_equal"] is True
     assert any("without merges" in n for n in data["notes"])
+
+
+def _byte_level_gguf(path: Path) -> tuple[Path, list[int]]:
+    """A byte-level GGUF of over 256 entries (kept lazily in the header, as a real vocabulary
+    is): the byte alphabet, leading-space and newline pieces, a control token, a piece stored
+    as text; with the ids that show each kind."""
+    from embedlens.model.tokens import byte_alphabet
+    from tests.test_vocab import _write_gguf
+
+    letters = list(byte_alphabet().values())
+    extra = ["Ġk", "in", "Ġkin", "Ġking", "ĊĠ", "<|endoftext|>", "北京"]
+    tokens = letters + extra
+    types = [1] * len(letters) + [1, 1, 1, 1, 1, 3, 4]
+    merges = ["Ġ k", "i n", "Ġk in", "Ġkin g", "Ċ Ġ"]
+    _write_gguf(path, tokens, model="gpt2", merges=merges, types=types)
+    shown = [tokens.index(t) for t in ("!", "Ġ", "Ċ", "Ã", "¡", *extra)]
+    return path, shown
+
+
+def _sentencepiece_gguf(path: Path) -> tuple[Path, list[int]]:
+    """A SentencePiece GGUF ('llama', scores, no merges) and the ids that show its kinds of
+    entries: unknown, control, byte pieces, '▁' alone and leading, plain characters."""
+    from tests.test_vocab import _sentencepiece_vocab, _write_gguf
+
+    tokens, scores, types = _sentencepiece_vocab()
+    types[tokens.index("▁king")] = 4  # user-defined
+    _write_gguf(path, tokens, model="llama", scores=scores, types=types)
+    shown = [0, 1, 2, 3 + 0x20, 3 + 0x41, 3 + 0xC3, 3 + 0xE4]
+    shown += [tokens.index(t) for t in ("▁", "▁king", "▁queen", "k")] + [len(tokens) - 1]
+    return path, shown
+
+
+def _builds_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each call of the builders of a whole GGUF tokenizer (calling through)."""
+    from embedlens.model import tokenizer
+
+    built: list[str] = []
+    for name in ("vocab_from_gguf", "gguf_tokenizer", "_byte_level", "_sentencepiece"):
+        real = getattr(tokenizer, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            built.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, counted)
+    return built
+
+
+def _rows_without_the_tokenizer(
+    cli: Any, path: Path, ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """addr on rows given as ids builds no whole tokenizer, and its report (so its JSON and its
+    table) is the one the whole tokenizer gives; a row given as text still builds it."""
+    from embedlens.analysis.addr import addr, addr_report
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate
+    from embedlens.model.tokenizer import vocab_from_gguf
+
+    texts = [str(i) for i in ids]
+    table = locate(resolve(str(path), None), "input")
+    whole = vocab_from_gguf(read_gguf_header(path))
+    expected = addr_report(
+        str(path), table, whole, texts, tokens=None, tp=None, check=True, notes=list(table.notes)
+    )
+    built = _builds_counted(monkeypatch)
+    assert addr(path, texts) == expected
+    data = cli.json("addr", path, *texts)
+    assert [r["token"] for r in data["rows"]] == [whole.text(i) for i in ids]
+    assert built == []
+    addr(path, [ids[0], " king"])
+    assert "vocab_from_gguf" in built
+
+
+@pytest.mark.parametrize("make", [_byte_level_gguf, _sentencepiece_gguf])
+def test_row_ids_build_no_tokenizer(cli, tmp_path, monkeypatch, make):
+    path, ids = make(tmp_path / "vocab.gguf")
+    _rows_without_the_tokenizer(cli, path, ids, monkeypatch)
+
+
+def test_row_ids_build_no_tokenizer_smollm2(cli, smollm2, monkeypatch):
+    """SmolLM2's byte-level vocabulary: control tokens, bytes of a partial UTF-8 sequence,
+    newline and space pieces, a leading-space word, the last id."""
+    ids = [0, 2, 17, 111, 198, 216, 448, 4197, 49151]
+    _rows_without_the_tokenizer(cli, smollm2, ids, monkeypatch)
