@@ -1,0 +1,80 @@
+"""Hostile inputs, second round: GGUF files under other names, integer weights no config explains,
+chat templates that raise or compute huge values in one C call, and a closed stdout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from embedlens.errors import SourceError
+from embedlens.io.source import resolve
+from tests.fileformats import gguf_bytes
+
+# --- GGUF files not named .gguf ---------------------------------------------------------------
+
+
+def test_a_gguf_file_is_known_by_its_magic_not_its_name(tmp_path):
+    blob = tmp_path / "3f2a9c0d1e"  # a hub cache blob is named by its hash
+    blob.write_bytes(gguf_bytes([], [("w", (32,), 0)]))
+    source = resolve(str(blob))
+    assert source.kind == "gguf" and source.path == blob.resolve()
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"PK\x03\x04 not a GGUF file")
+    with pytest.raises(SourceError, match="is a file but not a model"):
+        resolve(str(other))
+
+
+def test_transformers_gets_a_gguf_name_and_the_file_is_left_alone(tmp_path):
+    from embedlens.model.loading import _gguf_named
+
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(gguf_bytes([], [("w", (32,), 0)]))
+    before = blob.read_bytes()
+    with _gguf_named(blob) as named:
+        assert named.name.endswith(".gguf") and named.resolve() == blob.resolve()
+        assert named.read_bytes() == before
+    assert not named.exists() and not named.parent.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.bin"]
+    assert blob.read_bytes() == before
+    gguf = tmp_path / "real.gguf"
+    gguf.write_bytes(before)
+    with _gguf_named(gguf) as named:
+        assert named == gguf
+
+
+@pytest.fixture(scope="module")
+def smol_as_bin(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the SmolLM2 GGUF saved as model.bin (a copy: resolve() follows links)."""
+    path = tmp_path_factory.mktemp("renamed") / "model.bin"
+    shutil.copyfile(smollm2, path)
+    return path
+
+
+EVERY_COMMAND = [
+    ["params"],
+    ["params", "--load"],
+    ["tied"],
+    ["vocab"],
+    ["neighbors", " king", "-k", "5"],
+    ["addr", " cat"],
+    ["lens", "The capital of France is"],
+    ["lens", "The capital of France is", "--dtype", "auto"],  # transformers' suffix check
+]
+
+
+def _named(data: dict[str, Any], model: Path) -> str:
+    """The JSON with the model's path and file name replaced by one placeholder."""
+    text = json.dumps(data, sort_keys=True)
+    return text.replace(str(model), "MODEL").replace(json.dumps(model.name), '"MODEL"')
+
+
+@pytest.mark.parametrize("args", EVERY_COMMAND, ids=lambda a: "-".join(a[:1] + a[-1:]))
+def test_every_command_reads_a_gguf_saved_as_model_bin(cli, smollm2, smol_as_bin, args):
+    renamed = cli.json(args[0], smol_as_bin, *args[1:])
+    original = cli.json(args[0], smollm2, *args[1:])
+    assert _named(renamed, smol_as_bin) == _named(original, smollm2)
+    assert list(smol_as_bin.parent.iterdir()) == [smol_as_bin]
