@@ -71,6 +71,8 @@ BROKEN = {
     "rope-type-unknown": "config.json of '{model}' asks for rope type 'bogus', which transformers",
     "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
     "no-tokenizer-json": "has no tokenizer.json",
+    "embedding-int8": "model.embed_tokens.weight is stored as I8, an integer type, and "
+    "config.json has no quantization_config to say how to read it",
     "chat-template-loops": "chat_template.jinja' renders more than 4,096 characters",
     "chat-template-huge": "chat_template.jinja' computes a value of about 20,000,000 characters",
     "chat-template-repeats": "tokenizer_config.json' computes a value of about 10,000,000,000 "
@@ -92,6 +94,7 @@ ONLY: dict[str, tuple[str, ...]] = {
     "rope-type-unknown": ("lens",),
     "tokenizer-without-added-tokens": ("lens",),
     "no-tokenizer-json": ("neighbors", "lens", "vocab"),
+    "embedding-int8": ("neighbors", "lens", "vocab"),  # params, tied, addr read no values
     "chat-template-loops": ("lens",),
     "chat-template-huge": ("lens",),
     "chat-template-repeats": ("lens",),

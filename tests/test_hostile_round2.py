@@ -12,6 +12,7 @@ import pytest
 
 from embedlens.errors import SourceError
 from embedlens.io.source import resolve
+from tests.badinputs import INTEGER_NUMPY, st_as_integer
 from tests.fileformats import gguf_bytes
 
 # --- GGUF files not named .gguf ---------------------------------------------------------------
@@ -78,3 +79,57 @@ def test_every_command_reads_a_gguf_saved_as_model_bin(cli, smollm2, smol_as_bin
     original = cli.json(args[0], smollm2, *args[1:])
     assert _named(renamed, smol_as_bin) == _named(original, smollm2)
     assert list(smol_as_bin.parent.iterdir()) == [smol_as_bin]
+
+
+# --- integer weights no quantization_config explains ------------------------------------------
+
+
+def _integer_copy(tmp_path: Path, tiny: Any, name: str, dtype: str) -> Path:
+    folder = tmp_path / f"{dtype}-model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    st_as_integer(folder, name, dtype)
+    return folder
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("dtype", sorted(INTEGER_NUMPY))
+def test_an_integer_embedding_is_refused_not_read_as_values(cli, tiny, tmp_path, dtype):
+    model = _integer_copy(tmp_path, tiny, EMBEDDING, dtype)
+    said = (
+        f"error: {EMBEDDING} is stored as {dtype}, an integer type, and config.json has no "
+        "quantization_config to say how to read it"
+    )
+    for args in (["neighbors", model, "king"], ["vocab", model], ["lens", model, "the king"]):
+        assert cli.fails(*args, code=1).splitlines()[0] == said, args
+    # the headers alone, and the layout of the stored bytes, are still what is stored
+    assert cli.json("params", model)["total"] == cli.json("params", tiny("llama-tied"))["total"]
+    assert cli.json("addr", model, "3")["element_size"] == INTEGER_BYTES[dtype]
+
+
+INTEGER_BYTES = {"I8": 1, "I16": 2, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
+
+
+def test_an_integer_weight_inside_a_block_stops_the_load(cli, tiny, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    model = _integer_copy(tmp_path, tiny, name, "I8")
+    for args in (
+        ["lens", model, "the king"],
+        ["params", model, "--load"],
+        ["tied", model, "--load"],
+    ):
+        err = cli.fails(*args, code=1)
+        assert err.startswith(f"error: {name} is stored as I8, an integer type"), (args, err)
+    # neighbors reads the embedding alone, which is float32
+    assert cli.json("neighbors", model, "king", "-k", "3")["queries"][0]["neighbors"]
+
+
+def test_a_quantization_config_explains_integer_weights(cli, tiny, tmp_path):
+    model = _integer_copy(tmp_path, tiny, EMBEDDING, "I8")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (model / "config.json").write_text(json.dumps(config))
+    err = cli.fails("neighbors", model, "king", code=1)
+    assert "no quantization_config" not in err
+    assert f"'{EMBEDDING}' is stored as I8; embedlens reads F32, F16, BF16 and F64" in err

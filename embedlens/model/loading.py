@@ -162,13 +162,19 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
     if trust_remote_code in source._checked:
         return
     from embedlens.io.checkpoint import open_checkpoint
-    from embedlens.model.inventory import check_matches, check_tables, read_config
+    from embedlens.model.inventory import (
+        check_integer_weights,
+        check_matches,
+        check_tables,
+        read_config,
+    )
 
     ckpt = open_checkpoint(source)
     config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
     if ckpt is not None:
         check_tables(ckpt, config)
         check_matches(source, config, ckpt)
+        check_integer_weights(ckpt, config)
     source._checked.add(trust_remote_code)
 
 
