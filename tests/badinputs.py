@@ -504,3 +504,10 @@ def chat_template_power(tmp, tiny, smol):
 @maker
 def chat_template_range(tmp, tiny, smol):
     return _config_chat_template(tmp, tiny, "{% for i in range(10**10) %}x{% endfor %}")
+
+
+@maker
+def chat_template_raises(tmp, tiny, smol):
+    return _config_chat_template(
+        tmp, tiny, "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    )

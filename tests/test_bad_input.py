@@ -80,6 +80,8 @@ BROKEN = {
     "chat-template-power": "tokenizer_config.json' computes a value of about 8,450,980,401 "
     "characters with '**'",
     "chat-template-range": "tokenizer_config.json' fails: Range too big",
+    "chat-template-raises": "tokenizer_config.json' fails: Conversation roles must alternate "
+    "user/assistant",
 }
 assert set(BROKEN) == set(MAKERS)
 # The commands a broken model reaches; the others never read the broken part (params and tied
@@ -100,6 +102,7 @@ ONLY: dict[str, tuple[str, ...]] = {
     "chat-template-repeats": ("lens",),
     "chat-template-power": ("lens",),
     "chat-template-range": ("lens",),
+    "chat-template-raises": ("lens",),
 }
 # What a broken model needs besides TAIL to reach its broken part.
 EXTRA: dict[str, list[str]] = {
@@ -108,6 +111,7 @@ EXTRA: dict[str, list[str]] = {
     "chat-template-repeats": ["--chat", "hello"],
     "chat-template-power": ["--chat", "hello"],
     "chat-template-range": ["--chat", "hello"],
+    "chat-template-raises": ["--chat", "hello"],
 }
 # `addr` given row ids reads only those rows' tokens; a token's text makes it read the whole
 # tokenizer, where these broken parts lie (test_addr covers a row id on a broken token).

@@ -133,3 +133,37 @@ def test_a_quantization_config_explains_integer_weights(cli, tiny, tmp_path):
     err = cli.fails("neighbors", model, "king", code=1)
     assert "no quantization_config" not in err
     assert f"'{EMBEDDING}' is stored as I8; embedlens reads F32, F16, BF16 and F64" in err
+
+
+# --- a model's chat template that raises ------------------------------------------------------
+
+RAISES = "{{ raise_exception('This model only takes a system message first') }}"
+
+
+def _with_template(tmp_path: Path, tiny: Any, template: str) -> Path:
+    """The tiny model with its own chat template (in tokenizer_config.json) replaced."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama-tied"), folder)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+def test_a_models_template_that_raises_is_the_models_fault(cli, tiny, tmp_path):
+    model = _with_template(tmp_path, tiny, RAISES)
+    err = cli.fails("lens", model, "Paris", "--chat", "hello", code=1)
+    line = err.splitlines()[0]
+    assert line == (
+        f"error: the chat template in '{model / 'tokenizer_config.json'}' fails: This model only "
+        "takes a system message first"
+    ), err
+    # the same template given with --chat-template is the user's to fix: a usage error
+    given = tmp_path / "raises.jinja"
+    given.write_text(RAISES)
+    err = cli.fails(
+        "lens", tiny("llama-tied"), "Paris", "--chat", "hi", "--chat-template", given, code=2
+    )
+    assert "This model only takes a system message first" in err
