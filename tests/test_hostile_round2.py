@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,84 @@ def test_a_models_template_that_raises_is_the_models_fault(cli, tiny, tmp_path):
         "lens", tiny("llama-tied"), "Paris", "--chat", "hi", "--chat-template", given, code=2
     )
     assert "This model only takes a system message first" in err
+
+
+# --- C-level template operations, refused before they run ------------------------------------
+
+HUGE = 10**10
+"""Characters (or elements) each template below would build in one C call, where no timer
+interrupts it: 10 GB and more."""
+C_LEVEL = {
+    "repeat": f"{{{{ 'x' * {HUGE} }}}}",
+    "ljust": f"{{{{ 'x'.ljust({HUGE}) }}}}",
+    "center-filter": f"{{{{ 'x'|center({HUGE}) }}}}",
+    "indent-filter": f"{{{{ 'a\\nb'|indent({HUGE}) }}}}",
+    "printf-star": f"{{{{ '%*s' % ({HUGE}, 'x') }}}}",
+    "format-filter": f"{{{{ '%{HUGE}d'|format(1) }}}}",
+    "str-format-width": f"{{{{ '{{:>{HUGE}}}'.format('x') }}}}",
+    "str-format-nested": f"{{{{ '{{0:.{{1}}f}}'.format(1.5, {HUGE}) }}}}",
+    "tojson-indent": f"{{{{ messages|tojson(indent={HUGE}) }}}}",
+    "str-join": "{{ ('y' * 4000).join('x' * 4000) }}",
+    "replace-empty": "{{ ('x' * 4000)|replace('', 'y' * 4000) }}",
+    "to-bytes": f"{{{{ (1).to_bytes({HUGE}, 'big') }}}}",
+    "batch-fill": f"{{{{ [0]|batch({HUGE}, 0)|list }}}}",
+    "tilde-doubling": "{% set ns = namespace(s='x' * 4000) %}"
+    "{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "plus-doubling": "{% set ns = namespace(s='x' * 4000) %}"
+    "{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+    "shared-lists-written": "{% set a = [[0] * 4000] * 4000 %}{% set b = [a, a, a, a] %}"
+    "{{ [b, b, b, b] }}",
+    "sum-of-lists": "{{ ([[0] * 4000] * 4000)|sum(start=[])|length }}",
+}
+
+
+@pytest.mark.parametrize("template", list(C_LEVEL.values()), ids=list(C_LEVEL))
+def test_a_c_level_operation_is_refused_before_it_runs(cli, tiny, tmp_path, template):
+    model = _with_template(tmp_path, tiny, template)
+    start = time.monotonic()
+    err = cli.fails("lens", model, "Paris", "--chat", "hello", code=1)
+    took = time.monotonic() - start
+    assert took < 5, took
+    line = err.splitlines()[0]
+    assert line.startswith(f"error: the chat template in '{model / 'tokenizer_config.json'}' ")
+    assert " computes a value of about " in line and "more than the 4,096 " in line, line
+
+
+def test_the_checks_leave_a_working_template_as_it_was(cli, tiny, tmp_path):
+    template = (
+        "{% set tools = [{'name': 'f', 'parameters': {'type': 'object'}}] %}"
+        "{{ tools|tojson(indent=2) }}{{ '%s-%d' % ('a', 3) }}{{ '{}:{:>4}'.format('a', 'b') }}"
+        "{{ 'x'|center(5) }}{{ 'a\\nb'|indent(2) }}{{ ['p', 'q']|join(', ') }}"
+        "{% for m in messages %}<s> {{ m['role'] ~ ' ' + m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<s> {% endif %}"
+    )
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "user", "content": "hello"}]
+    expected = ImmutableSandboxedEnvironment().from_string(template)
+    text = expected.render(messages=messages, add_generation_prompt=True) + "Paris"
+    model = _with_template(tmp_path, tiny, template)
+    assert cli.json("lens", model, "Paris", "--chat", "hello")["prompt"] == text
+
+
+def test_a_template_compiled_under_one_bound_keeps_none_of_its_own():
+    """transformers keeps a compiled template: its checked filters and `~` follow the bound of
+    the render under way, and outside any render run as Jinja's own."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from embedlens.errors import ConfigError
+    from embedlens.model import chat
+
+    compiled: list[Any] = []
+
+    def compile_and_render() -> str:
+        env = ImmutableSandboxedEnvironment()
+        compiled.append(env.from_string("{{ 'z'|center(n) ~ ('y' * n) }}"))
+        return str(compiled[0].render(n=3))
+
+    assert chat.render(compile_and_render, limit=100, what="t") == " z yyy"
+    template = compiled[0]
+    with pytest.raises(ConfigError, match="about 5,000 characters with the center filter"):
+        chat.render(lambda: template.render(n=5000), limit=4096, what="t")
+    assert len(chat.render(lambda: template.render(n=5000), limit=20000, what="t")) == 10000
+    assert len(template.render(n=5000)) == 10000
