@@ -249,3 +249,43 @@ def test_a_template_compiled_under_one_bound_keeps_none_of_its_own():
         chat.render(lambda: template.render(n=5000), limit=4096, what="t")
     assert len(chat.render(lambda: template.render(n=5000), limit=20000, what="t")) == 10000
     assert len(template.render(n=5000)) == 10000
+
+
+# --- help and version on a closed stdout ------------------------------------------------------
+
+_SLOW = pytest.mark.slow
+HELP_ARGS = [
+    pytest.param(["--help"], id="top"),
+    pytest.param(["params", "--help"], id="params"),
+    *(
+        pytest.param([command, "--help"], id=command, marks=_SLOW)
+        for command in ("tied", "neighbors", "addr", "lens", "vocab")
+    ),
+    pytest.param(["-h"], id="top-short", marks=_SLOW),
+    pytest.param(["lens", "-h"], id="lens-short", marks=_SLOW),
+    pytest.param(["--version"], id="version", marks=_SLOW),
+]
+
+
+@pytest.mark.parametrize("argv", HELP_ARGS)
+def test_help_on_a_closed_stdout_is_an_error(argv):
+    """`embedlens params --help >&-`: the help cannot be written, so the command fails as the
+    commands' own output does (Click's echo would skip it and exit 0)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "EMBEDLENS_DEBUG"}
+    result = subprocess.run(
+        ["bash", "-c", '"$0" -m embedlens "$@" >&-', sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1, result
+    assert result.stderr.splitlines() == [
+        "error: cannot write the output: stdout is closed",
+        "hint: stdout was closed (>&-): send it to a file, a pipe or /dev/null instead",
+    ], result.stderr
