@@ -429,6 +429,41 @@ def _chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -> Path:
     return folder
 
 
+INTEGER_NUMPY = {
+    "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "U8": "u1", "BOOL": "?",
+}  # fmt: skip
+
+
+def st_as_integer(folder: Path, name: str, dtype: str) -> None:
+    """Store one float32 tensor of model.safetensors as an integer dtype (its values times 100,
+    rounded), the tensors after it moved to fit."""
+    import numpy as np
+
+    weights = folder / "model.safetensors"
+    header, data = _st_header(weights)
+    tensors = sorted(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
+    )
+    out = bytearray()
+    for k in tensors:
+        begin, end = header[k]["data_offsets"]
+        raw = data[begin:end]
+        if k == name:
+            values = np.frombuffer(raw, dtype="<f4") * 100
+            raw = np.rint(values).astype(INTEGER_NUMPY[dtype]).tobytes()
+            header[k]["dtype"] = dtype
+        header[k]["data_offsets"] = [len(out), len(out) + len(raw)]
+        out += raw
+    _st_write(weights, header, bytes(out))
+
+
+@maker
+def embedding_int8(tmp, tiny, smol):
+    folder = _copy(tmp, tiny)
+    st_as_integer(folder, "model.embed_tokens.weight", "I8")
+    return folder
+
+
 @maker
 def chat_template_loops(tmp, tiny, smol):
     # 10**10 turns: the sandbox caps one range at 100,000, so two are nested
@@ -469,3 +504,10 @@ def chat_template_power(tmp, tiny, smol):
 @maker
 def chat_template_range(tmp, tiny, smol):
     return _config_chat_template(tmp, tiny, "{% for i in range(10**10) %}x{% endfor %}")
+
+
+@maker
+def chat_template_raises(tmp, tiny, smol):
+    return _config_chat_template(
+        tmp, tiny, "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    )

@@ -71,6 +71,8 @@ BROKEN = {
     "rope-type-unknown": "config.json of '{model}' asks for rope type 'bogus', which transformers",
     "tokenizer-without-added-tokens": "'tokenizer.json' has no 'added_tokens' list",
     "no-tokenizer-json": "has no tokenizer.json",
+    "embedding-int8": "model.embed_tokens.weight is stored as I8, an integer type, and "
+    "config.json has no quantization_config to say how to read it",
     "chat-template-loops": "chat_template.jinja' renders more than 4,096 characters",
     "chat-template-huge": "chat_template.jinja' computes a value of about 20,000,000 characters",
     "chat-template-repeats": "tokenizer_config.json' computes a value of about 10,000,000,000 "
@@ -78,6 +80,8 @@ BROKEN = {
     "chat-template-power": "tokenizer_config.json' computes a value of about 8,450,980,401 "
     "characters with '**'",
     "chat-template-range": "tokenizer_config.json' fails: Range too big",
+    "chat-template-raises": "tokenizer_config.json' fails: Conversation roles must alternate "
+    "user/assistant",
 }
 assert set(BROKEN) == set(MAKERS)
 # The commands a broken model reaches; the others never read the broken part (params and tied
@@ -92,11 +96,13 @@ ONLY: dict[str, tuple[str, ...]] = {
     "rope-type-unknown": ("lens",),
     "tokenizer-without-added-tokens": ("lens",),
     "no-tokenizer-json": ("neighbors", "lens", "vocab"),
+    "embedding-int8": ("neighbors", "lens", "vocab"),  # params, tied, addr read no values
     "chat-template-loops": ("lens",),
     "chat-template-huge": ("lens",),
     "chat-template-repeats": ("lens",),
     "chat-template-power": ("lens",),
     "chat-template-range": ("lens",),
+    "chat-template-raises": ("lens",),
 }
 # What a broken model needs besides TAIL to reach its broken part.
 EXTRA: dict[str, list[str]] = {
@@ -105,6 +111,7 @@ EXTRA: dict[str, list[str]] = {
     "chat-template-repeats": ["--chat", "hello"],
     "chat-template-power": ["--chat", "hello"],
     "chat-template-range": ["--chat", "hello"],
+    "chat-template-raises": ["--chat", "hello"],
 }
 # `addr` given row ids reads only those rows' tokens; a token's text makes it read the whole
 # tokenizer, where these broken parts lie (test_addr covers a row id on a broken token).

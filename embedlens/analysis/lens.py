@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from embedlens.errors import EmbedlensError, UsageError
+from embedlens.errors import ConfigError, EmbedlensError, UsageError
 from embedlens.reports.lens import (
     GridCell,
     GridRow,
@@ -30,6 +30,7 @@ from embedlens.reports.lens import (
     Prediction,
     TargetAt,
 )
+from embedlens.text import error_line
 
 if TYPE_CHECKING:
     from torch import nn
@@ -624,7 +625,13 @@ def _render_chat(
             raise
         raise UsageError(e.message, hint="fix the template given with --chat-template") from e
     except Exception as e:
-        raise UsageError(f"the chat template failed: {e}") from e
+        if own is not None:
+            raise UsageError(f"the chat template failed: {e}") from e
+        # the model's own template (raise_exception, a Jinja error): its files are at fault
+        raise ConfigError(
+            f"{template} fails: {error_line(e, limit=None)}",
+            hint="give a working template with --chat-template FILE, or run without --chat",
+        ) from e
     if len(text) > limit:
         raise UsageError(
             f"the prompt after the chat template is {len(text):,} characters, more than the "

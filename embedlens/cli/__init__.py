@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 try:
     import typer
-    from typer.core import TyperGroup
+    from typer.core import TyperCommand, TyperGroup
 
     from embedlens.cli import addr as _addr
     from embedlens.cli import lens as _lens
@@ -24,7 +24,29 @@ except KeyboardInterrupt:  # Ctrl-C while the command line is still being import
     raise SystemExit(130) from None
 
 
-class _Group(TyperGroup):
+def _show_help(ctx: Any, param: Any, value: bool) -> None:
+    """--help: the help written as the commands write their output, so that a stdout that
+    cannot take it (closed with `>&-`, full) is an error, not a silent exit 0."""
+    if value and not ctx.resilient_parsing:
+        write_stdout(ctx.get_help() + "\n")
+        ctx.exit()
+
+
+class _HelpChecked:
+    """A command whose --help is written by _show_help (Click's echo skips a closed stdout)."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        if option is not None:
+            option.callback = _show_help
+        return option
+
+
+class _Command(_HelpChecked, TyperCommand):
+    """A subcommand (its --help checked)."""
+
+
+class _Group(_HelpChecked, TyperGroup):
     """Report usage errors as one `error:` line (exit 2) instead of Typer's panel."""
 
     def main(  # type: ignore[override]
@@ -43,6 +65,11 @@ class _Group(TyperGroup):
                 standalone_mode=False,
                 **extra,
             )
+        except EmbedlensError as e:  # writing the help or the version: stdout closed or full
+            if not standalone_mode:
+                raise
+            print_error(e.message, e.hint)
+            sys.exit(e.exit_code)
         except OSError as e:  # writing the help: the commands' own output is checked in them
             if not standalone_mode:
                 raise
@@ -106,12 +133,12 @@ def _root(
     """Open up both ends of a causal LM: the embedding table, the LM head, the logit lens."""
 
 
-app.command(epilog=_params.EXAMPLES)(_params.params)
-app.command(epilog=_tied.EXAMPLES)(_tied.tied)
-app.command(epilog=_lens.EXAMPLES)(_lens.lens)
-app.command(epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
-app.command(epilog=_addr.EXAMPLES)(_addr.addr)
-app.command(epilog=_vocab.EXAMPLES)(_vocab.vocab)
+app.command(cls=_Command, epilog=_params.EXAMPLES)(_params.params)
+app.command(cls=_Command, epilog=_tied.EXAMPLES)(_tied.tied)
+app.command(cls=_Command, epilog=_lens.EXAMPLES)(_lens.lens)
+app.command(cls=_Command, epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
+app.command(cls=_Command, epilog=_addr.EXAMPLES)(_addr.addr)
+app.command(cls=_Command, epilog=_vocab.EXAMPLES)(_vocab.vocab)
 
 
 def main() -> None:

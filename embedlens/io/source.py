@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from embedlens.errors import SourceError
+from embedlens.io.gguf import GGUF_MAGIC
 from embedlens.io.hub import hub_file
 
 SourceKind = Literal["dir", "gguf", "hub"]
@@ -143,12 +144,28 @@ def _looks_like_path(spec: str) -> bool:
     return spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
 
 
+def _has_gguf_magic(spec: str, path: Path) -> bool:
+    """Whether a file starts with GGUF's magic (a GGUF file saved under another name)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except PermissionError as e:
+        raise SourceError(
+            f"cannot read '{spec}': permission denied",
+            hint="check the permissions of the model's files and of the folders above them",
+        ) from e
+    except OSError as e:
+        raise SourceError(f"cannot read '{spec}': {e.strerror or e}") from e
+
+
 def _local(spec: str, path: Path) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return ModelSource(spec=spec, kind="gguf", path=path.resolve())
         if path.name == "config.json":
             return _local(spec, path.parent)
+        if _has_gguf_magic(spec, path):
+            return ModelSource(spec=spec, kind="gguf", path=path.resolve())
         raise SourceError(
             f"'{spec}' is a file but not a model",
             hint="give the model's folder (with config.json and weights) or a .gguf file",

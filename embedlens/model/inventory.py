@@ -6,6 +6,7 @@ a model already built (on the meta device or loaded) and only read its attribute
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -257,8 +258,44 @@ def _check_not_empty(ckpt: Checkpoint, embedding: str, head: str | None) -> None
             )
 
 
+INTEGER_DTYPES = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL"})
+"""Safetensors dtypes that hold integers: weights only a quantization_config can explain."""
+
+
+def _quantisation(config: ModelConfig) -> Any:
+    return config.raw.get("quantization_config") or config.text.get("quantization_config")
+
+
+def check_integer_weights(
+    ckpt: Checkpoint, config: ModelConfig, names: Iterable[str] | None = None
+) -> None:
+    """CheckpointError for a weight (of `names`, or any) stored as an integer type while
+    config.json has no quantization_config: read as floats, its raw integers would pass for
+    the model's values. Buffers (position ids, masks) may be integers."""
+    if ckpt.format != "safetensors" or isinstance(_quantisation(config), dict):
+        return
+    wanted = None if names is None else set(names)
+    found = [
+        t
+        for name, t in ckpt.tensors.items()
+        if (wanted is None or name in wanted)
+        and t.dtype in INTEGER_DTYPES
+        and not is_buffer_name(name, t.shape)
+        and not (name.endswith(".bias") and len(t.shape) == 4)  # a causal mask
+    ]
+    if not found:
+        return
+    more = f" ({len(found)} tensors in all are)" if len(found) > 1 else ""
+    raise CheckpointError(
+        f"{found[0].name} is stored as {found[0].dtype}, an integer type{more}, and config.json "
+        "has no quantization_config to say how to read it",
+        hint="embedlens reads weights as floating-point values; a quantised checkpoint needs the "
+        "quantization_config its quantiser wrote",
+    )
+
+
 def _warn_packed(config: ModelConfig, dtypes: set[str], notes: list[str]) -> None:
-    quant = config.raw.get("quantization_config") or config.text.get("quantization_config")
+    quant = _quantisation(config)
     if isinstance(quant, dict) and dtypes & {"I32", "U32", "U8"}:
         method = quant.get("quant_method", "quantised")
         notes.append(

@@ -10,8 +10,10 @@ import os
 import pickle
 import re
 import struct
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from embedlens.errors import (
@@ -47,18 +49,42 @@ def _quiet_transformers() -> None:
     stdlib_logging.getLogger("accelerate").setLevel(stdlib_logging.ERROR)
 
 
-def _where(source: ModelSource) -> tuple[str, dict[str, Any]]:
+@contextmanager
+def _where(source: ModelSource) -> Iterator[tuple[str, dict[str, Any]]]:
     """What to pass to from_pretrained: a local folder, or a repo id and revision."""
     if source.kind == "gguf":
         assert source.path is not None
         # An absolute gguf_file: from_pretrained tries gguf_file relative to the working
         # directory first, so a bare name would load a same-named file from there instead.
         path = source.path.resolve()
-        return str(path.parent), {"gguf_file": str(path)}
+        with _gguf_named(path) as named:
+            yield str(path.parent), {"gguf_file": str(named)}
+        return
     if source.kind == "hub":
         assert source.repo_id is not None
-        return source.repo_id, {"revision": source.revision}
-    return str(source.path), {}
+        yield source.repo_id, {"revision": source.revision}
+        return
+    yield str(source.path), {}
+
+
+@contextmanager
+def _gguf_named(path: Path) -> Iterator[Path]:
+    """The GGUF file under a name ending in .gguf: transformers tells a GGUF checkpoint by that
+    suffix. A file named otherwise (a download saved as model.bin, a hub cache blob) is linked
+    from a temporary folder, removed afterwards; the file itself is left as it is."""
+    if path.suffix.lower() == ".gguf":
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="embedlens-gguf-") as folder:
+        named = Path(folder) / f"{path.name}.gguf"
+        try:
+            named.symlink_to(path)
+        except OSError as e:
+            raise SourceError(
+                f"cannot link '{path}' under a .gguf name for transformers: {e.strerror or e}",
+                hint="copy or rename the file to a name ending in .gguf",
+            ) from e
+        yield named
 
 
 @contextmanager
@@ -136,13 +162,19 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
     if trust_remote_code in source._checked:
         return
     from embedlens.io.checkpoint import open_checkpoint
-    from embedlens.model.inventory import check_matches, check_tables, read_config
+    from embedlens.model.inventory import (
+        check_integer_weights,
+        check_matches,
+        check_tables,
+        read_config,
+    )
 
     ckpt = open_checkpoint(source)
     config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
     if ckpt is not None:
         check_tables(ckpt, config)
         check_matches(source, config, ckpt)
+        check_integer_weights(ckpt, config)
     source._checked.add(trust_remote_code)
 
 
@@ -151,12 +183,14 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     _quiet_transformers()
     from transformers import AutoConfig
 
-    where, kwargs = _where(source)
-    if source.kind == "hub":
-        assert source.path is not None
-        where, kwargs = str(source.path), {}
-    with _translated(source, "reading the config"), gguf_reads_shared(source):
-        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    with _where(source) as (where, kwargs):
+        if source.kind == "hub":
+            assert source.path is not None
+            where, kwargs = str(source.path), {}
+        with _translated(source, "reading the config"), gguf_reads_shared(source):
+            config = AutoConfig.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
     check_rope(source, config)
     return config
 
@@ -262,18 +296,18 @@ def load_model(
     _quiet_transformers()
     from transformers import AutoModelForCausalLM
 
-    where, kwargs = _where(source)
-    kwargs["dtype"] = torch_dtype(dtype)
+    options: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if config is not None:
-        kwargs["config"] = config
+        options["config"] = config
     if device_map is not None:
-        kwargs["device_map"] = device_map
+        options["device_map"] = device_map
         if max_memory is not None:
-            kwargs["max_memory"] = max_memory
+            options["max_memory"] = max_memory
         if offload_folder is not None:
-            kwargs["offload_folder"] = offload_folder
+            options["offload_folder"] = offload_folder
     preflight.check_load(source, dtype=dtype, device=None if device_map else resolve_device(device))
     with (
+        _where(source) as (where, kwargs),
         _translated(source, "loading the model"),
         gguf_reads_shared(source),
         _conversion_errors_named(source),
@@ -287,6 +321,7 @@ def load_model(
             output_loading_info=True,
             ignore_mismatched_sizes=True,
             **kwargs,
+            **options,
         )
         model, info = loaded
     _refuse_gguf_on_disk(source, model)
@@ -416,9 +451,12 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
     from transformers import AutoTokenizer
 
     check_tokenizer_files(source)
-    where, kwargs = _where(source)
     try:
-        with _translated(source, "loading the tokenizer"), gguf_reads_shared(source):
+        with (
+            _where(source) as (where, kwargs),
+            _translated(source, "loading the tokenizer"),
+            gguf_reads_shared(source),
+        ):
             return AutoTokenizer.from_pretrained(
                 where, trust_remote_code=trust_remote_code, **kwargs
             )

@@ -21,7 +21,7 @@ from embedlens.io.checkpoint import (
 )
 from embedlens.io.source import ModelSource
 from embedlens.model.config import ModelConfig
-from embedlens.model.inventory import from_checkpoint, read_config
+from embedlens.model.inventory import check_integer_weights, from_checkpoint, read_config
 
 if TYPE_CHECKING:
     import numpy as np
@@ -253,5 +253,6 @@ def _dequantize_q8_0(
 
 def open_rows(source: ModelSource, table: Table) -> Rows:
     """Map the table's tensor (downloading its shard alone for a hub repo)."""
+    check_integer_weights(table.checkpoint, table.config, [table.entry.name])
     entry = on_disk(source, table.entry)
     return Rows(entry, table.checkpoint.format)
