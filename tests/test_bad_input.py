@@ -702,8 +702,6 @@ def test_an_unreadable_model_folder(tiny, tmp_path, command):
 @pytest.mark.slow
 def test_a_chat_template_that_loops_without_writing(cli, tiny, tmp_path, monkeypatch):
     """A template that loops and writes nothing is stopped by the time bound, not its size."""
-    import time
-
     from embedlens.model import chat
 
     monkeypatch.setattr(chat, "SECONDS", 0.5)
@@ -711,7 +709,5 @@ def test_a_chat_template_that_loops_without_writing(cli, tiny, tmp_path, monkeyp
     shutil.copytree(tiny("llama-tied"), folder)
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     (folder / "chat_template.jinja").write_text(loop)
-    start = time.monotonic()
     err = cli.fails("lens", folder, "the king", "--chat", "hello", code=1)
-    assert time.monotonic() - start < 10
     assert f"'{folder / 'chat_template.jinja'}' is still rendering after 0.5 s" in err, err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -201,11 +200,10 @@ C_LEVEL = {
 
 @pytest.mark.parametrize("template", list(C_LEVEL.values()), ids=list(C_LEVEL))
 def test_a_c_level_operation_is_refused_before_it_runs(cli, tiny, tmp_path, template):
+    """Refused by its size before it runs, not by the timer after (how long it takes belongs to
+    the bench: no test may need a quiet machine)."""
     model = _with_template(tmp_path, tiny, template)
-    start = time.monotonic()
     err = cli.fails("lens", model, "Paris", "--chat", "hello", code=1)
-    took = time.monotonic() - start
-    assert took < 5, took
     line = err.splitlines()[0]
     assert line.startswith(f"error: the chat template in '{model / 'tokenizer_config.json'}' ")
     assert " computes a value of about " in line and "more than the 4,096 " in line, line
