@@ -118,16 +118,20 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
     return ModelSource(spec=spec, kind="hub", path=config.parent, repo_id=spec, revision=revision)
 
 
+def _permission_denied(spec: str) -> SourceError:
+    return SourceError(
+        f"cannot read '{spec}': permission denied",
+        hint="check the permissions of the model's files and of the folders above them",
+    )
+
+
 def _stat(spec: str, path: Path) -> bool:
     """Whether a path exists; SourceError when it cannot be looked at (no permission to a
     folder on the way, a loop of symbolic links), rather than calling it missing."""
     try:
         path.stat()
     except PermissionError as e:
-        raise SourceError(
-            f"cannot read '{spec}': permission denied",
-            hint="check the permissions of the model's files and of the folders above them",
-        ) from e
+        raise _permission_denied(spec) from e
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise SourceError(
@@ -150,10 +154,7 @@ def _has_gguf_magic(spec: str, path: Path) -> bool:
         with open(path, "rb") as fh:
             return fh.read(4) == GGUF_MAGIC
     except PermissionError as e:
-        raise SourceError(
-            f"cannot read '{spec}': permission denied",
-            hint="check the permissions of the model's files and of the folders above them",
-        ) from e
+        raise _permission_denied(spec) from e
     except OSError as e:
         raise SourceError(f"cannot read '{spec}': {e.strerror or e}") from e
 
