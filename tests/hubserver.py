@@ -10,7 +10,13 @@ and reads the hub's headers: X-Repo-Commit, ETag, Content-Length, and, on failur
 - "nothub": 200 without the hub's headers (an HF_ENDPOINT that is some other web server);
 - "drop:NAME": a download of NAME (a whole-file GET, or a resumed one: `Range: bytes=N-`) sends
   half its bytes, then the connection is closed; closed ranges (header reads) are answered;
-- "flaky:NAME": the first download of NAME is cut so; the resumed one is answered.
+- "flaky:NAME": the first download of NAME is cut so; the resumed one is answered;
+- "norange:NAME": a GET of NAME ignores its Range header and answers 200 with the whole file;
+- "cutrange:NAME": every GET of a closed range of NAME (`bytes=A-B`) sends half of it, then the
+  connection is closed.
+
+`sent` counts the body bytes written for each `repo/file` (a body the client stops reading is
+counted up to where the connection broke).
 
 `/api/models/{repo}` (model_info) and its `tree` listing answer too, as the hub does for a repo
 whose files all sit at the top: a sub-folder is 404 EntryNotFound.
@@ -22,6 +28,7 @@ a daemon thread, answers at most `max_requests` requests and shuts down by itsel
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -49,6 +56,9 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.log: list[tuple[str, str, str]] = []
         """(method, path, Range header) of every request."""
+        self.sent: dict[str, int] = {}
+        """Body bytes written, by 'repo/file'."""
+        self._lock = threading.Lock()
         self.max_requests = max_requests
         hub = self
 
@@ -131,16 +141,48 @@ class FakeHub:
             first, _, last = wanted[6:].partition("-")
             lo, hi = int(first), min(int(last) if last else hi, hi)
         download = not wanted or wanted.endswith("-")
+        key = f"{repo_id}/{filename}"
+        if body and repo.behaviour == "norange:" + filename:
+            return self._stream(h, key, 200, headers, data)
+        if body and wanted and not download and repo.behaviour == "cutrange:" + filename:
+            headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
+            self._count(key, (hi + 1 - lo) // 2)
+            return self._drop(h, 206, headers, data[lo : hi + 1])
         if body and download and repo.behaviour in ("drop:" + filename, "flaky:" + filename):
             if repo.behaviour.startswith("flaky"):
                 repo.behaviour = "ok"
             if lo:
                 headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
+            self._count(key, (len(data) - lo) // 2)
             return self._drop(h, 206 if lo else 200, headers, data[lo:])
         if body and wanted:
             headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
-            return self._send(h, 206, headers, data[lo : hi + 1], body=body)
+            return self._stream(h, key, 206, headers, data[lo : hi + 1])
+        if body:
+            return self._stream(h, key, 200, headers, data)
         return self._send(h, 200, headers, data, body=body)
+
+    def _count(self, key: str, n: int) -> None:
+        with self._lock:
+            self.sent[key] = self.sent.get(key, 0) + n
+
+    def _stream(
+        self, h: BaseHTTPRequestHandler, key: str, status: int, headers: dict[str, str], data: bytes
+    ) -> None:
+        """Send a body in 64 KiB pieces, counting what was written until the client hung up."""
+        h.send_response(status)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        for i in range(0, len(data), 1 << 16):
+            try:
+                h.wfile.write(data[i : i + (1 << 16)])
+                h.wfile.flush()
+            except OSError:
+                h.close_connection = True
+                return
+            self._count(key, len(data[i : i + (1 << 16)]))
 
     def _api(self, h: BaseHTTPRequestHandler, repo_id: str, rest: list[str], *, body: bool) -> None:
         """model_info (`/api/models/{repo}`) and the tree listing (`.../tree/{rev}/{path}`)."""
@@ -189,7 +231,8 @@ class FakeHub:
         h.wfile.flush()
         time.sleep(0.05)
         h.close_connection = True
-        h.connection.shutdown(2)  # SHUT_RDWR
+        with contextlib.suppress(OSError):  # the client may have hung up first
+            h.connection.shutdown(2)  # SHUT_RDWR
 
 
 def closed_port() -> int:

@@ -29,16 +29,27 @@ _NO_WAIT = (
 
 
 def run(
-    endpoint: str, hf_home: Path, *args: str, offline: bool = False
+    endpoint: str,
+    hf_home: Path,
+    *args: str,
+    offline: bool = False,
+    env_more: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run embedlens in a fresh interpreter against a hub endpoint, with the cache in hf_home
-    (offline: with HF_HUB_OFFLINE=1, the cache alone)."""
+    (offline: with HF_HUB_OFFLINE=1, the cache alone); env_more: more environment variables."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "EMBEDLENS_DEBUG")
+        if k
+        not in (
+            "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "HF_TOKEN",
+            "EMBEDLENS_DEBUG",
+            "EMBEDLENS_CACHE",
+        )
     }
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), COLUMNS="140")
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), COLUMNS="140", **(env_more or {}))
     if offline:
         env.update(HF_HUB_OFFLINE="1")
     return subprocess.run(
