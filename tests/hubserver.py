@@ -16,7 +16,7 @@ and reads the hub's headers: X-Repo-Commit, ETag, Content-Length, and, on failur
   connection is closed.
 
 `sent` counts the body bytes written for each `repo/file` (a body the client stops reading is
-counted up to where the connection broke).
+counted up to where the connection broke); `GET /_sent` answers it as JSON and starts it afresh.
 
 `/api/models/{repo}` (model_info) and its `tree` listing answer too, as the hub does for a repo
 whose files all sit at the top: a sub-folder is 404 EntryNotFound.
@@ -39,6 +39,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 COMMIT = "c0ffee" + "0" * 34
+_PIECE = 1 << 18  # bytes written at a time
 
 
 @dataclass
@@ -108,6 +109,10 @@ class FakeHub:
         self.log.append((h.command, h.path, h.headers.get("Range", "")))
         if len(self.log) > self.max_requests:
             return self._send(h, 503, {}, b"", body=body)
+        if h.path == "/_sent":  # the counts so far, then counted afresh (for bench/run.py)
+            with self._lock:
+                sent, self.sent = self.sent, {}
+            return self._send(h, 200, {}, json.dumps(sent).encode(), body=body)
         parts = unquote(h.path.split("?", 1)[0]).strip("/").split("/")
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             return self._api(h, "/".join(parts[2:4]), parts[4:], body=body)
@@ -169,20 +174,21 @@ class FakeHub:
     def _stream(
         self, h: BaseHTTPRequestHandler, key: str, status: int, headers: dict[str, str], data: bytes
     ) -> None:
-        """Send a body in 64 KiB pieces, counting what was written until the client hung up."""
+        """Send a body in pieces, counting what was written until the client hung up."""
         h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
-        for i in range(0, len(data), 1 << 16):
+        view = memoryview(data)
+        for i in range(0, len(data), _PIECE):
             try:
-                h.wfile.write(data[i : i + (1 << 16)])
+                h.wfile.write(view[i : i + _PIECE])
                 h.wfile.flush()
             except OSError:
                 h.close_connection = True
                 return
-            self._count(key, len(data[i : i + (1 << 16)]))
+            self._count(key, len(view[i : i + _PIECE]))
 
     def _api(self, h: BaseHTTPRequestHandler, repo_id: str, rest: list[str], *, body: bool) -> None:
         """model_info (`/api/models/{repo}`) and the tree listing (`.../tree/{rev}/{path}`)."""

@@ -256,8 +256,6 @@ def safetensors_files(source: ModelSource) -> list[str] | None:
         return [WEIGHT_SINGLE]
     listing = source.listing() or []
     shards = [n for n in listing if n.endswith(".safetensors") and "adapter" not in n]
-    if not shards and source.kind == "hub" and hub_offline():
-        raise offline_error(source, WEIGHT_SINGLE)
     return shards or None
 
 

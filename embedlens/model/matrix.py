@@ -21,7 +21,8 @@ from embedlens.io.checkpoint import (
     open_checkpoint,
     read_safetensors_header,
 )
-from embedlens.io.source import ModelSource
+from embedlens.io.hub import hub_offline
+from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model.config import ModelConfig
 from embedlens.model.inventory import check_integer_weights, from_checkpoint, read_config
 
@@ -94,6 +95,8 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
 
     No model code runs here, so a config whose model needs the repository's code is read too."""
     ckpt = open_checkpoint(source, partial=True)
+    if ckpt is None and source.kind == "hub" and hub_offline():
+        raise offline_error(source, WEIGHT_SINGLE)  # not in either cache: which, unknown offline
     if ckpt is None:
         raise CheckpointError(
             f"'{source.spec}' has no safetensors or GGUF weights",
