@@ -60,6 +60,7 @@ class FakeHub:
         self.sent: dict[str, int] = {}
         """Body bytes written, by 'repo/file'."""
         self._lock = threading.Lock()
+        self._etags: list[tuple[bytes, str]] = []
         self.max_requests = max_requests
         hub = self
 
@@ -139,7 +140,7 @@ class FakeHub:
         commit = {"X-Repo-Commit": COMMIT}
         if data is None:
             return self._send(h, 404, {**commit, "X-Error-Code": "EntryNotFound"}, b"", body=body)
-        headers = {**commit, "ETag": '"' + hashlib.sha256(data).hexdigest() + '"'}
+        headers = {**commit, "ETag": self._etag(data)}
         wanted = h.headers.get("Range", "")
         lo, hi = 0, len(data) - 1
         if wanted.startswith("bytes="):
@@ -166,6 +167,17 @@ class FakeHub:
         if body:
             return self._stream(h, key, 200, headers, data)
         return self._send(h, 200, headers, data, body=body)
+
+    def _etag(self, data: bytes) -> str:
+        """The file's ETag (its sha256, as the hub gives for LFS files), hashed once a file."""
+        with self._lock:
+            for known, etag in self._etags:
+                if known is data:
+                    return etag
+        etag = '"' + hashlib.sha256(data).hexdigest() + '"'
+        with self._lock:
+            self._etags.append((data, etag))
+        return etag
 
     def _count(self, key: str, n: int) -> None:
         with self._lock:
