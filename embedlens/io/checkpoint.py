@@ -2,7 +2,8 @@
 
 Safetensors: the 8-byte header length and the JSON header of each file (sharded checkpoints
 through model.safetensors.index.json). GGUF: the header parsed by `gguf_header`. A hub repo whose
-weights are not cached has its headers read over HTTP ranges by huggingface_hub.
+weights are not in the hub cache has its headers read over HTTP ranges (embedlens.io.ranges), and
+`fetch_tensor` / `fetch_rows` fetch the bytes of one tensor or of some rows the same way.
 """
 
 from __future__ import annotations
