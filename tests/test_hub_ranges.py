@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from embedlens.io.ranges import decimal_size
+from embedlens.io.ranges import Tally, decimal_size
 from tests.hubserver import COMMIT, FakeHub
 from tests.test_hub_failures import fails, run
 
@@ -204,3 +204,18 @@ def test_sizes_in_the_note():
     assert decimal_size(1_503_300_328) == "1.5 GB"
     assert decimal_size(999) == "999 bytes"
     assert decimal_size(9_216) == "9.22 KB"
+
+
+def test_the_note_says_what_was_fetched_and_what_was_kept():
+    tally = Tally(files={"a.safetensors": 1_503_300_328}, data={"a.safetensors": 311_164_928})
+    tally.data_fetched = {"a.safetensors": 311_164_928}
+    assert tally.notes() == ["read 311 MB of a.safetensors (1.5 GB) by range"]
+    tally.data_fetched = {}
+    assert tally.notes() == [
+        "read 311 MB of a.safetensors (1.5 GB) by range, kept from an earlier run (nothing fetched)"
+    ]
+    tally.data_fetched = {"a.safetensors": 2048}
+    assert tally.notes() == [
+        "read 311 MB of a.safetensors (1.5 GB) by range (2.05 KB fetched, the rest kept from an "
+        "earlier run)"
+    ]

@@ -73,6 +73,8 @@ class Tally:
     """File name to the tensor bytes read from it."""
     fetched: int = 0
     """Bytes received from the hub (headers and tensors)."""
+    data_fetched: dict[str, int] = field(default_factory=dict)
+    """File name to the tensor bytes of it received from the hub (the rest were kept)."""
 
     @property
     def used(self) -> bool:
@@ -83,7 +85,14 @@ class Tally:
         """One note per file whose tensor bytes were read by range."""
         out = []
         for name, read in self.data.items():
-            kept = "" if self.fetched else ", kept from an earlier run (nothing fetched)"
+            got = self.data_fetched.get(name, 0)
+            kept = (
+                ""
+                if got == read
+                else ", kept from an earlier run (nothing fetched)"
+                if got == 0
+                else f" ({decimal_size(got)} fetched, the rest kept from an earlier run)"
+            )
             out.append(
                 f"read {decimal_size(read)} of {name} ({decimal_size(self.files[name])}) by "
                 f"range{kept}"
@@ -141,6 +150,8 @@ def _count_locked(hub: HubFile, fetched: int, data: int) -> None:
         t.fetched += fetched
         if data:
             t.data[hub.filename] = t.data.get(hub.filename, 0) + data
+            got = fetched if data == fetched else 0
+            t.data_fetched[hub.filename] = t.data_fetched.get(hub.filename, 0) + got
 
 
 def decimal_size(n: int) -> str:
