@@ -48,6 +48,12 @@ class Row:
     """The highest acceptable time in seconds, if any."""
     over_budget: float | None = None
     """The most seconds the command may take beyond its baseline, if any."""
+    hub: bool = False
+    """Run against the bench's local hub, each run (command and baseline) from a cold cache."""
+    transfer_limit: int | None = None
+    """The most bytes the hub may send for one run of the command, if any."""
+    transferred: int = 0
+    """The most bytes the hub sent for one run of the command."""
     times: list[float] = field(default_factory=list)
     base_times: list[float] = field(default_factory=list)
     peak_mb: float = 0.0
@@ -81,6 +87,8 @@ class Row:
             checks.append(self.median <= self.abs_budget)
         if self.over_budget is not None and self.base_median is not None:
             checks.append(self.median - self.base_median <= self.over_budget)
+        if self.transfer_limit is not None:
+            checks.append(self.transferred <= self.transfer_limit)
         if not checks:
             return ""
         return "ok" if all(checks) else "MISSED"
@@ -102,18 +110,59 @@ def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 def measure(row: Row, runs: int, env: dict[str, str], *, quick: bool = False) -> None:
     """Warm up once (unless this is the quick check), then alternate command and baseline."""
+    run = hub_run if row.hub else run_once
     if not quick:
-        run_once(row.command, env)
+        run(row.command, env)
         if row.baseline:
-            run_once(row.baseline, env)
+            run(row.baseline, env)
     for _ in range(runs):
-        t, m = run_once(row.command, env)
+        t, m = run(row.command, env)
         row.times.append(t)
         row.peak_mb = max(row.peak_mb, m)
+        if row.hub:
+            row.transferred = max(row.transferred, sum(hub_sent().values()))
         if row.baseline:
-            t, m = run_once(row.baseline, env)
+            t, m = run(row.baseline, env)
             row.base_times.append(t)
             row.base_peak_mb = max(row.base_peak_mb, m)
+
+
+_HUB: dict[str, str] = {}
+
+
+def start_hub(folder: Path) -> subprocess.Popen[str]:
+    """Serve folder as hub repo bench/<name> (bench/hub_serve.py, its own process)."""
+    server = subprocess.Popen(
+        [sys.executable, str(HERE / "hub_serve.py"), str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None
+    _HUB["url"] = server.stdout.readline().strip()
+    return server
+
+
+def hub_sent() -> dict[str, int]:
+    """Bytes the hub sent, by file, since it was last asked."""
+    from urllib.request import urlopen
+
+    with urlopen(_HUB["url"] + "/_sent") as answer:
+        sent: dict[str, int] = json.loads(answer.read())
+    return sent
+
+
+def hub_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """run_once online against the bench's hub, with a cold cache (made and removed untimed)."""
+    import tempfile
+
+    hub_sent()  # start counting afresh
+    home = tempfile.mkdtemp(prefix="hf-home-", dir=CACHE)
+    online = {k: v for k, v in env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    try:
+        return run_once(argv, {**online, "HF_HOME": home, "HF_ENDPOINT": _HUB["url"]})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def embedlens_argv() -> list[str]:
@@ -395,6 +444,31 @@ def large_vocab_gguf(quick: bool, *, build: bool) -> Path:
     return path
 
 
+# The same neighbors after downloading the whole weights file into the hub cache, in one process.
+DOWNLOAD_THEN_NEIGHBORS = """
+import sys
+from huggingface_hub import hf_hub_download
+hf_hub_download(sys.argv[1], "model.safetensors")
+from embedlens.cli import main
+sys.argv = ["embedlens", "neighbors", *sys.argv[1:], "--json"]
+main()
+"""
+
+
+def hub_transfer_limit(folder: Path) -> int | None:
+    """What `neighbors` may receive from the hub: 1.05 x the embedding's bytes, plus the
+    tokenizer's files and the config (None before the checkpoint is built)."""
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        return None
+    with open(weights, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    begin, end = header["model.embed_tokens.weight"]["data_offsets"]
+    small = sum(p.stat().st_size for p in folder.iterdir() if p.suffix == ".json")
+    return int(1.05 * (end - begin)) + small
+
+
 def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     el = embedlens_argv()
     qwen = qwen_checkpoint(quick, build=False)
@@ -406,6 +480,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     # SmolLM2's GGUF takes transformers a minute to load: the quick check runs the lens rows on
     # the tiny Qwen3 checkpoint instead.
     lens_model, lens_name = (qwen, "tiny Qwen3 checkpoint") if quick else (smol, "SmolLM2")
+    hub_repo = f"bench/{qwen.name}"
     table = [
         Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
             "python -c 'import typer, rich.table'", budget=2.0),
@@ -425,6 +500,11 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "neighbors", str(qwen), *QUERIES, "--json"],
             [sys.executable, "-c", NEIGHBORS_PLAIN, str(qwen), *QUERIES],
             "AutoModelForCausalLM + product", budget=0.15, mem_budget=0.3),
+        Row("neighbors from the hub by range (Qwen3-0.6B)",
+            [*el, "neighbors", hub_repo, *QUERIES, "--json"],
+            [*py(DOWNLOAD_THEN_NEIGHBORS), hub_repo, *QUERIES],
+            "the same, downloading the whole file first", budget=0.35, hub=True,
+            transfer_limit=hub_transfer_limit(qwen)),
         Row("addr, 3 rows (Qwen3-0.6B checkpoint)", [*el, "addr", str(qwen), "0", "42", "king", "--json"],
             import_torch, "python -c 'import torch'"),
         Row("addr, 2 rows (Q8_0 GGUF, 262k-token vocabulary)",
@@ -487,9 +567,14 @@ def main() -> None:
     table, qwen, smol = rows(args.quick)
     if args.only:
         table = [r for r in table if any(text in r.name for text in args.only)]
-    for row in table:
-        print(f"... {row.name}", file=sys.stderr, flush=True)
-        measure(row, runs, env, quick=args.quick)
+    server = start_hub(qwen) if any(r.hub for r in table) else None
+    try:
+        for row in table:
+            print(f"... {row.name}", file=sys.stderr, flush=True)
+            measure(row, runs, env, quick=args.quick)
+    finally:
+        if server is not None:
+            server.communicate("")
     floor = floors(qwen, smol, args.quick)  # last: it imports numpy and torch here
     print_table(table, floor, runs)
     missing = [r.name for r in table if not r.times or (r.baseline and not r.base_times)]
@@ -549,6 +634,12 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
         print(
             f"{r.name:47} {r.median:7.2f}s {base:>9} {ratio:>6} {budget:>7} {r.peak_mb:8.0f} {base_mb:>8}  {r.verdict}"
         )
+    for r in table:
+        if r.transfer_limit is not None:
+            print(
+                f"{r.name}: the hub sent {r.transferred:,} bytes a run "
+                f"(budget {r.transfer_limit:,})"
+            )
     print("\nbaselines:")
     for r in table:
         if r.baseline_name:

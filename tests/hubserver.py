@@ -10,7 +10,13 @@ and reads the hub's headers: X-Repo-Commit, ETag, Content-Length, and, on failur
 - "nothub": 200 without the hub's headers (an HF_ENDPOINT that is some other web server);
 - "drop:NAME": a download of NAME (a whole-file GET, or a resumed one: `Range: bytes=N-`) sends
   half its bytes, then the connection is closed; closed ranges (header reads) are answered;
-- "flaky:NAME": the first download of NAME is cut so; the resumed one is answered.
+- "flaky:NAME": the first download of NAME is cut so; the resumed one is answered;
+- "norange:NAME": a GET of NAME ignores its Range header and answers 200 with the whole file;
+- "cutrange:NAME": every GET of a closed range of NAME (`bytes=A-B`) sends half of it, then the
+  connection is closed.
+
+`sent` counts the body bytes written for each `repo/file` (a body the client stops reading is
+counted up to where the connection broke); `GET /_sent` answers it as JSON and starts it afresh.
 
 `/api/models/{repo}` (model_info) and its `tree` listing answer too, as the hub does for a repo
 whose files all sit at the top: a sub-folder is 404 EntryNotFound.
@@ -22,6 +28,7 @@ a daemon thread, answers at most `max_requests` requests and shuts down by itsel
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -32,6 +39,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 COMMIT = "c0ffee" + "0" * 34
+_PIECE = 1 << 18  # bytes written at a time
 
 
 @dataclass
@@ -49,6 +57,10 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.log: list[tuple[str, str, str]] = []
         """(method, path, Range header) of every request."""
+        self.sent: dict[str, int] = {}
+        """Body bytes written, by 'repo/file'."""
+        self._lock = threading.Lock()
+        self._etags: list[tuple[bytes, str]] = []
         self.max_requests = max_requests
         hub = self
 
@@ -98,6 +110,10 @@ class FakeHub:
         self.log.append((h.command, h.path, h.headers.get("Range", "")))
         if len(self.log) > self.max_requests:
             return self._send(h, 503, {}, b"", body=body)
+        if h.path == "/_sent":  # the counts so far, then counted afresh (for bench/run.py)
+            with self._lock:
+                sent, self.sent = self.sent, {}
+            return self._send(h, 200, {}, json.dumps(sent).encode(), body=body)
         parts = unquote(h.path.split("?", 1)[0]).strip("/").split("/")
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             return self._api(h, "/".join(parts[2:4]), parts[4:], body=body)
@@ -124,23 +140,67 @@ class FakeHub:
         commit = {"X-Repo-Commit": COMMIT}
         if data is None:
             return self._send(h, 404, {**commit, "X-Error-Code": "EntryNotFound"}, b"", body=body)
-        headers = {**commit, "ETag": '"' + hashlib.sha256(data).hexdigest() + '"'}
+        headers = {**commit, "ETag": self._etag(data)}
         wanted = h.headers.get("Range", "")
         lo, hi = 0, len(data) - 1
         if wanted.startswith("bytes="):
             first, _, last = wanted[6:].partition("-")
             lo, hi = int(first), min(int(last) if last else hi, hi)
         download = not wanted or wanted.endswith("-")
+        key = f"{repo_id}/{filename}"
+        if body and repo.behaviour == "norange:" + filename:
+            return self._stream(h, key, 200, headers, data)
+        if body and wanted and not download and repo.behaviour == "cutrange:" + filename:
+            headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
+            self._count(key, (hi + 1 - lo) // 2)
+            return self._drop(h, 206, headers, data[lo : hi + 1])
         if body and download and repo.behaviour in ("drop:" + filename, "flaky:" + filename):
             if repo.behaviour.startswith("flaky"):
                 repo.behaviour = "ok"
             if lo:
                 headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
+            self._count(key, (len(data) - lo) // 2)
             return self._drop(h, 206 if lo else 200, headers, data[lo:])
         if body and wanted:
             headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
-            return self._send(h, 206, headers, data[lo : hi + 1], body=body)
+            return self._stream(h, key, 206, headers, data[lo : hi + 1])
+        if body:
+            return self._stream(h, key, 200, headers, data)
         return self._send(h, 200, headers, data, body=body)
+
+    def _etag(self, data: bytes) -> str:
+        """The file's ETag (its sha256, as the hub gives for LFS files), hashed once a file."""
+        with self._lock:
+            for known, etag in self._etags:
+                if known is data:
+                    return etag
+        etag = '"' + hashlib.sha256(data).hexdigest() + '"'
+        with self._lock:
+            self._etags.append((data, etag))
+        return etag
+
+    def _count(self, key: str, n: int) -> None:
+        with self._lock:
+            self.sent[key] = self.sent.get(key, 0) + n
+
+    def _stream(
+        self, h: BaseHTTPRequestHandler, key: str, status: int, headers: dict[str, str], data: bytes
+    ) -> None:
+        """Send a body in pieces, counting what was written until the client hung up."""
+        h.send_response(status)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        view = memoryview(data)
+        for i in range(0, len(data), _PIECE):
+            try:
+                h.wfile.write(view[i : i + _PIECE])
+                h.wfile.flush()
+            except OSError:
+                h.close_connection = True
+                return
+            self._count(key, len(view[i : i + _PIECE]))
 
     def _api(self, h: BaseHTTPRequestHandler, repo_id: str, rest: list[str], *, body: bool) -> None:
         """model_info (`/api/models/{repo}`) and the tree listing (`.../tree/{rev}/{path}`)."""
@@ -189,7 +249,8 @@ class FakeHub:
         h.wfile.flush()
         time.sleep(0.05)
         h.close_connection = True
-        h.connection.shutdown(2)  # SHUT_RDWR
+        with contextlib.suppress(OSError):  # the client may have hung up first
+            h.connection.shutdown(2)  # SHUT_RDWR
 
 
 def closed_port() -> int:

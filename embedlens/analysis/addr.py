@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
-from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
+from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, fetch_rows
 from embedlens.io.gguf import GGUFHeader, LazyArray
-from embedlens.io.source import resolve
+from embedlens.io.ranges import counts_hub_reads
+from embedlens.io.source import ModelSource, resolve
 from embedlens.model import words
 from embedlens.model.matrix import Table, Which, check_matrix, check_row_range, locate
 from embedlens.model.tokenizer import Vocab, load_vocab
@@ -126,7 +129,7 @@ def raw_row(entry: TensorEntry, row: int) -> bytes:
     """The row's bytes read straight from the file at its absolute offset."""
     assert entry.path is not None and entry.file_offset is not None
     with open(entry.path, "rb") as fh:
-        fh.seek(entry.file_offset + row * entry.row_bytes)
+        fh.seek(entry.file_offset - entry.base + row * entry.row_bytes)
         return fh.read(entry.row_bytes)
 
 
@@ -247,6 +250,22 @@ def _read_back(
     return method, None, [raw_row(entry, r) == ref for r, ref in zip(rows, refs, strict=True)]
 
 
+@contextmanager
+def _rows_on_disk(table: Table, rows: list[int], source: ModelSource | None) -> Iterator[Table]:
+    """The table, or for a hub file the hub cache lacks, a table whose file is a sparse copy
+    (header and the rows' byte ranges, fetched or kept) in a temporary folder."""
+    entry = table.entry
+    if source is None or source.kind != "hub" or entry.path is not None:
+        yield table
+        return
+    if entry.file_offset is None or table.checkpoint.format != "safetensors":
+        yield table
+        return
+    with tempfile.TemporaryDirectory(prefix="embedlens-rows-") as folder:
+        path = fetch_rows(source, entry, rows, Path(folder))
+        yield replace(table, entry=replace(entry, path=path, base=0))
+
+
 def _layout_notes(table: Table, vocab: Vocab | None, real: int, rows: list[AddrRow]) -> list[str]:
     """What the layout alone does not say: a scaled lookup, padding rows."""
     notes = []
@@ -300,8 +319,10 @@ def addr_report(
     tp: int | None,
     check: bool,
     notes: list[str],
+    source: ModelSource | None = None,
 ) -> AddrReport:
-    """Addresses of the given rows, the table's layout and costs, and the read-back proof."""
+    """Addresses of the given rows, the table's layout and costs, and the read-back proof
+    (source: where a hub table's rows are fetched from when its file is not on disk)."""
     entry = table.entry
     v, d = table.rows, table.width
     found = resolve_rows(given, vocab, v)
@@ -311,7 +332,9 @@ def addr_report(
     split = None if tp is None else tp_split(v, tp, entry.row_bytes)
     cost = costs(v, d, entry.row_bytes, tokens)
     real = min(vocab.size, v) if vocab is not None else v
-    method, skipped, results = _read_back(table, [r for _, r, _ in found], check=check)
+    wanted = [r for _, r, _ in found]
+    with _rows_on_disk(table, wanted, source if check else None) as placed:
+        method, skipped, results = _read_back(placed, wanted, check=check)
     rows = _rows(table, vocab, found, results, real, split)
     checked = [ok for ok in results if ok is not None]
     notes += _layout_notes(table, vocab, real, rows)
@@ -364,6 +387,19 @@ def addr(
     which = check_matrix(matrix)
     given = [rows] if isinstance(rows, int | str) else list(rows)
     spec = os.fspath(model)
+    return _addr(spec, given, which, tokens, tp, check, revision)
+
+
+@counts_hub_reads
+def _addr(
+    spec: str,
+    given: list[int | str],
+    which: Which,
+    tokens: int | None,
+    tp: int | None,
+    check: bool,
+    revision: str | None,
+) -> AddrReport:
     source = resolve(spec, revision)
     table = locate(source, which)
     notes = list(table.notes)
@@ -378,4 +414,6 @@ def addr(
             raise
         vocab = None
         notes.append(f"tokens are not shown: {e.message}")
-    return addr_report(spec, table, vocab, texts, tokens=tokens, tp=tp, check=check, notes=notes)
+    return addr_report(
+        spec, table, vocab, texts, tokens=tokens, tp=tp, check=check, notes=notes, source=source
+    )

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedlens.errors import CheckpointError, EmbedlensError, UsageError
+from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import resolve as resolve_source
 from embedlens.model import words
 from embedlens.model.matrix import (
@@ -351,6 +352,7 @@ def neighbors_report(
     )
 
 
+@counts_hub_reads
 def neighbors(
     model: str | os.PathLike[str],
     queries: str | Sequence[str] = (),

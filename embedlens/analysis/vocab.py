@@ -23,6 +23,7 @@ from embedlens.analysis.vocab_layout import (
     reference_rows,
 )
 from embedlens.errors import UsageError
+from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model.matrix import Table, locate, open_rows
 from embedlens.model.tokenizer import (
@@ -57,6 +58,7 @@ class _Asked:
     tokenizer: str | None
 
 
+@counts_hub_reads
 def vocab(
     model: str,
     *,

@@ -13,6 +13,7 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from embedlens.errors import OutputError
+from embedlens.io import ranges
 from embedlens.reports import Report
 from embedlens.views.format import shown
 
@@ -188,3 +189,34 @@ def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
     with Progress(*columns, console=err_console, transient=True) as bar:
         task = bar.add_task(shown(message).plain, total=None)
         yield lambda: bar.advance(task)
+
+
+@contextmanager
+def byte_bar(message: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr for a large download (only on a terminal and without --quiet),
+    as huggingface_hub shows one; yields the function that counts bytes received."""
+    if _state["quiet"] or not err_console.is_terminal:
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task(shown(message).plain, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+ranges.set_progress(byte_bar)

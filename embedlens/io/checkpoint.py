@@ -2,22 +2,23 @@
 
 Safetensors: the 8-byte header length and the JSON header of each file (sharded checkpoints
 through model.safetensors.index.json). GGUF: the header parsed by `gguf_header`. A hub repo whose
-weights are not cached has its headers read over HTTP ranges by huggingface_hub.
+weights are not in the hub cache has its headers read over HTTP ranges (embedlens.io.ranges), and
+`fetch_tensor` / `fetch_rows` fetch the bytes of one tensor or of some rows the same way.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from embedlens.errors import CheckpointError, SourceError
 from embedlens.io.gguf import GGUFHeader, read_gguf_header
-from embedlens.io.hub import hub_error, hub_file_exists, hub_offline, quiet_hub
+from embedlens.io.hub import hub_offline
+from embedlens.io.ranges import HubFile, describe, has_kept, read_bytes, read_range
 from embedlens.io.source import WEIGHT_INDEX, WEIGHT_SINGLE, ModelSource
-from embedlens.text import error_line
 
 # Bits per element of each safetensors dtype.
 SAFETENSORS_BITS: dict[str, int] = {
@@ -31,6 +32,7 @@ TORCH_DTYPE_NAMES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
 _MAX_HEADER = 100_000_000  # safetensors itself refuses headers above 100 MB
+_FIRST_RANGE = 100_000  # as huggingface_hub asks first: most headers fit
 _U64 = 1 << 64
 
 
@@ -51,6 +53,9 @@ class TensorEntry:
     nbytes: int
     block: tuple[int, int] | None = None
     """GGUF quantisation block: (elements, bytes); None for plain element types."""
+    base: int = 0
+    """The file offset of `path`'s first byte: a range kept from the hub holds the file's bytes
+    from there on (0 for the file itself)."""
 
     @property
     def numel(self) -> int:
@@ -256,11 +261,18 @@ def safetensors_files(source: ModelSource) -> list[str] | None:
 
 
 def _hub_has(source: ModelSource, name: str) -> bool:
-    """Whether a hub repo holds a file, asked without downloading it (False when offline)."""
-    if hub_offline():
-        return False
+    """Whether a hub repo holds a file, asked without downloading it (offline: whether ranges of
+    it were kept)."""
     assert source.repo_id is not None
-    return hub_file_exists(source.repo_id, name, source.revision)
+    if hub_offline():
+        return has_kept(source.repo_id, name, source.revision)
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        describe(source.repo_id, name, source.revision)  # a HEAD request, kept for the reads
+    except EntryNotFoundError:
+        return False
+    return True
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -306,51 +318,95 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
         header = read_safetensors_header(path, shard)
         tensors.update(header.tensors)
     unread: dict[str, str] = {}
-    if remote and partial and hub_offline():
-        index = source.cached(WEIGHT_INDEX)
-        weight_map = _read_index(index) if index is not None else {}
-        unread = {n: s for n, s in weight_map.items() if s in remote}
-    elif remote:
-        tensors.update(_remote_headers(source, remote))
+    if remote:
+        found, missing = _remote_headers(source, remote)
+        tensors.update(found)
+        if missing and not partial:
+            raise offline_error(source, missing[0], len(missing))
+        if missing:
+            index = source.cached(WEIGHT_INDEX)
+            weight_map = _read_index(index) if index is not None else {}
+            unread = {n: s for n, s in weight_map.items() if s in missing}
     return Checkpoint("safetensors", tensors, tuple(names), unread=unread)
 
 
-def _remote_headers(source: ModelSource, shards: list[str]) -> dict[str, TensorEntry]:
-    """Headers of hub files that are not cached, read over HTTP ranges (no weights downloaded)."""
-    if hub_offline():
-        raise offline_error(source, shards[0], len(shards))
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+def _remote_headers(
+    source: ModelSource, shards: list[str]
+) -> tuple[dict[str, TensorEntry], list[str]]:
+    """Headers of hub files that are not in the hub cache, read over HTTP ranges (or, offline,
+    from the kept ranges): their tensors, and the shards offline left unread."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    assert source.repo_id is not None
-    quiet_hub()
-    try:
-        meta = HfApi().get_safetensors_metadata(source.repo_id, revision=source.revision)
-    except (SafetensorsParsingError, NotASafetensorsRepoError) as e:
-        raise CheckpointError(
-            f"could not read the safetensors headers of '{source.spec}': {error_line(e)}"
-        ) from e
-    except Exception as e:
-        error = hub_error(e, source.repo_id, shards[0], source.revision)
-        if error is None:
-            raise
-        raise error from e
+    with ThreadPoolExecutor(max_workers=min(8, len(shards))) as pool:
+        headers = list(pool.map(lambda shard: _remote_header(source, shard), shards))
     out: dict[str, TensorEntry] = {}
-    for shard, file_meta in meta.files_metadata.items():
-        if shard not in shards:
-            continue
-        for tname, info in file_meta.tensors.items():
-            begin, end = info.data_offsets
-            out[tname] = TensorEntry(
-                name=tname,
-                dtype=info.dtype,
-                shape=tuple(info.shape),
-                file=shard,
-                path=None,
-                file_offset=None,
-                nbytes=end - begin,
-            )
-    return out
+    missing = []
+    for shard, header in zip(shards, headers, strict=True):
+        if header is None:
+            missing.append(shard)
+        else:
+            out.update(header.tensors)
+    return out, missing
+
+
+def _remote_header(source: ModelSource, shard: str) -> SafetensorsHeader | None:
+    """One hub file's safetensors header by range; None offline when it was never kept."""
+    assert source.repo_id is not None
+    if hub_offline() and not has_kept(source.repo_id, shard, source.revision):
+        return None
+    hub = describe(source.repo_id, shard, source.revision)
+    n, raw = _header_bytes(hub)
+    return parse_safetensors_header(raw, shard, path=None, data_size=hub.size - 8 - n)
+
+
+def _header_bytes(hub: HubFile) -> tuple[int, bytes]:
+    """(header length, header JSON bytes) of a hub safetensors file: its first 100 KB, then
+    the rest of the header when it is longer (as huggingface_hub reads it)."""
+    name = hub.filename
+    if hub.size < 8:
+        raise CheckpointError(
+            f"'{name}' is truncated: {hub.size} bytes, not even the 8-byte header length"
+        )
+    first = read_bytes(hub, 0, _FIRST_RANGE)
+    (n,) = struct.unpack("<Q", first[:8])
+    if n > hub.size - 8:
+        raise CheckpointError(
+            f"'{name}' is truncated or corrupt: its header claims {n} bytes "
+            f"but the file has {hub.size - 8} after the length"
+        )
+    if n > _MAX_HEADER:
+        raise CheckpointError(f"'{name}' claims a header of {n} bytes (over 100 MB)")
+    raw = first[8 : 8 + n] if 8 + n <= len(first) else read_bytes(hub, 8, 8 + n)
+    return n, raw
+
+
+def fetch_tensor(source: ModelSource, entry: TensorEntry) -> TensorEntry:
+    """The entry with its bytes on disk: the tensor's byte range of a hub file, fetched (or
+    kept from an earlier run)."""
+    assert source.repo_id is not None and entry.file_offset is not None
+    hub = describe(source.repo_id, entry.file, source.revision)
+    path, base = read_range(hub, entry.file_offset, entry.file_offset + entry.nbytes)
+    return replace(entry, path=path, base=base)
+
+
+def fetch_rows(source: ModelSource, entry: TensorEntry, rows: list[int], folder: Path) -> Path:
+    """A sparse copy of a hub safetensors file in folder: its header and the given rows at their
+    offsets, holes elsewhere (what safetensors' own loader needs to read those rows)."""
+    assert source.repo_id is not None and entry.file_offset is not None
+    hub = describe(source.repo_id, entry.file, source.revision)
+    n, raw = _header_bytes(hub)
+    path = folder / entry.file
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", n) + raw)
+        out.truncate(hub.size)
+        for row in sorted(set(rows)):
+            start = entry.file_offset + row * entry.row_bytes
+            kept, base = read_range(hub, start, start + entry.row_bytes)
+            with open(kept, "rb") as fh:
+                fh.seek(start - base)
+                out.seek(start)
+                out.write(fh.read(entry.row_bytes))
+    return path
 
 
 def offline_error(source: ModelSource, shard: str, count: int = 1) -> SourceError:
@@ -371,8 +427,8 @@ def same_bytes(a: TensorEntry, b: TensorEntry, *, chunk: int = 1 << 20) -> bool 
         return False
     try:
         with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
-            fa.seek(a.file_offset)
-            fb.seek(b.file_offset)
+            fa.seek(a.file_offset - a.base)
+            fb.seek(b.file_offset - b.base)
             left = a.nbytes
             while left > 0:
                 n = min(chunk, left)

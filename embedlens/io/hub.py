@@ -65,24 +65,6 @@ def hub_file(repo_id: str, filename: str, revision: str | None, *, required: boo
         raise error from e
 
 
-def hub_file_exists(repo_id: str, filename: str, revision: str | None) -> bool:
-    """Whether a hub repo has a file, asked with a HEAD request (nothing downloaded)."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import EntryNotFoundError
-
-    quiet_hub()
-    try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision))
-    except EntryNotFoundError:
-        return False
-    except Exception as e:
-        error = hub_error(e, repo_id, filename, revision)
-        if error is None:
-            raise
-        raise error from e
-    return True
-
-
 def hub_error(
     e: BaseException, repo_id: str, filename: str, revision: str | None
 ) -> SourceError | None:

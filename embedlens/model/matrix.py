@@ -3,7 +3,8 @@
 `locate` finds the tensor from the headers alone (no weights read). `open_rows` then maps just that
 tensor: a numpy memory map over the safetensors data in its stored dtype (bfloat16 widened to
 float32 block by block), or over a GGUF tensor's quantised blocks, dequantised by the `gguf`
-package block by block. A hub repo downloads only the shard that holds the tensor.
+package block by block. A hub file that is not in the hub cache has only the tensor's byte range
+fetched (embedlens.io.ranges).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.io.checkpoint import (
     Checkpoint,
     TensorEntry,
+    fetch_tensor,
     offline_error,
     open_checkpoint,
     read_safetensors_header,
 )
-from embedlens.io.source import ModelSource
+from embedlens.io.hub import hub_offline
+from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model.config import ModelConfig
 from embedlens.model.inventory import check_integer_weights, from_checkpoint, read_config
 
@@ -92,6 +95,8 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
 
     No model code runs here, so a config whose model needs the repository's code is read too."""
     ckpt = open_checkpoint(source, partial=True)
+    if ckpt is None and source.kind == "hub" and hub_offline():
+        raise offline_error(source, WEIGHT_SINGLE)  # not in either cache: which, unknown offline
     if ckpt is None:
         raise CheckpointError(
             f"'{source.spec}' has no safetensors or GGUF weights",
@@ -122,9 +127,12 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
 
 
 def on_disk(source: ModelSource, entry: TensorEntry) -> TensorEntry:
-    """The entry with its file on disk and its absolute offset, fetching only its shard."""
+    """The entry with its bytes on disk and its absolute offset: a hub file that the hub cache
+    lacks has the tensor's byte range fetched (or read from the kept ranges)."""
     if entry.path is not None and entry.file_offset is not None:
         return entry
+    if source.kind == "hub" and entry.file_offset is not None and source.cached(entry.file) is None:
+        return fetch_tensor(source, entry)
     path = source.file(entry.file)
     header = read_safetensors_header(path, entry.file)
     found = header.tensors.get(entry.name)
@@ -153,7 +161,11 @@ class Rows:
             except KeyError as e:
                 raise UnsupportedError(f"gguf cannot read ggml type {entry.dtype}") from e
             self._map = np.memmap(
-                entry.path, np.uint8, "r", offset=entry.file_offset, shape=(v, entry.row_bytes)
+                entry.path,
+                np.uint8,
+                "r",
+                offset=entry.file_offset - entry.base,
+                shape=(v, entry.row_bytes),
             )
         else:
             np_dtype = _SAFETENSORS_NUMPY.get(entry.dtype)
@@ -163,7 +175,11 @@ class Rows:
                     "and F64 tables"
                 )
             self._map = np.memmap(
-                entry.path, np.dtype(np_dtype), "r", offset=entry.file_offset, shape=(v, d)
+                entry.path,
+                np.dtype(np_dtype),
+                "r",
+                offset=entry.file_offset - entry.base,
+                shape=(v, d),
             )
         block_bytes = _GGUF_BLOCK_BYTES if fmt == "gguf" else _BLOCK_BYTES
         self.block_rows = max(1, block_bytes // (4 * d))
@@ -252,7 +268,7 @@ def _dequantize_q8_0(
 
 
 def open_rows(source: ModelSource, table: Table) -> Rows:
-    """Map the table's tensor (downloading its shard alone for a hub repo)."""
+    """Map the table's tensor (for a hub repo, fetching its byte range alone)."""
     check_integer_weights(table.checkpoint, table.config, [table.entry.name])
     entry = on_disk(source, table.entry)
     return Rows(entry, table.checkpoint.format)

@@ -206,3 +206,6 @@ class VocabReport(Report):
     problems: list[str]
     """What would make the model misbehave with this vocabulary (empty: none found)."""
     notes: list[str] = field(default_factory=list)
+    hub_fetched_bytes: int | None = None
+    """Bytes fetched from the hub by HTTP range for this report (headers and the rows read);
+    None when nothing was read by range (a local model, or one whole in the hub cache)."""
