@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
-from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, fetch_rows
+from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, fetch_gguf_rows, fetch_rows
 from embedlens.io.gguf import GGUFHeader, LazyArray
 from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import ModelSource, resolve
@@ -255,6 +255,10 @@ def _rows_on_disk(table: Table, rows: list[int], source: ModelSource | None) -> 
     """The table, or for a hub file the hub cache lacks, a table whose file is a sparse copy
     (header and the rows' byte ranges, fetched or kept) in a temporary folder."""
     entry = table.entry
+    if source is not None and source.remote and entry.path is None:
+        path = fetch_gguf_rows(source, entry, rows)  # the header's copy, with the rows
+        yield replace(table, entry=replace(entry, path=path, base=0))
+        return
     if source is None or source.kind != "hub" or entry.path is not None:
         yield table
         return

@@ -300,7 +300,11 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
     """
     if source.is_gguf:
         assert source.path is not None
-        return gguf_checkpoint(source.path)
+        ckpt = gguf_checkpoint(source.path)
+        if not source.remote:
+            return ckpt
+        # A hub GGUF's sparse copy holds its header alone: its tensors are fetched when read.
+        return replace(ckpt, tensors={n: replace(t, path=None) for n, t in ckpt.tensors.items()})
     names = safetensors_files(source)
     if names is None:
         return None
@@ -384,9 +388,27 @@ def fetch_tensor(source: ModelSource, entry: TensorEntry) -> TensorEntry:
     """The entry with its bytes on disk: the tensor's byte range of a hub file, fetched (or
     kept from an earlier run)."""
     assert source.repo_id is not None and entry.file_offset is not None
-    hub = describe(source.repo_id, entry.file, source.revision)
+    hub = describe(source.repo_id, source.hub_file or entry.file, source.revision)
     path, base = read_range(hub, entry.file_offset, entry.file_offset + entry.nbytes)
     return replace(entry, path=path, base=base)
+
+
+def fetch_gguf_rows(source: ModelSource, entry: TensorEntry, rows: list[int]) -> Path:
+    """The sparse copy of a hub GGUF (its header) with the given rows of a tensor written at
+    their offsets (fetched, or kept from an earlier run): what gguf's own reader needs to read
+    those rows."""
+    assert source.repo_id is not None and source.hub_file is not None
+    assert source.path is not None and entry.file_offset is not None
+    hub = describe(source.repo_id, source.hub_file, source.revision)
+    with open(source.path, "r+b") as out:
+        for row in sorted(set(rows)):
+            start = entry.file_offset + row * entry.row_bytes
+            kept, base = read_range(hub, start, start + entry.row_bytes)
+            with open(kept, "rb") as fh:
+                fh.seek(start - base)
+                out.seek(start)
+                out.write(fh.read(entry.row_bytes))
+    return source.path
 
 
 def fetch_rows(source: ModelSource, entry: TensorEntry, rows: list[int], folder: Path) -> Path:

@@ -171,17 +171,41 @@ class GGUFHeader:
         return self.metadata.get(key.replace("{arch}", str(arch)), default)
 
 
+class HeaderShort(CheckpointError):
+    """The bytes given end inside the header of a longer file: `needed` bytes from its start
+    are needed at least (raised only when the file's whole size is known)."""
+
+    def __init__(self, where: str, needed: int) -> None:
+        super().__init__(f"'{where}': its header runs past the {needed} bytes read")
+        self.needed = needed
+
+
 class _Cursor:
-    def __init__(self, buf: Any, pos: int, where: str, budget: int = MAX_STRING_BYTES) -> None:
+    def __init__(
+        self,
+        buf: Any,
+        pos: int,
+        where: str,
+        budget: int = MAX_STRING_BYTES,
+        file_size: int | None = None,
+    ) -> None:
         self.buf, self.pos, self.where, self.size = buf, pos, where, len(buf)
         self.budget = budget
+        self.file_size = self.size if file_size is None else file_size
+        """The whole file's size: buf may hold only its first bytes."""
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
+            self.short(self.pos + n if n >= 0 else -1)
             raise CheckpointError(
                 f"'{self.where}' is truncated or corrupt: {what} runs past the end of the file "
-                f"(needs {n} bytes at offset {self.pos}, file has {self.size})"
+                f"(needs {n} bytes at offset {self.pos}, file has {self.file_size})"
             )
+
+    def short(self, end: int) -> None:
+        """HeaderShort when buf holds only the file's first bytes and `end` lies in the file."""
+        if self.size < end <= self.file_size:
+            raise HeaderShort(self.where, end)
 
     def scalar(self, fmt: str, size: int, what: str) -> Any:
         self.need(size, what)
@@ -239,9 +263,11 @@ class _Cursor:
         pos, size, buf, unpack = self.pos, self.size, self.buf, _U64.unpack_from
         for _ in range(count):  # one tight loop: a vocabulary has 10^5 strings
             if pos + 8 > size:
+                self.short(pos + 8)
                 break
             pos += 8 + unpack(buf, pos)[0]
             if pos > size:
+                self.short(pos)
                 break
         else:
             if pos - self.pos > MAX_ARRAY_BYTES:
@@ -253,7 +279,7 @@ class _Cursor:
             return
         raise CheckpointError(
             f"'{self.where}' is truncated or corrupt: a string array starting at offset "
-            f"{self.pos} runs past the end of the file ({size} bytes)"
+            f"{self.pos} runs past the end of the file ({self.file_size} bytes)"
         )
 
 
@@ -277,10 +303,23 @@ def read_gguf_header(path: Path) -> GGUFHeader:
         raise CheckpointError(f"cannot read '{path}': {e.strerror or e}") from e
 
 
-def _parse(path: Path, buf: Any) -> GGUFHeader:
-    """Read the header in buf in file order: counts, metadata, tensor infos; check each tensor."""
+def parse_gguf_start(path: Path, buf: bytes, file_size: int) -> GGUFHeader:
+    """Parse a GGUF header from the first bytes of a file of file_size bytes (a hub file read by
+    range); HeaderShort when they end inside the header, CheckpointError when it is malformed.
+    Long arrays are left to be read from `path`, which must hold the same bytes."""
+    if file_size < 24:
+        raise CheckpointError(f"'{path.name}' is too short to be a GGUF file ({file_size} bytes)")
+    if len(buf) < 24:
+        raise HeaderShort(path.name, 24)
+    return _parse(path, buf, file_size)
+
+
+def _parse(path: Path, buf: Any, file_size: int | None = None) -> GGUFHeader:
+    """Read the header in buf in file order: counts, metadata, tensor infos; check each tensor.
+    file_size: the whole file's, when buf holds only its first bytes."""
     where = path.name
-    cur, version, n_tensors, n_kv = _preamble(buf, where)
+    size = len(buf) if file_size is None else file_size
+    cur, version, n_tensors, n_kv = _preamble(buf, where, size)
     metadata = _read_metadata(cur, path, n_kv)
     alignment = _alignment(metadata, where)
     infos = [_read_tensor_info(cur, where) for _ in range(n_tensors)]
@@ -290,17 +329,17 @@ def _parse(path: Path, buf: Any) -> GGUFHeader:
         if name in tensors:
             raise CheckpointError(f"'{where}' is corrupt: tensor {_short(name)} appears twice")
         info = GGUFTensorInfo(name, dims, type_id, data_offset + offset)
-        _check_tensor(info, offset, alignment, len(buf), where)
+        _check_tensor(info, offset, alignment, size, where)
         tensors[name] = info
     return GGUFHeader(path, version, metadata, tensors, data_offset, alignment)
 
 
-def _preamble(buf: Any, where: str) -> tuple[_Cursor, int, int, int]:
+def _preamble(buf: Any, where: str, file_size: int) -> tuple[_Cursor, int, int, int]:
     """Check the magic and version; return a cursor past the counts, the version, the tensor
     count and the metadata count."""
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise CheckpointError(f"'{where}' is not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    cur = _Cursor(buf, 4, where)
+    cur = _Cursor(buf, 4, where, file_size=file_size)
     version = cur.u32("the version")
     if version not in (2, 3):
         raise CheckpointError(f"'{where}' has GGUF version {version}; versions 2 and 3 are read")

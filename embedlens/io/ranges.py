@@ -10,8 +10,9 @@ a part for the whole file:
     <cache>/models--org--name/<commit>/<quoted file>/<etag>/<start>-<stop>
 
 each range written to a temporary name and renamed into place, and checked by size when read.
-With HF_HUB_OFFLINE=1 the commit comes from the hub cache's `refs/`, and a kept range that covers
-the bytes asked for is read; otherwise the file is named in the error.
+With HF_HUB_OFFLINE=1 the commit comes from the hub cache's `refs/` (or the kept ranges' own,
+written when a revision was resolved online), and a kept range that covers the bytes asked for
+is read; otherwise the file is named in the error.
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ def _described_online(repo_id: str, filename: str, revision: str | None) -> HubF
             f"the hub did not give the commit, ETag and size of '{repo_id}/{filename}'",
             hint="check HF_ENDPOINT, your proxy and your certificates",
         )
+    _remember_commit(repo_id, revision, meta.commit_hash)
     headers = build_hf_headers()
     location = meta.location or url
     from huggingface_hub.utils._http import _is_same_or_hub_host
@@ -233,11 +235,34 @@ def _commit_offline(repo_id: str, revision: str | None) -> str | None:
         return wanted
     from huggingface_hub import constants
 
-    ref = Path(constants.HF_HUB_CACHE) / _repo_dir(repo_id) / "refs" / wanted
+    for refs in (
+        Path(constants.HF_HUB_CACHE) / _repo_dir(repo_id),
+        cache_root() / _repo_dir(repo_id),
+    ):
+        try:
+            return (refs / "refs" / wanted).read_text(encoding="utf-8").strip() or None
+        except OSError:
+            continue
+    return None
+
+
+def _remember_commit(repo_id: str, revision: str | None, commit: str) -> None:
+    """Keep the commit a revision named (in the kept ranges' own refs/), for offline runs that
+    find nothing of the repo in the hub cache (a hub GGUF: no file of it is downloaded)."""
+    wanted = revision or "main"
+    if _COMMIT.match(wanted) or "/" in wanted or wanted.startswith("."):
+        return
+    folder = cache_root() / _repo_dir(repo_id) / "refs"
+    path = folder / wanted
     try:
-        return ref.read_text(encoding="utf-8").strip() or None
+        if path.is_file() and path.read_text(encoding="utf-8").strip() == commit:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{wanted}.{os.getpid()}"
+        tmp.write_text(commit, encoding="utf-8")
+        os.replace(tmp, path)
     except OSError:
-        return None
+        pass  # only offline runs need it
 
 
 def _described_offline(repo_id: str, filename: str, revision: str | None) -> HubFile:

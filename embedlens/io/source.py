@@ -1,4 +1,5 @@
-"""Resolve what the user typed as MODEL: a local folder, a .gguf file, or a hub repo id.
+"""Resolve what the user typed as MODEL: a local folder, a .gguf file, a hub repo id, or a GGUF
+file of a hub repo (`REPO:FILE.gguf`, transformers' `gguf_file=`).
 
 Resolution happens before anything is handed to transformers, so that each way of failing gets its
 own message. Hub files are fetched one at a time (embedlens.io.hub), and only when a command asks
@@ -17,6 +18,7 @@ from typing import Literal
 from embedlens.errors import SourceError
 from embedlens.io.gguf import GGUF_MAGIC
 from embedlens.io.hub import hub_file
+from embedlens.io.hub_gguf import header_copy, split_spec
 
 SourceKind = Literal["dir", "gguf", "hub"]
 
@@ -35,6 +37,11 @@ class ModelSource:
     """The local folder (dir), the .gguf file (gguf), or the cached snapshot folder (hub)."""
     repo_id: str | None = None
     revision: str | None = None
+    hub_file: str | None = None
+    """A GGUF file of a hub repo (`REPO:FILE.gguf`): its name in the repo."""
+    remote: bool = False
+    """`path` is a sparse copy of the hub GGUF holding only its header: the tensors' bytes are
+    fetched by range when read (embedlens.io.hub_gguf)."""
     _missing: set[str] = field(default_factory=set, compare=False, repr=False)
     _checked: set[bool] = field(default_factory=set, compare=False, repr=False)
     """Whether loading.check_source passed, by its trust_remote_code."""
@@ -84,6 +91,17 @@ class ModelSource:
         hit = try_to_load_from_cache(self.repo_id, name, revision=self.revision)
         return Path(hit) if isinstance(hit, str) else None
 
+    def whole_gguf(self) -> Path:
+        """The GGUF file whole, for loading the model: a hub GGUF is downloaded into the hub
+        cache (as transformers' gguf_file would)."""
+        assert self.path is not None
+        if not self.remote:
+            return self.path
+        assert self.repo_id is not None and self.hub_file is not None
+        found = hub_file(self.repo_id, self.hub_file, self.revision, required=True)
+        assert found is not None
+        return found
+
     def listing(self) -> list[str] | None:
         """File names of the model's folder or snapshot, when they can be listed without network."""
         folder = self.folder
@@ -101,6 +119,9 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
     path = Path(spec).expanduser()
     if _stat(spec, path):
         return _local(spec, path)
+    in_repo = split_spec(spec)
+    if in_repo is not None and _REPO_ID.match(in_repo[0]) and ".." not in in_repo[0]:
+        return _hub_gguf(spec, *in_repo, revision)
     if _looks_like_path(spec):
         raise SourceError(f"no such file or directory: '{spec}'")
     if not _REPO_ID.match(spec) or "--" in spec or ".." in spec:
@@ -116,6 +137,27 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
             hint="embedlens reads Hugging Face causal LMs that ship a config.json",
         )
     return ModelSource(spec=spec, kind="hub", path=config.parent, repo_id=spec, revision=revision)
+
+
+def _hub_gguf(spec: str, repo_id: str, filename: str, revision: str | None) -> ModelSource:
+    """A GGUF file of a hub repo: the hub cache's copy when it holds the whole file, else a
+    sparse copy holding its header, read by range."""
+    from huggingface_hub import try_to_load_from_cache
+
+    hit = try_to_load_from_cache(repo_id, filename, revision=revision)
+    if isinstance(hit, str):
+        path, remote = Path(hit), False
+    else:
+        path, remote = header_copy(repo_id, filename, revision)[0], True
+    return ModelSource(
+        spec=spec,
+        kind="gguf",
+        path=path,
+        repo_id=repo_id,
+        revision=revision,
+        hub_file=filename,
+        remote=remote,
+    )
 
 
 def _permission_denied(spec: str) -> SourceError:

@@ -56,7 +56,7 @@ def _where(source: ModelSource) -> Iterator[tuple[str, dict[str, Any]]]:
         assert source.path is not None
         # An absolute gguf_file: from_pretrained tries gguf_file relative to the working
         # directory first, so a bare name would load a same-named file from there instead.
-        path = source.path.resolve()
+        path = source.whole_gguf().resolve()
         with _gguf_named(path) as named:
             yield str(path.parent), {"gguf_file": str(named)}
         return

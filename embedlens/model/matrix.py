@@ -131,7 +131,8 @@ def on_disk(source: ModelSource, entry: TensorEntry) -> TensorEntry:
     lacks has the tensor's byte range fetched (or read from the kept ranges)."""
     if entry.path is not None and entry.file_offset is not None:
         return entry
-    if source.kind == "hub" and entry.file_offset is not None and source.cached(entry.file) is None:
+    remote = source.remote or (source.kind == "hub" and source.cached(entry.file) is None)
+    if remote and entry.file_offset is not None:
         return fetch_tensor(source, entry)
     path = source.file(entry.file)
     header = read_safetensors_header(path, entry.file)
