@@ -202,10 +202,18 @@ class _Cursor:
                 f"(needs {n} bytes at offset {self.pos}, file has {self.file_size})"
             )
 
-    def short(self, end: int) -> None:
-        """HeaderShort when buf holds only the file's first bytes and `end` lies in the file."""
-        if self.size < end <= self.file_size:
-            raise HeaderShort(self.where, end)
+    def short(self, end: int, array_start: int | None = None) -> None:
+        """HeaderShort when buf holds only the file's first bytes and `end` lies in the file
+        (CheckpointError instead when a string array from array_start spans more than it may:
+        nothing more is read for it)."""
+        if not self.size < end <= self.file_size:
+            return
+        if array_start is not None and end - array_start > MAX_ARRAY_BYTES:
+            raise CheckpointError(
+                f"'{self.where}' is corrupt: a string array at offset {array_start} spans over "
+                f"{end - array_start} bytes (at most {MAX_ARRAY_BYTES >> 20} MiB are read)"
+            )
+        raise HeaderShort(self.where, end)
 
     def scalar(self, fmt: str, size: int, what: str) -> Any:
         self.need(size, what)
@@ -221,12 +229,14 @@ class _Cursor:
 
     def string(self, what: str = "a string", *, strict: bool = False) -> str:
         n = self.u64(what)
-        self.need(n, what)
+        if n > self.budget and self.pos + n > self.file_size:
+            self.need(n, what)  # past the end of the file: that is the error
         if n > self.budget:
             raise CheckpointError(
                 f"'{self.where}' is corrupt: {what} at offset {self.pos - 8} claims {n} bytes, "
                 f"past the {MAX_STRING_BYTES >> 20} MiB its header's strings may take in all"
             )
+        self.need(n, what)
         self.budget -= n
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
@@ -263,11 +273,11 @@ class _Cursor:
         pos, size, buf, unpack = self.pos, self.size, self.buf, _U64.unpack_from
         for _ in range(count):  # one tight loop: a vocabulary has 10^5 strings
             if pos + 8 > size:
-                self.short(pos + 8)
+                self.short(pos + 8, self.pos)
                 break
             pos += 8 + unpack(buf, pos)[0]
             if pos > size:
-                self.short(pos)
+                self.short(pos, self.pos)
                 break
         else:
             if pos - self.pos > MAX_ARRAY_BYTES:
