@@ -12,7 +12,9 @@ from embedlens.cli._output import check_stdout, set_quiet
 ModelArg = Annotated[
     str,
     typer.Argument(
-        metavar="MODEL", help="Hub repo id, local model folder, or .gguf file.", show_default=False
+        metavar="MODEL",
+        help="Hub repo id (REPO:FILE.gguf: a GGUF file in it), local model folder, or .gguf file.",
+        show_default=False,
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write one JSON object to stdout.")]

@@ -127,7 +127,8 @@ def resolve(spec: str, revision: str | None = None) -> ModelSource:
     if not _REPO_ID.match(spec) or "--" in spec or ".." in spec:
         raise SourceError(
             f"'{spec}' is neither an existing path nor a hub repo id",
-            hint="a repo id looks like 'namespace/name', e.g. 'Qwen/Qwen3-0.6B'",
+            hint="a repo id looks like 'namespace/name', e.g. 'Qwen/Qwen3-0.6B'; a GGUF file "
+            "in a repo, 'namespace/name:file.gguf'",
         )
     config = hub_file(spec, "config.json", revision, required=False)
     if config is None:
