@@ -8,9 +8,6 @@ a 1.8 MB header with its 49k-token vocabulary and merges, then a 30 MB Q8_0 embe
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import pytest
 from embedlens.io.gguf import HeaderShort, parse_gguf_start, read_gguf_header
 from embedlens.io.hub_gguf import FIRST_RANGE, split_spec
 from embedlens.io.ranges import decimal_size
-from tests.hubserver import FakeHub, Repo
+from tests.hubserver import COMMIT, FakeHub, Repo
 from tests.test_hub_failures import fails, run
 
 ARGS = {
@@ -126,35 +123,30 @@ def test_params_and_tied_read_the_header_alone(hub, smollm2, tmp_path, cli):
     assert _sent(hub, repo) == {smollm2.name: 2 * FIRST_RANGE}  # the header's ranges, once
 
 
-def test_a_gguf_in_the_hub_cache_is_read_whole_and_nothing_is_fetched(hub, smollm2, tmp_path):
-    """The sparse copy never stands in for the file where the model is loaded: whole_gguf
-    downloads it (what lens and vocab --verify load), after which neighbors reads that file."""
-    repo = "org/smol-whole"
+def test_a_later_lens_downloads_the_whole_file_and_then_nothing_is_fetched(
+    hub, smollm2, tmp_path, cli
+):
+    """The sparse copy never stands in for the file where the model is loaded: lens downloads
+    it whole into the hub cache, after which neighbors reads that file and fetches no range."""
+    repo = "org/smol-lens"
     model = _serve(hub, repo)
-    code = (
-        "from embedlens.io.source import resolve\n"
-        f"s = resolve({model!r})\n"
-        "print(s.remote, s.whole_gguf())\n"
-    )
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "EMBEDLENS_", "TRANSFORMERS_"))
-    }
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path))
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    remote, path = done.stdout.split()
-    assert remote == "True" and "snapshots" in path
-    assert Path(path).read_bytes() == smollm2.read_bytes()
+    ranged = run(hub.url, tmp_path, "neighbors", model, " king", "--json")
+    assert ranged.returncode == 0, ranged.stderr
+    hub.sent.clear()
+    args = ["The capital of France is", "--layers", "28:"]
+    lens = run(hub.url, tmp_path, "lens", model, *args, "--json")
+    assert lens.returncode == 0, lens.stderr
+    assert _sent(hub, repo) == {smollm2.name: smollm2.stat().st_size}
+    snapshot = tmp_path / "hub" / "models--org--smol-lens" / "snapshots" / COMMIT / smollm2.name
+    assert snapshot.read_bytes() == smollm2.read_bytes()
+    _same(json.loads(lens.stdout), cli.json("lens", smollm2, *args))
     gets = len(hub.log)
     whole = run(hub.url, tmp_path, "neighbors", model, " king", "--json")
     assert whole.returncode == 0, whole.stderr
     assert not [r for r in hub.log[gets:] if r[0] == "GET"], hub.log[gets:]
     assert json.loads(whole.stdout)["hub_fetched_bytes"] is None
     assert "by range" not in whole.stderr
+    _same(json.loads(whole.stdout), json.loads(ranged.stdout))
 
 
 def test_hub_gguf_errors_are_one_line(hub, tmp_path):
