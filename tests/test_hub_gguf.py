@@ -182,3 +182,17 @@ def test_spec_naming_a_gguf_in_a_repo():
     assert split_spec("org/name:model.safetensors") is None
     assert split_spec("org/name:../x.gguf") is None
     assert split_spec("org/name:/x.gguf") is None
+
+
+def test_a_corrupt_length_is_refused_without_asking_for_more(tmp_path):
+    """A key claiming 50 MB (over the 16 MiB strings may take) in a 100 MB file is an error at
+    once, not a request for 50 MB more."""
+    import struct
+
+    from embedlens.errors import CheckpointError
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 50_000_000) + b"k" * 100
+    with pytest.raises(CheckpointError) as e:
+        parse_gguf_start(tmp_path / "x.gguf", head, 100_000_000)
+    assert not isinstance(e.value, HeaderShort)
+    assert "claims 50000000 bytes" in e.value.message
