@@ -745,6 +745,7 @@ def _run_report(
         k=ask.top_k,
         real_vocab=len(tokenizer),
         target=prompt.target_id,
+        full_at=[prompt.index],
     )
     return _report(name, tokenizer, model, result, ask, prompt)
 
