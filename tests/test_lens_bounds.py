@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tests.models import TOKENIZER_LEN
+from tests.test_lens_prompts import PROMPTS, close, lines_of
 
 PROMPT = "the king of France is"
 
@@ -47,6 +49,37 @@ def test_grid_cells_are_the_top1_of_a_full_run(tiny):
             assert cell.target_rank is None
 
 
+def test_batch_rows_hold_the_top_k_at_the_position_read_only(tiny):
+    """`--prompts`: the rows of a prompt's other positions hold their top-1 and the target, as
+    a run reading the top-k everywhere gives them."""
+    from embedlens.analysis.lens_batch import BatchItem, BatchLens
+
+    model, ids = _load(tiny("qwen3"))
+    last, every = len(ids) - 1, list(range(len(ids)))
+
+    def run(item: BatchItem) -> Any:
+        return BatchLens(model, [0, 1, 2, 3], TOKENIZER_LEN, TOKENIZER_LEN).run([item])[0]
+
+    full, read = run(BatchItem(ids, every, 20)), run(BatchItem(ids, every, 20, read=last))
+    assert read.result.rows.keys() == full.result.rows.keys() and read.kl == full.kl
+    for (layer, pos), top in full.result.rows.items():
+        cell = read.result.rows[(layer, pos)]
+        assert len(top.ids) == TOKENIZER_LEN
+        if pos == last:
+            assert cell == top
+        else:
+            assert (cell.ids, cell.probs, cell.logprobs) == (
+                top.ids[:1],
+                top.probs[:1],
+                top.logprobs[:1],
+            )
+            assert (cell.target_prob, cell.target_rank, cell.target_logprob) == (
+                top.target_prob,
+                top.target_rank,
+                top.target_logprob,
+            )
+
+
 def test_a_decoded_row_that_is_not_finite_is_refused_and_an_overflowing_sum_is_not():
     from embedlens.analysis.lens_engine import _check_decoded
     from embedlens.errors import NumericError
@@ -59,3 +92,66 @@ def test_a_decoded_row_that_is_not_finite_is_refused_and_an_overflowing_sum_is_n
         out[1, 2] = bad
         with pytest.raises(NumericError, match="layer 2 at position 9"):
             _check_decoded(out, [(2, 0), (2, 1)], pos)
+
+
+# --- -k past the vocabulary ----------------------------------------------------------------------
+
+BIG_K = "100000"
+CLAMPED = (
+    f"-k {BIG_K} is more than the vocabulary's {TOKENIZER_LEN:,} tokens: "
+    f"showing all {TOKENIZER_LEN:,}"
+)
+
+
+def test_k_past_the_vocabulary_is_clamped_with_a_note(tiny, cli):
+    folder = tiny("llama-tied")
+    result = cli("lens", folder, PROMPT, "-k", BIG_K, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert f"note: {CLAMPED}" in result.stderr
+    data = json.loads(result.stdout)
+    assert [len(row["top"]) for row in data["layers"]] == [TOKENIZER_LEN] * len(data["layers"])
+    exact = cli("lens", folder, PROMPT, "-k", str(TOKENIZER_LEN), "--json")
+    assert "more than the vocabulary" not in exact.stderr
+    assert data["notes"] == [*json.loads(exact.stdout)["notes"], CLAMPED]
+    assert {**data, "notes": []} == {**json.loads(exact.stdout), "notes": []}
+
+
+def test_prompts_with_k_past_the_vocabulary_equal_their_single_runs(tiny, cli, tmp_path):
+    """Every position read, the whole vocabulary at the last: each line is its single run, and
+    the note is said once."""
+    folder = tiny("gpt-neox")
+    path = tmp_path / "p.txt"
+    path.write_text("\n".join(PROMPTS[:3]) + "\n", encoding="utf-8")
+    args = ("--position", "all", "-k", BIG_K)
+    result = cli("lens", folder, "--prompts", path, *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count(CLAMPED) == 1
+    out = lines_of(result.stdout)
+    for got, prompt in zip(out, PROMPTS[:3], strict=False):
+        assert {len(row["top"]) for row in got["layers"]} == {TOKENIZER_LEN}
+        close(got, cli.json("lens", folder, prompt, *args))
+
+
+def test_summary_alone_decodes_the_top1_whatever_k_is(tiny, cli, tmp_path, monkeypatch):
+    from embedlens.analysis import lens_batch
+
+    asked: list[int] = []
+    init = lens_batch.BatchLens.__init__
+
+    def spy(self: Any, model: Any, layers: Any, k: int, real_vocab: int) -> None:
+        asked.append(k)
+        init(self, model, layers, k, real_vocab)
+
+    monkeypatch.setattr(lens_batch.BatchLens, "__init__", spy)
+    folder = tiny("llama-tied")
+    path = tmp_path / "p.txt"
+    path.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    big = cli("lens", folder, "--prompts", path, "-k", BIG_K)
+    assert big.exit_code == 0, big.stderr
+    assert big.stdout == cli("lens", folder, "--prompts", path).stdout
+    assert "more than the vocabulary" not in big.stderr  # nothing of the top-k is shown
+    assert cli("lens", folder, "--prompts", path, "-k", "3", "--json").exit_code == 0
+    assert asked == [1, 1, 3]
+    assert "-k must be at least 1, not 0" in cli.fails(
+        "lens", folder, "--prompts", path, "-k", "0", code=2
+    )

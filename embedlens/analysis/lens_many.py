@@ -224,7 +224,8 @@ class _Run:
         layers = every if ask.layers is None else resolve_layers(ask.layers, n_blocks)
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.config, self.template, self.ask, self.around = config, template, ask, around
-        self.batch = BatchLens(model, layers, ask.top_k, len(tokenizer))
+        k = ask.top_k if ask.each is not None else 1  # the statistics read the top-1 alone
+        self.batch = BatchLens(model, layers, k, len(tokenizer))
         self.stats: LensStats = LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
@@ -262,7 +263,7 @@ class _Run:
             positions = listed or (
                 list(range(len(prompt.ids))) if ask.position is None else [prompt.index]
             )
-            items.append(BatchItem(prompt.ids, positions, prompt.target_id))
+            items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index))
         outs = self.batch.run(items)
         for (line, ask, prompt, _), out in zip(window, outs, strict=True):
             self.stats.add(out.result, out.kl, out.model_top1)
