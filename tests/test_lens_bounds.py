@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,93 @@ def test_summary_alone_decodes_the_top1_whatever_k_is(tiny, cli, tmp_path, monke
     assert "-k must be at least 1, not 0" in cli.fails(
         "lens", folder, "--prompts", path, "-k", "0", code=2
     )
+
+
+# --- how much of a large grid the heatmap draws --------------------------------------------------
+
+
+def grid_report(positions: int, layers: int) -> Any:
+    """A lens report with a grid of this size (made up: the drawing's bounds need no model)."""
+    from embedlens.reports.lens import (
+        GridCell,
+        GridRow,
+        LensCheck,
+        LensLayer,
+        LensReport,
+        LensToken,
+        Prediction,
+    )
+
+    words = ["the", " king", "中国", "\n", " international"]
+
+    def cell(layer: int, pos: int) -> GridCell:
+        p = ((7 * pos + 3 * layer) % 10 + 0.5) / 10
+        return GridCell(pos, pos % 5, words[(pos + layer) % 5], p, math.log(p))
+
+    return LensReport(
+        model="made-up",
+        tokens=[LensToken(i % 5, words[i % 5]) for i in range(positions)],
+        position=-1,
+        position_index=positions - 1,
+        num_layers=layers - 1,
+        layers=[LensLayer(n, [Prediction(1, " king", 0.5, math.log(0.5))]) for n in range(layers)],
+        check=LensCheck(1e-6, 1e-3, True, True, None),
+        steps=["model.norm", "lm_head"],
+        dtype="float32",
+        vocab_size=5,
+        tokenizer_size=5,
+        prompt="made up",
+        grid=[GridRow(n, [cell(n, p) for p in range(positions)]) for n in range(layers)],
+    )
+
+
+@pytest.mark.parametrize(("positions", "layers"), [(5, 4), (64, 31), (100, 20)])
+def test_small_grids_are_drawn_whole(positions, layers):
+    from embedlens.views.heatmap import plan
+
+    drawn = plan(grid_report(positions, layers))
+    assert drawn.whole and drawn.columns == positions and drawn.notes() == []
+
+
+def test_past_the_cell_bounds_cells_are_colours_only():
+    from embedlens.views.heatmap import plan
+
+    drawn = plan(grid_report(65, 31))  # 2,015 cells
+    assert not drawn.text and (drawn.group, drawn.step) == (1, 1)
+    assert drawn.notes() == [
+        "the heatmap of 65 positions x 31 layers (2,015 cells) is drawn without tokens and "
+        "probabilities in its cells (they are drawn up to 2,000 cells and 100 positions; --json "
+        "gives every cell)"
+    ]
+    assert not plan(grid_report(101, 2)).text  # a column too narrow for a token
+    wide = plan(grid_report(400, 31))
+    assert (wide.text, wide.group, wide.step) == (False, 1, 5)
+    assert list(wide.labelled())[:3] == [0, 5, 10] and len(wide.labelled()) == 80
+    assert wide.notes()[0].endswith("; every 5th position is labelled")
+
+
+def test_past_the_column_bound_positions_share_columns():
+    from embedlens.views.heatmap import plan
+
+    drawn = plan(grid_report(5000, 2))
+    assert (drawn.group, drawn.columns, drawn.step) == (3, 1667, 20)
+    assert list(drawn.shown(1666)) == [4998, 4999]
+    assert (
+        "its positions are merged 3 to a column (1,667 columns, each the mean top-1 probability "
+        "of its positions); every 20th column is labelled"
+    ) in drawn.notes()[0]
+
+
+def test_smollm2_grid_of_400_positions_is_drawn(smollm2, cli, tmp_path):
+    """The plot that once did not finish in 110 s: 400 positions x 31 layers, colours only."""
+    pytest.importorskip("matplotlib")
+    prompt = ("the river runs past the old mill and the hills " * 40).strip()
+    out = tmp_path / "grid.png"
+    result = cli("lens", smollm2, prompt, "--position", "all", "--plot", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert len(data["tokens"]) == 400 and len(data["grid"]) == 31
+    assert (
+        "note: the heatmap of 400 positions x 31 layers (12,400 cells) is drawn without tokens"
+    ) in result.stderr
+    assert out.read_bytes().startswith(b"\x89PNG")
