@@ -189,7 +189,8 @@ class Plan:
 
     @property
     def whole(self) -> bool:
-        """Whether the grid is drawn as a small one is: every cell's text, every column labelled."""
+        """Whether the grid is drawn as every small one is: each cell's text, each column
+        labelled."""
         return self.text and self.group == 1 and self.step == 1
 
     def shown(self, column: int) -> range:
@@ -227,12 +228,12 @@ def plan(report: LensReport) -> Plan:
     grid = report.grid or []
     n = len(grid[0].cells) if grid else 0
     text = n * len(grid) <= TEXT_CELLS and n <= TEXT_POSITIONS
-    group = -(-n // MAX_COLUMNS)
-    columns = -(-n // max(group, 1))
+    group = max(1, -(-n // MAX_COLUMNS))
+    columns = -(-n // group)
     step = 1
-    while not text and -(-columns // step) > MAX_TICKS:
+    while -(-columns // step) > MAX_TICKS:  # never with text: its columns are fewer
         step = _next_step(step)
-    return Plan(n, len(grid), text, max(group, 1), step)
+    return Plan(n, len(grid), text, group, step)
 
 
 def _next_step(step: int) -> int:
