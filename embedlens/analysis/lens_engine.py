@@ -457,13 +457,7 @@ def run_lens(
                 rows, diff, agrees = retry
             else:
                 tail.full = False
-        first = cap.residual[n_layers][0].to(device)
-        probe = tail_steps(model, blocks, tail, first)
-        steps = list(probe.steps)
-        if probe.head_out is not None and probe.logits is not None:
-            post = post_head_step(probe.head_out.float(), probe.logits, tol)
-            if post is not None:
-                steps.append(post)
+        steps, probe = _steps(model, blocks, tail, cap.residual[n_layers][0].to(device), tol)
         suspect = _suspect(cap, probe, tol) if diff > tol else None
     return LensResult(
         num_layers=n_layers,
@@ -475,6 +469,19 @@ def run_lens(
         steps=steps,
         full_tail=tail.full,
     )
+
+
+def _steps(
+    model: nn.Module, blocks: Blocks, tail: Tail, row: torch.Tensor, tol: float
+) -> tuple[list[str], _Capture]:
+    """What runs after the last block, found on one row: its modules, then a post-head step."""
+    probe = tail_steps(model, blocks, tail, row)
+    steps = list(probe.steps)
+    if probe.head_out is not None and probe.logits is not None:
+        post = post_head_step(probe.head_out.float(), probe.logits, tol)
+        if post is not None:
+            steps.append(post)
+    return steps, probe
 
 
 @dataclass(frozen=True)
