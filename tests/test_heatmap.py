@@ -133,3 +133,31 @@ def test_png_falls_back_to_a_font_with_cjk_glyphs(tiny, cli, cjk_model, tmp_path
     _, stderr = _run(cli, cjk_model, out)
     assert out.read_bytes().startswith(b"\x89PNG")
     assert "no installed font" not in stderr
+
+
+def test_a_large_grid_is_drawn_in_colours_with_every_nth_position_labelled(tmp_path):
+    from embedlens.views.heatmap import plan, save_heatmap
+    from tests.test_lens_bounds import grid_report
+
+    report = grid_report(400, 31)
+    notes = save_heatmap(report, tmp_path / "big.svg")
+    assert notes == plan(report).notes() and "every 5th position is labelled" in notes[0]
+    texts = _texts((tmp_path / "big.svg").read_text())
+    ticks = [t for t in texts if t[:1].isdigit() and "'" in t]
+    assert ticks[:3] == ["0 'the'", "5 'the'", "10 'the'"] and len(ticks) == 80
+    assert not any(t.startswith("'") for t in texts)  # no cell holds its token
+    assert len(texts) < 150
+    assert any("every 5th labelled" in t and "2,000 cells" in t for t in texts)
+    assert save_heatmap(report, tmp_path / "big.html") == notes
+    assert save_heatmap(report, tmp_path / "big.png") == notes  # no CJK token is drawn
+
+
+def test_a_grid_past_the_column_bound_merges_positions(tmp_path):
+    from embedlens.views.heatmap import save_heatmap
+    from tests.test_lens_bounds import grid_report
+
+    notes = save_heatmap(grid_report(5000, 2), tmp_path / "long.svg")
+    assert "merged 3 to a column" in notes[0]
+    texts = _texts((tmp_path / "long.svg").read_text())
+    assert "0–2" in texts and "60–62" in texts and "3–5" not in texts
+    assert any("a column: 3 positions, the mean of their top-1 probabilities" in t for t in texts)

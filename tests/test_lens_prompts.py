@@ -4,7 +4,10 @@ per-layer statistics checked against a plain computation from the model's hidden
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -226,6 +229,42 @@ def test_bad_line_stops_before_the_model_loads(tiny, cli, tmp_path, monkeypatch,
     err = cli.fails("lens", tiny("llama-tied"), "--prompts", path, "--json", code=2)
     assert f"error: line {line}: " in err and says in err
     assert loads == []
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "says"),
+    [
+        (
+            '{"prompt": "the king"}\n{"prompt": "the queen"}\n{"prompt": "a", "tagret": "b"}\n',
+            [],
+            ["error: line 3: unknown key 'tagret'", "hint: the keys are prompt, target, chat, id"],
+        ),
+        ("the king\nthe queen\n   \nthe man\n", [], ["error: line 3: the prompt is empty"]),
+        ("{}\nnot JSON\n", ["--skip-bad"], ["error: no prompt to run: all 2 lines are bad"]),
+    ],
+)
+def test_bad_file_is_refused_before_torch_is_imported(tiny, tmp_path, text, args, says):
+    """What a file's lines show without a tokenizer is checked before torch and transformers are
+    imported (15 to 33 s on a slow machine): `-X importtime` lists every module imported."""
+    path = tmp_path / "p.txt"
+    path.write_text(text, encoding="utf-8")
+    root = str(Path(__file__).resolve().parents[1])
+    paths = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
+    argv = ["lens", tiny("llama-tied"), "--prompts", path, *args]
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "embedlens", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
+    assert (result.returncode, result.stdout) == (2, "")
+    assert [line for line in lines if not line.startswith("import time:")] == says
+    assert "embedlens.analysis.lens_many" in imported
+    assert not imported & {"torch", "transformers", "numpy", "gguf"}
 
 
 def test_position_out_of_range_for_one_line(tiny, cli, tmp_path):

@@ -752,6 +752,7 @@ def _run_report(
         k=ask.top_k,
         real_vocab=len(tokenizer),
         target=prompt.target_id,
+        full_at=[prompt.index],
     )
     return _report(name, tokenizer, model, result, ask, prompt)
 
@@ -772,6 +773,11 @@ def _report(
         return cache[i]
 
     notes: list[str] = []
+    shown = len(result.rows[(result.layers[0], prompt.index)].ids)
+    if ask.top_k > shown:
+        notes.append(
+            f"-k {ask.top_k} is more than the vocabulary's {shown:,} tokens: showing all {shown:,}"
+        )
     if result.full_tail:
         notes.append("the model's tail could not run on its last block alone: it ran every block")
     placement = _placement(model)

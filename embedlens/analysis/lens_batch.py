@@ -54,6 +54,9 @@ class BatchItem:
     ids: list[int]
     positions: list[int]
     target: int | None
+    read: int | None = None
+    """The position whose rows hold the top-k (None: every position); the others hold their
+    top-1 and the target only."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class BatchLens:
             k=self.k,
             real_vocab=self.real_vocab,
             target=item.target,
+            full_at=None if item.read is None else [item.read],
         )
         return BatchOut(result, *self._stats_alone(item))
 
@@ -222,7 +226,7 @@ class _Decode:
             if not self._take(part, out):
                 _check_decoded(out, part, torch.tensor([self.where[r][1] for _, r in part]))
         targets = [self.items[b].target for b, _ in self.where]
-        tops = top_rows(self.real, self.ref_log, self.lens.k, self._vocab(), targets)
+        tops = self._tops(self.where, self.real, self.ref_log, targets)
         for r, ((b, p), top) in enumerate(zip(self.where, tops, strict=True)):
             self.top1[b][p] = top.ids[0]
             if lens.n_layers in lens.layers:
@@ -257,7 +261,7 @@ class _Decode:
         if not bool(torch.isfinite(negent).all()):
             return False
         targets = [self.items[self.where[part[i][1]][0]].target for i in keep]
-        tops = top_rows(x, lx, self.lens.k, self._vocab(), targets)
+        tops = self._tops([self.where[part[i][1]] for i in keep], x, lx, targets)
         cross = self._cross(refs.tolist(), lx)
         kl = (self.negent[refs].to(x.device) - cross).clamp_min(0.0).tolist()
         entropy = (-negent).tolist()
@@ -267,6 +271,26 @@ class _Decode:
             self.rows[b][(layer, p)] = tops[j]
             self.kl[b][(layer, p)] = (kl[j], entropy[j])
         return True
+
+    def _tops(
+        self,
+        where: list[tuple[int, int]],
+        x: torch.Tensor,
+        lx: torch.Tensor,
+        targets: list[int | None],
+    ) -> list[Top]:
+        """`top_rows` of each (prompt, position) row: the top-k at its prompt's position read,
+        the top-1 elsewhere (with the target in both)."""
+        k, vocab = self.lens.k, self._vocab()
+        full = [j for j, (b, p) in enumerate(where) if self.items[b].read in (None, p)]
+        if k == 1 or len(full) == len(where):
+            return top_rows(x, lx, k, vocab, targets)
+        tops = top_rows(x, lx, 1, vocab, targets)
+        if full:
+            chosen = top_rows(x[full], lx[full], k, vocab, [targets[j] for j in full])
+            for j, top in zip(full, chosen, strict=True):
+                tops[j] = top
+        return tops
 
     def _cross(self, refs: list[int], lx: torch.Tensor) -> torch.Tensor:
         """Σ p log q of each row: p the model's output at row refs[j], log q row j of `lx`.

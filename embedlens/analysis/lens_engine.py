@@ -28,6 +28,8 @@ CHUNK_BYTES = 256 * 2**20
 """Logits decoded at once (float32 bytes): rows are decoded in chunks of at most this size."""
 SMALL_WORK = 4e9
 """Parameters x tokens below which the lens runs on one CPU thread (see `_threads_for`)."""
+_LSE_ROWS = 64
+"""Rows whose log-sum-exp `_top1` takes at once (in float64)."""
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,20 @@ def _top(logits: torch.Tensor, k: int, real_vocab: int, target: int | None) -> l
     return out
 
 
+def _top1(logits: torch.Tensor, real_vocab: int) -> list[Top]:
+    """`_top` with k = 1 and no target, for many rows at once (the grid's cells): the same values
+    (the lowest id of the highest logit, its softmax probability, its log-probability in float64),
+    with each row reduced on its own but no Python work per row beyond building its `Top`."""
+    x = logits.float()
+    best = x[:, :real_vocab].argmax(dim=-1, keepdim=True)  # the first of equal logits
+    probs = torch.softmax(x, dim=-1).gather(1, best)[:, 0].tolist()
+    blocks = range(0, x.shape[0], _LSE_ROWS)
+    lse = torch.cat([torch.logsumexp(x[i : i + _LSE_ROWS].double(), dim=-1) for i in blocks])
+    logprobs = (x.gather(1, best)[:, 0].double() - lse).tolist()
+    ids = best[:, 0].tolist()
+    return [Top([i], [p], [lp]) for i, p, lp in zip(ids, probs, logprobs, strict=True)]
+
+
 def _best_ids(row: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
     """The k ids of highest logit in one row, best first, equal logits in id order."""
     candidates = (row >= kth).nonzero().flatten()  # in id order: a stable sort keeps it
@@ -405,11 +421,14 @@ def run_lens(
     k: int,
     real_vocab: int,
     target: int | None = None,
+    full_at: Sequence[int] | None = None,
 ) -> LensResult:
     """Decode `layers` (0 = embedding output, L = the model's output) at `positions`.
 
     Positions are absolute indices into `input_ids`. `real_vocab` is the tokenizer's length: rows
-    past it are padding and never predicted, though the softmax runs over every row.
+    past it are padding and never predicted, though the softmax runs over every row. `full_at`:
+    the positions whose rows hold the top-k and the target (all by default); the others hold
+    their top-1 only (a grid's cells), whatever k is.
     """
     blocks = find_blocks(model)
     n_layers = len(blocks.modules)
@@ -427,7 +446,8 @@ def run_lens(
         vocab = int(real.shape[-1])
         if target is not None and not 0 <= target < vocab:
             raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
-        job = _Job(layers, n_layers, pos, k, min(real_vocab, vocab), target, real)
+        full = None if full_at is None else frozenset(int(p) for p in full_at)
+        job = _Job(layers, n_layers, pos, k, min(real_vocab, vocab), target, real, full)
         tail = Tail(model, blocks, dummy_id=int(input_ids[0]))
         rows, diff, agrees = job.decode(tail, cap.residual, device)
         tol = tolerance(next(model.parameters()).dtype, real)
@@ -438,13 +458,7 @@ def run_lens(
                 rows, diff, agrees = retry
             else:
                 tail.full = False
-        first = cap.residual[n_layers][0].to(device)
-        probe = tail_steps(model, blocks, tail, first)
-        steps = list(probe.steps)
-        if probe.head_out is not None and probe.logits is not None:
-            post = post_head_step(probe.head_out.float(), probe.logits, tol)
-            if post is not None:
-                steps.append(post)
+        steps, probe = _steps(model, blocks, tail, cap.residual[n_layers][0].to(device), tol)
         suspect = _suspect(cap, probe, tol) if diff > tol else None
     return LensResult(
         num_layers=n_layers,
@@ -456,6 +470,19 @@ def run_lens(
         steps=steps,
         full_tail=tail.full,
     )
+
+
+def _steps(
+    model: nn.Module, blocks: Blocks, tail: Tail, row: torch.Tensor, tol: float
+) -> tuple[list[str], _Capture]:
+    """What runs after the last block, found on one row: its modules, then a post-head step."""
+    probe = tail_steps(model, blocks, tail, row)
+    steps = list(probe.steps)
+    if probe.head_out is not None and probe.logits is not None:
+        post = post_head_step(probe.head_out.float(), probe.logits, tol)
+        if post is not None:
+            steps.append(post)
+    return steps, probe
 
 
 @dataclass(frozen=True)
@@ -470,6 +497,8 @@ class _Job:
     target: int | None
     real: torch.Tensor
     """The model's own logits at `pos`, float32 [P, V]."""
+    full_at: frozenset[int] | None = None
+    """Positions reduced to the top-k and the target (None: all); the others to their top-1."""
 
     def decode(
         self, tail: Tail, residual: dict[int, torch.Tensor], device: torch.device
@@ -498,12 +527,26 @@ class _Job:
             keep = [i for i, (layer, _) in enumerate(part) if layer != self.n_layers]
             keep = [i for i in keep if part[i][0] in self.layers]
             if keep:
-                for i, top in zip(keep, self._top(out[keep]), strict=True):
-                    rows[(part[i][0], int(self.pos[part[i][1]]))] = top
+                where = [(part[i][0], int(self.pos[part[i][1]])) for i in keep]
+                rows.update(self._reduce(where, out[keep]))
         if self.n_layers in self.layers:  # the last layer is the model's own output
-            for j, top in enumerate(self._top(self.real)):
-                rows[(self.n_layers, int(self.pos[j]))] = top
+            where = [(self.n_layers, int(p)) for p in self.pos]
+            rows.update(self._reduce(where, self.real))
         return rows, diff, agrees
+
+    def _reduce(
+        self, where: list[tuple[int, int]], logits: torch.Tensor
+    ) -> dict[tuple[int, int], Top]:
+        """Each (layer, position) row of `logits` reduced: to its top-k and target at the positions
+        asked for in full, to its top-1 at the others."""
+        asked = self.full_at
+        full = [i for i, (_, p) in enumerate(where) if asked is None or p in asked]
+        if len(full) == len(where):
+            return dict(zip(where, self._top(logits), strict=True))
+        out = dict(zip(where, _top1(logits, self.real_vocab), strict=True))
+        if full:
+            out.update(zip([where[i] for i in full], self._top(logits[full]), strict=True))
+        return out
 
     def _top(self, logits: torch.Tensor) -> list[Top]:
         return _top(logits, self.k, self.real_vocab, self.target)
@@ -516,7 +559,9 @@ def _kind(t: torch.Tensor) -> str:
 
 def _check_decoded(out: torch.Tensor, part: list[tuple[int, int]], pos: torch.Tensor) -> None:
     """Refuse a decoded row that is not finite (the model's own logits were finite)."""
-    bad = ~torch.isfinite(out).all(-1)
+    if bool(torch.isfinite(out.sum(-1)).all()):  # a NaN or an infinity makes its row's sum one
+        return
+    bad = ~torch.isfinite(out).all(-1)  # a sum of finite logits may overflow: look at each
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         layer, j = part[i]

@@ -106,8 +106,9 @@ def prepare_line(
 ) -> tuple[_Ask, _Prompt, list[int] | None]:
     """One line as a single run would take it: its ask, its prompt, and the absolute positions
     read (None: the position of the single run)."""
-    if not line.prompt.strip() and line.chat is None:
-        raise BadLine(line.line, "the prompt is empty")
+    empty = _empty(line)
+    if empty is not None:
+        raise empty
     pos = ask.position
     single = pos[-1] if isinstance(pos, list) else pos
     one = _Ask(line.prompt, line.chat, ask.switches, ask.layers, single, ask.top_k, line.target,
@@ -122,6 +123,33 @@ def prepare_line(
     except UsageError as e:
         raise BadLine(line.line, e.message, hint=e.hint) from None
     return one, prompt, listed
+
+
+def _empty(line: PromptLine) -> BadLine | None:
+    """A line whose prompt is empty (and that has no chat message to run instead)."""
+    if not line.prompt.strip() and line.chat is None:
+        return BadLine(line.line, "the prompt is empty")
+    return None
+
+
+def check_file(source: PromptSource, ask: Many) -> None:
+    """What a file's lines show without a tokenizer (JSON, keys, types, empty prompts), checked
+    one line at a time before anything heavy is imported: the first bad line stops the run here
+    unless `skip_bad`, as does a file without a prompt. stdin and Python lists are left to
+    `check_all` (stdin is not read ahead for this)."""
+    if source.path is None:
+        return
+    good, n_bad = 0, 0
+    for line in source:
+        bad = line if isinstance(line, BadLine) else _empty(line)
+        if bad is None:
+            good += 1
+        elif not ask.skip_bad:
+            raise bad
+        else:
+            n_bad += 1
+    if good == 0:
+        raise _nothing_to_run(n_bad)
 
 
 def check_all(
@@ -144,11 +172,14 @@ def check_all(
             if len(bad) < _SHOWN_BAD:
                 bad.append(e)
     if good == 0:
-        raise UsageError(
-            "no prompt to run"
-            + (f": all {n_bad} lines are bad" if n_bad else ": the input is empty")
-        )
+        raise _nothing_to_run(n_bad)
     return n_bad, bad
+
+
+def _nothing_to_run(n_bad: int) -> UsageError:
+    return UsageError(
+        "no prompt to run" + (f": all {n_bad} lines are bad" if n_bad else ": the input is empty")
+    )
 
 
 def bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
@@ -163,6 +194,7 @@ def lens_files(
     name: str, source: PromptSource, ask: Many, load: _Load, tokenizer: Any
 ) -> LensSummaryReport:
     """The lens over many prompts on a model that embedlens loads from its files."""
+    check_file(source, ask)  # before the imports below bring in torch and transformers
     from embedlens.io.source import resolve
     from embedlens.model import loading
     from embedlens.model.gguf_patches import gguf_reads_shared
@@ -224,7 +256,8 @@ class _Run:
         layers = every if ask.layers is None else resolve_layers(ask.layers, n_blocks)
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.config, self.template, self.ask, self.around = config, template, ask, around
-        self.batch = BatchLens(model, layers, ask.top_k, len(tokenizer))
+        k = ask.top_k if ask.each is not None else 1  # the statistics read the top-1 alone
+        self.batch = BatchLens(model, layers, k, len(tokenizer))
         self.stats: LensStats = LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
@@ -262,7 +295,7 @@ class _Run:
             positions = listed or (
                 list(range(len(prompt.ids))) if ask.position is None else [prompt.index]
             )
-            items.append(BatchItem(prompt.ids, positions, prompt.target_id))
+            items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index))
         outs = self.batch.run(items)
         for (line, ask, prompt, _), out in zip(window, outs, strict=True):
             self.stats.add(out.result, out.kl, out.model_top1)

@@ -36,6 +36,8 @@ def run_prompts(
         from embedlens.views.heatmap import check_plot_file
 
         check_plot_file(plot)
+    if not (as_json or each):  # only the summary is printed, and it reads each prompt's top-1
+        options = {**options, "top_k": min(options["top_k"], 1)}
     show = _Shown(as_json=as_json, each=each)
     source = PromptSource.open(prompts)
     with counter(f"Running the lens on {model}", "prompts") as advance:

@@ -6,6 +6,11 @@ token and, when it fits, its probability. PNG is drawn with DejaVu Sans and, for
 lacks, installed fonts that have them (CJK fonts first); characters no font has are said in a
 note. SVG and HTML keep the tokens as text, so the viewer's fonts draw every script, and fetch
 nothing from elsewhere.
+
+The work is bounded, so any grid draws in seconds (`Plan`): past TEXT_CELLS cells or
+TEXT_POSITIONS positions the cells are colours only and every n-th position is labelled; past
+MAX_COLUMNS positions, consecutive positions share a column (their mean). The figure and a note
+say so.
 """
 
 from __future__ import annotations
@@ -51,6 +56,15 @@ MIN_FONT = 4.5
 TICK_LABEL = 16
 """The most characters (a wide one counts twice) of a token under a column, quotes excluded."""
 PLOT_SUFFIXES = (".png", ".svg", ".html")
+TEXT_CELLS = 2_000
+"""The most cells drawn with their token and probability (a text each: the drawing's cost)."""
+TEXT_POSITIONS = 100
+"""The most positions drawn with text: past it a column holds fewer than 6 characters of a token
+in the smallest font."""
+MAX_COLUMNS = 2_000
+"""The most columns drawn: past it, consecutive positions share a column (2 px or more each)."""
+MAX_TICKS = 100
+"""The most labelled columns: past it, every n-th (2, 5, 10, 20, 50, ...) is labelled."""
 
 
 def require_matplotlib() -> None:
@@ -158,6 +172,80 @@ def _layout(n_positions: int, n_rows: int) -> _Layout:
     return _Layout(column, row, font, limit, probs=row * 72 >= 2.4 * font)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How much of the grid the picture draws: every cell's text, or colours only; a column per
+    position, or per `group` consecutive positions; every column labelled, or every `step`-th."""
+
+    positions: int
+    layers: int
+    text: bool
+    group: int = 1
+    step: int = 1
+
+    @property
+    def columns(self) -> int:
+        return -(-self.positions // self.group)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the grid is drawn as every small one is: each cell's text, each column
+        labelled."""
+        return self.text and self.group == 1 and self.step == 1
+
+    def shown(self, column: int) -> range:
+        """The positions (indices into the grid's cells) that a column shows."""
+        start = column * self.group
+        return range(start, min(start + self.group, self.positions))
+
+    def labelled(self) -> range:
+        """The columns labelled under the grid."""
+        return range(0, self.columns, self.step)
+
+    def notes(self) -> list[str]:
+        """What the picture leaves out or merges, in words (nothing for a grid drawn whole)."""
+        if self.whole:
+            return []
+        size = f"{self.positions:,} positions x {self.layers:,} layers"
+        parts = [
+            f"the heatmap of {size} ({self.positions * self.layers:,} cells) is drawn without "
+            f"tokens and probabilities in its cells (they are drawn up to {TEXT_CELLS:,} cells "
+            f"and {TEXT_POSITIONS:,} positions; --json gives every cell)"
+        ]
+        if self.group > 1:
+            parts.append(
+                f"its positions are merged {self.group} to a column ({self.columns:,} columns, "
+                "each the mean top-1 probability of its positions)"
+            )
+        if self.step > 1:
+            which = "column" if self.group > 1 else "position"
+            parts.append(f"every {_ordinal(self.step)} {which} is labelled")
+        return ["; ".join(parts)]
+
+
+def plan(report: LensReport) -> Plan:
+    """How much of the report's grid its heatmap draws (see the module's bounds)."""
+    grid = report.grid or []
+    n = len(grid[0].cells) if grid else 0
+    text = n * len(grid) <= TEXT_CELLS and n <= TEXT_POSITIONS
+    group = max(1, -(-n // MAX_COLUMNS))
+    columns = -(-n // group)
+    step = 1
+    while -(-columns // step) > MAX_TICKS:  # never with text: its columns are fewer
+        step = _next_step(step)
+    return Plan(n, len(grid), text, group, step)
+
+
+def _next_step(step: int) -> int:
+    """1, 2, 5, 10, 20, 50, 100, ..."""
+    return step * 5 // 2 if str(step).startswith("2") else step * 2
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _cell_text(token: str, p: float, logprob: float, layout: _Layout) -> str:
     text = label(token, layout.limit)
     return text + "\n" + prob(p, logprob, 2) if layout.probs else text
@@ -166,8 +254,13 @@ def _cell_text(token: str, p: float, logprob: float, layout: _Layout) -> str:
 def texts(report: LensReport) -> list[str]:
     """Every text the heatmap draws from the model or the user (for choosing fonts)."""
     grid = report.grid or []
-    out = [c.token for row in grid for c in row.cells]
-    out += [t.token for t in report.tokens]
+    drawn = plan(report)
+    if drawn.whole:
+        out = [c.token for row in grid for c in row.cells] + [t.token for t in report.tokens]
+    else:  # the labelled columns' tokens, and the one read (the target column's heading)
+        positions = [c.position for c in grid[0].cells] if grid else []
+        out = [_tick(report, positions, drawn, c) for c in drawn.labelled()]
+        out.append(report.tokens[report.position_index].token)
     out.append(report.display_model)
     if report.target is not None:
         out.append(report.target.token)
@@ -185,17 +278,17 @@ def figure(report: LensReport) -> Any:
     if report.grid is None:
         raise EmbedlensError("there is no layer x position grid to draw")
     rows = list(reversed(report.grid))
-    positions = [c.position for c in rows[0].cells]
-    layout = _layout(len(positions), len(rows))
+    drawn = plan(report)
+    layout = _layout(drawn.columns, len(rows))
     targets = _target_column(report, [row.layer for row in rows])
-    width = 2.2 + layout.column * len(positions) + (1.1 if targets else 0.0)
+    width = 2.2 + layout.column * drawn.columns + (1.1 if targets else 0.0)
     height = 2.0 + layout.row * len(rows)
-    ratios = [len(positions) * layout.column] + ([0.9] if targets else [])
+    ratios = [drawn.columns * layout.column] + ([0.9] if targets else [])
     fig, axes = plt.subplots(
         1, len(ratios), figsize=(width, height), width_ratios=ratios, layout="constrained"
     )
     ax = axes[0] if targets else axes
-    image = _draw_grid(ax, report, rows, layout)
+    image = _draw_grid(ax, report, rows, layout, drawn)
     if targets:
         _draw_target(axes[1], report, targets, layout)
     title = fig.suptitle(
@@ -207,20 +300,26 @@ def figure(report: LensReport) -> Any:
     return fig
 
 
-def _draw_grid(ax: Any, report: LensReport, rows: list[GridRow], layout: _Layout) -> Any:
+def _draw_grid(
+    ax: Any, report: LensReport, rows: list[GridRow], layout: _Layout, drawn: Plan
+) -> Any:
     import numpy as np
 
     probs = np.array([[c.prob for c in row.cells] for row in rows])
+    if drawn.group > 1:  # each column: the mean of its positions
+        starts = list(range(0, drawn.positions, drawn.group))
+        sizes = np.array([len(drawn.shown(c)) for c in range(drawn.columns)])
+        probs = np.add.reduceat(probs, starts, axis=1) / sizes
     image = ax.imshow(probs, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
-    for y, row in enumerate(rows):
-        for x, cell in enumerate(row.cells):
-            _put(
-                ax, x, y, _cell_text(cell.token, cell.prob, cell.logprob, layout), cell.prob, layout
-            )
+    if drawn.text:
+        for y, row in enumerate(rows):
+            for x, cell in enumerate(row.cells):
+                text = _cell_text(cell.token, cell.prob, cell.logprob, layout)
+                _put(ax, x, y, text, cell.prob, layout)
     positions = [c.position for c in rows[0].cells]
-    ax.set_xticks(range(len(positions)))
+    ax.set_xticks(drawn.labelled())
     ax.set_xticklabels(
-        [label(report.tokens[p].token, TICK_LABEL) for p in positions],
+        [_tick(report, positions, drawn, c) for c in drawn.labelled()],
         rotation=60,
         ha="right",
         rotation_mode="anchor",
@@ -230,9 +329,32 @@ def _draw_grid(ax: Any, report: LensReport, rows: list[GridRow], layout: _Layout
         tick.set_parse_math(False)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([_layer_label(report, row.layer) for row in rows], fontsize=7)
-    ax.set_xlabel("input token (a cell: the prediction for the next one, and its probability)")
+    ax.set_xlabel(_x_title(drawn))
     ax.set_ylabel("layer")
     return image
+
+
+def _tick(report: LensReport, positions: list[int], drawn: Plan, column: int) -> str:
+    """A column's label: its token (after its position when not every column is labelled), or
+    the positions it merges."""
+    shown = [positions[i] for i in drawn.shown(column)]
+    if drawn.group > 1:
+        return f"{shown[0]}–{shown[-1]}"
+    token = label(report.tokens[shown[0]].token, TICK_LABEL)
+    return token if drawn.step == 1 else f"{shown[0]} {token}"
+
+
+def _x_title(drawn: Plan) -> str:
+    if drawn.whole:
+        return "input token (a cell: the prediction for the next one, and its probability)"
+    colour = "a cell's colour: the probability of the top-1 prediction for the next token"
+    if drawn.group > 1:
+        colour = f"a column: {drawn.group} positions, the mean of their top-1 probabilities"
+    which = "" if drawn.step == 1 else f", every {_ordinal(drawn.step)} labelled"
+    return (
+        f"input {'positions' if drawn.group > 1 else 'token'}{which} ({colour}; tokens are not "
+        f"drawn in the cells past {TEXT_CELLS:,} cells or {TEXT_POSITIONS:,} positions)"
+    )
 
 
 def _put(ax: Any, x: int, y: int, text: str, p: float, layout: _Layout) -> None:
@@ -320,17 +442,19 @@ def heatmap_svg(report: LensReport) -> str:
 def save_heatmap(report: LensReport, path: Path) -> list[str]:
     """Write the heatmap to `path`: .png, .svg, or .html (the SVG inside a page, self-contained).
 
-    Returns notes: in a PNG, the characters no installed font has (drawn as boxes)."""
+    Returns notes: what a large grid's picture leaves out or merges (`Plan`), and in a PNG the
+    characters no installed font has (drawn as boxes)."""
     suffix = path.suffix.lower()
+    bounds = plan(report).notes()
     if suffix == ".html":
         _write(path, _page(report, heatmap_svg(report)).encode("utf-8"))
-        return []
+        return bounds
     fonts = fonts_for(texts(report))
     binary = io.BytesIO()
     with _drawn(report, fonts) as fig:
         fig.savefig(binary, format=suffix.lstrip("."), dpi=150, metadata=_metadata(suffix))
     _write(path, binary.getvalue())
-    return _missing_note(fonts.missing) if suffix == ".png" else []
+    return bounds + (_missing_note(fonts.missing) if suffix == ".png" else [])
 
 
 def _metadata(suffix: str) -> dict[str, str | None] | None:
