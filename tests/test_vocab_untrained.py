@@ -244,7 +244,7 @@ def test_a_row_at_the_mean_of_the_others_is_flagged(tmp_path):
     source = resolve(str(path))
     located = locate(source, "output")
     vocab = load_vocab(source, located.checkpoint.gguf)
-    tokens = Tokens(ReferenceRows({}), frozenset(), [])
+    tokens = Tokens(ReferenceRows({}), [], frozenset(), [])
     rows = open_rows(source, located)
     got = scan([Matrix(rows, located.name, "input")], vocab, tokens, all_tokens=False)
     (c,) = got.candidates

@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,15 +207,17 @@ def in_shares(rows: Rows, step: int, work: Callable[[Rows, int, int], None]) -> 
         raise errors[0]
 
 
-def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
+def reference_mean(
+    rows: Rows, reference: list[int] | npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
     """The mean of the reference rows: taken one by one when they are few, else summed block by
     block (a vocabulary whose every token is a reference row is not copied whole), the blocks'
     sums added in order whatever the threads (the same figure on any machine)."""
     v, d = rows.shape
-    if not reference:
+    if len(reference) == 0:
         return np.zeros(d)
     if len(reference) <= SAMPLE_ROWS:
-        return np.asarray(rows.take(reference).mean(axis=0, dtype=np.float64))
+        return np.asarray(rows.take(list(reference)).mean(axis=0, dtype=np.float64))
     weights = np.zeros(v, dtype=np.float32)
     weights[reference] = 1.0
     step = rows.pass_rows
@@ -233,7 +236,7 @@ def reference_mean(rows: Rows, reference: list[int]) -> npt.NDArray[np.float64]:
     return total / len(reference)
 
 
-def row_stats(rows: Rows, reference: list[int]) -> RowStats:
+def row_stats(rows: Rows, reference: list[int] | npt.NDArray[np.int64]) -> RowStats:
     """Indicator, norm, signature and distance to the mean of every row, reading the matrix once,
     block by block: cosine to the reference rows' mean with the first principal component u
     removed, from |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to
@@ -309,9 +312,21 @@ class Tokens:
     ordinary (special, added or unreachable), and groups of rows added at the end."""
 
     reference: ReferenceRows
-    not_ordinary: frozenset[int]
+    unreachable: Collection[int]
+    special_or_added: frozenset[int]
     groups: list[tuple[str, list[int]]]
     """('added_tokens' or 'past_tokenizer', ids)."""
+
+    def arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The reference rows, sorted, and the tokens that are not ordinary, as arrays (made
+        once: Python lists of 262k ids cost tens of milliseconds at every use)."""
+        kinds = self.reference.kinds
+        ref = np.sort(np.fromiter(kinds, dtype=np.int64, count=len(kinds)))
+        others = [
+            np.fromiter(ids, dtype=np.int64, count=len(ids))
+            for ids in (self.unreachable, self.special_or_added)
+        ]
+        return ref, np.concatenate(others)
 
 
 @dataclass(frozen=True)
@@ -326,11 +341,18 @@ class _Scanned:
     """Per signal, over every row: the indicator never flags a reference row."""
 
 
-def scan_matrix(matrix: Matrix, vocab: Vocab, tokens: Tokens, *, all_tokens: bool) -> _Scanned:
-    """The three signals over one matrix's rows."""
+def scan_matrix(
+    matrix: Matrix,
+    vocab: Vocab,
+    reference: npt.NDArray[np.int64],
+    not_ordinary: npt.NDArray[np.int64],
+    *,
+    all_tokens: bool,
+) -> _Scanned:
+    """The three signals over one matrix's rows (`reference` sorted, as Tokens.arrays gives)."""
     rows = matrix.rows
     v = rows.shape[0]
-    ref_ids = [i for i in tokens.reference.ids if i < v]
+    ref_ids = reference[: np.searchsorted(reference, v)]
     stats = row_stats(rows, ref_ids)
     values, norms = stats.indicator, stats.norms
     real = min(vocab.size, v)
@@ -338,9 +360,9 @@ def scan_matrix(matrix: Matrix, vocab: Vocab, tokens: Tokens, *, all_tokens: boo
     is_ref[ref_ids] = True
     ordinary = ~is_ref
     ordinary[real:] = False
-    ordinary[[i for i in tokens.not_ordinary if i < real]] = False
+    ordinary[not_ordinary[not_ordinary < real]] = False
     threshold: float | None = None
-    ref_values = values[ref_ids] if ref_ids else np.empty(0, np.float32)
+    ref_values = values[ref_ids]
     ref_values = ref_values[np.isfinite(ref_values)]
     if ref_values.size:
         threshold = float(np.percentile(ref_values, PERCENTILE))
@@ -360,7 +382,7 @@ def scan_matrix(matrix: Matrix, vocab: Vocab, tokens: Tokens, *, all_tokens: boo
         threshold_rule=THRESHOLD_RULE if threshold is not None else "no reference rows",
         component=stats.component,
         norm_median=float(np.median(norms[:real])) if real else 0.0,
-        reference_norm_median=float(np.median(norms[ref_ids])) if ref_ids else None,
+        reference_norm_median=float(np.median(norms[ref_ids])) if ref_ids.size else None,
         identical_rows=identical_rows(rows, stats.signature, real),
         norm_rule=norm.rule,
         norm_low=norm.low,
@@ -427,18 +449,21 @@ def _mean_signal(distance: npt.NDArray[np.float64], ordinary: npt.NDArray[np.boo
 def scan(matrices: list[Matrix], vocab: Vocab, tokens: Tokens, *, all_tokens: bool) -> Undertrained:
     """Every signal over every matrix given (the head first, or the tied embedding alone), the
     candidates of all of them, and the groups' verdicts."""
-    scanned = [scan_matrix(m, vocab, tokens, all_tokens=all_tokens) for m in matrices]
+    reference, not_ordinary = tokens.arrays()
+    scanned = [
+        scan_matrix(m, vocab, reference, not_ordinary, all_tokens=all_tokens) for m in matrices
+    ]
     main = scanned[0]
     v = min(s.flags["norm"].shape[0] for s in scanned)
     real = min(vocab.size, v)
-    ref_ids = [i for i in tokens.reference.ids if i < main.flags["norm"].shape[0]]
+    ref_ids = reference[: np.searchsorted(reference, main.flags["norm"].shape[0])]
     is_ref = np.zeros(real, dtype=bool)
-    is_ref[[i for i in ref_ids if i < real]] = True
+    is_ref[ref_ids[ref_ids < real]] = True
     order = _taking_turns(scanned, real, is_ref)
     candidates = [_candidate(i, vocab, scanned) for i in order]
-    by_kind: dict[str, int] = {}
-    for i in ref_ids:
-        by_kind[tokens.reference.kinds[i]] = by_kind.get(tokens.reference.kinds[i], 0) + 1
+    kinds = tokens.reference.kinds
+    every = ref_ids.size == len(kinds)  # all of them (the usual case): no walk over the ids
+    by_kind = Counter(kinds.values()) if every else Counter(kinds[int(i)] for i in ref_ids)
     counts = {
         "reference": len(ref_ids),
         "candidate": len(candidates),

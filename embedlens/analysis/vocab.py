@@ -188,8 +188,7 @@ def _tokens(vocab: Vocab, reference: ReferenceRows, kinds: dict[int, str], rows:
         base -= 1
     late = [i for i in range(base, vocab.size) if i not in reference.kinds] if base else []
     groups = [("added_tokens", late), ("past_tokenizer", list(range(vocab.size, rows)))]
-    not_ordinary = frozenset(taken | set(kinds) | vocab.special_ids)
-    return Tokens(reference, not_ordinary, groups)
+    return Tokens(reference, kinds.keys(), frozenset(taken | vocab.special_ids), groups)
 
 
 def _loaded(
