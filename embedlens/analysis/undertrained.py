@@ -411,15 +411,16 @@ class _Signal:
 
 
 def _norm_signal(norms: npt.NDArray[np.float32], ordinary: npt.NDArray[np.bool_]) -> _Signal:
-    """Rows whose log norm is NORM_Z robust deviations or more from the ordinary rows' median."""
+    """Rows whose log norm is NORM_Z robust deviations or more from the ordinary rows' median
+    (an all-zero row's is -inf: flagged; a row holding NaN is left out of the median)."""
     with np.errstate(divide="ignore"):
         logs = np.log(norms.astype(np.float64))
-    centre = float(np.median(logs[ordinary])) if ordinary.any() else math.nan
+    centre = float(np.nanmedian(logs[ordinary])) if ordinary.any() else math.nan
     if not math.isfinite(centre):
         nothing = np.zeros(norms.shape[0], dtype=bool)
         score = np.full(norms.shape[0], np.nan)
         return _Signal(nothing, "no reachable ordinary rows, no norm signal", None, score)
-    spread = max(MAD_SCALE * float(np.median(np.abs(logs[ordinary] - centre))), MIN_SPREAD)
+    spread = max(MAD_SCALE * float(np.nanmedian(np.abs(logs[ordinary] - centre))), MIN_SPREAD)
     low, high = math.exp(centre - NORM_Z * spread), math.exp(centre + NORM_Z * spread)
     score = (logs - centre) / spread
     flags = np.abs(score) >= NORM_Z
@@ -433,7 +434,7 @@ def _norm_signal(norms: npt.NDArray[np.float32], ordinary: npt.NDArray[np.bool_]
 
 def _mean_signal(distance: npt.NDArray[np.float64], ordinary: npt.NDArray[np.bool_]) -> _Signal:
     """Rows within MEAN_RATIO of the ordinary rows' median distance to the rows' mean."""
-    median = float(np.median(distance[ordinary])) if ordinary.any() else 0.0
+    median = float(np.nanmedian(distance[ordinary])) if ordinary.any() else 0.0
     if not median > 0.0:
         nothing = np.zeros(distance.shape[0], dtype=bool)
         score = np.full(distance.shape[0], np.nan)
@@ -497,7 +498,7 @@ def scan(matrices: list[Matrix], vocab: Vocab, tokens: Tokens, *, all_tokens: bo
         by_signal={k: sum(k in c.signals for c in candidates) for k in SIGNALS},
         input=scanned[1].report if len(scanned) > 1 else None,
         one_matrix=_one_matrix(candidates) if len(scanned) > 1 else None,
-        groups=[_group(kind, ids, scanned) for kind, ids in tokens.groups if ids],
+        groups=[_group(kind, ids, scanned) for kind, ids in _within(tokens.groups, v)],
     )
 
 
@@ -569,10 +570,16 @@ def _one_matrix(candidates: list[Candidate]) -> dict[str, int]:
     return out
 
 
+def _within(groups: list[tuple[str, list[int]]], v: int) -> list[tuple[str, list[int]]]:
+    """The groups' rows that every matrix has, groups left empty dropped."""
+    kept = [(kind, [i for i in ids if i < v]) for kind, ids in groups]
+    return [(kind, ids) for kind, ids in kept if ids]
+
+
 def _group(kind: str, ids: list[int], scanned: list[_Scanned]) -> RowGroup:
     """A group of rows checked together, in every matrix, with a one-line verdict."""
     at = np.asarray(ids, dtype=np.int64)
-    parts = [_group_matrix(s, at) for s in scanned if at.max() < s.flags["norm"].shape[0]]
+    parts = [_group_matrix(s, at) for s in scanned]
     verdicts = {p.verdict for p in parts}
     verdict = (
         "untrained"

@@ -1,9 +1,9 @@
 """`vocab`: is this vocabulary healthy, trained, and the one these weights were trained with?
 
-The static parts read the headers, the tokenizer and one matrix (the head, or the embedding when
-tied), never torch: the vocabulary against the matrices' rows and the tokens the tokenizer never
-produces on its own (`vocab_layout.py`), a fingerprint of the vocabulary (`vocab_fingerprint.py`),
-and the under-trained indicator (`undertrained.py`); `--against` compares two vocabularies id by
+The static parts read the headers, the tokenizer and the matrices (the head, then an untied
+model's embedding), never torch: the vocabulary against the matrices' rows and the tokens the
+tokenizer never produces on its own (`vocab_layout.py`), a fingerprint of the vocabulary
+(`vocab_fingerprint.py`), and the under-trained signals (`undertrained.py`); `--against` compares two vocabularies id by
 id (`vocab_diff.py`). `--verify` and `--check-fit` load the model (`vocab_fit.py`).
 """
 

@@ -92,8 +92,8 @@ def vocab(
 ) -> None:
     """Check the vocabulary against the weights: rows, unreachable and under-trained tokens.
 
-    Without --verify and --check-fit it reads the headers, the tokenizer and one matrix (the
-    head, or the embedding when tied), never torch. The fingerprint is a SHA-256 of the
+    Without --verify and --check-fit it reads the headers, the tokenizer and the head and
+    embedding (one matrix when tied), never torch. The fingerprint is a SHA-256 of the
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
     start-up.
     """
