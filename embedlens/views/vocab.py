@@ -135,13 +135,17 @@ def _candidates(u: Undertrained, listed: list[Candidate]) -> Table:
     t = Table()
     names = ["#", "id", "token", "indicator", "norm"]
     if u.input is not None:
-        names = ["#", "id", "token", "head ind.", "head norm", "emb. ind.", "emb. norm"]
+        names = ["#", "id", "token", "head\nind.", "head\nnorm", "emb.\nind.", "emb.\nnorm"]
+    # A narrow terminal folds the text columns; numbers and tokens are never cut short.
     for name in names:
-        t.add_column(name, justify="left" if name == "token" else "right")
-    t.add_column("signal")
+        if name == "token":
+            t.add_column(name, overflow="fold")
+        else:
+            t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("signal", overflow="fold")
     if u.verified:
-        t.add_column("repeat p", justify="right")
-    t.add_column("verdict")
+        t.add_column("repeat p", justify="right", no_wrap=True)
+    t.add_column("verdict", overflow="fold")
     for rank, c in enumerate(listed, 1):
         token = quoted(c.token)
         if c.special:
