@@ -276,3 +276,34 @@ def _gguf(path: Path, table: np.ndarray) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_group_lines_say_each_matrix_verdict():
+    from embedlens.analysis.undertrained import group_line
+    from embedlens.reports.vocab import GroupMatrix
+
+    def part(matrix: str, flagged: int, verdict: str, norm: float = 0.02) -> GroupMatrix:
+        return GroupMatrix(
+            matrix, norm, 3.15, flagged, {"norm": flagged} if flagged else {}, verdict
+        )
+
+    one = group_line("added_tokens", [70], [part("input", 1, "untrained")])
+    assert (
+        one
+        == "the added token's row (id 70) looks untrained: norm 0.02 against 3.15 (1 of 1 flagged: norm 1)"
+    )
+    pad = group_line("past_tokenizer", [5, 6, 7], [part("input", 0, "ordinary", 3.1)])
+    assert pad == (
+        "the 3 rows past the tokenizer (ids 5-7) look like the ordinary rows: norm 3.1 against "
+        "3.15 (none flagged)"
+    )
+    split = group_line(
+        "added_tokens",
+        list(range(8)),
+        [part("output", 0, "ordinary", 3.0), part("input", 3, "partly untrained")],
+    )
+    assert split == (
+        "the 8 added tokens' rows (ids 0-7): in the head they look like the ordinary rows (norm 3 "
+        "against 3.15, none flagged); in the embedding 3 of 8 look untrained (norm 0.02 against "
+        "3.15, 3 of 8 flagged: norm 3)"
+    )
