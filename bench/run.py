@@ -358,6 +358,23 @@ table = np.ones(int(np.prod(tensor.shape)), dtype=np.float32)  # V x d float32 v
 print(table.nbytes)
 """
 
+# The floor of `vocab` (static) on a GGUF: reading the embedding's bytes once and dequantising
+# them with numpy (gguf's own per-type formula), 4,096 rows at a time as a pass over it does (the
+# whole tensor at once is slower: it faults in 2 GB of temporaries). The parent finds the tensor
+# in the header and passes where it lies.
+READ_AND_DEQUANTISE = """
+import sys
+import numpy as np
+import gguf.quants
+path, offset, rows, row_bytes, qtype = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+quant = getattr(gguf.quants, qtype)
+table = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(rows, row_bytes))
+for start in range(0, rows, 4096):
+    raw = np.array(table[start : start + 4096])
+    values = quant.dequantize_blocks(raw.reshape(-1, quant.type_size))
+print(values.dtype, rows)
+"""
+
 IMPORT_MODEL_CLASSES = """
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -398,6 +415,35 @@ def floors(qwen: Path, smol: Path, quick: bool) -> dict[str, str]:
     out[f"one [{v}, {d}] x [{d}, 4] product (float32)"] = f"{best * 1e3:.1f} ms"
     if not quick:
         out["forward pass of SmolLM2 alone (6 tokens, float32)"] = _forward_floor(smol)
+    return out
+
+
+def vocab_floor(path: Path) -> dict[str, str]:
+    """The 262k embedding read and dequantised in this process: whole (what the `vocab` row's
+    baseline does, less starting Python) and in 4,096-row chunks never held together."""
+    import gguf.quants
+    import numpy as np
+
+    name, offset, rows, row_bytes, qtype = embedding_args(path)
+    quant = getattr(gguf.quants, qtype)
+    shape = (int(rows), int(row_bytes))
+    mm = np.memmap(name, dtype=np.uint8, mode="r", offset=int(offset), shape=shape)
+
+    def whole() -> None:
+        raw = np.array(mm)
+        quant.dequantize_blocks(raw.reshape(-1, quant.type_size))
+
+    def chunked() -> None:
+        for start in range(0, shape[0], 4096):
+            raw = np.array(mm[start : start + 4096])
+            quant.dequantize_blocks(raw.reshape(-1, quant.type_size))
+
+    out = {}
+    for how, fn in (("whole", whole), ("in 4,096-row chunks", chunked)):
+        best = min(_timed(fn) for _ in range(3))
+        out[f"read and dequantise the {shape[0]:,}-row {qtype} embedding ({how}, numpy)"] = (
+            f"{best * 1e3:.0f} ms"
+        )
     return out
 
 
@@ -469,6 +515,16 @@ def hub_transfer_limit(folder: Path) -> int | None:
     return int(1.05 * (end - begin)) + small
 
 
+def embedding_args(path: Path) -> list[str]:
+    """Where a GGUF's token_embd lies: path, offset, rows, bytes a row, ggml type (for
+    READ_AND_DEQUANTISE; the header is read here, without numpy)."""
+    from embedlens.io.gguf import read_gguf_header
+
+    info = read_gguf_header(path).tensors["token_embd.weight"]
+    rows = info.shape[0]
+    return [str(path), str(info.offset), str(rows), str(info.row_bytes), info.type_name]
+
+
 def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     el = embedlens_argv()
     qwen = qwen_checkpoint(quick, build=False)
@@ -514,6 +570,10 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "vocab", str(vocab_gguf), "--json"],
             [sys.executable, "-c", MATRIX_FLOAT32, str(vocab_gguf)], "holding the matrix in float32",
             mem_budget=2.0, abs_budget=2.0),
+        Row("vocab, static, against its floor (Q8_0 GGUF, 262k-token vocabulary)",
+            [*el, "vocab", str(vocab_gguf), "--json"],
+            [sys.executable, "-c", READ_AND_DEQUANTISE, *embedding_args(vocab_gguf)],
+            "reading and dequantising the embedding once with numpy", budget=1.5),
         Row("vocab --against itself (Q8_0 GGUF, 262k-token vocabulary)",
             [*el, "vocab", str(vocab_gguf), "--against", str(vocab_gguf), "--json"],
             [sys.executable, "-c", MATRIX_FLOAT32, str(vocab_gguf)], "holding the matrix in float32",
@@ -576,6 +636,8 @@ def main() -> None:
         if server is not None:
             server.communicate("")
     floor = floors(qwen, smol, args.quick)  # last: it imports numpy and torch here
+    if any(r.name.startswith("vocab") for r in table):
+        floor.update(vocab_floor(large_vocab_gguf(args.quick, build=False)))
     print_table(table, floor, runs)
     missing = [r.name for r in table if not r.times or (r.baseline and not r.base_times)]
     if missing:

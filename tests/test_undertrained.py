@@ -97,5 +97,6 @@ def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypa
         assert np.array_equal(stats.indicator, first.indicator, equal_nan=True)
         assert np.array_equal(stats.norms, first.norms)
         assert np.array_equal(stats.signature, first.signature)
+        assert np.array_equal(stats.mean_distance, first.mean_distance)
     single = np.asarray(rows.take(reference), dtype=np.float64).mean(axis=0)
     assert np.allclose(mean, single, rtol=1e-5, atol=1e-7)

@@ -215,11 +215,15 @@ def test_indicator_is_the_papers(cli, planted):
     threshold = np.percentile(expected[reference], 99)  # the padding rows are all non-zero
     assert scan["threshold"] == pytest.approx(threshold, abs=1e-4)
     flagged = [i for i in range(TOKENIZER_LEN) if expected[i] >= scan["threshold"] - 1e-6]
-    assert sorted(c["id"] for c in scan["candidates"]) == flagged
+    assert sorted(c["id"] for c in scan["candidates"] if "indicator" in c["signals"]) == flagged
     planted_ids = [4 + WORDS.index("prince"), 4 + WORDS.index("princess")]
     assert set(planted_ids) <= set(flagged)
     assert [planted_ids] == scan["identical_rows"]
-    assert scan["counts"]["candidate"] == len(flagged)
+    assert scan["by_signal"]["indicator"] == len(flagged)
+    # '<pad>' (id 3) has an all-zero row: no indicator, but the norm signal flags it.
+    others = {c["id"]: c["signals"] for c in scan["candidates"] if c["id"] not in flagged}
+    assert others == {3: ["norm"]}
+    assert scan["counts"]["candidate"] == len(scan["candidates"]) == len(flagged) + 1
 
 
 def test_verify_asks_the_model(cli, planted):
@@ -472,3 +476,60 @@ def test_gguf_pieces_are_what_the_tokenizer_stores(tmp_path):
     assert pieces_by_id(vocab) == asked
     assert len(asked) == vocab.size and asked[256] == "ab" and asked[257] is None
     assert asked[258] == "Ã©Ġx"  # stored as text, respelled in the byte alphabet
+
+
+def _reset_rows(src: Path, dst: Path, ids: list[int], scale: float) -> Path:
+    """A copy of a GGUF whose token_embd rows `ids` are replaced by fresh noise of std `scale`
+    (as at initialisation), quantised to the table's own type; the file itself is untouched."""
+    import shutil
+
+    import gguf
+    from gguf.quants import quantize
+
+    from embedlens.io.gguf import read_gguf_header
+
+    shutil.copyfile(src, dst)
+    info = read_gguf_header(dst).tensors["token_embd.weight"]
+    qtype = gguf.GGMLQuantizationType(info.type_id)
+    width = info.shape[1]
+    noise = np.random.default_rng(0).standard_normal((len(ids), width)).astype(np.float32)
+    raw = quantize(noise * scale, qtype).reshape(len(ids), info.row_bytes)
+    with open(dst, "r+b") as fh:
+        for row, i in zip(raw, ids, strict=True):
+            fh.seek(info.offset + i * info.row_bytes)
+            fh.write(row.tobytes())
+    return dst
+
+
+@pytest.mark.slow
+def test_smollm2_rows_reset_to_initialisation_are_flagged_by_norm(
+    cli, smol_gguf, smollm2, tmp_path
+):
+    """20 ordinary tokens' rows reset to initialisation-scale noise (std 0.02, norm about 0.48
+    against a median of 3.15): the indicator cannot see them (they share nothing with the
+    reference rows), the norm signal flags all 20, and the indicator's candidates stay."""
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.model.tokenizer import vocab_from_gguf
+
+    vocab = vocab_from_gguf(read_gguf_header(smollm2))
+    words = [i for i in range(1000, 49152, 7) if vocab.text(i).strip().isalpha()]
+    ids = words[:: len(words) // 20][:20]
+    before = smol_gguf["undertrained"]
+    assert not {c["id"] for c in before["candidates"]} & set(ids)
+    assert before["by_signal"] == {"indicator": 59, "norm": 0, "mean": 0}
+    path = _reset_rows(smollm2, tmp_path / smollm2.name, ids, 0.02)
+    after = cli.json("vocab", path)["undertrained"]
+    found = {c["id"]: c for c in after["candidates"]}
+    for i in ids:
+        assert "norm" in found[i]["signals"], found[i]
+        assert found[i]["norm"] < 0.6 and found[i]["norm_score"] <= -6
+        assert found[i]["by_matrix"] == {"input": found[i]["signals"]}
+    # Resetting rows moves the first principal component a little (the indicator of the other
+    # rows by up to 0.003): the candidates above the threshold by more than that all stay.
+    firm = [c["id"] for c in before["candidates"] if c["indicator"] >= before["threshold"] + 0.003]
+    assert len(firm) >= 40
+    assert all("indicator" in found[i]["signals"] for i in firm)
+    assert abs(after["by_signal"]["indicator"] - 59) <= 3
+    assert after["by_signal"]["norm"] == 20
+    # The signals take turns: the first 40 candidates hold all 20 reset rows.
+    assert set(ids) <= {c["id"] for c in after["candidates"][:40]}

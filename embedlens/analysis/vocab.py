@@ -1,9 +1,9 @@
 """`vocab`: is this vocabulary healthy, trained, and the one these weights were trained with?
 
-The static parts read the headers, the tokenizer and one matrix (the head, or the embedding when
-tied), never torch: the vocabulary against the matrices' rows and the tokens the tokenizer never
-produces on its own (`vocab_layout.py`), a fingerprint of the vocabulary (`vocab_fingerprint.py`),
-and the under-trained indicator (`undertrained.py`); `--against` compares two vocabularies id by
+The static parts read the headers, the tokenizer and the matrices (the head, then an untied
+model's embedding), never torch: the vocabulary against the matrices' rows and the tokens the
+tokenizer never produces on its own (`vocab_layout.py`), a fingerprint of the vocabulary
+(`vocab_fingerprint.py`), and the under-trained signals (`undertrained.py`); `--against` compares two vocabularies id by
 id (`vocab_diff.py`). `--verify` and `--check-fit` load the model (`vocab_fit.py`).
 """
 
@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedlens.analysis.undertrained import scan
+from embedlens.analysis.undertrained import Matrix, ReferenceRows, Tokens, scan
 from embedlens.analysis.vocab_diff import compare
 from embedlens.analysis.vocab_fingerprint import entries, pieces_by_id, read_fingerprint
 from embedlens.analysis.vocab_layout import (
+    added_ids,
     find_unreachable,
     layout_problems,
     read_layout,
@@ -136,8 +137,9 @@ def _static(
             "but this vocabulary's fingerprint differs"
         )
     reference = reference_rows(vocab, kinds, table.rows, pieces)
-    rows_read = open_rows(source, table)
-    scanned = scan(rows_read, table, vocab, reference, all_tokens=every_row)
+    tokens = _tokens(vocab, reference, kinds, table.rows)
+    scanned = scan(_matrices(source, table), vocab, tokens, all_tokens=every_row)
+    problems.extend(_untrained_added(scanned))
     notes = [] if table.tied else list(table.notes)
     if vocab.size > table.rows:
         notes.append("tokens past the last row are left out of the scan")
@@ -153,6 +155,42 @@ def _static(
         problems=problems,
         notes=notes,
     )
+
+
+def _untrained_added(scanned: Undertrained) -> list[str]:
+    """A problem for added tokens whose rows look untrained: the model has not learnt them."""
+    out = []
+    for g in scanned.groups:
+        if g.kind == "added_tokens" and g.verdict == "untrained":
+            these = (
+                f"the added token (id {g.first}) has a row"
+                if g.count == 1
+                else f"the {g.count:,} added tokens (ids {g.first}-{g.last}) have rows"
+            )
+            out.append(f"{these} that look untrained: the model has not learnt them")
+    return out
+
+
+def _matrices(source: ModelSource, table: Table) -> list[Matrix]:
+    """The head (the embedding when tied), then an untied model's embedding."""
+    out = [Matrix(open_rows(source, table), table.name, "input" if table.tied else "output")]
+    if not table.tied:
+        embedding = locate(source, "input")
+        out.append(Matrix(open_rows(source, embedding), embedding.name, "input"))
+    return out
+
+
+def _tokens(vocab: Vocab, reference: ReferenceRows, kinds: dict[int, str], rows: int) -> Tokens:
+    """The rows known unused, the tokens that are not ordinary, and the groups of rows added at
+    the end: added tokens past the last ordinary id (not named unused), rows past the tokenizer."""
+    added = added_ids(vocab)
+    taken = set(added)
+    base = vocab.size
+    while base > 0 and base - 1 in taken:
+        base -= 1
+    late = [i for i in range(base, vocab.size) if i not in reference.kinds] if base else []
+    groups = [("added_tokens", late), ("past_tokenizer", list(range(vocab.size, rows)))]
+    return Tokens(reference, kinds.keys(), frozenset(taken | vocab.special_ids), groups)
 
 
 def _loaded(

@@ -92,17 +92,18 @@ def vocab(
 ) -> None:
     """Check the vocabulary against the weights: rows, unreachable and under-trained tokens.
 
-    Without --verify and --check-fit it reads the headers, the tokenizer and one matrix (the
-    head, or the embedding when tied), never torch. The fingerprint is a SHA-256 of the
+    Without --verify and --check-fit it reads the headers, the tokenizer and the head and
+    embedding (one matrix when tied), never torch. The fingerprint is a SHA-256 of the
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
     start-up.
     """
+    # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
+    # busy cores (read when numpy is first imported, so before the import below; a value the
+    # user set wins). The scan runs one thread per core of its own.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from embedlens.analysis.vocab import vocab as run
 
     common(quiet=quiet, debug=debug, device=device)
-    # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
-    # busy cores (read when numpy is first imported; a value the user set wins).
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     spinner = nullcontext() if verify else progress(f"Reading {model}")
     with _Bar(quiet) as bar, spinner:
         report = run(

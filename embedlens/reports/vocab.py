@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -75,8 +76,22 @@ class Unreachable:
 
 
 @dataclass(frozen=True)
+class RowFigures:
+    """One token's row in one matrix: the figures each signal reads, and the signals it trips."""
+
+    indicator: float
+    norm: float
+    norm_score: float
+    """Robust score of the row's log norm: (log norm - median) / (1.4826 x MAD), over the
+    reachable ordinary rows."""
+    mean_distance: float
+    """Distance to the rows' mean over the ordinary rows' median distance to it."""
+    signals: list[str]
+
+
+@dataclass(frozen=True)
 class Candidate:
-    """A token whose row looks like the unused rows'."""
+    """A token whose row looks under-trained: like the unused rows', or never moved from its start."""
 
     id: int
     token: str
@@ -87,11 +102,82 @@ class Candidate:
     """With --verify: the highest probability the model gives the token when asked to repeat it."""
     verdict: str
     """'candidate' (not verified), 'confirmed' (repeat_prob below 1%) or 'rejected'."""
+    signals: list[str] = field(default_factory=list)
+    """What flagged it, in any matrix: 'indicator' (Magikarp's), 'norm' (far from the ordinary
+    rows' norms), 'mean' (at the mean of the rows, as transformers' mean resizing leaves a row)."""
+    by_matrix: dict[str, list[str]] = field(default_factory=dict)
+    """The signals each scanned matrix flagged it by ('input', 'output'; empty: not flagged)."""
+    norm_score: float = math.nan
+    mean_distance: float = math.nan
+    input: RowFigures | None = None
+    """Untied models: the embedding's row (the fields above are the head's)."""
+
+
+@dataclass(frozen=True)
+class MatrixScan:
+    """The scan of one matrix: the Magikarp indicator, the norm and mean signals, equal rows."""
+
+    matrix: str
+    """'output' (the head) or 'input' (the embedding)."""
+    tensor: str
+    threshold: float | None
+    threshold_rule: str
+    component: str
+    norm_median: float
+    reference_norm_median: float | None
+    identical_rows: list[list[int]]
+    norm_rule: str
+    norm_low: float | None
+    norm_high: float | None
+    """The norm signal flags rows with a norm at or below norm_low or at or above norm_high."""
+    ordinary_rows: int
+    """Reachable ordinary tokens (not special, added, unreachable or reference): what the norm
+    and mean signals measure rows against."""
+    ordinary_norm_median: float | None
+    mean_rule: str
+    mean_distance_median: float | None
+    """The ordinary rows' median distance to the rows' mean."""
+    flagged: dict[str, int]
+    """Rows of tokens this matrix flags, by signal."""
+    indicators: list[float] | None = None
+    norms: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class GroupMatrix:
+    """A group of rows in one matrix."""
+
+    matrix: str
+    norm_median: float
+    ordinary_norm_median: float | None
+    flagged: int
+    """Rows of the group any signal flags."""
+    by_signal: dict[str, int]
+    verdict: str
+    """'untrained' (more than half flagged), 'partly untrained' or 'ordinary' (none flagged)."""
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows added at the end of the table, checked together."""
+
+    kind: str
+    """'added_tokens' (added tokens past the last ordinary id) or 'past_tokenizer' (rows no
+    token looks up)."""
+    first: int
+    last: int
+    count: int
+    matrices: list[GroupMatrix]
+    verdict: str
+    """'untrained' when the rows look untrained in a matrix, 'partly untrained', or 'ordinary'."""
+    summary: str
 
 
 @dataclass(frozen=True)
 class Undertrained:
-    """The Fishing-for-Magikarp indicator over the head's rows (the embedding when tied)."""
+    """Rows that look under-trained: the Fishing-for-Magikarp indicator, and rows whose norm or
+    place (at the rows' mean) says they never moved. The flat figures are the head's (the
+    embedding's when tied); an untied model's embedding is scanned too (`input`)."""
 
     matrix: str
     """'output' (the head) or 'input' (the embedding, when the head is tied to it)."""
@@ -110,12 +196,28 @@ class Undertrained:
     identical_rows: list[list[int]]
     """Groups of rows that are exactly equal (rows never moved apart by training)."""
     candidates: list[Candidate]
-    """Best first, all of them (the table shows the first few)."""
+    """All of them, the signals taking turns (each strongest first; the table shows the first few)."""
     verified: int
     """How many candidates --verify asked the model about."""
     indicators: list[float] | None = None
     """With --all (or --json): every row's indicator, by id (null for an all-zero row)."""
     norms: list[float] | None = None
+    norm_rule: str = ""
+    norm_low: float | None = None
+    norm_high: float | None = None
+    ordinary_rows: int = 0
+    ordinary_norm_median: float | None = None
+    mean_rule: str = ""
+    mean_distance_median: float | None = None
+    flagged: dict[str, int] = field(default_factory=dict)
+    """Rows of tokens the head (the embedding when tied) flags, by signal."""
+    by_signal: dict[str, int] = field(default_factory=dict)
+    """Candidates per signal, in any matrix."""
+    input: MatrixScan | None = None
+    """Untied models: the embedding's scan."""
+    one_matrix: dict[str, int] | None = None
+    """Untied models: candidates flagged in that matrix only ('input', 'output')."""
+    groups: list[RowGroup] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from embedlens.reports.vocab import Candidate, Undertrained, VocabDiff, VocabReport
+from embedlens.reports.vocab import Candidate, MatrixScan, Undertrained, VocabDiff, VocabReport
 from embedlens.views.format import count, quoted, shown
 
 TOP = 15  # candidates shown without --all
@@ -55,59 +55,105 @@ def _kinds(n: int, by_kind: dict[str, int]) -> str:
     return count(n) + " (" + ", ".join(f"{k} {count(v)}" for k, v in by_kind.items()) + ")"
 
 
+_NAMES = {"input": "embedding", "output": "head"}
+_SHORT = {"input": "emb.", "output": "head"}
+
+
 def _scan(u: Undertrained, top: int | None) -> list[RenderableType]:
-    parts: list[RenderableType] = []
+    """The scan's headline, each matrix's rules, the candidates, equal rows and the groups."""
+    scans: list[Undertrained | MatrixScan] = [u] if u.input is None else [u, u.input]
     head = "the embedding, tied head" if u.matrix == "input" else "the head"
-    if u.threshold is None:
-        parts.append(
-            shown(
-                f"Under-trained scan of {u.tensor} ({head}): no reference rows (no padding, unreachable or "
-                "unused-named tokens), so no indicator; norms only.",
-                style="yellow",
-            )
-        )
-        return parts
+    of = f"{u.tensor} ({head})"
+    if u.input is not None:
+        of += f" and {u.input.tensor} (the embedding)"
     counts = ", ".join(f"{k} {count(v)}" for k, v in u.counts.items())
-    parts.append(
-        shown(
-            f"Under-trained scan of {u.tensor} ({head}): {counts}",
-            style="bold",
-        )
-    )
-    parts.append(
-        Text(
-            f"indicator: cosine to the mean of {count(u.reference_count)} reference rows "
-            f"({', '.join(f'{k} {count(v)}' for k, v in u.reference_by_kind.items())}), first principal component "
-            f"removed ({u.component}); candidates {u.threshold_rule} ({u.threshold:.3f})",
-            style="dim",
-        )
-    )
+    parts: list[RenderableType] = [shown(f"Under-trained scan of {of}: {counts}", style="bold")]
+    for m in scans:
+        which = "" if u.input is None else f"{_NAMES[m.matrix]}: "
+        parts.append(Text(which + _indicator_rule(u, m), style="dim"))
+        rules = f"{which}norm: {_rule(m.norm_rule)}; mean: {_rule(m.mean_rule)}"
+        parts.append(Text(rules, style="dim"))
     listed = u.candidates if top is None else u.candidates[:top]
     if listed:
         parts.append(_candidates(u, listed))
         if len(listed) < len(u.candidates):
             parts.append(Text(f"... {len(u.candidates) - len(listed)} more (--all)", style="dim"))
-    ref = _num(u.reference_norm_median, 2)
-    parts.append(Text(f"median row norm {u.norm_median:.2f}; reference rows' {ref}", style="dim"))
-    for group in u.identical_rows[:3]:
-        ids = ", ".join(str(i) for i in group[:12]) + (", ..." if len(group) > 12 else "")
-        parts.append(Text(f"{len(group)} rows are exactly equal (never moved apart): ids {ids}"))
+    if u.one_matrix is not None and any(u.one_matrix.values()):
+        parts.append(
+            Text(
+                f"rows that disagree: {count(u.one_matrix['output'])} tokens flagged in the head "
+                f"only, {count(u.one_matrix['input'])} in the embedding only"
+            )
+        )
+    for m in scans:
+        which = "" if u.input is None else f" ({_NAMES[m.matrix]})"
+        norms = f"median row norm{which} {m.norm_median:.2f}"
+        if m.reference_norm_median is not None:
+            norms += f"; reference rows' {m.reference_norm_median:.2f}"
+        parts.append(Text(norms, style="dim"))
+        for group in m.identical_rows[:3]:
+            ids = ", ".join(str(i) for i in group[:12]) + (", ..." if len(group) > 12 else "")
+            parts.append(
+                Text(f"{len(group)} rows are exactly equal{which} (never moved apart): ids {ids}")
+            )
+    for g in u.groups:
+        style = "yellow" if g.verdict != "ordinary" else ""
+        parts.append(shown(g.summary[0].upper() + g.summary[1:], style=style))
     return parts
 
 
+def _rule(text: str) -> str:
+    """'candidates at or below ...', or 'no ... signal' as it is."""
+    return text if text.startswith("no ") else "candidates " + text
+
+
+def _indicator_rule(u: Undertrained, m: Undertrained | MatrixScan) -> str:
+    if m.threshold is None:
+        return "indicator: none (no reference rows: no padding, unreachable or unused-named tokens)"
+    kinds = ", ".join(f"{k} {count(v)}" for k, v in u.reference_by_kind.items())
+    return (
+        f"indicator: cosine to the mean of {count(u.reference_count)} reference rows ({kinds}), "
+        f"first principal component removed ({m.component}); candidates {m.threshold_rule} "
+        f"({m.threshold:.3f})"
+    )
+
+
+def _signal(u: Undertrained, c: Candidate) -> str:
+    """'indicator, norm', or with two matrices 'indicator (head), norm (both)'."""
+    if u.input is None:
+        return ", ".join(c.signals)
+    out = []
+    for k in c.signals:
+        where = [m for m, signals in c.by_matrix.items() if k in signals]
+        out.append(f"{k} ({'both' if len(where) > 1 else _SHORT[where[0]]})")
+    return ", ".join(out)
+
+
 def _candidates(u: Undertrained, listed: list[Candidate]) -> Table:
-    """The candidates' table: id, token, indicator, norm, (with --verify) repeat probability."""
+    """The candidates' table: id, token, indicator, norm (each matrix's when untied), the
+    signals that flagged it, (with --verify) repeat probability."""
     t = Table()
-    for name in ("#", "id", "token", "indicator", "norm"):
-        t.add_column(name, justify="left" if name == "token" else "right")
+    names = ["#", "id", "token", "indicator", "norm"]
+    if u.input is not None:
+        names = ["#", "id", "token", "head\nind.", "head\nnorm", "emb.\nind.", "emb.\nnorm"]
+    # A narrow terminal folds the text columns; numbers and tokens are never cut short.
+    for name in names:
+        if name == "token":
+            t.add_column(name, overflow="fold")
+        else:
+            t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("signal", overflow="fold")
     if u.verified:
-        t.add_column("repeat p", justify="right")
-    t.add_column("verdict")
+        t.add_column("repeat p", justify="right", no_wrap=True)
+    t.add_column("verdict", overflow="fold")
     for rank, c in enumerate(listed, 1):
         token = quoted(c.token)
         if c.special:
             token.append(" (special)", style="dim")
         cells: list[str | Text] = [str(rank), str(c.id), token, _num(c.indicator), _num(c.norm, 2)]
+        if c.input is not None:
+            cells += [_num(c.input.indicator), _num(c.input.norm, 2)]
+        cells.append(_signal(u, c))
         if u.verified:
             cells.append("-" if c.repeat_prob is None else f"{c.repeat_prob:.2e}")
         cells.append(c.verdict)
