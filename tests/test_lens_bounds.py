@@ -117,6 +117,28 @@ def test_k_past_the_vocabulary_is_clamped_with_a_note(tiny, cli):
     assert {**data, "notes": []} == {**json.loads(exact.stdout), "notes": []}
 
 
+def test_the_table_shows_its_runners_up_and_counts_the_rest(tiny, cli, monkeypatch):
+    """-k past what a table row can show (100; 10 here, for the tiny vocabulary): the first ones
+    after the top-1, in the JSON's order, then how many more; the JSON keeps every one."""
+    from embedlens.views import lens as view
+    from embedlens.views.format import quoted
+
+    monkeypatch.setattr(view, "NEXT_SHOWN", 10)
+    folder = tiny("llama-tied")
+    data = cli.json("lens", folder, PROMPT, "-k", "31")
+    result = cli("lens", folder, PROMPT, "-k", "31", env={"COLUMNS": "100000"})
+    assert result.exit_code == 0, result.stderr
+    lines = [ln for ln in result.stdout.splitlines() if "and 20 more (--json lists them all)" in ln]
+    assert len(lines) == len(data["layers"])
+    for line, layer in zip(lines, data["layers"], strict=True):
+        assert len(layer["top"]) == 31
+        shown = [quoted(t["token"]).plain + " " for t in layer["top"][1:11]]
+        at = [line.index(t) for t in shown]  # every one there, in order
+        assert at == sorted(at)
+    small = cli("lens", folder, PROMPT, "-k", "11")
+    assert "more (--json lists them all)" not in small.stdout
+
+
 def test_prompts_with_k_past_the_vocabulary_equal_their_single_runs(tiny, cli, tmp_path):
     """Every position read, the whole vocabulary at the last: each line is its single run, and
     the note is said once."""

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from embedlens.reports.lens import LensReport
+from embedlens.reports.lens import LensReport, Prediction
 from embedlens.views.format import prob, quoted, shown
+
+NEXT_SHOWN = 100
+"""Predictions after the top-1 that a table row shows; the rest are counted."""
 
 
 def render(r: LensReport) -> RenderableType:
@@ -42,11 +47,7 @@ def render(r: LensReport) -> RenderableType:
         best = row.top[0]
         cells: list[Text | str] = [label, quoted(best.token), prob(best.prob, best.logprob)]
         if len(row.top) > 1:
-            rest = Text()
-            for pred in row.top[1:]:
-                p_text = prob(pred.prob, pred.logprob)
-                rest.append_text(quoted(pred.token)).append(f" {p_text}  ", style="dim")
-            cells.append(rest)
+            cells.append(_runners_up(row.top[1:]))
         if r.target is not None and row.target is not None:
             cells += [prob(row.target.prob, row.target.logprob), str(row.target.rank)]
         table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
@@ -55,6 +56,19 @@ def render(r: LensReport) -> RenderableType:
         parts.append(_render_grid(r))
     parts.append(_render_check(r))
     return Group(*parts)
+
+
+def _runners_up(top: Sequence[Prediction]) -> Text:
+    """The next predictions after the top-1, at most NEXT_SHOWN of them, then how many more
+    there are: -k 49152 would fill a terminal with a table no one reads (and take minutes to
+    lay out); `--json` lists them all."""
+    rest = Text()
+    for pred in top[:NEXT_SHOWN]:
+        p_text = prob(pred.prob, pred.logprob)
+        rest.append_text(quoted(pred.token)).append(f" {p_text}  ", style="dim")
+    if len(top) > NEXT_SHOWN:
+        rest.append(f"and {len(top) - NEXT_SHOWN:,} more (--json lists them all)", style="dim")
+    return rest
 
 
 def _render_grid(r: LensReport) -> Table:
