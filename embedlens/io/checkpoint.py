@@ -12,7 +12,7 @@ import json
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from embedlens.errors import CheckpointError, SourceError
 from embedlens.io.gguf import GGUFHeader, read_gguf_header
@@ -401,13 +401,7 @@ def fetch_gguf_rows(source: ModelSource, entry: TensorEntry, rows: list[int]) ->
     assert source.path is not None and entry.file_offset is not None
     hub = describe(source.repo_id, source.hub_file, source.revision)
     with open(source.path, "r+b") as out:
-        for row in sorted(set(rows)):
-            start = entry.file_offset + row * entry.row_bytes
-            kept, base = read_range(hub, start, start + entry.row_bytes)
-            with open(kept, "rb") as fh:
-                fh.seek(start - base)
-                out.seek(start)
-                out.write(fh.read(entry.row_bytes))
+        _write_rows(out, hub, entry, rows)
     return source.path
 
 
@@ -421,14 +415,20 @@ def fetch_rows(source: ModelSource, entry: TensorEntry, rows: list[int], folder:
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", n) + raw)
         out.truncate(hub.size)
-        for row in sorted(set(rows)):
-            start = entry.file_offset + row * entry.row_bytes
-            kept, base = read_range(hub, start, start + entry.row_bytes)
-            with open(kept, "rb") as fh:
-                fh.seek(start - base)
-                out.seek(start)
-                out.write(fh.read(entry.row_bytes))
+        _write_rows(out, hub, entry, rows)
     return path
+
+
+def _write_rows(out: BinaryIO, hub: HubFile, entry: TensorEntry, rows: list[int]) -> None:
+    """Each row's bytes (fetched by range, or kept from an earlier run) at its file offset."""
+    assert entry.file_offset is not None
+    for row in sorted(set(rows)):
+        start = entry.file_offset + row * entry.row_bytes
+        kept, base = read_range(hub, start, start + entry.row_bytes)
+        with open(kept, "rb") as fh:
+            fh.seek(start - base)
+            out.seek(start)
+            out.write(fh.read(entry.row_bytes))
 
 
 def offline_error(source: ModelSource, shard: str, count: int = 1) -> SourceError:
