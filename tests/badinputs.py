@@ -479,7 +479,7 @@ def chat_template_huge(tmp, tiny, smol):
     return _chat_template(tmp, tiny, "{{ 'x' * 20000000 }}")
 
 
-def _config_chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -> Path:
+def config_chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -> Path:
     """The tiny model with its chat template in tokenizer_config.json."""
     folder = _copy(tmp, tiny)
     path = folder / "tokenizer_config.json"
@@ -493,21 +493,21 @@ def _config_chat_template(tmp: Path, tiny: Callable[..., Path], template: str) -
 @maker
 def chat_template_repeats(tmp, tiny, smol):
     # one string multiplication of 10 GB, in C: no timer interrupts it
-    return _config_chat_template(tmp, tiny, "{{ 'x' * 10**10 }}")
+    return config_chat_template(tmp, tiny, "{{ 'x' * 10**10 }}")
 
 
 @maker
 def chat_template_power(tmp, tiny, smol):
-    return _config_chat_template(tmp, tiny, "{{ 7 ** 10000000000 }}")
+    return config_chat_template(tmp, tiny, "{{ 7 ** 10000000000 }}")
 
 
 @maker
 def chat_template_range(tmp, tiny, smol):
-    return _config_chat_template(tmp, tiny, "{% for i in range(10**10) %}x{% endfor %}")
+    return config_chat_template(tmp, tiny, "{% for i in range(10**10) %}x{% endfor %}")
 
 
 @maker
 def chat_template_raises(tmp, tiny, smol):
-    return _config_chat_template(
+    return config_chat_template(
         tmp, tiny, "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     )

@@ -187,11 +187,7 @@ class FakeHub:
         self, h: BaseHTTPRequestHandler, key: str, status: int, headers: dict[str, str], data: bytes
     ) -> None:
         """Send a body in pieces, counting what was written until the client hung up."""
-        h.send_response(status)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
+        self._head(h, status, headers, len(data))
         view = memoryview(data)
         for i in range(0, len(data), _PIECE):
             try:
@@ -229,13 +225,18 @@ class FakeHub:
     def _send(
         h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], data: bytes, *, body: bool
     ) -> None:
+        FakeHub._head(h, status, headers, len(data))
+        if body:
+            h.wfile.write(data)
+
+    @staticmethod
+    def _head(h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], length: int) -> None:
+        """The status line and headers of an answer whose body has `length` bytes."""
         h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
+        h.send_header("Content-Length", str(length))
         h.end_headers()
-        if body:
-            h.wfile.write(data)
 
     @staticmethod
     def _drop(h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], data: bytes) -> None:

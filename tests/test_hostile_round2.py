@@ -12,7 +12,7 @@ import pytest
 
 from embedlens.errors import SourceError
 from embedlens.io.source import resolve
-from tests.badinputs import INTEGER_NUMPY, st_as_integer
+from tests.badinputs import INTEGER_NUMPY, config_chat_template, st_as_integer
 from tests.fileformats import gguf_bytes
 
 # --- GGUF files not named .gguf ---------------------------------------------------------------
@@ -140,20 +140,8 @@ def test_a_quantization_config_explains_integer_weights(cli, tiny, tmp_path):
 RAISES = "{{ raise_exception('This model only takes a system message first') }}"
 
 
-def _with_template(tmp_path: Path, tiny: Any, template: str) -> Path:
-    """The tiny model with its own chat template (in tokenizer_config.json) replaced."""
-    folder = tmp_path / "model"
-    shutil.copytree(tiny("llama-tied"), folder)
-    path = folder / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["chat_template"] = template
-    path.write_text(json.dumps(config))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
-    return folder
-
-
 def test_a_models_template_that_raises_is_the_models_fault(cli, tiny, tmp_path):
-    model = _with_template(tmp_path, tiny, RAISES)
+    model = config_chat_template(tmp_path, tiny, RAISES)
     err = cli.fails("lens", model, "Paris", "--chat", "hello", code=1)
     line = err.splitlines()[0]
     assert line == (
@@ -202,7 +190,7 @@ C_LEVEL = {
 def test_a_c_level_operation_is_refused_before_it_runs(cli, tiny, tmp_path, template):
     """Refused by its size before it runs, not by the timer after (how long it takes belongs to
     the bench: no test may need a quiet machine)."""
-    model = _with_template(tmp_path, tiny, template)
+    model = config_chat_template(tmp_path, tiny, template)
     err = cli.fails("lens", model, "Paris", "--chat", "hello", code=1)
     line = err.splitlines()[0]
     assert line.startswith(f"error: the chat template in '{model / 'tokenizer_config.json'}' ")
@@ -222,7 +210,7 @@ def test_the_checks_leave_a_working_template_as_it_was(cli, tiny, tmp_path):
     messages = [{"role": "user", "content": "hello"}]
     expected = ImmutableSandboxedEnvironment().from_string(template)
     text = expected.render(messages=messages, add_generation_prompt=True) + "Paris"
-    model = _with_template(tmp_path, tiny, template)
+    model = config_chat_template(tmp_path, tiny, template)
     assert cli.json("lens", model, "Paris", "--chat", "hello")["prompt"] == text
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,6 +17,7 @@ from embedlens.io.hub_gguf import FIRST_RANGE, split_spec
 from embedlens.io.ranges import decimal_size
 from tests.hubserver import COMMIT, FakeHub, Repo
 from tests.test_hub_failures import fails, run
+from tests.test_hub_ranges import reruns_offline, same_report
 
 ARGS = {
     "neighbors": [" king", "' king' - ' man' + ' woman'"],
@@ -49,15 +49,6 @@ def _sent(hub: FakeHub, repo: str) -> dict[str, int]:
     return {k.split("/", 2)[2]: v for k, v in hub.sent.items() if k.startswith(repo + "/")}
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
-    """Two reports equal apart from what names the source: MODEL, the bytes fetched, the note."""
-    for d in (a, b):
-        d.pop("hub_fetched_bytes", None)
-        d.pop("model")
-        d["notes"] = [n for n in d.get("notes", []) if " by range" not in n]
-    assert a == b
-
-
 def _big_files(hf_home: Path) -> list[Path]:
     """Files of the hub cache over 100 KB (a GGUF, whole or in part)."""
     return [p for p in (hf_home / "hub").rglob("*") if p.is_file() and p.stat().st_size > 1e5]
@@ -85,17 +76,9 @@ def test_a_command_fetches_the_header_and_the_tensor_alone(hub, smollm2, tmp_pat
     report = json.loads(online.stdout)
     assert report["hub_fetched_bytes"] == sent[smollm2.name]
     local = cli.json(command, smollm2, *ARGS[command])
-    _same(dict(report), local)
+    same_report(dict(report), local)
     assert not _big_files(tmp_path)  # nothing partial in the hub cache
-    # Offline, the same command answers from what was kept, fetching nothing.
-    before = dict(hub.sent)
-    offline = run(hub.url, tmp_path, *args, offline=True)
-    assert offline.returncode == 0, offline.stderr
-    assert hub.sent == before
-    again = json.loads(offline.stdout)
-    assert again["hub_fetched_bytes"] == 0
-    assert "kept from an earlier run (nothing fetched)" in offline.stderr
-    _same(again, json.loads(online.stdout))
+    reruns_offline(hub, tmp_path, args, online.stdout)
 
 
 def test_the_header_grows_by_doubling_and_the_tensor_comes_in_one_request(hub, smollm2, tmp_path):
@@ -119,7 +102,7 @@ def test_params_and_tied_read_the_header_alone(hub, smollm2, tmp_path, cli):
     for command in ("params", "tied"):
         result = run(hub.url, tmp_path, command, model, "--json")
         assert result.returncode == 0, result.stderr
-        _same(json.loads(result.stdout), cli.json(command, smollm2))
+        same_report(json.loads(result.stdout), cli.json(command, smollm2))
     assert _sent(hub, repo) == {smollm2.name: 2 * FIRST_RANGE}  # the header's ranges, once
 
 
@@ -139,14 +122,14 @@ def test_a_later_lens_downloads_the_whole_file_and_then_nothing_is_fetched(
     assert _sent(hub, repo) == {smollm2.name: smollm2.stat().st_size}
     snapshot = tmp_path / "hub" / "models--org--smol-lens" / "snapshots" / COMMIT / smollm2.name
     assert snapshot.read_bytes() == smollm2.read_bytes()
-    _same(json.loads(lens.stdout), cli.json("lens", smollm2, *args))
+    same_report(json.loads(lens.stdout), cli.json("lens", smollm2, *args))
     gets = len(hub.log)
     whole = run(hub.url, tmp_path, "neighbors", model, " king", "--json")
     assert whole.returncode == 0, whole.stderr
     assert not [r for r in hub.log[gets:] if r[0] == "GET"], hub.log[gets:]
     assert json.loads(whole.stdout)["hub_fetched_bytes"] is None
     assert "by range" not in whole.stderr
-    _same(json.loads(whole.stdout), json.loads(ranged.stdout))
+    same_report(json.loads(whole.stdout), json.loads(ranged.stdout))
 
 
 def test_hub_gguf_errors_are_one_line(hub, tmp_path):

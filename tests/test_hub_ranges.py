@@ -58,13 +58,26 @@ def _tensor(folder: Path, name: str) -> dict[str, Any]:
     return {**info, "offset": 8 + n + begin, "nbytes": end - begin, "header": 8 + n}
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+def same_report(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Two reports equal apart from what names the source: MODEL, the bytes fetched, the note."""
     for d in (a, b):
         d.pop("hub_fetched_bytes", None)
         d.pop("model")
         d["notes"] = [n for n in d.get("notes", []) if " by range" not in n]
     assert a == b
+
+
+def reruns_offline(hub: FakeHub, home: Path, args: list[str], online: str) -> None:
+    """Offline, the same command answers as it did online (`online`, its stdout) from what was
+    kept, fetching nothing."""
+    before = dict(hub.sent)
+    offline = run(hub.url, home, *args, offline=True)
+    assert offline.returncode == 0, offline.stderr
+    assert hub.sent == before
+    again = json.loads(offline.stdout)
+    assert again["hub_fetched_bytes"] == 0
+    assert "kept from an earlier run (nothing fetched)" in offline.stderr
+    same_report(again, json.loads(online))
 
 
 def _kept_bytes(ranges: Path) -> list[Path]:
@@ -110,20 +123,12 @@ def test_a_command_fetches_the_tensor_alone_and_answers_as_the_folder_does(
     assert report["hub_fetched_bytes"] == weights
     local = cli.json(command, wide, *ARGS[command])
     assert "hub_fetched_bytes" not in local or local["hub_fetched_bytes"] is None
-    _same(dict(report), local)
+    same_report(dict(report), local)
     # Nothing partial where transformers would take it for the whole file.
     snapshot = _snapshot(tmp_path, repo)
     assert not (snapshot / WEIGHTS).exists()
     assert not [p for p in (tmp_path / "hub").rglob("*") if p.is_file() and p.stat().st_size > 1e5]
-    # Offline, the same command answers from what was kept, fetching nothing.
-    before = dict(hub.sent)
-    offline = run(hub.url, tmp_path, *args, offline=True)
-    assert offline.returncode == 0, offline.stderr
-    assert hub.sent == before
-    again = json.loads(offline.stdout)
-    assert again["hub_fetched_bytes"] == 0
-    assert "kept from an earlier run (nothing fetched)" in offline.stderr
-    _same(again, json.loads(online.stdout))
+    reruns_offline(hub, tmp_path, args, online.stdout)
 
 
 def test_a_large_range_is_asked_in_one_request(hub, wide, tmp_path):
@@ -167,7 +172,7 @@ def test_a_later_lens_downloads_the_whole_file_and_then_nothing_is_fetched(
     report = json.loads(whole.stdout)
     assert report["hub_fetched_bytes"] is None
     assert "by range" not in whole.stderr
-    _same(report, json.loads(ranged.stdout))
+    same_report(report, json.loads(ranged.stdout))
 
 
 def test_a_server_that_ignores_range_is_stopped(hub, wide, tmp_path):
