@@ -6,6 +6,7 @@ object; `rich.print(report)` shows its tables; Jupyter shows it as HTML):
     import embedlens
     embedlens.params("SmolLM2-135M-Instruct.Q4_1.gguf")
     embedlens.lens(model, "The capital of France is", tokenizer=tokenizer)
+    embedlens.lens_prompts("SmolLM2-135M-Instruct.Q4_1.gguf", ["The capital of France is"])
 
 Importing embedlens is cheap: torch, transformers and numpy load when a function needs them.
 """
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
-    from embedlens.analysis.lens import lens
+    from embedlens.analysis.lens import lens, lens_prompts
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
@@ -44,6 +45,7 @@ _EXPORTS = {
     "neighbors": "embedlens.analysis.neighbors",
     "addr": "embedlens.analysis.addr",
     "lens": "embedlens.analysis.lens",
+    "lens_prompts": "embedlens.analysis.lens",
     "vocab": "embedlens.analysis.vocab",
     "Report": "embedlens.reports",
     **{
@@ -78,6 +80,7 @@ __all__ = [
     "__version__",
     "addr",
     "lens",
+    "lens_prompts",
     "neighbors",
     "params",
     "tied",

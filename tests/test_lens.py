@@ -168,7 +168,7 @@ def test_padding_rows_never_predicted(tiny, cli, tmp_path):
 
 
 def test_decodes_only_the_positions_asked_for(tiny):
-    from embedlens.analysis.lens_engine import run_lens
+    from embedlens.analysis.lens.engine import run_lens
 
     model = _load(tiny("llama-untied"))
     seen: list[int] = []
@@ -411,7 +411,7 @@ def test_chat_without_template(tiny, cli, tmp_path):
 
 def test_chunked_decoding_matches_one_pass(tiny, monkeypatch):
     """Rows decoded a few at a time give what one pass gives (the grid never holds all logits)."""
-    from embedlens.analysis import lens_engine as analysis
+    from embedlens.analysis.lens import engine as analysis
 
     model = _load(tiny("qwen3"))
     ids = _ids(tiny("qwen3"))
@@ -432,7 +432,7 @@ def test_chunked_decoding_matches_one_pass(tiny, monkeypatch):
 def test_tail_that_counts_its_blocks_runs_them_all(tiny):
     """A model whose code after the blocks depends on how many there are: the lens notices that
     the shortened tail does not reproduce it and decodes with every block in place instead."""
-    from embedlens.analysis.lens_engine import run_lens
+    from embedlens.analysis.lens.engine import run_lens
 
     model = _load(tiny("llama-tied"))
 

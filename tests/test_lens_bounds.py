@@ -27,7 +27,7 @@ def _load(folder: Path) -> tuple[Any, list[int]]:
 def test_grid_cells_are_the_top1_of_a_full_run(tiny):
     """Only the position read keeps the top-k (all of the vocabulary here) and the target; every
     other cell holds the top-1 a full run gives, to the bit."""
-    from embedlens.analysis.lens_engine import run_lens
+    from embedlens.analysis.lens.engine import run_lens
 
     model, ids = _load(tiny("qwen3"))
     last = len(ids) - 1
@@ -53,7 +53,7 @@ def test_grid_cells_are_the_top1_of_a_full_run(tiny):
 def test_batch_rows_hold_the_top_k_at_the_position_read_only(tiny):
     """`--prompts`: the rows of a prompt's other positions hold their top-1 and the target, as
     a run reading the top-k everywhere gives them."""
-    from embedlens.analysis.lens_batch import BatchItem, BatchLens
+    from embedlens.analysis.lens.batch import BatchItem, BatchLens
 
     model, ids = _load(tiny("qwen3"))
     last, every = len(ids) - 1, list(range(len(ids)))
@@ -82,17 +82,17 @@ def test_batch_rows_hold_the_top_k_at_the_position_read_only(tiny):
 
 
 def test_a_decoded_row_that_is_not_finite_is_refused_and_an_overflowing_sum_is_not():
-    from embedlens.analysis.lens_engine import _check_decoded
+    from embedlens.analysis.lens.engine import check_decoded
     from embedlens.errors import NumericError
 
-    pos = torch.tensor([7, 9])
+    pos = [7, 9].__getitem__
     fine = torch.full((2, 4), 3e38)  # finite logits whose sum overflows float32
-    _check_decoded(fine, [(2, 0), (2, 1)], pos)
+    check_decoded(fine, [(2, 0), (2, 1)], pos)
     for bad in (float("inf"), float("nan")):
         out = fine.clone()
         out[1, 2] = bad
         with pytest.raises(NumericError, match="layer 2 at position 9"):
-            _check_decoded(out, [(2, 0), (2, 1)], pos)
+            check_decoded(out, [(2, 0), (2, 1)], pos)
 
 
 # --- -k past the vocabulary ----------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_prompts_with_k_past_the_vocabulary_equal_their_single_runs(tiny, cli, t
 
 
 def test_summary_alone_decodes_the_top1_whatever_k_is(tiny, cli, tmp_path, monkeypatch):
-    from embedlens.analysis import lens_batch
+    from embedlens.analysis.lens import batch as lens_batch
 
     asked: list[int] = []
     init = lens_batch.BatchLens.__init__
@@ -191,9 +191,9 @@ def grid_report(positions: int, layers: int) -> Any:
         LensCheck,
         LensLayer,
         LensReport,
-        LensToken,
         Prediction,
     )
+    from embedlens.reports.tokens import TokenRef
 
     words = ["the", " king", "中国", "\n", " international"]
 
@@ -203,7 +203,7 @@ def grid_report(positions: int, layers: int) -> Any:
 
     return LensReport(
         model="made-up",
-        tokens=[LensToken(i % 5, words[i % 5]) for i in range(positions)],
+        tokens=[TokenRef(i % 5, words[i % 5]) for i in range(positions)],
         position=-1,
         position_index=positions - 1,
         num_layers=layers - 1,

@@ -263,7 +263,7 @@ def test_bad_file_is_refused_before_torch_is_imported(tiny, tmp_path, text, args
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
     assert (result.returncode, result.stdout) == (2, "")
     assert [line for line in lines if not line.startswith("import time:")] == says
-    assert "embedlens.analysis.lens_many" in imported
+    assert "embedlens.analysis.lens.many" in imported
     assert not imported & {"torch", "transformers", "numpy", "gguf"}
 
 
@@ -322,15 +322,18 @@ def test_python_prompts_stream_reports_and_return_the_summary(tiny, cli):
 
     folder = tiny("qwen3")
     seen: list[tuple[LensReport, Any]] = []
-    summary = embedlens.lens(
-        folder,
-        prompts=["the king of", {"prompt": "the queen", "target": "of", "id": "q"}],
-        each=lambda report, line: seen.append((report, line)),
+    prompts = ["the king of", {"prompt": "the queen", "target": "of", "id": "q"}]
+    summary = embedlens.lens_prompts(
+        folder, prompts, each=lambda report, line: seen.append((report, line))
     )
     assert isinstance(summary, LensSummaryReport) and summary.n_prompts == 2
     assert [line.id for _, line in seen] == [None, "q"]
     close(seen[0][0].to_dict(), embedlens.lens(folder, "the king of").to_dict())
     assert summary.to_dict()["summary"] is True
+    # the former spelling still works for one release, with a warning
+    with pytest.warns(DeprecationWarning, match="lens_prompts"):
+        old = embedlens.lens(folder, prompts=prompts)
+    assert old.to_json() == summary.to_json()
 
 
 def test_python_prompts_on_a_loaded_model(tiny):
@@ -342,10 +345,10 @@ def test_python_prompts_on_a_loaded_model(tiny):
     model = _load(folder)
     tok = AutoTokenizer.from_pretrained(folder)
     reports: list[Any] = []
-    summary = embedlens.lens(
-        model, prompts=PROMPTS, tokenizer=tok, each=lambda r, _line: reports.append(r)
+    summary = embedlens.lens_prompts(
+        model, PROMPTS, tokenizer=tok, each=lambda r, _line: reports.append(r)
     )
-    from_files = embedlens.lens(folder, prompts=PROMPTS)
+    from_files = embedlens.lens_prompts(folder, PROMPTS)
     close(summary.to_dict()["layers"], from_files.to_dict()["layers"])
     close(reports[2].to_dict()["layers"], embedlens.lens(folder, PROMPTS[2]).to_dict()["layers"])
 
@@ -353,10 +356,10 @@ def test_python_prompts_on_a_loaded_model(tiny):
 def test_memory_stays_bounded_reports_stream(tiny, monkeypatch):
     """Prompts are read a window at a time: the first report comes before the last line is read."""
     import embedlens
-    from embedlens.analysis import lens_many
+    from embedlens.analysis.lens import many
     from embedlens.model.prompts import PromptSource
 
-    monkeypatch.setattr(lens_many, "WINDOW", 2)
+    monkeypatch.setattr(many, "WINDOW", 2)
     events: list[str] = []
 
     class Traced(PromptSource):
@@ -366,8 +369,8 @@ def test_memory_stays_bounded_reports_stream(tiny, monkeypatch):
                 yield line
 
     source = Traced(items=[f"the king of {w}" for w in ("a", "the", "a", "the", "a")])
-    summary = embedlens.lens(
-        tiny("llama-tied"), prompts=source, each=lambda _r, _line: events.append("out")
+    summary = embedlens.lens_prompts(
+        tiny("llama-tied"), source, each=lambda _r, _line: events.append("out")
     )
     assert summary.n_prompts == 5
     second_pass = events[5:]
@@ -375,7 +378,7 @@ def test_memory_stays_bounded_reports_stream(tiny, monkeypatch):
 
 
 def test_median_of_counts():
-    from embedlens.analysis.lens_stats import median_of_counts
+    from embedlens.analysis.lens.stats import median_of_counts
 
     for values in ([1], [3, 1], [5, 1, 2], [2, 2, 9, 9], [1, 1, 1, 7, 8, 100]):
         assert median_of_counts(Counter(values)) == statistics.median(values)
@@ -443,13 +446,13 @@ def test_decoded_row_not_finite_is_refused(tiny, bad):
 
     tok = AutoTokenizer.from_pretrained(tiny("llama-tied"))
     with pytest.raises(NumericError, match="decoding layer"):
-        embedlens.lens(model, prompts=PROMPTS, tokenizer=tok)
+        embedlens.lens_prompts(model, PROMPTS, tokenizer=tok)
 
 
 def test_top_rows_ties_across_the_kth_place():
     """Equal logits across the k-th place give the lower ids first, as one row at a time does."""
-    from embedlens.analysis.lens_batch import top_rows
-    from embedlens.analysis.lens_engine import _best_ids
+    from embedlens.analysis.lens.ranking import best_ids
+    from embedlens.analysis.lens.ranking import tops_from_log_softmax as top_rows
 
     x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0], [5.0, 1.0, 1.0, 4.0, 1.0], [0, 2, 2, 2, 9.0]])
     lx = torch.log_softmax(x, dim=-1)
@@ -458,11 +461,11 @@ def test_top_rows_ties_across_the_kth_place():
         for r, top in enumerate(rows):
             kk = min(k, 5)
             kth = x[r].topk(kk).values[-1]
-            assert top.ids == _best_ids(x[r], kth, kk).tolist(), (k, r)
+            assert top.ids == best_ids(x[r], kth, kk).tolist(), (k, r)
 
 
 def test_batch_threads_one_thread_when_cores_are_busy(tiny):
-    from embedlens.analysis.lens_batch import batch_threads
+    from embedlens.analysis.lens.threads import threads_for as batch_threads
 
     model = _load(tiny("llama-tied"))
     before = torch.get_num_threads()
@@ -495,7 +498,7 @@ def test_row_sums_keep_float64_accuracy_over_a_large_vocabulary():
     hundred each they must still agree with float64 to about 1e-6 (a BLAS dot product did not)."""
     import torch
 
-    from embedlens.analysis.lens_batch import _rowdot
+    from embedlens.analysis.lens.ranking import rowdot as _rowdot
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 151_936, generator=gen) * 30

@@ -38,8 +38,8 @@ from embedlens.reports.neighbors import (
     QueryKind,
     QueryResult,
     Term,
-    TokenRef,
 )
+from embedlens.reports.tokens import TokenRef
 
 _OPERATOR = re.compile(r"\s[+-]\s")
 _SPLIT = re.compile(r"(?:(?<=\s)|^)([+-])(?=\s|$)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from embedlens.analysis.vocab_fingerprint import entries
 from embedlens.analysis.vocab_fingerprint import fingerprint as sha
 from embedlens.model.tokenizer import Vocab
-from embedlens.reports.vocab import Fingerprint, Renamed, Shift, TokenRef, VocabDiff
+from embedlens.reports.tokens import TokenRef
+from embedlens.reports.vocab import Fingerprint, Renamed, Shift, VocabDiff
 
 EXAMPLES = 5
 

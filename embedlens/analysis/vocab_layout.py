@@ -15,7 +15,8 @@ from embedlens.analysis.vocab_fingerprint import byte_level
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
 from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
-from embedlens.reports.vocab import Layout, TokenRef, Unreachable, UnreachableToken
+from embedlens.reports.tokens import TokenRef
+from embedlens.reports.vocab import Layout, Unreachable, UnreachableToken
 
 # Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
 # [unused7], <extra_id_3>.

@@ -25,13 +25,16 @@ def run_prompts(
     options: dict[str, Any],
 ) -> None:
     """Run the lens over a file of prompts: per-prompt output as it comes, the summary last."""
-    from embedlens.analysis.lens import lens as run_lens
+    from embedlens.analysis.lens import lens_prompts
+    from embedlens.analysis.lens.options import one_prompt_only
     from embedlens.model.prompts import PromptSource
 
     if prompts is None:
         raise UsageError("give a PROMPT, or --prompts FILE (- for stdin)")
     if prompt is not None:
         raise UsageError("give either PROMPT or --prompts, not both")
+    options = dict(options)
+    one_prompt_only(options.pop("target"), options.pop("chat"), False)
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
@@ -46,7 +49,7 @@ def run_prompts(
             show.report(report, line)
             advance()
 
-        summary: LensSummaryReport = run_lens(model, prompts=source, each=on_report, **options)
+        summary = lens_prompts(model, source, each=on_report, **options)
     show.finish(summary, plot)
     emit(summary, as_json=as_json)
 

@@ -39,9 +39,11 @@ def check_loaded(model: object, **given: bool) -> PreTrainedModel:
         )
     asked = [name for name, value in given.items() if value]
     if asked:
+        verb = "applies" if len(asked) == 1 else "apply"
         raise UsageError(
-            f"{' and '.join(asked)} cannot apply to a model that is already loaded",
-            hint="pass the model's hub id or path instead to use them",
+            f"{', '.join(asked)} {verb} only when embedlens loads the model: a model already "
+            "loaded is used as it is, in its own dtype and on its own devices",
+            hint="leave them out, or pass the model's hub id or path instead",
         )
     if model.get_input_embeddings() is None or model.get_output_embeddings() is None:
         raise UnsupportedError(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
 from embedlens.io.source import ModelSource
-from embedlens.model.tokens import byte_alphabet, outside_byte_alphabet, readable
+from embedlens.model.tokens import SPACE, byte_alphabet, outside_byte_alphabet, token_text
 from embedlens.text import error_line
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _STRING = 8  # GGUF metadata value type of a string
 _NUMBERS = frozenset({0, 1, 2, 3, 4, 5, 6, 10, 11, 12})  # GGUF integer and float types
-_SPACE = "\u2581"  # SentencePiece's stand-in for a space
+
 _SURROGATES = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8
 
 # Split patterns for `tokenizer.ggml.pre` values whose merges were learned on a split other than
@@ -86,10 +86,7 @@ class Vocab:
             return self._text[token_id]
         piece = self.piece(token_id)
         decoded = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        if piece is not None and piece.startswith(_SPACE) and not decoded.startswith(" "):
-            # A SentencePiece decoder strips the first token's leading space: a lone token keeps it.
-            decoded = " " + decoded
-        shown = readable(decoded, piece)
+        shown = token_text(decoded, piece)
         self._text[token_id] = shown
         return shown
 
@@ -489,7 +486,7 @@ def _sentencepiece_decoder() -> Any:
     from tokenizers import decoders
 
     return decoders.Sequence(
-        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
 
 
@@ -518,7 +515,7 @@ def _sentencepiece(
     )
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=_SPACE, prepend_scheme="first" if add_space else "never", split=False
+        replacement=SPACE, prepend_scheme="first" if add_space else "never", split=False
     )
     tok.decoder = _sentencepiece_decoder()
     return tok

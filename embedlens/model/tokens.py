@@ -117,6 +117,15 @@ def show_bytes(raw: bytes) -> str:
     return raw.decode("utf-8", errors="backslashreplace")
 
 
+def token_text(decoded: str, piece: str | None) -> str:
+    """One token as users see it, from its decoded text and its vocabulary entry: the text a
+    lone token decodes to (a SentencePiece decoder strips a first token's leading space: a
+    token stored with '▁' keeps it), its bytes when decoding lost them."""
+    if piece is not None and piece.startswith(SPACE) and not decoded.startswith(" "):
+        decoded = " " + decoded
+    return readable(decoded, piece)
+
+
 def readable(decoded: str, piece: str | None = None) -> str:
     """The decoded text of one token; its bytes instead when decoding lost them to U+FFFD."""
     if REPLACEMENT not in decoded or (piece is not None and REPLACEMENT in piece):

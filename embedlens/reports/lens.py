@@ -7,17 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from embedlens.reports import Report
+from embedlens.reports.tokens import TokenRef
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
-
-
-@dataclass(frozen=True)
-class LensToken:
-    """One token of the prompt."""
-
-    id: int
-    token: str
 
 
 @dataclass(frozen=True)
@@ -96,7 +89,7 @@ class LensReport(Report):
 
     command: ClassVar[str] = "lens"
     model: str
-    tokens: list[LensToken]
+    tokens: list[TokenRef]
     position: int
     """The position `layers` reads, as given (-1 by default)."""
     position_index: int

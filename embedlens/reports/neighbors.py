@@ -6,16 +6,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from embedlens.reports import Report
+from embedlens.reports.tokens import TokenRef
 
 QueryKind = Literal["word", "id", "expression"]
-
-
-@dataclass(frozen=True)
-class TokenRef:
-    """One token: its id and exact text."""
-
-    id: int
-    token: str
 
 
 @dataclass(frozen=True)

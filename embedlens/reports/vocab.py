@@ -7,14 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from embedlens.reports import Report
-
-
-@dataclass(frozen=True)
-class TokenRef:
-    """One token: its id and exact text."""
-
-    id: int
-    token: str
+from embedlens.reports.tokens import TokenRef
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Per-layer statistics of the logit lens over many prompts and positions.
+"""Per-layer statistics of the lens over many prompts and positions.
 
 For each (prompt, position, layer) read: KL(model's output ‖ lens at the layer) in nats, the
 entropy of the lens's distribution (both over the model's whole output, as its softmax runs),
@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from embedlens.analysis.lens_engine import LensResult, Top
+from embedlens.analysis.lens.batch import KL
+from embedlens.analysis.lens.engine import LensResult
+from embedlens.reports.lens import LensLayerStats
 
 
 @dataclass
-class _Layer:
+class _Sums:
     n: int = 0
     kl: float = 0.0
     entropy: float = 0.0
@@ -27,43 +29,25 @@ class _Layer:
     ranks: Counter[int] = field(default_factory=Counter)
 
 
-@dataclass(frozen=True)
-class LayerSummary:
-    """One layer's means over every prompt and position read."""
-
-    layer: int
-    kl: float
-    entropy: float
-    top1_agreement: float
-    target_prob: float | None
-    target_logprob: float | None
-    target_rank_median: float | None
-
-
 class LensStats:
     """Sums per layer, added to one prompt at a time."""
 
     def __init__(self) -> None:
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, _Sums] = {}
         self.n_prompts = 0
         self.n_positions = 0
         self.n_targets = 0
 
-    def add(
-        self,
-        result: LensResult,
-        kl: dict[tuple[int, int], tuple[float, float]],
-        model_top1: dict[int, int],
-    ) -> None:
+    def add(self, result: LensResult, kl: KL, model_top1: dict[int, int]) -> None:
         """One prompt: its decoded rows, (KL, entropy) for each (layer, position), and the
         model's own top-1 at each position."""
         self.n_prompts += 1
         self.n_positions += len(result.positions)
         has_target = False
         for layer in result.layers:
-            acc = self._layers.setdefault(layer, _Layer())
+            acc = self._layers.setdefault(layer, _Sums())
             for pos in result.positions:
-                top: Top = result.rows[(layer, pos)]
+                top = result.rows[(layer, pos)]
                 k, h = kl[(layer, pos)]
                 acc.n += 1
                 acc.kl += k
@@ -77,14 +61,14 @@ class LensStats:
                     acc.ranks[top.target_rank] += 1
         self.n_targets += int(has_target)
 
-    def summary(self) -> list[LayerSummary]:
+    def summary(self) -> list[LensLayerStats]:
         """The means per layer, in layer order."""
-        return [_summarise(layer, acc) for layer, acc in sorted(self._layers.items())]
+        return [_means(layer, acc) for layer, acc in sorted(self._layers.items())]
 
 
-def _summarise(layer: int, acc: _Layer) -> LayerSummary:
+def _means(layer: int, acc: _Sums) -> LensLayerStats:
     n, t = max(acc.n, 1), acc.n_target
-    return LayerSummary(
+    return LensLayerStats(
         layer=layer,
         kl=acc.kl / n,
         entropy=acc.entropy / n,

@@ -1,0 +1,22 @@
+"""The logit lens: what each layer would predict if it were the last.
+
+One idea per module, read top-down from `api` (the functions users call):
+
+- `options`: what users ask for (layers, positions, -k, template variables, loading), checked
+  before any file is read;
+- `prompt`: the prompt as run (chat template, ids, target, position), checked against the model;
+- `opening`: one way to get the model ready, from its files or as the caller loaded it;
+- `engine`: one prompt through capture, decoder, ranking and the self-check (`run_lens`);
+- `batch`: many prompts through the same engine pieces at once, with KL and entropy per row;
+- `many`: prompts files and lists: every line checked, then run a window at a time;
+- `stats`: per-layer statistics over many prompts;
+- `report`: a run's result as the `LensReport` users get;
+- `capture`, `decoder`, `ranking`, `blocks`, `threads`: the engine's parts (one forward pass
+  that keeps the residual stream; what turns a residual into logits; the best tokens by logit;
+  the model's block list; CPU threads).
+"""
+
+from embedlens.analysis.lens.api import lens, lens_prompts
+from embedlens.analysis.lens.options import DEVICE_MAPS
+
+__all__ = ["DEVICE_MAPS", "lens", "lens_prompts"]

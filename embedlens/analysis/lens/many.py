@@ -1,0 +1,200 @@
+"""The lens over many prompts, the model loaded once.
+
+Every prompt is checked before the model loads (a bad one stops the run with its line number, or
+is counted and skipped with `skip_bad`). Then prompts are read again one window at a time, run in
+batches (`batch`), handed to `each` as the report a single run gives, and folded into per-layer
+statistics (`stats`): memory does not grow with the number of prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
+from embedlens.analysis.lens.prompt import Prompt, position_index, prepare
+from embedlens.analysis.lens.report import dtype_name, lens_report
+from embedlens.errors import UsageError
+from embedlens.model.prompts import BadLine, PromptLine, PromptSource
+from embedlens.reports.lens import LensReport, LensSummaryReport
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.batch import BatchOut
+    from embedlens.analysis.lens.opening import Opened
+
+EachFn = Callable[[LensReport, PromptLine], None]
+"""Called with each prompt's report (what a single run returns) and the prompt's line."""
+WINDOW = 64
+"""Prompts read ahead and run together (in batches of similar length)."""
+_SHOWN_BAD = 5
+
+Prepared = tuple[Ask, Prompt, list[int] | None]
+"""A line's ask, its prompt, and the absolute positions read (None: the single run's)."""
+
+
+def prepare_line(
+    line: PromptLine, ask: ManyAsk, tokenizer: Any, config: Any, template: str
+) -> Prepared:
+    """One line as a single run would take it: its ask, its prompt, and the absolute positions
+    read (None: the position of the single run)."""
+    empty = _empty(line)
+    if empty is not None:
+        raise empty
+    one = ask.line(line.prompt, line.chat, line.target)
+    pos = ask.position
+    try:
+        prompt = prepare(one, tokenizer, config, template)
+        listed = None
+        if isinstance(pos, list):
+            listed = sorted({position_index(p, len(prompt.ids)) for p in pos})
+    except BadLine:
+        raise
+    except UsageError as e:
+        raise BadLine(line.line, e.message, hint=e.hint) from None
+    return one, prompt, listed
+
+
+def _empty(line: PromptLine) -> BadLine | None:
+    """A line whose prompt is empty (and that has no chat message to run instead)."""
+    if not line.prompt.strip() and line.chat is None:
+        return BadLine(line.line, "the prompt is empty")
+    return None
+
+
+def check_file(source: PromptSource, ask: ManyAsk) -> None:
+    """What a file's lines show without a tokenizer (JSON, keys, types, empty prompts), checked
+    one line at a time before anything heavy is imported: the first bad line stops the run here
+    unless `skip_bad`, as does a file without a prompt. stdin and Python lists are left to
+    `check_all` (stdin is not read ahead for this)."""
+    if source.path is None:
+        return
+    good, n_bad = 0, 0
+    for line in source:
+        bad = line if isinstance(line, BadLine) else _empty(line)
+        if bad is None:
+            good += 1
+        elif not ask.skip_bad:
+            raise bad
+        else:
+            n_bad += 1
+    if good == 0:
+        raise _nothing_to_run(n_bad)
+
+
+def check_all(
+    source: PromptSource, ask: ManyAsk, tokenizer: Any, config: Any, template: str
+) -> tuple[int, list[BadLine]]:
+    """Every line checked (before the model loads): the prompts that will run, the bad lines
+    (the first few kept for notes); the first bad one raises unless `skip_bad`."""
+    good, n_bad = 0, 0
+    bad: list[BadLine] = []
+    for line in source:
+        try:
+            if isinstance(line, BadLine):
+                raise line
+            prepare_line(line, ask, tokenizer, config, template)
+            good += 1
+        except BadLine as e:
+            if not ask.skip_bad:
+                raise
+            n_bad += 1
+            if len(bad) < _SHOWN_BAD:
+                bad.append(e)
+    if good == 0:
+        raise _nothing_to_run(n_bad)
+    return n_bad, bad
+
+
+def _nothing_to_run(n_bad: int) -> UsageError:
+    return UsageError(
+        "no prompt to run" + (f": all {n_bad} lines are bad" if n_bad else ": the input is empty")
+    )
+
+
+def _bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
+    """Notes for the lines skipped with --skip-bad."""
+    notes = [f"skipped line {e.line}: {e.reason}" for e in shown]
+    if n_bad > len(shown):
+        notes.append(f"skipped {n_bad - len(shown)} more bad lines")
+    return notes
+
+
+class ManyRun:
+    """The second reading: prompts run a window at a time, reports handed on, statistics kept."""
+
+    def __init__(self, opened: Opened, ask: ManyAsk, each: EachFn | None) -> None:
+        from embedlens.analysis.lens.batch import BatchLens
+        from embedlens.analysis.lens.blocks import find_blocks
+        from embedlens.analysis.lens.stats import LensStats
+
+        model = opened.model
+        layers = resolve_layers(ask.layers, len(find_blocks(model).modules))
+        self.opened, self.ask, self.each = opened, ask, each
+        k = ask.top_k if each is not None else 1  # the statistics read the top-1 alone
+        self.batch = BatchLens(model, layers, k, len(opened.tokenizer))
+        self.stats = LensStats()
+
+    def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        """Every prompt run, freed memory kept in the process meanwhile (`heap.py`: the decode
+        allocates and frees hundreds of large chunks)."""
+        from embedlens.analysis import heap
+
+        with heap.kept():
+            return self._all(source, n_bad, bad)
+
+    def _all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        window: list[tuple[PromptLine, Prepared]] = []
+        for line in source:
+            if isinstance(line, BadLine):
+                continue
+            try:
+                window.append((line, self._prepare(line)))
+            except BadLine:
+                continue
+            if len(window) >= WINDOW:
+                self._flush(window)
+                window = []
+        if window:
+            self._flush(window)
+        return self._summary(n_bad, bad)
+
+    def _prepare(self, line: PromptLine) -> Prepared:
+        o = self.opened
+        return prepare_line(line, self.ask, o.tokenizer, o.config, o.template)
+
+    def _flush(self, window: list[tuple[PromptLine, Prepared]]) -> None:
+        from embedlens.analysis.lens.batch import BatchItem
+
+        items = []
+        for _, (ask, prompt, listed) in window:
+            positions = listed or (
+                list(range(len(prompt.ids))) if ask.position is None else [prompt.index]
+            )
+            items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index))
+        outs = self.batch.run(items)
+        for (line, (ask, prompt, _)), out in zip(window, outs, strict=True):
+            self.stats.add(out.result, out.kl, out.model_top1)
+            if self.each is not None:
+                self.each(self._report(ask, prompt, out), line)
+
+    def _report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
+        """The report a single run on this prompt gives (notes too)."""
+        o = self.opened
+        around = (o.before, o.after)
+        return lens_report(o.name, o.tokenizer, o.model, out.result, ask, prompt, around)
+
+    def _summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        stats, o = self.stats, self.opened
+        pos = self.ask.position
+        return LensSummaryReport(
+            model=o.name,
+            n_prompts=stats.n_prompts,
+            n_positions=stats.n_positions,
+            n_skipped=n_bad,
+            n_targets=stats.n_targets,
+            position="all" if pos is None else pos,
+            num_layers=self.batch.n_layers,
+            dtype=dtype_name(o.model),
+            layers=stats.summary(),
+            notes=[*o.before, *_bad_notes(n_bad, bad), *o.after],
+        )

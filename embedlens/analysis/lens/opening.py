@@ -1,0 +1,136 @@
+"""One way to get a model ready for the lens, for one prompt and for many.
+
+From files: resolve the name, check the files, build the tokenizer, read the config, check what
+was asked against them (the caller's `check`: a prompt, or every line of a prompts file), and only
+then load the weights. A model given already loaded is used as it is: never reloaded, moved or
+re-typed, in eval mode for the run and every module's training flag restored after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from embedlens.analysis.lens.options import Load
+from embedlens.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from embedlens.io.source import ModelSource
+
+T = TypeVar("T")
+Check = Callable[[Any, Any, str], T]
+"""(tokenizer, config, the chat template's name for messages) -> what was checked."""
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A model ready for the lens, with what the report says of how it came."""
+
+    name: str
+    model: nn.Module
+    tokenizer: Any
+    config: Any
+    template: str
+    """The model's chat template as messages name it."""
+    before: list[str]
+    """Notes on loading (after the prompt's own notes)."""
+    after: list[str]
+    """Notes on the model's code (after the run's notes)."""
+
+
+@contextmanager
+def from_files(
+    name: str, load: Load, tokenizer: Any, check: Check[T]
+) -> Iterator[tuple[Opened, T]]:
+    """The model named `name` loaded from its files (hub, folder or GGUF), after `check`."""
+    from embedlens.io.source import resolve
+    from embedlens.model import loading
+    from embedlens.model.gguf_patches import gguf_reads_shared
+
+    trust = load.trust_remote_code
+    with load.offload_dir() as folder:
+        source = resolve(name, load.revision)
+        # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
+        with gguf_reads_shared(source):
+            loading.check_source(source, trust_remote_code=trust)
+            if tokenizer is None:
+                tokenizer = loading.load_tokenizer(source, trust_remote_code=trust)
+            config = loading.hf_config(source, trust_remote_code=trust)
+            template = _template_name(source)
+            checked = check(tokenizer, config, template)
+            notes: list[str] = []
+            model = loading.load_model(
+                source,
+                dtype=load.dtype,
+                device=load.device,
+                device_map=load.device_map,
+                max_memory=load.max_memory,
+                offload_folder=folder,
+                trust_remote_code=trust,
+                config=config,
+                notes=notes,
+            )
+        built_in = _builtin_code_note(config, trust_remote_code=trust)
+        after = [] if built_in is None else [built_in]
+        yield Opened(name, model, tokenizer, config, template, notes, after), checked
+
+
+@contextmanager
+def from_loaded(
+    model: object, tokenizer: Any, given: dict[str, bool], check: Check[T]
+) -> Iterator[tuple[Opened, T]]:
+    """A model the caller loaded, after `check`; `given` names the loading options the caller
+    set (refused: a loaded model runs as it is)."""
+    from embedlens.model.loaded import check_loaded, loaded_name
+
+    built = check_loaded(model, **given)
+    if tokenizer is None:
+        raise UsageError(
+            "a loaded model needs its tokenizer to read the prompt",
+            hint="pass tokenizer=, e.g. AutoTokenizer.from_pretrained(...) of the same model",
+        )
+    name = loaded_name(built)
+    config = getattr(built, "config", None)
+    template = f"the chat template of '{name}'"
+    checked = check(tokenizer, config, template)
+    with _eval_mode(built):
+        yield Opened(name, built, tokenizer, config, template, [], []), checked
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the run; every module's training flag as it was after."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _template_name(source: ModelSource) -> str:
+    """Which file the model's chat template comes from, for messages."""
+    if source.is_gguf:
+        return f"the chat template in '{source.path}'"
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        found = source.cached(name)
+        if found is not None:
+            return f"the chat template in '{found}'"
+    return f"the chat template of '{source.spec}'"
+
+
+def _builtin_code_note(config: Any, *, trust_remote_code: bool) -> str | None:
+    """The note for a config that maps to repository code transformers did not run (auto_map
+    over a built-in model type), from the config already read."""
+    from embedlens.model.config import ModelConfig
+
+    raw = {
+        "model_type": getattr(config, "model_type", None),
+        "auto_map": getattr(config, "auto_map", None),
+    }
+    return ModelConfig(raw=raw).builtin_code_note(trust_remote_code=trust_remote_code)

@@ -1,0 +1,379 @@
+"""What users ask the lens for, checked before any file is read: layers, positions, -k, chat
+template variables, and how to load the model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embedlens.errors import UsageError
+
+DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequential")
+LayerItem = int | tuple[int | None, int | None, int | None]
+MemoryMap = dict[int | str, int | str]
+
+_LAYERS_HINT = (
+    "use layer numbers and ranges, e.g. --layers 0,4,8 or --layers 20: or --layers 0:10:2"
+)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the lens is asked for on one prompt, checked."""
+
+    prompt: str
+    chat: str | None
+    switches: dict[str, Any]
+    layers: list[LayerItem] | None
+    position: int | None
+    """None: every position (`all`)."""
+    top_k: int
+    target: str | None
+    grid: bool
+    template: tuple[str, str] | None = None
+    """A chat template the caller gave (its text, and how messages name it)."""
+
+
+@dataclass(frozen=True)
+class ManyAsk:
+    """What is asked for every prompt of many (each line adds its prompt, target and chat)."""
+
+    layers: list[LayerItem] | None
+    position: int | list[int] | None
+    top_k: int
+    switches: dict[str, Any]
+    skip_bad: bool
+    template: tuple[str, str] | None = None
+    """A chat template the caller gave, for the lines with a chat message."""
+
+    def line(self, prompt: str, chat: str | None, target: str | None) -> Ask:
+        """One line's ask, as a single run would take it (a list of positions: its last)."""
+        pos = self.position
+        single = pos[-1] if isinstance(pos, list) else pos
+        return Ask(prompt, chat, self.switches, self.layers, single, self.top_k, target,
+                   pos is None, self.template)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Load:
+    """How to load a model from its files."""
+
+    revision: str | None
+    dtype: str
+    device: str
+    device_map: str | None
+    max_memory: MemoryMap | None
+    offload_folder: Path | None
+    trust_remote_code: bool
+
+    @contextmanager
+    def offload_dir(self) -> Iterator[str | None]:
+        """The offload folder for --device-map: the user's, or a temporary one removed after."""
+        folder = self.offload_folder
+        if self.device_map is None or folder is not None:
+            yield None if folder is None else str(folder)
+            return
+        tmp = tempfile.mkdtemp(prefix="embedlens-offload-")
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ask(
+    prompt: str,
+    layers: str | Sequence[int] | None,
+    top_k: int,
+    position: int | str | Sequence[int],
+    target: str | None,
+    chat: str | None,
+    no_thinking: bool,
+    template_args: Mapping[str, Any] | Sequence[str] | None,
+    grid: bool,
+    chat_template: str | os.PathLike[str] | None,
+) -> Ask:
+    """Check what was asked of one prompt, before any file is read."""
+    if not isinstance(position, (int, str)):
+        raise UsageError("a list of positions applies only with prompts=")
+    check_top_k(top_k)
+    items = None if layers is None else layer_items(layers)
+    pos = parse_position(position)
+    switches = template_switches(no_thinking, template_args)
+    if switches and chat is None:
+        raise UsageError("--no-thinking and --template-arg only apply with --chat")
+    if not prompt.strip() and chat is None:
+        raise UsageError("the prompt is empty")
+    template = user_template(chat_template, chat)
+    return Ask(prompt, chat, switches, items, pos, top_k, target, grid or pos is None, template)
+
+
+def many(
+    top_k: int,
+    layers: str | Sequence[int] | None,
+    position: int | str | Sequence[int],
+    no_thinking: bool,
+    template_args: Mapping[str, Any] | Sequence[str] | None,
+    skip_bad: bool,
+    chat_template: str | os.PathLike[str] | None,
+) -> ManyAsk:
+    """Check the options that apply to every prompt of many, before any file is read."""
+    check_top_k(top_k)
+    items = None if layers is None else layer_items(layers)
+    switches = template_switches(no_thinking, template_args)
+    template = user_template(chat_template, None, per_line=True)
+    return ManyAsk(items, parse_positions(position), top_k, switches, skip_bad, template)
+
+
+def load_options(
+    revision: str | None,
+    dtype: str,
+    device: str,
+    device_map: str | None,
+    max_memory: Mapping[int | str, int | str] | str | None,
+    offload_folder: str | os.PathLike[str] | None,
+    trust_remote_code: bool,
+) -> Load:
+    """How to load the model, checked before any file is read."""
+    from embedlens.model.loading import check_device, check_dtype
+
+    check_dtype(dtype)
+    check_device(device)
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        raise UsageError("--max-memory and --offload-folder only apply with --device-map")
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise UsageError(
+            f"unknown --device-map '{device_map}'", hint="use one of: " + ", ".join(DEVICE_MAPS)
+        )
+    memory = parse_max_memory(max_memory) if isinstance(max_memory, str) else max_memory
+    folder = None if offload_folder is None else Path(offload_folder)
+    check_offload_folder(folder)
+    return Load(
+        revision,
+        dtype,
+        device,
+        device_map,
+        None if memory is None else dict(memory),
+        folder,
+        trust_remote_code,
+    )
+
+
+def loading_given(
+    revision: str | None,
+    dtype: str,
+    device: str,
+    device_map: str | None,
+    max_memory: object,
+    offload_folder: object,
+    trust_remote_code: bool,
+) -> dict[str, bool]:
+    """Which loading options differ from their defaults (refused with a model already loaded)."""
+    return {
+        "revision": revision is not None,
+        "dtype": dtype != "float32",
+        "device": device != "cpu",
+        "device_map": device_map is not None,
+        "max_memory": max_memory is not None,
+        "offload_folder": offload_folder is not None,
+        "trust_remote_code": trust_remote_code,
+    }
+
+
+def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:
+    """--target, --chat and --grid are each line's own with many prompts."""
+    if target is not None or chat is not None or grid:
+        raise UsageError(
+            "--target, --chat and --grid apply to one prompt; with --prompts give target and "
+            "chat on each line (JSON Lines)"
+        )
+
+
+def check_top_k(top_k: int) -> None:
+    """-k is at least 1 (a -k past the vocabulary shows it all, with a note)."""
+    if top_k < 1:
+        raise UsageError(f"-k must be at least 1, not {top_k}")
+
+
+def parse_layer_spec(spec: str) -> list[LayerItem]:
+    """Parse `0,4,8`, `20:`, `:10`, `4:12:2`, `-1` (Python indexing, stop exclusive)."""
+    items: list[LayerItem] = []
+    for raw in spec.split(","):
+        part = raw.strip()
+        if not part:
+            raise UsageError(f"malformed --layers '{spec}': empty item", hint=_LAYERS_HINT)
+        try:
+            if ":" in part:
+                bits = part.split(":")
+                if len(bits) > 3:
+                    raise ValueError
+                nums = [int(b) if b.strip() else None for b in bits] + [None] * (3 - len(bits))
+                if nums[2] is not None and nums[2] <= 0:
+                    raise UsageError(f"malformed --layers '{spec}': a step must be positive")
+                items.append((nums[0], nums[1], nums[2]))
+            else:
+                items.append(int(part))
+        except ValueError:
+            raise UsageError(
+                f"malformed --layers '{spec}': '{part}' is not a layer or a range",
+                hint=_LAYERS_HINT,
+            ) from None
+    return items
+
+
+def layer_items(layers: str | Sequence[int]) -> list[LayerItem]:
+    """The layers asked for: a spec string, or layer numbers (negative ones count from the end)."""
+    if isinstance(layers, str):
+        return parse_layer_spec(layers)
+    items: list[LayerItem] = []
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise UsageError(f"layers must be layer numbers, not {layer!r}", hint=_LAYERS_HINT)
+        items.append(layer)
+    if not items:
+        raise UsageError("--layers selects no layer")
+    return items
+
+
+def resolve_layers(items: list[LayerItem] | None, num_layers: int) -> list[int]:
+    """Layer numbers in 0..num_layers (the last is the model's output; None: all of them); out of
+    range is an error."""
+    top = num_layers
+    if items is None:
+        return list(range(top + 1))
+    out: list[int] = []
+
+    def check(n: int, *, stop: bool = False) -> int:
+        limit = top + 1
+        if not (-limit <= n <= (limit if stop else top)):
+            raise UsageError(
+                f"layer {n} is out of range: the model has layers 0..{top} "
+                f"(0 = embedding output, {top} = the model's output)"
+            )
+        return n
+
+    for item in items:
+        if isinstance(item, int):
+            n = check(item)
+            out.append(n % (top + 1))
+        else:
+            start, stop, step = item
+            for bound in (start, stop):
+                if bound is not None:
+                    check(bound, stop=bound is stop)
+            out.extend(range(top + 1)[slice(start, stop, step)])
+    if not out:
+        raise UsageError("--layers selects no layer")
+    return sorted(set(out))
+
+
+def parse_position(value: int | str) -> int | None:
+    """An integer position (negative counts from the end), or None for `all`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value)
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(
+            f"--position must be an integer or 'all', not '{text}'",
+            hint="-1 is the last token, 0 the first",
+        ) from None
+
+
+def parse_positions(value: int | str | Sequence[int]) -> int | list[int] | None:
+    """-1 (an int), 'all' (None), or a list of positions ('3,5,-1' or [3, 5, -1])."""
+    if isinstance(value, str) and "," in value:
+        try:
+            return [int(part) for part in value.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"--position must be an integer, 'all' or a list such as 3,5,-1, not '{value}'"
+            ) from None
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise UsageError(f"position must be an integer, 'all' or a list of them: {value!r}")
+        return list(value)
+    assert isinstance(value, (int, str))
+    return parse_position(value)
+
+
+def parse_max_memory(spec: str) -> MemoryMap:
+    """`cpu=2GiB,0=20GiB` -> {'cpu': 2147483648, 0: 21474836480} (accelerate's max_memory)."""
+    from embedlens.model.preflight import parse_size
+
+    hint = "write DEVICE=AMOUNT pairs: cpu=8GiB,0=20GiB"
+    out: MemoryMap = {}
+    for part in spec.split(","):
+        key, sep, amount = part.partition("=")
+        if not sep or not key.strip() or not amount.strip():
+            raise UsageError(f"malformed --max-memory '{spec}'", hint=hint)
+        try:
+            size = parse_size(amount)
+        except ValueError:
+            raise UsageError(
+                f"--max-memory '{spec}': '{amount.strip()}' is not a size", hint=hint
+            ) from None
+        k = key.strip()
+        out[int(k) if k.isdigit() else k] = size
+    return out
+
+
+def check_offload_folder(folder: Path | None) -> None:
+    """--offload-folder must be a folder, or not exist yet (it is made then)."""
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise UsageError(
+            f"--offload-folder '{folder}' is not a folder",
+            hint="name a folder (it is made if missing), or leave the option out for a "
+            "temporary one",
+        )
+
+
+def template_switches(
+    no_thinking: bool, args: Mapping[str, Any] | Sequence[str] | None
+) -> dict[str, Any]:
+    """Chat-template variables: --no-thinking, and a dict or KEY=VALUE strings (JSON values
+    where they parse as JSON, else the text)."""
+    import json
+
+    out: dict[str, Any] = {}
+    if no_thinking:
+        out["enable_thinking"] = False
+    if isinstance(args, Mapping):
+        out.update(args)
+        return out
+    for pair in [args] if isinstance(args, str) else args or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"malformed --template-arg '{pair}': write KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def user_template(
+    chat_template: str | os.PathLike[str] | None, chat: str | None, *, per_line: bool = False
+) -> tuple[str, str] | None:
+    """The caller's chat template, read and checked before any model file is: (text, name).
+    `per_line`: many prompts, whose lines carry their own chat messages."""
+    if chat_template is None:
+        return None
+    if chat is None and not per_line:
+        raise UsageError("--chat-template only applies with --chat")
+    if isinstance(chat_template, str):
+        if not chat_template.strip():
+            raise UsageError("the chat template given is empty")
+        return chat_template, "the chat template given"
+    from embedlens.model.chat import read_template
+
+    path = os.fspath(chat_template)
+    return read_template(path), f"the chat template in '{path}'"
