@@ -590,7 +590,8 @@ def test_a_split_word_is_said_and_pooled(cli, smollm2, pool):
      (["addr", "{smol}", "cat"], "to use that, give ' cat'"),
      (["addr", "{smol}", "北京"], "the first ('\\xe5\\x8c', id 30158) is addressed"),
      (["lens", "{smol}", "The capital of France is", "--target", "Paris"],
-      "note: --target 'Paris' is token 38634, a rarer piece than ' Paris' (token 7042")],
+      "note: --target 'Paris' is token 38634, but the model ranks ' Paris' (token 7042, with its "
+      "leading space) higher at this position: to follow that, give --target ' Paris'")],
 )  # fmt: skip
 def test_words_are_said(cli, smollm2, args, says):
     result = cli(*(a.format(smol=smollm2) for a in args), "--json")
@@ -610,6 +611,20 @@ def test_words_that_are_what_they_seem_get_no_note(cli, tiny, smollm2, args):
     argv = [a.format(smol=smollm2, tiny=tiny("llama-tied")) for a in args]
     result = cli(*argv, "--json")
     assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+
+
+def test_the_targets_spaced_form_is_offered_only_where_the_model_prefers_it(cli, smollm2):
+    """'Paris' is a rarer piece than ' Paris', but after '/wiki/' the model ranks the bare form
+    higher (rank 22 against 1,694): no note there; after 'is' it prefers ' Paris' (above)."""
+    prompt = "The French capital's page is https://en.wikipedia.org/wiki/"
+    result = cli("lens", smollm2, prompt, "--target", "Paris", "--layers", "30", "--json")
+    assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+    assert json.loads(result.stdout)["layers"][-1]["target"]["rank"] == 22
+
+
+def test_a_target_of_byte_pieces_shows_each_bytes_escaped_once(cli, smollm2):
+    err = cli.fails("lens", smollm2, "中国的首都是", "--target", "北京", code=2)
+    assert "splits into 4 ('\\xe5\\x8c', '\\x97', '\\xe4\\xba', '\\xac')" in err, err
 
 
 def test_a_target_that_splits_names_its_spaced_form(cli, smollm2):

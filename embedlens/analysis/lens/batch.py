@@ -163,6 +163,8 @@ class _Decode:
         self.real = real
         """The model's own logits, [N, V]: row r is (prompt, position) number r of the batch."""
         self.where = [(b, p) for b, item in enumerate(items) for p in item.positions]
+        self.first = [self.where.index((b, item.positions[0])) for b, item in enumerate(items)]
+        """Each prompt's first row (its rows are consecutive)."""
         self.rows: list[dict[tuple[int, int], Top]] = [{} for _ in items]
         self.kl: list[KL] = [{} for _ in items]
         self.diff = [0.0] * len(items)
@@ -272,6 +274,7 @@ class _Decode:
         """Prompt b's result, its statistics and the model's top-1 at each position."""
         lens = self.lens
         suspect = None if self.diff[b] <= self.tol else "the steps after the last block"
+        start = self.first[b]
         result = LensResult(
             num_layers=lens.n_layers,
             vocab_size=int(self.real.shape[-1]),
@@ -281,5 +284,6 @@ class _Decode:
             check=Check(self.diff[b], self.tol, self.agrees[b], suspect),
             steps=steps,
             full_tail=full,
+            output=self.real[start : start + len(self.items[b].positions)],
         )
         return result, self.kl[b], self.top1[b]

@@ -62,6 +62,14 @@ class LensResult:
     """What runs after the last block, in order: modules by name, then post-head steps."""
     full_tail: bool
     """True when the tail had to run with every block in place (cutting the list failed)."""
+    output: torch.Tensor | None = None
+    """The model's own logits at `positions`, float32 [P, V] (a view of the run's)."""
+
+    def output_at(self, position: int) -> torch.Tensor | None:
+        """The model's own logits at one position read."""
+        if self.output is None or position not in self.positions:
+            return None
+        return self.output[self.positions.index(position)]
 
 
 def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
@@ -148,6 +156,7 @@ def run_lens(
         check=Check(diff, tol, agrees, suspect),
         steps=steps,
         full_tail=decoder.full,
+        output=real,
     )
 
 

@@ -3,6 +3,7 @@ the target's id; checked against the model's context and layers before any weigh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ from embedlens.errors import ConfigError, EmbedlensError, UsageError
 from embedlens.text import error_line
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 
@@ -23,6 +25,9 @@ class Prompt:
     index: int
     target_id: int | None
     notes: list[str]
+    alternative: int | None = None
+    """The target's other spelling ('四' given: ' 四'), when that is one other token: the report
+    says so if the model ranks it higher at the position read."""
 
 
 def prepare(ask: Ask, tokenizer: Any, config: PretrainedConfig | None, template: str) -> Prompt:
@@ -32,9 +37,12 @@ def prepare(ask: Ask, tokenizer: Any, config: PretrainedConfig | None, template:
     name = template if ask.template is None else ask.template[1]
     text, ids = prompt_ids(tokenizer, ask.prompt, ask.chat, ask.switches, name, config, own)
     notes: list[str] = []
-    target_id = None if ask.target is None else target_token(tokenizer, ask.target, notes)
+    target_id = alternative = None
+    if ask.target is not None:
+        target_id, alternative = target_token(tokenizer, ask.target)
     check_fits(config, ids, ask.layers)
-    return Prompt(text, ids, position_index(ask.position, len(ids)), target_id, notes)
+    index = position_index(ask.position, len(ids))
+    return Prompt(text, ids, index, target_id, notes, alternative)
 
 
 def prompt_ids(
@@ -114,9 +122,10 @@ def _render_chat(
     return text
 
 
-def target_token(tokenizer: Any, target: str, notes: list[str]) -> int:
-    """The id of the --target token; a note when a spaced form was probably meant."""
-    from embedlens.model.words import spaced_form, spaced_note
+def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
+    """The id of the --target token, and of its spaced form (' ' + target) when that is another
+    single token (which of the two the model means is its own to say: see `target_note`)."""
+    from embedlens.model.words import spaced_form
 
     def encode(text: str) -> list[int]:
         return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -127,10 +136,8 @@ def target_token(tokenizer: Any, target: str, notes: list[str]) -> int:
     ids = encode(target)
     unk = getattr(tokenizer, "unk_token_id", None)
     if len(ids) == 1 and (ids[0] != unk or target == tokenizer.unk_token):
-        said = spaced_note(target, ids, encode, text_of)
-        if said is not None:
-            notes.append("--target " + said)
-        return int(ids[0])
+        other = encode(" " + target) if target and not target[0].isspace() else []
+        return int(ids[0]), other[0] if len(other) == 1 and other != ids else None
     if len(ids) == 1:
         raise UsageError(
             f"--target '{target}' is not in the vocabulary: it encodes to the unknown token "
@@ -138,15 +145,33 @@ def target_token(tokenizer: Any, target: str, notes: list[str]) -> int:
         )
     if not ids:
         raise UsageError(f"--target '{target}' encodes to no token")
-    pieces = ", ".join(repr(text_of(i)) for i in ids)
-    spaced = spaced_form(target, ids, encode)
+    pieces = ", ".join("'" + text_of(i) + "'" for i in ids)
+    one = spaced_form(target, ids, encode)
     raise UsageError(
         f"--target '{target}' is not a single token: it splits into {len(ids)} ({pieces})",
         hint="give one of those tokens, or a variant that is one token (a leading space often "
         "matters)"
-        if spaced is None
-        else f"'{text_of(spaced)}' with its leading space is one token (id {spaced}): "
-        f"--target '{text_of(spaced)}'",
+        if one is None
+        else f"'{text_of(one)}' with its leading space is one token (id {one}): "
+        f"--target '{text_of(one)}'",
+    )
+
+
+def target_note(
+    prompt: Prompt, target: str, output: torch.Tensor | None, tok: Callable[[int], str]
+) -> str | None:
+    """The note when the model ranks the target's spaced form above the target itself at the
+    position read (`output`: the model's own logits there); ranks by logit, equal logits in id
+    order."""
+    t, a = prompt.target_id, prompt.alternative
+    if t is None or a is None or output is None:
+        return None
+    x_t, x_a = float(output[t]), float(output[a])
+    if not (x_a > x_t or (x_a == x_t and a < t)):
+        return None
+    return (
+        f"--target '{target}' is token {t}, but the model ranks '{tok(a)}' (token {a}, with its "
+        f"leading space) higher at this position: to follow that, give --target '{tok(a)}'"
     )
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.options import Ask
-from embedlens.analysis.lens.prompt import Prompt, token_text
+from embedlens.analysis.lens.prompt import Prompt, target_note, token_text
 from embedlens.reports.lens import (
     GridCell,
     GridRow,
@@ -45,6 +45,9 @@ def lens_report(
 
     c = result.check
     target_id = prompt.target_id
+    hint = None
+    if ask.target is not None:
+        hint = target_note(prompt, ask.target, result.output_at(prompt.index), tok)
     return LensReport(
         model=name,
         tokens=[TokenRef(i, tok(i)) for i in prompt.ids],
@@ -64,7 +67,13 @@ def lens_report(
         else LensTarget(text=ask.target, id=target_id, token=tok(target_id)),
         grid=_grid_rows(result, tok) if len(result.positions) > 1 or ask.position is None else None,
         placement=_placement(model),
-        notes=[*prompt.notes, *around[0], *_notes(result, ask, prompt, model), *around[1]],
+        notes=[
+            *prompt.notes,
+            *([] if hint is None else [hint]),
+            *around[0],
+            *_notes(result, ask, prompt, model),
+            *around[1],
+        ],
     )
 
 
