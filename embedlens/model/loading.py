@@ -162,7 +162,7 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
     if trust_remote_code in source._checked:
         return
     from embedlens.io.checkpoint import open_checkpoint
-    from embedlens.model.inventory import (
+    from embedlens.model.headers import (
         check_integer_weights,
         check_matches,
         check_tables,
