@@ -89,10 +89,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import what is asked for on first use (PEP 562)."""
+    """Import what is asked for on first use (PEP 562), and `embedlens.views` (cheap), which lets
+    the reports the functions return render (`rich.print(report)`, notebooks)."""
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'embedlens' has no attribute '{name}'")
+    importlib.import_module("embedlens.views")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -62,6 +62,52 @@ def test_a_report_shows_as_the_cli_prints_it_and_as_html(tiny, cli):
     assert f"{report.total:,}" in page and "<script" not in page
 
 
+def test_a_report_renders_in_a_fresh_python(tiny, cli):
+    """The reports never import the views (they register themselves): `embedlens.<command>`
+    imports them, so `rich.print` and a notebook show the report with nothing else imported."""
+    folder = tiny("llama-tied")
+    code = (
+        "import io, sys, embedlens\n"
+        "from rich.console import Console\n"
+        "report = embedlens.params(sys.argv[1])\n"
+        "buffer = io.StringIO()\n"
+        "Console(file=buffer, width=140, color_system=None, highlight=False).print(report)\n"
+        "print(buffer.getvalue(), end='')\n"
+        "print(report._repr_html_().count('<table'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout == cli("params", folder).stdout + "1\n"
+
+
+def test_every_report_type_has_its_view():
+    import importlib
+    import pkgutil
+
+    from embedlens import reports, views
+
+    for info in pkgutil.iter_modules(reports.__path__):
+        importlib.import_module(f"embedlens.reports.{info.name}")
+    views.load_views()
+    kinds = [reports.Report]
+    for kind in kinds:
+        kinds.extend(k for k in kind.__subclasses__() if k.__module__.startswith(reports.__name__))
+    shown = {k.__name__ for k in kinds if k in reports._VIEWS}
+    assert shown == {k.__name__ for k in kinds[1:]}
+    assert {"LensReport", "LensSummaryReport", "VocabReport"} <= shown
+
+
+def test_a_report_without_a_view_says_so():
+    from embedlens.reports import Report
+
+    class Unshown(Report):
+        command = "unshown"
+
+    with pytest.raises(LookupError, match=r"no view shows a Unshown: import embedlens\.views"):
+        Unshown().__rich__()
+
+
 def test_html_escapes_what_model_files_hold(tiny):
     from embedlens.views.format import shown
     from embedlens.views.html import to_html

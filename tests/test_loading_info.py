@@ -127,3 +127,34 @@ def test_complete_checkpoints_load_silently(cli, tiny, family):
     result = cli("tied", tiny(family), "--load")
     assert result.exit_code == 0, result.stderr
     assert "note:" not in result.stderr
+
+
+def test_the_header_checks_run_once_per_source_and_trust(tiny, monkeypatch):
+    """check_source reads a source's headers once per trust_remote_code; a source resolved again
+    is checked again, and a source let go leaves nothing behind."""
+    import gc
+
+    from embedlens.io.source import resolve
+    from embedlens.model import headers, loading
+
+    reads: list[bool] = []
+
+    def counted(*args: object, trust_remote_code: bool = False, **kwargs: object) -> object:
+        reads.append(trust_remote_code)
+        return real(*args, trust_remote_code=trust_remote_code, **kwargs)
+
+    real = headers.read_config
+    monkeypatch.setattr(headers, "read_config", counted)
+    folder = str(tiny("llama-tied"))
+    source = resolve(folder)
+    for trust in (False, False, True, True):
+        loading.check_source(source, trust_remote_code=trust)
+    assert reads == [False, True]
+    again = resolve(folder)
+    assert again == source
+    loading.check_source(again)
+    assert reads == [False, True, False]
+    key = id(source)
+    del source
+    gc.collect()
+    assert key not in loading._PASSED

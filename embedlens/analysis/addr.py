@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from embedlens.errors import CheckpointError, UnsupportedError, UsageError
+from embedlens.errors import UnsupportedError, UsageError
 from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, fetch_gguf_rows, fetch_rows
-from embedlens.io.gguf import GGUFHeader, LazyArray
+from embedlens.io.gguf import GGUFHeader
 from embedlens.io.ranges import counts_hub_reads
+from embedlens.io.reference import gguf_reader_rows, raw_row, safetensors_rows
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model import words
 from embedlens.model.matrix import Table, Which, check_matrix, check_row_range, locate
@@ -30,9 +30,6 @@ from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlac
 
 VLLM_PAD_TO = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _ID = re.compile(r"^[+-]?\d+$")
-# Safetensors' numpy loader names these dtypes, which numpy itself lacks; their raw bits are
-# compared instead, read as unsigned integers of the same width.
-_RAW_ALIASES = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1"}
 _LOOKUP_SCALES = {
     "gemma": "sqrt(d)",
     "gemma2": "sqrt(d)",
@@ -125,39 +122,12 @@ def resolve_rows(
     return out
 
 
-def raw_row(entry: TensorEntry, row: int) -> bytes:
-    """The row's bytes read straight from the file at its absolute offset."""
-    assert entry.path is not None and entry.file_offset is not None
-    with open(entry.path, "rb") as fh:
-        fh.seek(entry.file_offset - entry.base + row * entry.row_bytes)
-        return fh.read(entry.row_bytes)
-
-
-@contextmanager
-def _raw_dtype_names() -> Iterator[None]:
-    """Let numpy resolve the dtype names safetensors uses for bf16 and fp8 (as raw bits)."""
-    import numpy as np
-
-    added = [n for n in _RAW_ALIASES if n not in np.sctypeDict]
-    for name in added:
-        np.sctypeDict[name] = np.dtype(_RAW_ALIASES[name]).type
-    try:
-        yield
-    finally:
-        for name in added:
-            np.sctypeDict.pop(name, None)
-
-
 def gguf_check(
     entry: TensorEntry, rows: Sequence[int], header: GGUFHeader
 ) -> tuple[str, list[bool]]:
-    """Each GGUF row as gguf's own reader places it and gguf's dequantiser widens it, against
-    the row's bytes read at embedlens' file offset and the row as embedlens' memory-mapped reader
-    (matrix.Rows, what `neighbors` reads) widens it. gguf's GGUFReader walks the header itself
-    (keys, values, tensor infos, alignment, data offset), except that it steps over each long
-    string array (the vocabulary, the merges) by the span embedlens measured: decoding them is
-    what makes it take seconds (a wrong span would derail its walk, not pass it), and takes
-    each numeric array whole."""
+    """Each GGUF row as gguf's own reader places it (io.reference.gguf_reader_rows) and gguf's
+    dequantiser widens it, against the row's bytes read at embedlens' file offset and the row as
+    embedlens' memory-mapped reader (matrix.Rows, what `neighbors` reads) widens it."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -168,7 +138,7 @@ def gguf_check(
         qtype = GGMLQuantizationType[entry.dtype]
     except KeyError as e:
         raise UnsupportedError(f"gguf cannot dequantise ggml type {entry.dtype}") from e
-    theirs = _gguf_reader_rows(header, entry.name, rows)
+    theirs = gguf_reader_rows(header, entry.name, rows)
     mapped = Rows(entry, "gguf").take(list(rows))
     results = []
     for r, ref, mine in zip(rows, theirs, mapped, strict=True):
@@ -176,60 +146,6 @@ def gguf_check(
         same = raw_row(entry, r) == ref
         results.append(same and bool(np.array_equal(widened.reshape(-1), mine, equal_nan=True)))
     return "gguf.GGUFReader + gguf.quants.dequantize", results
-
-
-def _gguf_reader_rows(header: GGUFHeader, name: str, rows: Sequence[int]) -> list[bytes]:
-    """The rows' bytes of tensor `name` as gguf's GGUFReader lays the file out."""
-    import struct
-
-    import numpy as np
-    from gguf import GGUFReader, GGUFValueType
-
-    spans = {a.start: a.end for a in header.metadata.values() if isinstance(a, LazyArray)}
-
-    class HeaderReader(GGUFReader):
-        """GGUFReader that takes a long array whole instead of one item at a time."""
-
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-            if raw_type != GGUFValueType.ARRAY:
-                return super()._get_field_parts(orig_offs, raw_type)
-            item, count = (
-                int(x)
-                for x in struct.unpack("<IQ", self.data[orig_offs : orig_offs + 12].tobytes())
-            )
-            parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
-            types = [GGUFValueType.ARRAY, GGUFValueType(item)]
-            start = orig_offs + 12  # past the array's item type and length
-            if item == GGUFValueType.STRING and start in spans:
-                return spans[start] - orig_offs, parts, [], types
-            scalar = self.gguf_scalar_to_np.get(GGUFValueType(item))
-            if scalar is None:
-                return super()._get_field_parts(orig_offs, raw_type)
-            parts.append(self._get(start, scalar, count))
-            return int(sum(p.nbytes for p in parts)), parts, [2], types
-
-    try:
-        reader = HeaderReader(header.path)
-        tensor = next(t for t in reader.tensors if t.name == name)
-        return [np.asarray(tensor.data[r]).tobytes() for r in rows]
-    except (ValueError, KeyError, IndexError, StopIteration, struct.error) as e:
-        raise CheckpointError(
-            f"gguf's reader disagrees with embedlens on '{header.path.name}': {e}"
-        ) from e
-
-
-def reference_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, list[bytes]]:
-    """Each row's bytes as safetensors' own loader loads the tensor."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with _raw_dtype_names(), safe_open(str(path), framework="numpy") as f:
-            tensor_slice = f.get_slice(name)
-            return "safetensors.safe_open(framework='numpy')", [
-                tensor_slice[r : r + 1].tobytes() for r in rows
-            ]
-    except (SafetensorError, OSError, TypeError) as e:
-        raise CheckpointError(f"safetensors cannot read '{name}' from '{path.name}': {e}") from e
 
 
 def _read_back(
@@ -246,7 +162,7 @@ def _read_back(
         assert table.checkpoint.gguf is not None
         method, checks = gguf_check(entry, rows, table.checkpoint.gguf)
         return method, None, list(checks)
-    method, refs = reference_rows(entry.path, entry.name, rows)
+    method, refs = safetensors_rows(entry.path, entry.name, rows)
     return method, None, [raw_row(entry, r) == ref for r, ref in zip(rows, refs, strict=True)]
 
 

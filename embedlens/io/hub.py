@@ -138,7 +138,7 @@ def _cases() -> tuple[_Case, ...]:
         RevisionNotFoundError,
     )
 
-    connect, timeout, transport = _http_errors()
+    connect, timeout, transport = http_errors()
 
     def http(test: Callable[[object], bool]) -> Callable[[BaseException], bool]:
         """A hub HTTP error whose status passes test."""
@@ -270,7 +270,7 @@ def _os_error(f: _Failure) -> SourceError:
     return SourceError(f"could not fetch {f.where}: {getattr(e, 'strerror', None) or e}")
 
 
-def _http_errors() -> tuple[type[BaseException], type[BaseException], type[BaseException]]:
+def http_errors() -> tuple[type[BaseException], type[BaseException], type[BaseException]]:
     """(connect, timeout, transport) error classes of the HTTP client huggingface_hub uses."""
     try:
         import httpx2 as http  # huggingface_hub >= 2

@@ -398,10 +398,10 @@ def _get(hub: HubFile, start: int, stop: int, out: object, advance: Callable[[in
     answer was cut). A server that ignores the range is stopped before its body is read."""
     from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
 
-    from embedlens.io.hub import _http_errors
+    from embedlens.io.hub import http_errors
 
     assert hub.url is not None
-    transport = _http_errors()[2]  # raised while the body is read: the answer was cut
+    transport = http_errors()[2]  # raised while the body is read: the answer was cut
     headers = {**hub.headers, "Range": f"bytes={start}-{stop - 1}", "Accept-Encoding": "identity"}
     got = 0
     try:

@@ -43,8 +43,6 @@ class ModelSource:
     """`path` is a sparse copy of the hub GGUF holding only its header: the tensors' bytes are
     fetched by range when read (embedlens.io.hub_gguf)."""
     _missing: set[str] = field(default_factory=set, compare=False, repr=False)
-    _checked: set[bool] = field(default_factory=set, compare=False, repr=False)
-    """Whether loading.check_source passed, by its trust_remote_code."""
 
     @property
     def is_gguf(self) -> bool:

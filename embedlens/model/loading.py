@@ -11,6 +11,7 @@ import pickle
 import re
 import struct
 import tempfile
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -155,14 +156,29 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
     return None
 
 
+_PASSED: dict[int, set[bool]] = {}
+"""The trust_remote_code values check_source passed with, by id() of the source checked (an
+entry goes with its source, so an id used again starts unchecked)."""
+
+
+def _passed(source: ModelSource) -> set[bool]:
+    """The trust_remote_code values check_source passed `source` with."""
+    key = id(source)
+    passed = _PASSED.get(key)
+    if passed is None:
+        passed = _PASSED[key] = set()
+        weakref.finalize(source, _PASSED.pop, key, None)
+    return passed
+
+
 def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> None:
     """Read the config and every checkpoint header with embedlens' own checks (once per source)
     before transformers reads the model: a corrupt file, an encoder-only config or one that needs
     remote code ends in embedlens' error, not in transformers' (or in a crash)."""
-    if trust_remote_code in source._checked:
+    if trust_remote_code in _passed(source):
         return
     from embedlens.io.checkpoint import open_checkpoint
-    from embedlens.model.inventory import (
+    from embedlens.model.headers import (
         check_integer_weights,
         check_matches,
         check_tables,
@@ -175,7 +191,7 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
         check_tables(ckpt, config)
         check_matches(source, config, ckpt)
         check_integer_weights(ckpt, config)
-    source._checked.add(trust_remote_code)
+    _passed(source).add(trust_remote_code)
 
 
 def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:

@@ -24,7 +24,8 @@ from embedlens.io.checkpoint import (
 from embedlens.io.hub import hub_offline
 from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model.config import ModelConfig
-from embedlens.model.inventory import check_integer_weights, from_checkpoint, read_config
+from embedlens.model.headers import check_integer_weights, read_config
+from embedlens.model.inventory import from_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np

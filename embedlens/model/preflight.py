@@ -187,7 +187,7 @@ def _config_beyond_headers(source: ModelSource, ckpt: Checkpoint) -> tuple[int, 
     elements of the embedding matrix the config implies; (0, 0) when the config cannot be read.
     """
     from embedlens.model.anatomy import find_embedding, find_head
-    from embedlens.model.inventory import mismatches, read_config
+    from embedlens.model.headers import mismatches, read_config
 
     try:
         config = read_config(source, ckpt, trust_remote_code=True)

@@ -2,21 +2,33 @@
 
 These modules import nothing heavy (no torch, numpy or Rich), so the API, the renderers and tests
 can use them freely. Field names are the JSON contract (shared/CONTRACT.md): add fields freely,
-never rename or remove one. How a report is shown lives in `embedlens.views`.
+never rename or remove one. How a report is shown lives in `embedlens.views`, which imports these
+modules and never the other way: each view registers itself here (`register_view`), and importing
+`embedlens.views` (as `embedlens.<command>` and the command line do) lets every report render.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
 SCHEMA_VERSION = 1
+
+R = TypeVar("R", bound="Report")
+T = TypeVar("T")
+
+_VIEWS: dict[type, Callable[[Any], RenderableType]] = {}
+"""How each report type is shown in a terminal (its view's `render`)."""
+_HTML: dict[type, Callable[[Any], str]] = {}
+"""How each report type (or a base of it) is shown in a notebook."""
+_load_views: Callable[[], None] | None = None
+"""Imports the views (set by `embedlens.views`); called when a report has no view yet."""
 
 
 class Report:
@@ -49,14 +61,42 @@ class Report:
 
     def __rich__(self) -> RenderableType:
         """The tables the command line prints (`rich.print(report)`)."""
-        view = importlib.import_module(f"embedlens.views.{self.command}")
-        return view.render(self)  # type: ignore[no-any-return]
+        return _registered(_VIEWS, type(self))(self)
 
     def _repr_html_(self) -> str:
         """The same tables as HTML, for Jupyter."""
-        from embedlens.views.html import report_html
+        return _registered(_HTML, type(self))(self)
 
-        return report_html(self)
+
+def register_view(kind: type[R], render: Callable[[R], RenderableType]) -> None:
+    """Show reports of type `kind` with `render` (each view module registers its own when it is
+    imported)."""
+    _VIEWS[kind] = render
+
+
+def register_html(kind: type[R], to_html: Callable[[R], str]) -> None:
+    """Show reports of type `kind` (and its subclasses) in a notebook with `to_html`."""
+    _HTML[kind] = to_html
+
+
+def set_view_loader(load: Callable[[], None]) -> None:
+    """Call `load` to import the views when a report is shown before its view was registered."""
+    global _load_views
+    _load_views = load
+
+
+def _registered(table: dict[type, Callable[[Any], T]], kind: type) -> Callable[[Any], T]:
+    """What table holds for kind or its nearest base, the views imported first when it holds
+    nothing yet; LookupError when no view was registered for it."""
+    for attempt in range(2):
+        for base in kind.__mro__:
+            if base in table:
+                return table[base]
+        if attempt == 0 and _load_views is not None:
+            _load_views()
+    raise LookupError(
+        f"no view shows a {kind.__name__}: import embedlens.views (or the module of its view)"
+    )
 
 
 def _plain(value: Any) -> Any:

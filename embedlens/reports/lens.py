@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from embedlens.reports import Report
 from embedlens.reports.tokens import TokenRef
-
-if TYPE_CHECKING:
-    from rich.console import RenderableType
 
 
 @dataclass(frozen=True)
@@ -159,12 +156,6 @@ class LensSummaryReport(Report):
     layers: list[LensLayerStats]
     summary: bool = True
     notes: list[str] = field(default_factory=list)
-
-    def __rich__(self) -> RenderableType:
-        """The summary table (`rich.print(report)`)."""
-        from embedlens.views.lens_summary import render
-
-        return render(self)
 
     @property
     def display_model(self) -> str:

@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.addr import AddrReport
 from embedlens.views.format import count, quoted, shown, size
 
@@ -106,3 +107,6 @@ def _costs(r: AddrReport) -> str:
             f"({size(k.batch_bytes)}), against {count(k.batch_onehot_ops)} one-hot operations."
         )
     return cost
+
+
+register_view(AddrReport, render)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from embedlens.reports.lens import LensSummaryReport
-from embedlens.views.heatmap import _write
+from embedlens.views.heatmap import write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats", False),
@@ -84,7 +84,7 @@ def save_curves(report: LensSummaryReport, path: Path) -> None:
     """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
     suffix = path.suffix.lower()
     if suffix != ".html":
-        _write(path, _drawn(report, suffix.lstrip(".")))
+        write_plot(path, _drawn(report, suffix.lstrip(".")))
         return
     svg = _drawn(report, "svg").decode("utf-8")
     title = html.escape(_title(report))
@@ -93,4 +93,4 @@ def save_curves(report: LensSummaryReport, path: Path) -> None:
         f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
         f"<h1 style='font-size: 1.2em'>{title}</h1>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
     )
-    _write(path, page.encode("utf-8"))
+    write_plot(path, page.encode("utf-8"))

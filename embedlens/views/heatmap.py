@@ -447,13 +447,13 @@ def save_heatmap(report: LensReport, path: Path) -> list[str]:
     suffix = path.suffix.lower()
     bounds = plan(report).notes()
     if suffix == ".html":
-        _write(path, _page(report, heatmap_svg(report)).encode("utf-8"))
+        write_plot(path, _page(report, heatmap_svg(report)).encode("utf-8"))
         return bounds
     fonts = fonts_for(texts(report))
     binary = io.BytesIO()
     with _drawn(report, fonts) as fig:
         fig.savefig(binary, format=suffix.lstrip("."), dpi=150, metadata=_metadata(suffix))
-    _write(path, binary.getvalue())
+    write_plot(path, binary.getvalue())
     return bounds + (_missing_note(fonts.missing) if suffix == ".png" else [])
 
 
@@ -472,7 +472,8 @@ def _missing_note(missing: list[str]) -> list[str]:
     ]
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_plot(path: Path, data: bytes) -> None:
+    """Write a drawing's bytes to path; EmbedlensError naming the path when that fails."""
     try:
         path.write_bytes(data)
     except OSError as e:

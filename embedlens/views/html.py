@@ -11,15 +11,13 @@ import html
 import io
 from collections.abc import Iterable
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from embedlens.reports import Report
+from embedlens.reports import Report, register_html
 
 _COLOURS = {
     "red": "#c0392b",
@@ -162,3 +160,6 @@ def _table(table: Table) -> str:
         parts.append("</tr>")
     parts.append("</tbody></table>")
     return "".join(parts)
+
+
+register_html(Report, report_html)

@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.lens import LensReport, Prediction
 from embedlens.views.format import prob, quoted, shown
 
@@ -109,3 +110,6 @@ def _render_check(r: LensReport) -> Text:
             )
         )
     return line
+
+
+register_view(LensReport, render)

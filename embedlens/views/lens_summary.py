@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.lens import LensSummaryReport
 from embedlens.views.format import shown
 
@@ -49,3 +50,6 @@ def _positions(value: int | str | list[int]) -> str:
 
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+register_view(LensSummaryReport, render)

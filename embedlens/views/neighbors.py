@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.neighbors import NeighborsReport, QueryResult
 from embedlens.views.format import count, quoted, shown
 
@@ -95,3 +96,6 @@ def render(r: NeighborsReport) -> RenderableType:
         summary += "; left out: " + ", ".join(left_out)
     parts.append(shown(summary + ".", style="dim"))
     return Group(*parts)
+
+
+register_view(NeighborsReport, render)

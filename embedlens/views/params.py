@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.params import ParamsReport
 from embedlens.views.format import count, share, shown, size
 
@@ -77,3 +78,6 @@ def render(r: ParamsReport) -> RenderableType:
             )
         lines.append(per)
     return Group(*lines)
+
+
+register_view(ParamsReport, render)

@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.tied import TiedReport
 from embedlens.views.format import count, share, shown, size
 
@@ -47,3 +48,6 @@ def render(r: TiedReport) -> RenderableType:
             Text(f"The head is a second [{count(v)}, {count(d)}] matrix: nothing is shared.")
         )
     return Group(*lines)
+
+
+register_view(TiedReport, render)

@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.vocab import Candidate, MatrixScan, Undertrained, VocabDiff, VocabReport
 from embedlens.views.format import count, quoted, shown
 
@@ -225,3 +226,6 @@ def render(r: VocabReport) -> RenderableType:
             Text("No problem found between this vocabulary and the weights.", style="green")
         )
     return Group(*parts)
+
+
+register_view(VocabReport, render)
