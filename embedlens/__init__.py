@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# cheap (no Rich): lets every report render however its function was imported
+import embedlens.views  # noqa: F401
+
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
     from embedlens.analysis.lens import lens, lens_prompts
@@ -89,12 +92,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import what is asked for on first use (PEP 562), and `embedlens.views` (cheap), which lets
-    the reports the functions return render (`rich.print(report)`, notebooks)."""
+    """Import what is asked for on first use (PEP 562)."""
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'embedlens' has no attribute '{name}'")
-    importlib.import_module("embedlens.views")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

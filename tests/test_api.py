@@ -64,12 +64,14 @@ def test_a_report_shows_as_the_cli_prints_it_and_as_html(tiny, cli):
 
 def test_a_report_renders_in_a_fresh_python(tiny, cli):
     """The reports never import the views (they register themselves): `embedlens.<command>`
-    imports them, so `rich.print` and a notebook show the report with nothing else imported."""
+    imports them, so `rich.print` and a notebook show the report with nothing else imported,
+    also when the function is imported from its own module."""
     folder = tiny("llama-tied")
     code = (
-        "import io, sys, embedlens\n"
+        "import io, sys\n"
+        "from embedlens.analysis.params import params\n"
         "from rich.console import Console\n"
-        "report = embedlens.params(sys.argv[1])\n"
+        "report = params(sys.argv[1])\n"
         "buffer = io.StringIO()\n"
         "Console(file=buffer, width=140, color_system=None, highlight=False).print(report)\n"
         "print(buffer.getvalue(), end='')\n"

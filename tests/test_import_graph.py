@@ -35,42 +35,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Issue 20 replaces these five modules with the package embedlens/analysis/lens/. Until it lands,
-# the violations inside them are allowed here, and only these: whoever rewrites the lens empties
-# the set. The test fails on an entry that no longer occurs, so none outlives its fix.
-LENS_MODULES = frozenset(
-    f"embedlens.analysis.{name}"
-    for name in ("lens", "lens_engine", "lens_batch", "lens_many", "lens_stats")
-)
-LENS_REWRITE_PENDING = frozenset(
-    {
-        # lens(prompts=...) calls into lens_many, which imports lens' helpers back
-        "cycle: embedlens.analysis.lens -> embedlens.analysis.lens_many",
-        "cycle: embedlens.analysis.lens_many -> embedlens.analysis.lens",
-        # lens_many reuses lens' private option records and steps
-        *(
-            f"private: embedlens.analysis.lens_many imports embedlens.analysis.lens.{name}"
-            for name in (
-                "_Ask",
-                "_Load",
-                "_Prompt",
-                "_builtin_code_note",
-                "_eval_mode",
-                "_offload_dir",
-                "_position_index",
-                "_prepare",
-                "_report",
-                "_template_name",
-            )
-        ),
-        # lens_batch reuses the single run's private engine parts
-        *(
-            f"private: embedlens.analysis.lens_batch imports embedlens.analysis.lens_engine.{name}"
-            for name in ("_best_ids", "_check_decoded", "_first_tensor", "_hooks", "_threads_for")
-        ),
-    }
-)
-
 
 @dataclass(frozen=True)
 class Import:
@@ -211,18 +175,7 @@ def _listing(found: dict[str, str]) -> str:
 
 def test_embedlens_imports_go_one_way():
     found = violations(ROOT, "embedlens")
-    unexpected = {k: v for k, v in found.items() if k not in LENS_REWRITE_PENDING}
-    assert not unexpected, "imports that must go:\n" + _listing(unexpected)
-
-
-def test_the_lens_allow_list_holds_only_what_still_occurs():
-    """Every pending entry still occurs (else it is removed here) and names a lens module."""
-    found = violations(ROOT, "embedlens")
-    stale = sorted(LENS_REWRITE_PENDING - found.keys())
-    assert not stale, "fixed, so remove from LENS_REWRITE_PENDING:\n" + "\n".join(stale)
-    for entry in LENS_REWRITE_PENDING:
-        named = entry.replace(" -> ", " ").replace(" imports ", " ").split()[1:]
-        assert any(m in LENS_MODULES or m.rpartition(".")[0] in LENS_MODULES for m in named), entry
+    assert not found, "imports that must go:\n" + _listing(found)
 
 
 def test_the_graph_sees_every_kind_of_import():
