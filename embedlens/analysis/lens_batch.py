@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens_engine import (
     Blocks,
     Check,
@@ -39,6 +38,7 @@ from embedlens.analysis.lens_engine import (
     tolerance,
 )
 from embedlens.errors import UnsupportedError
+from embedlens.runtime import OthersBusy
 
 BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
@@ -73,7 +73,7 @@ def batch_threads(
     model: nn.Module, n_tokens: int, others_busy: Callable[[], float]
 ) -> AbstractContextManager[None]:
     """One CPU thread while other processes already keep as many cores busy as torch would use
-    (`others_busy()`, a `cpu_busy.OthersBusy`: this process's own work not counted, asked only
+    (`others_busy()`, a `runtime.OthersBusy`: this process's own work not counted, asked only
     for large work), and for small work (`_threads_for`): every one of a forward pass's hundreds
     of ops ends in a barrier that then waits for a time slice. Measured on 2 cores at load 4.0
     to 5.8, 100 prompts on SmolLM2: 60 s wall and 40 s CPU on one thread, 86 to 97 s and 56 to

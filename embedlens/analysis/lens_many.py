@@ -261,11 +261,11 @@ class _Run:
         self.stats: LensStats = LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
-        """Every prompt run, freed memory kept in the process meanwhile (`heap.py`: the decode
+        """Every prompt run, freed memory kept in the process meanwhile (`runtime.py`: the decode
         allocates and frees hundreds of large chunks)."""
-        from embedlens.analysis import heap
+        from embedlens.runtime import heap_kept
 
-        with heap.kept():
+        with heap_kept():
             return self._all(source, n_bad, bad)
 
     def _all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:

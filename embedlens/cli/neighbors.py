@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
@@ -79,11 +78,7 @@ def neighbors(
     are, special tokens only with --include-special, and a query's own rows never appear.
     """
     common(quiet=quiet, debug=debug)
-    # The product is [block, d] x [d, queries] with few queries: BLAS threads cost more than they
-    # give (0.73 s against 0.20 s for Qwen3-0.6B's table on two busy cores). Read when numpy is
-    # first imported, by the import just below; a value the user set wins.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from embedlens.analysis.neighbors import neighbors as find_neighbors
+    from embedlens import neighbors as find_neighbors  # runtime.prepare: one BLAS thread
 
     with progress(f"Reading {model}"):
         report = find_neighbors(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Annotated
 
@@ -97,11 +96,7 @@ def vocab(
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
     start-up.
     """
-    # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
-    # busy cores (read when numpy is first imported, so before the import below; a value the
-    # user set wins). The scan runs one thread per core of its own.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from embedlens.analysis.vocab import vocab as run
+    from embedlens import vocab as run  # runtime.prepare: one BLAS thread
 
     common(quiet=quiet, debug=debug, device=device)
     spinner = nullcontext() if verify else progress(f"Reading {model}")
