@@ -14,9 +14,8 @@ from embedlens.cli._options import (
     ModelArg,
     QuietOpt,
     RevisionOpt,
-    common,
 )
-from embedlens.cli._output import emit, note, progress
+from embedlens.cli._run import run_report
 from embedlens.model.words import Pool
 
 EXAMPLES = (
@@ -77,11 +76,11 @@ def neighbors(
     and only real tokens' rows are searched: padding rows past the tokenizer's length never
     are, special tokens only with --include-special, and a query's own rows never appear.
     """
-    common(quiet=quiet, debug=debug)
     from embedlens import neighbors as find_neighbors  # runtime.prepare: one BLAS thread
 
-    with progress(f"Reading {model}"):
-        report = find_neighbors(
+    run_report(
+        model,
+        lambda: find_neighbors(
             model,
             queries or [],
             top_k=k,
@@ -90,7 +89,8 @@ def neighbors(
             include_special=include_special,
             pool=pool,
             revision=revision,
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+        ),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+    )

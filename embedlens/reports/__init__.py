@@ -24,6 +24,8 @@ class Report:
     and its display in a terminal (`rich.print(report)`) and in a notebook (HTML)."""
 
     command: ClassVar[str]
+    notes: list[str]
+    """What the user should know beside the figures (the command line writes them on stderr)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object `--json` prints: schema_version, command, model, then the fields."""
