@@ -1,8 +1,9 @@
 """Report dataclasses: what each command computes, and the one JSON object written from it.
 
 These modules import nothing heavy (no torch, numpy or Rich), so the API, the renderers and tests
-can use them freely. Field names are the JSON contract (shared/CONTRACT.md): add fields freely,
-never rename or remove one. How a report is shown lives in `embedlens.views`.
+can use them freely. Field names are the JSON contract, written out field by field in
+docs/json.md (tests/test_json_doc.py keeps the two in step): add fields freely, never rename or
+remove one. How a report is shown lives in `embedlens.views`.
 """
 
 from __future__ import annotations
