@@ -9,6 +9,7 @@ id (`vocab_diff.py`). `--verify` and `--check-fit` load the model (`vocab_fit.py
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +62,11 @@ class _Asked:
 
 @counts_hub_reads
 def vocab(
-    model: str,
+    model: str | os.PathLike[str],
     *,
-    against: str | None = None,
+    against: str | os.PathLike[str] | None = None,
     check_fit: bool = False,
-    tokenizer: str | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
     verify: bool = False,
     max_verify: int = MAX_VERIFY,
     all: bool = False,
@@ -78,9 +79,11 @@ def vocab(
     """Check MODEL's vocabulary against its matrices, scan for under-trained tokens, and (on
     request) compare it with another vocabulary (`against`) or measure whether the weights fit
     it (`check_fit`, with `tokenizer` another tokenizer than the model's own); `verify` asks the
-    model to repeat the first `max_verify` candidates; `all` keeps every row's indicator."""
+    model to repeat the first `max_verify` candidates; `all` keeps every row's indicator.
+    MODEL, `against` and `tokenizer` are text or paths (`pathlib.Path`)."""
     every_row = all
     _check_arguments(model, max_verify)
+    model, against, tokenizer = os.fspath(model), _text(against), _text(tokenizer)
     source = resolve(model, revision)
     table = locate(source, "output")
     if tokenizer is None:
@@ -103,8 +106,13 @@ def vocab(
     return _finish(report, scanned, diff, fit)
 
 
+def _text(spec: str | os.PathLike[str] | None) -> str | None:
+    """A path given as a `pathlib.Path` (any os.PathLike) as text; None stays None."""
+    return None if spec is None else os.fspath(spec)
+
+
 def _check_arguments(model: object, max_verify: int) -> None:
-    if not isinstance(model, str):
+    if not isinstance(model, (str, os.PathLike)):
         raise UsageError(
             "vocab reads MODEL from its files: give a hub repo id, a folder or a .gguf file",
             hint="a loaded model's vocabulary cannot be checked against its checkpoint",

@@ -21,7 +21,8 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import emit, note, progress, warn
+from embedlens.cli._output import note, warn
+from embedlens.cli._run import run_report, say_notes
 
 if TYPE_CHECKING:
     from embedlens.reports.lens import LensReport
@@ -200,23 +201,34 @@ def lens(
     """
     from embedlens.analysis.lens import lens as run_lens
 
-    common(quiet=quiet, debug=debug, device=device)
     opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
                 device_map=device_map,
                 max_memory=max_memory, offload_folder=offload_folder, revision=revision,
                 dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # fmt: skip
     if prompts is not None or prompt is None:
+        common(quiet=quiet, debug=debug, device=device)
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
                            options={**opts, "skip_bad": skip_bad})  # fmt: skip
+    run_report(
+        model,
+        lambda: run_lens(model, prompt, grid=plot is not None, **opts),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+        device=device,
+        doing="Running the lens on",
+        check=lambda: _check_plot(plot),
+        say=lambda report: _say(report, plot),
+    )
+
+
+def _check_plot(plot: Path | None) -> None:
+    """Before any work: --plot names a format the heatmap is drawn in, and matplotlib is there."""
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
         check_plot_file(plot)
-    with progress(f"Running the lens on {model}"):
-        report = run_lens(model, prompt, grid=plot is not None, **opts)
-    _say(report, plot)
-    emit(report, as_json=as_json)
 
 
 def _say(report: LensReport, plot: Path | None) -> None:
@@ -227,8 +239,7 @@ def _say(report: LensReport, plot: Path | None) -> None:
             f"{report.check.max_abs_logit_diff:.3g} > {report.check.tolerance:.3g}): its rows are "
             f"not faithful for this architecture; suspect: {report.check.suspect}"
         )
-    for text in report.notes:
-        note("note: " + text)
+    say_notes(report)
     if plot is not None:
         from embedlens.views.heatmap import save_heatmap
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -18,12 +16,14 @@ from embedlens.cli._options import (
     QuietOpt,
     RevisionOpt,
     TrustOpt,
-    common,
 )
-from embedlens.cli._output import emit, err_console, note, progress
+from embedlens.cli._output import err_console
+from embedlens.cli._run import run_report
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
+
+    from embedlens.reports.vocab import VocabReport
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -97,32 +97,34 @@ def vocab(
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
     start-up.
     """
-    # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
-    # busy cores (read when numpy is first imported, so before the import below; a value the
-    # user set wins). The scan runs one thread per core of its own.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from embedlens.analysis.vocab import vocab as run
+    from embedlens import vocab as run  # runtime.prepare: one BLAS thread
 
-    common(quiet=quiet, debug=debug, device=device)
-    spinner = nullcontext() if verify else progress(f"Reading {model}")
-    with _Bar(quiet) as bar, spinner:
-        report = run(
-            model,
-            against=against,
-            check_fit=check_fit,
-            tokenizer=tokenizer,
-            verify=verify,
-            max_verify=max_verify,
-            all=all_tokens or as_json,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            on_progress=bar.update,
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+    def work() -> VocabReport:
+        with _Bar(quiet) as bar:  # --verify's batches (its own bar, no spinner)
+            return run(
+                model,
+                against=against,
+                check_fit=check_fit,
+                tokenizer=tokenizer,
+                verify=verify,
+                max_verify=max_verify,
+                all=all_tokens or as_json,
+                revision=revision,
+                dtype=dtype,
+                device=device,
+                trust_remote_code=trust_remote_code,
+                on_progress=bar.update,
+            )
+
+    run_report(
+        model,
+        work,
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+        device=device,
+        spinner=not verify,
+    )
 
 
 class _Bar:

@@ -1,10 +1,11 @@
 """Report dataclasses: what each command computes, and the one JSON object written from it.
 
 These modules import nothing heavy (no torch, numpy or Rich), so the API, the renderers and tests
-can use them freely. Field names are the JSON contract (shared/CONTRACT.md): add fields freely,
-never rename or remove one. How a report is shown lives in `embedlens.views`, which imports these
-modules and never the other way: each view registers itself here (`register_view`), and importing
-`embedlens.views` (as `embedlens.<command>` and the command line do) lets every report render.
+can use them freely. Field names are the JSON contract, written out field by field in
+docs/json.md (tests/test_json_doc.py keeps the two in step): add fields freely, never rename or
+remove one. How a report is shown lives in `embedlens.views`, which imports these modules and
+never the other way: each view registers itself here (`register_view`), and importing
+`embedlens.views` (as `import embedlens` does) lets every report render.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Report:
     and its display in a terminal (`rich.print(report)`) and in a notebook (HTML)."""
 
     command: ClassVar[str]
+    notes: list[str]
+    """What the user should know beside the figures (the command line writes them on stderr)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object `--json` prints: schema_version, command, model, then the fields."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens.blocks import find_blocks, input_device
 from embedlens.analysis.lens.capture import capture
 from embedlens.analysis.lens.decoder import Decoder, ModelDecoder
@@ -30,6 +29,7 @@ from embedlens.analysis.lens.engine import (
 )
 from embedlens.analysis.lens.ranking import Top, rowdot, tops_from_log_softmax
 from embedlens.analysis.lens.threads import threads_for
+from embedlens.runtime import OthersBusy
 
 BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
@@ -81,7 +81,7 @@ class BatchLens:
     last block) found once.
 
     The forward pass runs on one CPU thread while other processes already keep as many cores
-    busy as torch would use (`cpu_busy.OthersBusy`, asked only for large work), and for small
+    busy as torch would use (`runtime.OthersBusy`, asked only for large work), and for small
     work (`threads.threads_for`)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[int], k: int, real_vocab: int) -> None:

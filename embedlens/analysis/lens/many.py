@@ -135,11 +135,11 @@ class ManyRun:
         self.stats = LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
-        """Every prompt run, freed memory kept in the process meanwhile (`heap.py`: the decode
-        allocates and frees hundreds of large chunks)."""
-        from embedlens.analysis import heap
+        """Every prompt run, freed memory kept in the process meanwhile (`runtime.heap_kept`: the
+        decode allocates and frees hundreds of large chunks)."""
+        from embedlens.runtime import heap_kept
 
-        with heap.kept():
+        with heap_kept():
             return self._all(source, n_bad, bad)
 
     def _all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
