@@ -100,7 +100,9 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
                       grid, chat_template)  # fmt: skip
     loading = _loading(model, revision, dtype, device, device_map, max_memory, offload_folder,
                        trust_remote_code)  # fmt: skip
-    with _opened(model, tokenizer, loading, functools.partial(prepare, ask)) as (opened, run):
+    own_template = ask.chat is not None and ask.template is None
+    check = functools.partial(prepare, ask)
+    with _opened(model, tokenizer, loading, check, own_template) as (opened, run):
         return _one(opened, ask, run)
 
 
@@ -214,7 +216,11 @@ def _loading(
 
 @contextmanager
 def _opened(
-    model: object, tokenizer: Any, loading: options.Load | dict[str, bool], check: Check[T]
+    model: object,
+    tokenizer: Any,
+    loading: options.Load | dict[str, bool],
+    check: Check[T],
+    own_template: bool = False,
 ) -> Iterator[tuple[Opened, T]]:
     """The model ready for the run (loaded from its files, or as the caller loaded it), with
     what `check` returned before any weight was read."""
@@ -222,7 +228,10 @@ def _opened(
 
     if isinstance(loading, options.Load):
         assert isinstance(model, (str, os.PathLike))
-        with opening.from_files(os.fspath(model), loading, tokenizer, check) as ready:
+        name = os.fspath(model)
+        with opening.from_files(
+            name, loading, tokenizer, check, own_template=own_template
+        ) as ready:
             yield ready
     else:
         with opening.from_loaded(model, tokenizer, loading, check) as ready:

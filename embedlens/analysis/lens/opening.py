@@ -44,16 +44,22 @@ class Opened:
 
 @contextmanager
 def from_files(
-    name: str, load: Load, tokenizer: Any, check: Check[T]
+    name: str, load: Load, tokenizer: Any, check: Check[T], *, own_template: bool = False
 ) -> Iterator[tuple[Opened, T]]:
-    """The model named `name` loaded from its files (hub, folder or GGUF), after `check`."""
+    """The model named `name` loaded from its files (hub, folder or GGUF), after `check`.
+    `own_template`: the run needs the model's chat template (--chat without --chat-template),
+    refused from the files alone when they hold none (before a tokenizer is built)."""
+    from embedlens.analysis.lens.prompt import no_chat_template
     from embedlens.io.source import resolve
     from embedlens.model import loading
+    from embedlens.model.chat import stored_template
     from embedlens.model.gguf_patches import gguf_reads_shared
 
     trust = load.trust_remote_code
     with load.offload_dir() as folder:
         source = resolve(name, load.revision)
+        if own_template and tokenizer is None and stored_template(source) is False:
+            raise no_chat_template()
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loading.check_source(source, trust_remote_code=trust)

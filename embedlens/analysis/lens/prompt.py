@@ -84,11 +84,7 @@ def _render_chat(
     """The chat template (the tokenizer's, or `own`) applied to one user message, with the
     generation prompt."""
     if own is None and not getattr(tokenizer, "chat_template", None):
-        raise UsageError(
-            "this model's tokenizer has no chat template, so --chat cannot be used",
-            hint="give one with --chat-template FILE (a Jinja file), or run without --chat "
-            "and write the whole prompt yourself",
-        )
+        raise no_chat_template()
     from embedlens.model import chat as bounded
 
     messages = [{"role": "user", "content": chat}]
@@ -120,6 +116,15 @@ def _render_chat(
             f"model's context could hold"
         )
     return text
+
+
+def no_chat_template() -> UsageError:
+    """--chat with neither the model's chat template nor --chat-template."""
+    return UsageError(
+        "this model's tokenizer has no chat template, so --chat cannot be used",
+        hint="give one with --chat-template FILE (a Jinja file), or run without --chat "
+        "and write the whole prompt yourself",
+    )
 
 
 def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
