@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from embedlens.reports import Report
+from embedlens.text import model_title
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -123,9 +123,9 @@ class LensReport(Report):
 
     @property
     def display_model(self) -> str:
-        """The model as titles show it: a local path by its last part, a repo id whole."""
-        path = Path(self.model)
-        return path.name if path.exists() else self.model
+        """The model as titles show it (text.model_title): a repo id whole, a local path by its
+        last part, never the folder a loaded model's GGUF file sat in."""
+        return model_title(self.model)
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,6 @@ class LensSummaryReport(Report):
 
     @property
     def display_model(self) -> str:
-        """The model as titles show it: a local path by its last part, a repo id whole."""
-        path = Path(self.model)
-        return path.name if path.exists() else self.model
+        """The model as titles show it (text.model_title): a repo id whole, a local path by its
+        last part, never the folder a loaded model's GGUF file sat in."""
+        return model_title(self.model)

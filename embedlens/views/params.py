@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports.params import ParamsReport
+from embedlens.text import model_title
 from embedlens.views.format import count, share, shown, size
 
 _LABELS = {
@@ -21,7 +22,9 @@ _LABELS = {
 
 def render(r: ParamsReport) -> RenderableType:
     """The share table, the block parts, and the head's cost."""
-    table = Table(title=shown(f"Parameters of {r.model} (source: {r.source})", "table.title"))
+    table = Table(
+        title=shown(f"Parameters of {model_title(r.model)} (source: {r.source})", "table.title")
+    )
     table.add_column("part")
     table.add_column("params", justify="right")
     table.add_column("share", justify="right")

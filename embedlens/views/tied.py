@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports.tied import TiedReport
+from embedlens.text import model_title
 from embedlens.views.format import count, share, shown, size
 
 
@@ -18,7 +19,9 @@ def _yes_no(value: bool | None) -> Text:
 
 def render(r: TiedReport) -> RenderableType:
     """Evidence, verdict and savings."""
-    table = Table(title=shown(f"Is the LM head of {r.model} the embedding?", "table.title"))
+    table = Table(
+        title=shown(f"Is the LM head of {model_title(r.model)} the embedding?", "table.title")
+    )
     table.add_column("evidence")
     table.add_column("says tied?")
     table.add_row("config: tie_word_embeddings", _yes_no(r.evidence.config))
