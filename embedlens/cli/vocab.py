@@ -11,13 +11,11 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
-    DeviceOpt,
-    DtypeOpt,
+    Dtype,
     JsonOpt,
     ModelArg,
     QuietOpt,
     RevisionOpt,
-    TrustOpt,
     common,
 )
 from embedlens.cli._output import emit, err_console, note, progress
@@ -25,9 +23,13 @@ from embedlens.cli._output import emit, err_console, note, progress
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+PROBLEMS_FOUND = 3
+"""`vocab --check`'s exit status when the report lists a problem."""
+
 EXAMPLES = (
     "Examples:\n\n"
     "  $ embedlens vocab ./SmolLM2-135M-Instruct.Q4_1.gguf\n\n"
+    '  $ embedlens vocab ./my-model --check --quiet > vocab.txt || echo "exit $?"\n\n'
     "  $ embedlens vocab ./my-model --against ./old-tokenizer/tokenizer.json\n\n"
     "  $ embedlens vocab ./my-model --check-fit --tokenizer ./new-tokenizer\n\n"
     "  $ embedlens vocab Qwen/Qwen3-0.6B --verify --max-verify 50 --json"
@@ -69,7 +71,35 @@ MaxVerifyOpt = Annotated[
     int, typer.Option("--max-verify", metavar="N", help="Candidates --verify asks about.")
 ]
 AllOpt = Annotated[
-    bool, typer.Option("--all", help="Show every candidate (JSON: every row's indicator).")
+    bool,
+    typer.Option(
+        "--all", help="List every candidate in the tables (--json always holds them all)."
+    ),
+]
+CheckOpt = Annotated[
+    bool,
+    typer.Option(
+        "--check",
+        help=f"Exit {PROBLEMS_FOUND} when a problem is found (after printing the report), for "
+        "scripts; without it the exit status is 0 whatever was found.",
+    ),
+]
+# --dtype, --device and --trust-remote-code apply only to the model --verify and --check-fit load.
+VocabDtypeOpt = Annotated[
+    Dtype,
+    typer.Option("--dtype", help="Dtype --verify and --check-fit load the weights in."),
+]
+VocabDeviceOpt = Annotated[
+    str,
+    typer.Option("--device", help="cpu, cuda, mps or auto: where --verify and --check-fit run."),
+]
+VocabTrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Allow a model's own code to run when --verify or --check-fit loads it (off by "
+        "default).",
+    ),
 ]
 
 
@@ -82,11 +112,12 @@ def vocab(
     verify: VerifyOpt = False,
     max_verify: MaxVerifyOpt = 20,
     all_tokens: AllOpt = False,
+    check: CheckOpt = False,
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "cpu",
-    trust_remote_code: TrustOpt = False,
+    dtype: VocabDtypeOpt = "auto",
+    device: VocabDeviceOpt = "cpu",
+    trust_remote_code: VocabTrustOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -95,7 +126,7 @@ def vocab(
     Without --verify and --check-fit it reads the headers, the tokenizer and the head and
     embedding (one matrix when tied), never torch. The fingerprint is a SHA-256 of the
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
-    start-up.
+    start-up. With --check the exit status is 3 when a problem is found.
     """
     # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
     # busy cores (read when numpy is first imported, so before the import below; a value the
@@ -113,7 +144,7 @@ def vocab(
             tokenizer=tokenizer,
             verify=verify,
             max_verify=max_verify,
-            all=all_tokens or as_json,
+            all=all_tokens,
             revision=revision,
             dtype=dtype,
             device=device,
@@ -123,6 +154,8 @@ def vocab(
     for text in report.notes:
         note("note: " + text)
     emit(report, as_json=as_json)
+    if check and report.problems:
+        raise typer.Exit(PROBLEMS_FOUND)
 
 
 class _Bar:

@@ -165,7 +165,13 @@ def _diff(d: VocabDiff) -> list[RenderableType]:
     title = f"Against '{d.other}' ({count(d.other_size)} tokens): "  # shown: a path
     if d.identical:
         return [shown(title + "identical vocabulary", style="bold green")]
-    state = "compatible (only appended tokens)" if d.compatible else "DIFFERENT"
+    state = (
+        "UNRELATED"
+        if d.unrelated
+        else "compatible (only appended tokens)"
+        if d.compatible
+        else "DIFFERENT"
+    )
     parts: list[RenderableType] = [
         shown(
             title + f"{state}; same id {count(d.same_ids)}, shifted {count(d.shifted)}, added "
@@ -192,7 +198,7 @@ def _diff(d: VocabDiff) -> list[RenderableType]:
 
 def render(r: VocabReport) -> RenderableType:
     """The layout table, the scan, the comparison and the fit check, then the verdict."""
-    top = None if r.undertrained.indicators is not None else TOP
+    top = None if r.shows_all else TOP
     parts: list[RenderableType] = [_layout(r)]
     parts.extend(_scan(r.undertrained, top))
     if r.against is not None:
