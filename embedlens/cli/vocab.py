@@ -18,7 +18,7 @@ from embedlens.cli._options import (
     RevisionOpt,
     common,
 )
-from embedlens.cli._output import emit, err_console, note, progress
+from embedlens.cli._output import emit, err_console, note, plain_progress, progress
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -136,7 +136,7 @@ def vocab(
 
     common(quiet=quiet, debug=debug, device=device)
     spinner = nullcontext() if verify else progress(f"Reading {model}")
-    with _Bar(quiet) as bar, spinner:
+    with _Bar(quiet or not verify) as bar, spinner:
         report = run(
             model,
             against=against,
@@ -159,17 +159,29 @@ def vocab(
 
 
 class _Bar:
-    """A progress bar on stderr for --verify's batches (terminal only, not with --quiet)."""
+    """Progress on stderr for --verify's batches: a bar on a terminal, plain lines every few
+    seconds off one (neither with --quiet)."""
 
     def __init__(self, quiet: bool) -> None:
         self._quiet = quiet
         self._progress: Progress | None = None
         self._task: TaskID | None = None
+        self._done = (0, 0)
+        self._plain = plain_progress(self._line)
 
     def __enter__(self) -> _Bar:
+        if not self._quiet:
+            self._plain.__enter__()
         return self
 
+    def _line(self, seconds: float) -> str:
+        done, total = self._done
+        if not total:
+            return f"Verifying: loading the model, {int(seconds)} s"
+        return f"Verifying: {done} of {total} batches, {int(seconds)} s"
+
     def update(self, done: int, total: int) -> None:
+        self._done = (done, total)
         if self._quiet or not err_console.is_terminal:
             return
         from rich.progress import Progress
@@ -181,5 +193,7 @@ class _Bar:
         self._progress.update(self._task, completed=done)
 
     def __exit__(self, *exc: object) -> None:
+        if not self._quiet:
+            self._plain.__exit__(None, None, None)
         if self._progress is not None:
             self._progress.stop()
