@@ -125,7 +125,11 @@ def emit(report: Report, *, as_json: bool) -> None:
 
 
 def rendered(renderable: RenderableType) -> str:
-    """What the stdout console would print, as a string (so it is written, and checked, once)."""
+    """What the stdout console would print, as a string (so it is written, and checked, once).
+
+    Nothing is cut to the width: a word longer than a line (a fingerprint, a path) stands whole on
+    its line, and a table too wide for the terminal keeps its figures and tokens whole and prints
+    wider (views.format.Sheet), rather than ending in '…'."""
     buffer = io.StringIO()
     Console(
         file=buffer,
@@ -137,7 +141,7 @@ def rendered(renderable: RenderableType) -> str:
         soft_wrap=False,
         markup=False,
         emoji=False,
-    ).print(renderable)
+    ).print(renderable, crop=False)
     return buffer.getvalue()
 
 

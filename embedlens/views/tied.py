@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports.tied import TiedReport
 from embedlens.text import model_title
-from embedlens.views.format import count, share, shown, size
+from embedlens.views.format import Sheet, count, share, shown, size
 
 
 def _yes_no(value: bool | None) -> Text:
@@ -19,7 +18,7 @@ def _yes_no(value: bool | None) -> Text:
 
 def render(r: TiedReport) -> RenderableType:
     """Evidence, verdict and savings."""
-    table = Table(
+    table = Sheet(
         title=shown(f"Is the LM head of {model_title(r.model)} the embedding?", "table.title")
     )
     table.add_column("evidence")
