@@ -123,7 +123,7 @@ class Words(Text):
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         widest = max((cell_len(self.plain[a:b]) for a, b in self.units()), default=0)
-        return Measurement(widest, cell_len(self.plain))
+        return Measurement(widest, max(cell_len(line) for line in self.plain.split("\n")))
 
 
 class Sheet(Table):
