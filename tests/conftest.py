@@ -126,6 +126,7 @@ _SLOW_MODULES = {
     "test_interrupts.py",  # signals in subprocesses
     "test_install.py",  # installs in subprocesses
     "test_heatmap.py",  # drawings with matplotlib
+    "test_curves.py",  # drawings with matplotlib
     "test_fuzz_headers.py",  # hypothesis writes and parses thousands of headers
     "test_code_shape.py",  # parses every source file (a lint: ruff runs beside it)
 }

@@ -77,6 +77,8 @@ def field_paths(cls: Any, prefix: str = "") -> set[str]:
     hints = typing.get_type_hints(cls)
     out = set()
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("json", True):  # how the report is shown, not in its JSON
+            continue
         out.add(prefix + f.name)
         listed = typing.get_origin(hints[f.name]) is list or any(
             typing.get_origin(a) is list for a in typing.get_args(hints[f.name])

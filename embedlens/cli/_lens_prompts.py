@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.cli._output import counter, emit, note, rendered, warn, write_stdout
 from embedlens.errors import UsageError
+from embedlens.text import model_title
 
 if TYPE_CHECKING:
     from embedlens.model.prompts import PromptLine
@@ -43,7 +44,7 @@ def run_prompts(
         options = {**options, "top_k": min(options["top_k"], 1)}
     show = _Shown(as_json=as_json, each=each)
     source = PromptSource.open(prompts)
-    with counter(f"Running the lens on {model}", "prompts") as advance:
+    with counter(f"Running the lens on {model_title(model)}", "prompts") as advance:
 
         def on_report(report: LensReport, line: PromptLine) -> None:
             show.report(report, line)

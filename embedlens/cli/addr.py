@@ -32,7 +32,9 @@ def addr(
         list[str],
         typer.Argument(
             metavar="ROW...",
-            help="A row id (an integer), or a token's text (its first token is used).",
+            help="A row id (an integer), or a token's text (its first token is used). A text "
+            "wholly inside one pair of quotes is the text between them: \"' king'\" is ' king' "
+            "with its leading space, \"'42'\" the token 42 (not row 42).",
             show_default=False,
         ),
     ],

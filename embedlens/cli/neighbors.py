@@ -31,7 +31,8 @@ QueriesArg = Annotated[
     typer.Argument(
         metavar="QUERY...",
         help="Words or expressions such as "
-        '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'"). '
+        '"king - man + woman" (an expression\'s words are stripped). A word wholly inside one '
+        "pair of quotes is the text between them, spaces kept: \"' king'\" is ' king'. "
         "A word of several tokens is queried as --pool says.",
         show_default=False,
     ),

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
+SHOWN_ONLY = {"json": False}
+"""`field(metadata=SHOWN_ONLY)`: a field that says how a report is shown, left out of its JSON."""
 SCHEMA_VERSION = 1
 
 R = TypeVar("R", bound="Report")
@@ -48,7 +50,9 @@ class Report:
             "command": self.command,
             "model": body["model"],
         }
-        out.update((k, v) for k, v in body.items() if k not in out)
+        fields: dict[str, dataclasses.Field[Any]] = getattr(self, "__dataclass_fields__", {})
+        shown_only = {name for name, f in fields.items() if not f.metadata.get("json", True)}
+        out.update((k, v) for k, v in body.items() if k not in out and k not in shown_only)
         return out
 
     def to_json(self, *, indent: int | None = None) -> str:
