@@ -157,3 +157,36 @@ def test_gemma_sized_vocabulary(tmp_path, cache, monkeypatch):
     ids = range(0, first.size, 251)
     assert [first.text(i) for i in ids] == [second.text(i) for i in ids]
     assert (first.pieces, first.special_ids) == (second.pieces, second.special_ids)
+
+
+TARGET_WORDS = [
+    *("king queen Paris the a of and is was dog cats running Überall café naïve".split()),
+    *("北京 四 東京 😀 ☃ 123 2024 3.14 , . ! ? ' \" - ( ) <|im_start|> <|endoftext|>".split()),
+    *("don't U.S.A. e-mail @home #tag $5 100% CamelCase snake_case".split()),
+    "\n", "\t", "  ", "",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gguf_vocab_encodes_as_the_lens_tokenizer(smollm2, tmp_path, monkeypatch):
+    """SmolLM2's GGUF: embedlens' own tokenizer, built and kept, encodes every word, bare and
+    after a space, to the ids of the transformers tokenizer `lens` uses, and calls the same
+    ids special and unknown: a --target could be checked with it before transformers loads."""
+    from embedlens.io.source import resolve
+    from embedlens.model.loading import load_tokenizer
+    from embedlens.model.tokenizer import load_vocab
+
+    source = resolve(str(smollm2), None)
+    monkeypatch.setenv("EMBEDLENS_CACHE", str(tmp_path / "kept"))
+    hf = load_tokenizer(source)  # its checks build embedlens' tokenizer, and keep it
+    kept = load_vocab(source)
+    monkeypatch.setenv("EMBEDLENS_CACHE", str(tmp_path / "fresh"))
+    built = _builds(monkeypatch)
+    for vocab in (kept, load_vocab(source)):
+        for word in TARGET_WORDS:
+            for text in (word, " " + word):
+                expected = list(hf(text, add_special_tokens=False)["input_ids"])
+                assert vocab.encode(text) == expected, text
+        assert vocab.size == len(hf) and vocab.unk_id == hf.unk_token_id
+        assert vocab.special_ids >= set(hf.all_special_ids)
+    assert built == ["built"]
