@@ -195,3 +195,33 @@ def test_no_chat_template_is_said_from_the_files_before_transformers_loads(
     assert not imported & {"torch", "transformers"}, sorted(imported & {"torch", "transformers"})
     with pytest.raises(UsageError, match="no chat template"):  # the library says the same
         embedlens.lens(model, "Paris", chat="The capital of France?")
+
+
+def test_a_bad_target_on_a_gguf_is_refused_before_transformers_loads(smollm2, tmp_path):
+    """--target that is not one token of a GGUF's vocabulary: refused with embedlens' own reading
+    of the file's tokenizer (the ids transformers' gives), before torch or transformers is
+    imported, with the words the late check (a tokenizer given) says."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    tok = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    for target in ("北京", "queen"):
+        argv = ["lens", str(smollm2), "中国的首都是", "--target", target]
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "embedlens", *argv],
+            capture_output=True, text=True, env=env, cwd=root, timeout=120,
+        )  # fmt: skip
+        lines = result.stderr.splitlines()
+        imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
+        said = [line for line in lines if not line.startswith("import time:")]
+        assert (result.returncode, result.stdout) == (2, "")
+        assert not imported & {"torch", "transformers"}, target
+        with pytest.raises(UsageError) as late:
+            embedlens.lens(smollm2, "中国的首都是", target=target, tokenizer=tok)
+        assert said[0] == "error: " + late.value.message
+        assert said[1] == "hint: " + str(late.value.hint)

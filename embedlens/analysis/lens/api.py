@@ -102,7 +102,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
                        trust_remote_code)  # fmt: skip
     own_template = ask.chat is not None and ask.template is None
     check = functools.partial(prepare, ask)
-    with _opened(model, tokenizer, loading, check, own_template) as (opened, run):
+    with _opened(model, tokenizer, loading, check, own_template, target) as (opened, run):
         return _one(opened, ask, run)
 
 
@@ -221,6 +221,7 @@ def _opened(
     loading: options.Load | dict[str, bool],
     check: Check[T],
     own_template: bool = False,
+    target: str | None = None,
 ) -> Iterator[tuple[Opened, T]]:
     """The model ready for the run (loaded from its files, or as the caller loaded it), with
     what `check` returned before any weight was read."""
@@ -230,7 +231,7 @@ def _opened(
         assert isinstance(model, (str, os.PathLike))
         name = os.fspath(model)
         with opening.from_files(
-            name, loading, tokenizer, check, own_template=own_template
+            name, loading, tokenizer, check, own_template=own_template, target=target
         ) as ready:
             yield ready
     else:

@@ -130,7 +130,6 @@ def no_chat_template() -> UsageError:
 def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
     """The id of the --target token, and of its spaced form (' ' + target) when that is another
     single token (which of the two the model means is its own to say: see `target_note`)."""
-    from embedlens.model.words import spaced_form
 
     def encode(text: str) -> list[int]:
         return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -138,15 +137,30 @@ def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
     def text_of(token_id: int) -> str:
         return token_text(tokenizer, token_id)
 
-    ids = encode(target)
     unk = getattr(tokenizer, "unk_token_id", None)
-    if len(ids) == 1 and (ids[0] != unk or target == tokenizer.unk_token):
+    return single_token(target, encode, text_of, unk, getattr(tokenizer, "unk_token", None))
+
+
+def single_token(
+    target: str,
+    encode: Callable[[str], list[int]],
+    text_of: Callable[[int], str],
+    unk: int | None,
+    unk_token: str | None,
+) -> tuple[int, int | None]:
+    """`target_token` with the tokenizer given as functions (the model's own tokenizer, or
+    embedlens' reading of a GGUF file's, which encodes to the same ids, before the first is
+    built): the id, and the spaced form's; UsageError when the target is not one token."""
+    from embedlens.model.words import spaced_form
+
+    ids = encode(target)
+    if len(ids) == 1 and (ids[0] != unk or target == unk_token):
         other = encode(" " + target) if target and not target[0].isspace() else []
         return int(ids[0]), other[0] if len(other) == 1 and other != ids else None
     if len(ids) == 1:
         raise UsageError(
             f"--target '{target}' is not in the vocabulary: it encodes to the unknown token "
-            f"'{tokenizer.unk_token}'"
+            f"'{unk_token}'"
         )
     if not ids:
         raise UsageError(f"--target '{target}' encodes to no token")
