@@ -18,6 +18,7 @@ LONG = "/a/very/long/path/to/some/model/folder/that/fills/a/line/SmolLM2-135M-In
 @pytest.fixture
 def fast(monkeypatch):
     """Plain progress lines every 50 ms instead of every few seconds; not quiet."""
+    monkeypatch.delenv("EMBEDLENS_PROGRESS_SECONDS")
     monkeypatch.setattr(_output, "PLAIN_EVERY", 0.05)
     monkeypatch.setitem(_output._state, "quiet", False)
 
@@ -71,6 +72,7 @@ def test_quiet_hides_plain_progress(fast, capsys):
 
 def test_lens_prompts_off_a_terminal_and_quiet(cli, tiny, tmp_path, monkeypatch):
     """The command as a CI log sees it: plain lines with the count; with --quiet, none."""
+    monkeypatch.delenv("EMBEDLENS_PROGRESS_SECONDS")
     monkeypatch.setattr(_output, "PLAIN_EVERY", 0.01)
     prompts = tmp_path / "p.txt"
     prompts.write_text("the king\n" * 40, encoding="utf-8")

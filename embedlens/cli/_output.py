@@ -158,21 +158,31 @@ def warn(message: str) -> None:
 
 PLAIN_EVERY = 10.0
 """Off a terminal (a CI log, nohup, a notebook's `!embedlens`), progress is a plain line on
-stderr every this many seconds of a long wait, never an animation; work done sooner prints none."""
+stderr every this many seconds of a long wait, never an animation; work done sooner prints none.
+$EMBEDLENS_PROGRESS_SECONDS sets another interval (0: none)."""
+
+
+def _plain_every() -> float:
+    """PLAIN_EVERY, or $EMBEDLENS_PROGRESS_SECONDS when set to a number (0 or less: no lines)."""
+    try:
+        return float(os.environ["EMBEDLENS_PROGRESS_SECONDS"])
+    except (KeyError, ValueError):
+        return PLAIN_EVERY
 
 
 @contextmanager
 def plain_progress(line: Callable[[float], str]) -> Iterator[None]:
     """Off a terminal and without --quiet: every PLAIN_EVERY seconds while the block runs, the
     line `line(seconds elapsed)` on stderr; nothing else (no line for work done sooner)."""
-    if _state["quiet"] or err_console.is_terminal:
+    every = _plain_every()
+    if _state["quiet"] or err_console.is_terminal or every <= 0:
         yield
         return
     stop = threading.Event()
     start = time.monotonic()
 
     def tick() -> None:
-        while not stop.wait(PLAIN_EVERY):
+        while not stop.wait(every):
             text = line(time.monotonic() - start)
             with suppress(Exception):  # stderr closed or full: progress is not worth an error
                 err_console.print(shown(text), soft_wrap=True, highlight=False)

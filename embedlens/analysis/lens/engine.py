@@ -109,12 +109,11 @@ def run_lens(
     full_at: Sequence[int] | None = None,
     decoder: Decoder | None = None,
 ) -> LensResult:
-    """Decode `layers` (0 = embedding output, L = the model's output) at `positions` of one prompt:
-    absolute indices into `input_ids`. `real_vocab` is the tokenizer's length: rows
-    past it are padding and never predicted, though the softmax runs over every row. `full_at`:
-    the positions whose rows hold the top-k and the target (all by default); the others hold
-    their top-1 only (a grid's cells), whatever k is. `decoder`: the model's own by default.
-    """
+    """Decode `layers` (0 = embedding output, L = the model's output) at `positions` of one prompt
+    (indices into `input_ids`). `real_vocab` is the tokenizer's length: rows past it are padding,
+    never predicted, though the softmax runs over every row. `full_at`: the positions whose rows
+    hold the top-k and the target (all by default; the others hold their top-1 only, a grid's
+    cells). `decoder`: the model's own by default."""
     blocks = find_blocks(model)
     n_layers = len(blocks.modules)
     bad = [x for x in layers if not 0 <= x <= n_layers]
