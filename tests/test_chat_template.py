@@ -168,9 +168,6 @@ def test_no_chat_template_is_said_from_the_files_before_transformers_loads(
     """--chat on a model whose files hold no chat template: refused from the files (a GGUF
     header, tokenizer_config.json) before the tokenizer is built, so before transformers or torch
     is imported (a 262k-token GGUF took 46 s to rebuild its tokenizer first)."""
-    import os
-    import subprocess
-    import sys
 
     if form == "gguf":
         model = _gguf_rewrite(
@@ -180,16 +177,7 @@ def test_no_chat_template_is_said_from_the_files_before_transformers_loads(
         model = tmp_path / "no-template"
         shutil.copytree(tiny("llama-tied"), model)
         (model / "chat_template.jinja").unlink()
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
-    argv = ["lens", str(model), "Paris", "--chat", "The capital of France?"]
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "embedlens", *argv],
-        capture_output=True, text=True, env=env, cwd=root, timeout=120,
-    )  # fmt: skip
-    lines = result.stderr.splitlines()
-    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
-    said = [line for line in lines if not line.startswith("import time:")]
+    result, imported, said = _imports_of("lens", model, "Paris", "--chat", "The capital of France?")
     assert (result.returncode, result.stdout) == (2, "")
     assert said[0] == "error: this model's tokenizer has no chat template, so --chat cannot be used"
     assert not imported & {"torch", "transformers"}, sorted(imported & {"torch", "transformers"})
@@ -201,27 +189,33 @@ def test_a_bad_target_on_a_gguf_is_refused_before_transformers_loads(smollm2, tm
     """--target that is not one token of a GGUF's vocabulary: refused with embedlens' own reading
     of the file's tokenizer (the ids transformers' gives), before torch or transformers is
     imported, with the words the late check (a tokenizer given) says."""
-    import os
-    import subprocess
-    import sys
 
     from transformers import AutoTokenizer
 
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
     tok = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
     for target in ("北京", "queen"):
-        argv = ["lens", str(smollm2), "中国的首都是", "--target", target]
-        result = subprocess.run(
-            [sys.executable, "-X", "importtime", "-m", "embedlens", *argv],
-            capture_output=True, text=True, env=env, cwd=root, timeout=120,
-        )  # fmt: skip
-        lines = result.stderr.splitlines()
-        imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
-        said = [line for line in lines if not line.startswith("import time:")]
+        result, imported, said = _imports_of("lens", smollm2, "中国的首都是", "--target", target)
         assert (result.returncode, result.stdout) == (2, "")
         assert not imported & {"torch", "transformers"}, target
         with pytest.raises(UsageError) as late:
             embedlens.lens(smollm2, "中国的首都是", target=target, tokenizer=tok)
         assert said[0] == "error: " + late.value.message
         assert said[1] == "hint: " + str(late.value.hint)
+
+
+def _imports_of(*argv: Any) -> tuple[Any, set[str], list[str]]:
+    """Run `embedlens ARGV` with `-X importtime`: the result, every module imported, and the
+    stderr lines that are not import times."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "embedlens", *map(str, argv)],
+        capture_output=True, text=True, env=env, cwd=root, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
+    return result, imported, [line for line in lines if not line.startswith("import time:")]
