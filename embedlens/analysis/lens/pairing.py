@@ -66,8 +66,9 @@ class Pair:
 class Facts:
     """What a side's files (or loaded model) say about it before its weights are read."""
 
-    vocab: Vocab | dict[str, int]
-    """Its vocabulary; a token -> id map for a tokenizer without a `tokenizers` backend."""
+    vocab: Vocab | dict[str, int] | None
+    """Its vocabulary; a token -> id map for a tokenizer without a `tokenizers` backend; None for
+    a loaded model given without a tokenizer (B then reads A's ids with A's)."""
     layers: int | None
     outputs: int | None
     """Rows of its output (the config's vocabulary size), when known."""
@@ -77,7 +78,8 @@ def check_pair(a: Side, b: Side) -> None:
     """Refuse (UnsupportedError, exit 1) a B that does not share A's vocabulary, its number of
     layers or its output size."""
     fa, fb = facts(a), facts(b)
-    _same_vocabulary(a.name, fa.vocab, b.name, fb.vocab)
+    if fa.vocab is not None and fb.vocab is not None:
+        _same_vocabulary(a.name, fa.vocab, b.name, fb.vocab)
     if fa.layers is not None and fb.layers is not None and fa.layers != fb.layers:
         raise UnsupportedError(
             f"'{b.name}' has {fb.layers} layers and '{a.name}' {fa.layers}: lens --against "
@@ -96,9 +98,9 @@ def facts(side: Side) -> Facts:
     if source is None:
         from embedlens.analysis.lens.blocks import find_blocks
 
-        assert side.tokenizer is not None, "a loaded model comes with its tokenizer"
         layers = len(find_blocks(side.model).modules)  # type: ignore[arg-type]
-        return Facts(_tokenizer_vocab(side.tokenizer), layers, None)
+        vocab = None if side.tokenizer is None else _tokenizer_vocab(side.tokenizer)
+        return Facts(vocab, layers, None)
     from embedlens.io.checkpoint import gguf_checkpoint
     from embedlens.model.headers import read_config
 
