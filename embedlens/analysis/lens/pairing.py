@@ -101,14 +101,11 @@ def facts(side: Side) -> Facts:
         layers = len(find_blocks(side.model).modules)  # type: ignore[arg-type]
         vocab = None if side.tokenizer is None else _tokenizer_vocab(side.tokenizer)
         return Facts(vocab, layers, None)
-    from embedlens.io.checkpoint import gguf_checkpoint
+    from embedlens.io.checkpoint import open_checkpoint
     from embedlens.model.headers import read_config
 
     trust = isinstance(side.loading, Load) and side.loading.trust_remote_code
-    ckpt = None
-    if source.is_gguf:
-        assert source.path is not None
-        ckpt = gguf_checkpoint(source.path)
+    ckpt = open_checkpoint(source) if source.is_gguf else None  # the header, parsed once
     config = read_config(source, ckpt, trust_remote_code=trust)
     vocab = (
         _tokenizer_vocab(side.tokenizer)
