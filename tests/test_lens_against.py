@@ -299,7 +299,15 @@ def test_another_vocabulary_is_refused_before_any_weight_is_read(pairs, cli, tmp
     other = _other_vocabulary(a, tmp_path / "other")
     err = cli.fails("lens", a, PROMPT, "--against", other, code=1)
     assert f"'{other}' does not share the vocabulary of '{a}'" in err
+    assert "2 tokens have other ids there (id 15 moved by +1)" in err
     assert "embedlens vocab" in err
+    longer = tmp_path / "longer"
+    shutil.copytree(a, longer)
+    data = json.loads((longer / "tokenizer.json").read_text())
+    data["model"]["vocab"]["extra"] = len(data["model"]["vocab"])
+    (longer / "tokenizer.json").write_text(json.dumps(data))
+    err = cli.fails("lens", a, PROMPT, "--against", longer, code=1)
+    assert f"58 of 58 ids hold the same token (59 in '{longer}'); 1 token only in" in err
 
     def no_load(*_a: Any, **_k: Any) -> None:
         raise AssertionError("a model was loaded")

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from embedlens.io.source import ModelSource
     from embedlens.model.tokenizer import Vocab
+    from embedlens.reports.vocab import VocabDiff
 
 
 @dataclass(frozen=True)
@@ -156,12 +157,36 @@ def _same_vocabulary(
         diff = compare(a, b, b_name, fingerprint=Fingerprint(fingerprint(a), None, None, None))
         if diff.same_ids == a.size == diff.other_size:
             return
-        what = diff.summary or [f"{diff.same_ids:,} of {a.size:,} ids hold the same token"]
+        what = _what_differs(diff, a, b_name)
     raise UnsupportedError(
         f"'{b_name}' does not share the vocabulary of '{a_name}': " + "; ".join(what),
         hint=f"both models read the same ids, so each id must be the same token in both; "
         f"embedlens vocab {a_name} --against {b_name} lists every difference",
     )
+
+
+def _what_differs(diff: VocabDiff, a: Vocab, b_name: str) -> list[str]:
+    """What `vocab --against` found, in counts and a first example of each."""
+    out = [f"{diff.same_ids:,} of {a.size:,} ids hold the same token ({diff.other_size:,} in "
+           f"'{b_name}')"]  # fmt: skip
+    if diff.shifts:
+        s = diff.shifts[0]
+        where = f"id {s.start:,}" if s.count == 1 else f"ids {s.start:,}-{s.stop:,}"
+        out.append(f"{_tokens(diff.shifted)} have other ids there ({where} moved by {s.by:+,})")
+    if diff.renamed_examples:
+        r = diff.renamed_examples[0]
+        out.append(
+            f"{diff.renamed:,} id{'s' * (diff.renamed != 1)} hold other tokens (id {r.id:,}: "
+            f"'{r.token}' here, "
+            f"'{r.other_token}' there)"
+        )
+    if diff.added:
+        out.append(f"{_tokens(diff.added)} only in '{b_name}'")
+    return out
+
+
+def _tokens(n: int) -> str:
+    return f"{n:,} token" if n == 1 else f"{n:,} tokens"
 
 
 def _token_map(vocab: Vocab | dict[str, int]) -> dict[str, int]:
