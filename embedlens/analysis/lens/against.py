@@ -30,7 +30,7 @@ from embedlens.analysis.lens import many
 from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import Check, Opened, ready
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
-from embedlens.analysis.lens.pair import PairStats
+from embedlens.analysis.lens.pair import PairStats, compare
 from embedlens.analysis.lens.pair_report import pair_report, pair_summary
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
 from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, prepare
@@ -72,7 +72,8 @@ def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
         assert rb.kept is not None
         ra = run_one(oa, ask, run, keep=True, other=rb.kept.residual)
         report = one_report(oa, ask, run, ra)
-        return pair_report(report, ra, rb, named.name, pair.threshold, oa.tokenizer, named.notes)
+        diffs = compare(ra, rb, run.index)
+        return pair_report(report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes)
 
 
 def lens_pair_prompts(
@@ -203,12 +204,12 @@ class _PairRun:
         others = [_residual(out.result) for out in outs_b]
         outs_a = self.run.run_window(window, others)
         for (line, (ask, prompt, _)), out_a, out_b in zip(window, outs_a, outs_b, strict=True):
-            self.stats.add(out_a.result, out_b.result)
+            diffs = self.stats.add(out_a.result, out_b.result, prompt.index)
             if self.each is not None:
                 report = self.run.report(ask, prompt, out_a)
                 named, tok = self.named, self.opened.tokenizer
-                pair = pair_report(report, out_a.result, out_b.result, named.name,
-                                   self.threshold, tok, named.notes)  # fmt: skip
+                pair = pair_report(report, diffs, out_b.result, named.name, self.threshold, tok,
+                                   named.notes)  # fmt: skip
                 self.each(pair, line)
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:

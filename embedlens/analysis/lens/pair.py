@@ -34,16 +34,23 @@ class LayerDiff:
 
 
 def kl_rows(p: torch.Tensor, q: torch.Tensor) -> list[float]:
-    """KL(softmax p ‖ softmax q) of each pair of rows of logits [n, V], in nats (float64)."""
+    """KL(softmax p ‖ softmax q) of each pair of rows of logits [n, V], in nats (float64); q is
+    moved to p's device (two models may sit on different devices)."""
     with one_thread():
         lp = torch.log_softmax(p.double(), dim=-1)
-        lq = torch.log_softmax(q.double(), dim=-1)
+        lq = torch.log_softmax(q.to(p.device).double(), dim=-1)
         terms = torch.where(torch.isneginf(lp), 0.0, lp.exp() * (lp - lq))  # 0 log 0 = 0
         return terms.sum(dim=-1).clamp_min(0.0).tolist()
 
 
 def compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
-    """Every layer of A's result against B's at one position both read."""
+    """Every layer of A's result against B's at one position both read (on one thread: copying
+    a few rows is too little work to share, and each parallel step waits for a busy core)."""
+    with one_thread():
+        return _compare(a, b, position)
+
+
+def _compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
     if a.kept is None or b.kept is None or a.output is None or b.output is None:
         raise ValueError("compare needs both results run with keep=True")
     if a.vocab_size != b.vocab_size:
@@ -97,11 +104,16 @@ class PairStats:
     layers: dict[int, _Sums] = field(default_factory=dict)
     n_against_unfaithful: int = 0
 
-    def add(self, a: LensResult, b: LensResult) -> None:
-        """One prompt's results, compared at every position both read."""
+    def add(self, a: LensResult, b: LensResult, read: int) -> list[LayerDiff]:
+        """One prompt's results, compared at every position both read; the comparison at the
+        position `read` (its report's)."""
         self.n_against_unfaithful += int(not b.check.ok)
+        shown: list[LayerDiff] = []
         for position in a.positions:
-            for d in compare(a, b, position):
+            diffs = compare(a, b, position)
+            if position == read:
+                shown = diffs
+            for d in diffs:
                 acc = self.layers.setdefault(d.layer, _Sums())
                 acc.n += 1
                 acc.kl += d.kl
@@ -110,6 +122,7 @@ class PairStats:
                 if d.target_logprob_delta is not None:
                     acc.n_target += 1
                     acc.delta += d.target_logprob_delta
+        return shown
 
     def means(self) -> list[tuple[int, float, float, float, float | None]]:
         """(layer, mean kl, mean residual_kl, top-1 agreement, mean target delta) per layer."""

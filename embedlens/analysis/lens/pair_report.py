@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from embedlens.analysis.lens.pair import PairStats, compare, first_above
+from embedlens.analysis.lens.pair import LayerDiff, PairStats, first_above
 from embedlens.analysis.lens.prompt import token_text
 from embedlens.reports.lens import LensCheck, LensReport, LensSummaryReport, Prediction
 from embedlens.reports.lens_diff import (
@@ -23,15 +23,15 @@ if TYPE_CHECKING:
 
 def pair_report(
     report: LensReport,
-    a: LensResult,
+    diffs: list[LayerDiff],
     b: LensResult,
     against: str,
     threshold: float,
     tokenizer: Any,
     notes: list[str],
 ) -> LensPairReport:
-    """A's report with, in `diff`, B against it at the position the report reads; `notes` (B's)
-    follow A's."""
+    """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
+    `pair.compare`; `b`: B's result); `notes` (B's) follow A's."""
     cache: dict[int, str] = {}
 
     def tok(i: int) -> str:
@@ -39,7 +39,6 @@ def pair_report(
             cache[i] = token_text(tokenizer, i)
         return cache[i]
 
-    diffs = compare(a, b, report.position_index)
     layers = [
         LensDiffLayer(
             layer=d.layer,
