@@ -156,6 +156,11 @@ def vocab_from_file(path: Path) -> Vocab:
     return _wrap(tok, "tokenizer.json", unk=_unk_token(tok))
 
 
+def vocab_from_tokenizer(tok: Tokenizer, origin: str) -> Vocab:
+    """A `tokenizers` Tokenizer already built (a transformers tokenizer's backend)."""
+    return _wrap(tok, origin, unk=_unk_token(tok))
+
+
 @dataclass(frozen=True)
 class GGUFTokenizer:
     """The tokenizer arrays of a GGUF file's metadata, checked for type and encoding."""

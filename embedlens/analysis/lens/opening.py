@@ -8,6 +8,7 @@ re-typed, in eval mode for the run and every module's training flag restored aft
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,31 @@ class Opened:
     """Notes on loading (after the prompt's own notes)."""
     after: list[str]
     """Notes on the model's code (after the run's notes)."""
+
+
+@contextmanager
+def ready(
+    model: object,
+    tokenizer: Any,
+    loading: Load | dict[str, bool],
+    check: Check[T],
+    own_template: bool = False,
+    target: str | None = None,
+) -> Iterator[tuple[Opened, T]]:
+    """The model ready for the run (loaded from its files, or as the caller loaded it), with
+    what `check` returned before any weight was read; `loading`: a `Load` for a model named by
+    its files, else the loading options given for a loaded one (refused). `own_template` and
+    `target`: as `from_files` takes them."""
+    if isinstance(loading, Load):
+        assert isinstance(model, (str, os.PathLike))
+        name = os.fspath(model)
+        with from_files(
+            name, loading, tokenizer, check, own_template=own_template, target=target
+        ) as opened:
+            yield opened
+    else:
+        with from_loaded(model, tokenizer, loading, check) as opened:
+            yield opened
 
 
 @contextmanager

@@ -65,7 +65,7 @@ def prompt_ids(
         ids = list(tokenizer(prompt)["input_ids"])
         text = prompt
     else:
-        context = _context(config)
+        context = context_length(config)
         text = _render_chat(tokenizer, chat, switches, template, context, chat_template) + prompt
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
@@ -221,7 +221,7 @@ def _text_config(config: PretrainedConfig | None) -> object:
     return get() if callable(get) else config
 
 
-def _context(config: PretrainedConfig | None) -> int | None:
+def context_length(config: PretrainedConfig | None) -> int | None:
     """The model's context length in tokens, if its config gives one."""
     context = getattr(_text_config(config), "max_position_embeddings", None)
     return context if isinstance(context, int) else None
@@ -231,7 +231,7 @@ def check_fits(
     config: PretrainedConfig | None, ids: list[int], items: list[LayerItem] | None
 ) -> None:
     """The prompt fits the model's context, and the layers asked for exist."""
-    context = _context(config)
+    context = context_length(config)
     if context is not None and len(ids) > context:
         raise UsageError(
             f"the prompt is {len(ids)} tokens, longer than the model's context ({context})"
