@@ -20,6 +20,7 @@ def load_views() -> None:
         neighbors,
         params,
         tied,
+        tune,
         vocab,
     )
 

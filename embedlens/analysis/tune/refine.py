@@ -1,0 +1,163 @@
+"""The refinement: every translator trained to minimise KL(model's output ‖ translated lens),
+with tuned-lens's recipe.
+
+tuned-lens's `train_loop` and `ingredients.Optimizer`: SGD with Nesterov momentum 0.9 and a
+learning rate of lr × (1 - momentum) (PyTorch's momentum scales steps by 1 / (1 - momentum), so
+lr 1 is a step of one gradient), weight decay 1e-3 on W and b (which, as the translator is added
+to h, pulls it toward the identity), the learning rate decayed linearly to 0 over the steps, the
+gradient of all translators clipped to norm 1 before each step. The loss of a step is the sum
+over layers of the mean KL over its rows; each layer's backward pass runs on its own, so one
+layer's graph (rows x vocabulary) is held at a time. Rows are drawn in a seeded order: the same
+data and seed give the same translators.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from embedlens.analysis.lens.blocks import Blocks, input_device
+from embedlens.analysis.lens.capture import capture
+from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.tuned import Translators
+from embedlens.analysis.tune.data import Sequences
+from embedlens.errors import NumericError
+
+StepFn = Callable[[int, int, list[float]], None]
+"""Called after each step with (step, steps, the step's KL per layer)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """tuned-lens's optimiser settings (`ingredients.Optimizer`), with the steps to take."""
+
+    rows: int
+    """Rows (tokens) the refinement reads in all."""
+    steps: int
+    lr: float = 1.0
+    """tuned-lens's `lr_scale`: SGD's learning rate is lr × (1 - momentum)."""
+    momentum: float = 0.9
+    weight_decay: float = 1e-3
+    clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows of the residual stream at layers 0..L-1, and the model's log-probabilities there."""
+
+    residual: list[torch.Tensor]
+    target: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+    def take(self, n: int) -> tuple[_Rows, _Rows]:
+        """The first n rows, and the rest."""
+        head = _Rows([r[:n] for r in self.residual], self.target[:n])
+        return head, _Rows([r[n:] for r in self.residual], self.target[n:])
+
+    def join(self, other: _Rows) -> _Rows:
+        if len(self) == 0:
+            return other
+        residual = [torch.cat([a, b]) for a, b in zip(self.residual, other.residual, strict=True)]
+        return _Rows(residual, torch.cat([self.target, other.target]))
+
+
+def refine(
+    model: nn.Module,
+    blocks: Blocks,
+    own: ModelDecoder,
+    start: Translators,
+    data: Sequences,
+    recipe: Recipe,
+    seed: int,
+    on_step: StepFn | None = None,
+) -> Translators:
+    """The translators after `recipe.steps` steps over `recipe.rows` rows of `data`, from
+    `start`."""
+    device = input_device(model)
+    weight = nn.Parameter(start.weight.clone().to(device))
+    bias = nn.Parameter(start.bias.clone().to(device))
+    m = recipe.momentum
+    opt = torch.optim.SGD(
+        [weight, bias],
+        lr=recipe.lr * (1 - m),
+        momentum=m,
+        nesterov=True,
+        weight_decay=recipe.weight_decay,
+    )
+    steps = recipe.steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / steps))
+    sizes = [recipe.rows * (k + 1) // steps - recipe.rows * k // steps for k in range(steps)]
+    for step, rows in enumerate(_batches(model, blocks, data, sizes, seed), 1):
+        kls = _step(own, weight, bias, rows)
+        if not all(math.isfinite(k) for k in kls):
+            raise NumericError(
+                f"the refinement diverged at step {step} (the KL is not finite)",
+                hint="try a smaller --lr, or --method affine",
+            )
+        nn.utils.clip_grad_norm_([weight, bias], recipe.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        schedule.step()
+        if on_step is not None:
+            on_step(step, steps, kls)
+    return Translators(weight.detach().float().cpu(), bias.detach().float().cpu())
+
+
+def _step(own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Rows) -> list[float]:
+    """Every layer's KL on the rows, its gradient added to the translators' (one layer's graph
+    at a time)."""
+    target = rows.target
+    p = target.exp()
+    kls = []
+    for layer, h in enumerate(rows.residual):
+        x = h.float()
+        translated = x + torch.addmm(bias[layer], x, weight[layer].T)
+        lq = torch.log_softmax(own.logits(translated.to(h.dtype)).float(), dim=-1)
+        loss = (p * (target - lq)).sum(-1).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        kls.append(float(loss.detach()))
+    return kls
+
+
+def _batches(
+    model: nn.Module, blocks: Blocks, data: Sequences, sizes: list[int], seed: int
+) -> Iterator[_Rows]:
+    """Batches of rows of the given sizes, each sequence's rows in a seeded order (a batch may
+    take rows from two sequences); only the sequences needed are run."""
+    n_layers = len(blocks.modules)
+    generator = torch.Generator().manual_seed(seed)
+    pending: _Rows | None = None
+    wanted = iter(sizes)
+    size = next(wanted, None)
+    for ids in data.ids:
+        if size is None:
+            return
+        rows = _sequence_rows(model, blocks, ids, n_layers, generator)
+        pending = rows if pending is None else pending.join(rows)
+        while size is not None and len(pending) >= size:
+            batch, pending = pending.take(size)
+            yield batch
+            size = next(wanted, None)
+    if size is not None and pending is not None and len(pending) > 0:
+        yield pending
+
+
+def _sequence_rows(
+    model: nn.Module, blocks: Blocks, ids: list[int], n_layers: int, generator: torch.Generator
+) -> _Rows:
+    """One sequence's residual rows (layers 0..L-1) and the model's log-probabilities, in a
+    seeded order."""
+    with torch.inference_mode():
+        cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
+        assert cap.logits is not None
+        order = torch.randperm(len(ids), generator=generator)
+        target = torch.log_softmax(cap.logits, dim=-1)[order.to(cap.logits.device)]
+        residual = [cap.residual[i][order.to(cap.residual[i].device)] for i in range(n_layers)]
+    # tensors made in inference mode cannot enter autograd: plain copies of them
+    return _Rows([r.clone() for r in residual], target.clone())
