@@ -22,6 +22,7 @@ from embedlens.cli._options import (
     common,
 )
 from embedlens.cli._output import emit, note, progress, warn
+from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
     from embedlens.reports.lens import LensReport
@@ -72,6 +73,23 @@ SkipBadOpt = Annotated[
     bool,
     typer.Option(
         "--skip-bad", help="With --prompts: skip (and count) bad lines instead of stopping."
+    ),
+]
+
+TunedOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tuned",
+        metavar="DIR",
+        help="Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
+        "folder, or one tuned-lens saved), then the model's own decoder.",
+    ),
+]
+CompareLogitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compare-logit",
+        help="With --prompts and --tuned: the logit lens's KL and top-1 beside the tuned lens's.",
     ),
 ]
 
@@ -191,6 +209,8 @@ def lens(
     prompts: PromptsOpt = None,
     each: EachOpt = False,
     skip_bad: SkipBadOpt = False,
+    tuned: TunedOpt = None,
+    compare_logit: CompareLogitOpt = False,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -205,10 +225,14 @@ def lens(
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
                 device_map=device_map,
                 max_memory=max_memory, offload_folder=offload_folder, revision=revision,
-                dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # fmt: skip
+                dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           options={**opts, "skip_bad": skip_bad})  # fmt: skip
+                           options={**opts, "skip_bad": skip_bad,
+                                    "compare_logit": compare_logit})  # fmt: skip
+    if compare_logit:
+        raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensReport, Prediction
-from embedlens.views.format import prob, quoted, shown
+from embedlens.views.format import lens_name, prob, quoted, shown
 
 NEXT_SHOWN = 100
 """Predictions after the top-1 that a table row shows; the rest are counted."""
@@ -28,7 +28,8 @@ def render(r: LensReport) -> RenderableType:
     parts.append(tokens)
     read = r.tokens[r.position_index].token
     title = (
-        f"Logit lens of {r.display_model} after '{read}' (position {r.position_index}, {r.dtype})"
+        f"{lens_name(r)} of {r.display_model} after '{read}' (position {r.position_index}, "
+        f"{r.dtype})"
     )
     table = Table(title=shown(title, "table.title"))
     table.add_column("layer", justify="right")
@@ -56,6 +57,16 @@ def render(r: LensReport) -> RenderableType:
     if r.grid is not None:
         parts.append(_render_grid(r))
     parts.append(_render_check(r))
+    tuned = getattr(r, "tuned", None)
+    if tuned is not None:
+        parts.append(
+            shown(
+                f"Layers 0-{r.num_layers - 1} are read through the tuned lens in '{tuned.path}' "
+                f"(made by {tuned.made_by}): its translator, then the same decode; layer "
+                f"{r.num_layers} is the model's own output.",
+                style="dim",
+            )
+        )
     return Group(*parts)
 
 

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from embedlens.analysis.lens.opening import Check, Opened
+    from embedlens.analysis.tune.folder import LensFolder
+    from embedlens.analysis.tune.use import Through
     from embedlens.model.prompts import PromptSource
     from embedlens.reports.lens import LensReport, LensSummaryReport
 
@@ -68,6 +70,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
     each: EachFn | None = None,
     skip_bad: bool = False,
+    tuned: str | os.PathLike[str] | None = None,
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -82,6 +85,8 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
         one): a str is the template's Jinja text, a Path (any os.PathLike) a file holding it.
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
+    tuned: a lens folder (`tune`'s, or one tuned-lens saved): every layer but the last is read
+        through its translator, then the model's own decoder; a lens for another model is refused.
 
     Many prompts: `lens_prompts`. `lens(model, prompts=...)` (with `each`, `skip_bad`) still
     calls it, with a DeprecationWarning, and goes in a later release.
@@ -93,15 +98,17 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
             no_thinking=no_thinking, template_args=template_args, chat_template=chat_template,
             each=each, skip_bad=skip_bad, device_map=device_map, max_memory=max_memory,
             offload_folder=offload_folder, revision=revision, dtype=dtype, device=device,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=trust_remote_code, tuned=tuned,
         )  # fmt: skip
         return _deprecated_many(model, prompt, prompts, many_options)
     ask = options.ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args,
                       grid, chat_template)  # fmt: skip
+    lens_dir = _tuned_folder(tuned)
     loading = _loading(model, revision, dtype, device, device_map, max_memory, offload_folder,
                        trust_remote_code)  # fmt: skip
-    with _opened(model, tokenizer, loading, functools.partial(prepare, ask)) as (opened, run):
-        return _one(opened, ask, run)
+    check = _checked_with(lens_dir, functools.partial(prepare, ask))
+    with _opened(model, tokenizer, loading, check) as (opened, run):
+        return _one(opened, ask, run, _ready(lens_dir, opened))
 
 
 def lens_prompts(
@@ -124,6 +131,8 @@ def lens_prompts(
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    tuned: str | os.PathLike[str] | None = None,
+    compare_logit: bool = False,
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -134,6 +143,8 @@ def lens_prompts(
     each: called as `each(report, line)` with each prompt's `LensReport` (what `lens` returns
         for it) as it comes.
     skip_bad: skip (and count) bad prompts instead of stopping at the first.
+    compare_logit: with `tuned`, the logit lens's statistics over the same prompts too (the
+        summary's `logit_layers`); the prompts run through both lenses.
     The other options are `lens`'s.
     """
     from embedlens.analysis.lens import many
@@ -141,17 +152,25 @@ def lens_prompts(
 
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
+    if compare_logit and tuned is None:
+        raise UsageError(
+            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
+        )
+    lens_dir = _tuned_folder(tuned)
     source = PromptSource.of(prompts)
     loading = _loading(model, revision, dtype, device, device_map, max_memory, offload_folder,
                        trust_remote_code)  # fmt: skip
     if isinstance(loading, options.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
 
-    def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
+    def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
 
+    check = _checked_with(lens_dir, check_lines)
     with _opened(model, tokenizer, loading, check) as (opened, (n_bad, bad)):
-        return many.ManyRun(opened, ask, each).all(source, n_bad, bad)
+        through = _ready(lens_dir, opened)
+        run = many.ManyRun(opened, ask, each, through, compare_logit=compare_logit)
+        return run.all(source, n_bad, bad)
 
 
 def _deprecated_many(
@@ -173,13 +192,51 @@ def _deprecated_many(
     return lens_prompts(model, prompts, **many_options)
 
 
-def _one(opened: Opened, ask: options.Ask, run: Prompt) -> LensReport:
-    """One prompt through the engine, and its report."""
+def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:
+    """The lens folder given, checked without torch (None without one)."""
+    if tuned is None:
+        return None
+    from embedlens.analysis.tune.use import open_tuned
+
+    return open_tuned(tuned)
+
+
+def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
+    """`check`, after the tuned lens's size is checked against the model's config."""
+    if lens_dir is None:
+        return check
+
+    def both(tok: Any, config: Any, template: str) -> T:
+        from embedlens.analysis.tune.use import before_load
+
+        before_load(lens_dir, config)
+        return check(tok, config, template)
+
+    return both
+
+
+def _ready(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
+    """The tuned lens checked against the loaded model, as a decoder maker (None without one)."""
+    if lens_dir is None:
+        return None
+    from embedlens.analysis.tune.use import ready
+
+    return ready(lens_dir, opened.model, opened.tokenizer)
+
+
+def _one(
+    opened: Opened, ask: options.Ask, run: Prompt, through: Through | None = None
+) -> LensReport:
+    """One prompt through the engine (and the tuned lens, when given), and its report."""
     from embedlens.analysis.lens.blocks import find_blocks
+    from embedlens.analysis.lens.decoder import ModelDecoder
     from embedlens.analysis.lens.engine import run_lens
     from embedlens.analysis.lens.report import lens_report
 
     model = opened.model
+    decoder = None
+    if through is not None:
+        decoder = through[0](ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0]))
     result = run_lens(
         model,
         run.ids,
@@ -189,9 +246,15 @@ def _one(opened: Opened, ask: options.Ask, run: Prompt) -> LensReport:
         real_vocab=len(opened.tokenizer),
         target=run.target_id,
         full_at=[run.index],
+        decoder=decoder,
     )
     around = (opened.before, opened.after)
-    return lens_report(opened.name, opened.tokenizer, model, result, ask, run, around)
+    report = lens_report(opened.name, opened.tokenizer, model, result, ask, run, around)
+    if through is None:
+        return report
+    from embedlens.reports.tune import tuned_report
+
+    return tuned_report(report, through[1])
 
 
 def _loading(

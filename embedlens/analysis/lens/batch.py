@@ -9,7 +9,7 @@ run again on its own (`run_lens`), which retries with the full tail and names th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,8 +84,17 @@ class BatchLens:
     busy as torch would use (`cpu_busy.OthersBusy`, asked only for large work), and for small
     work (`threads.threads_for`)."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[int], k: int, real_vocab: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[int],
+        k: int,
+        real_vocab: int,
+        wrap: Callable[[Decoder], Decoder] | None = None,
+    ) -> None:
+        """`wrap`: builds the decoder on the model's own (a tuned lens); None: the model's."""
         self.model = model
+        self.wrap = wrap
         self.blocks = find_blocks(model)
         self.n_layers = len(self.blocks.modules)
         self.layers = sorted(set(layers))
@@ -127,6 +136,7 @@ class BatchLens:
             real_vocab=self.real_vocab,
             target=item.target,
             full_at=None if item.read is None else [item.read],
+            decoder=None if self.wrap is None else self._new_decoder(item.ids[0]),
         )
         with torch.inference_mode():
             decoded = self._decode([item])
@@ -144,13 +154,18 @@ class BatchLens:
         if not bool(torch.isfinite(real).all()):
             return None
         if self.decoder is None:
-            self.decoder = ModelDecoder(model, self.blocks, dummy_id=items[0].ids[0])
+            self.decoder = self._new_decoder(items[0].ids[0])
         decoder = self.decoder
         device = input_device(model)
         job = _Decode(self, items, real)
         job.run(decoder, cap.residual, device)
         steps = decoder.steps(cap.residual[self.n_layers][0].to(device), job.tol)
         return [job.result(b, steps, decoder.full) for b in range(len(items))]
+
+    def _new_decoder(self, dummy_id: int) -> Decoder:
+        """The model's own decoder, or the one `wrap` builds on it."""
+        own = ModelDecoder(self.model, self.blocks, dummy_id=dummy_id)
+        return own if self.wrap is None else self.wrap(own)
 
 
 class _Decode:
