@@ -229,23 +229,50 @@ def test_lens_prompts_through_a_tuned_lens_beside_the_logit_lens(tiny, cli, tmp_
 
 
 def test_the_same_data_and_seed_give_the_same_lens(tiny, tmp_path):
-    """Byte for byte; another seed gives another refinement; the folder reads back as written."""
+    """Byte for byte, and the folder reads back as the translators the run fitted."""
     from embedlens import tune
+    from embedlens.analysis.tune import run
     from embedlens.analysis.tune.folder import load_translators, open_folder
+
+    fitted: list[Any] = []
+    evaluate = run.Tuning.evaluate
+
+    def keep(self: Any, translators: Any, data: Any) -> Any:
+        fitted.append(translators)
+        return evaluate(self, translators, data)
 
     folder = tiny("llama-tied")
     data = words_file(tmp_path / "w.txt")
     args = {"tokens": 768, "eval_tokens": 128, "refine_tokens": 256, "steps": 4}
-    first = tune(folder, data, tmp_path / "a", **args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run.Tuning, "evaluate", keep)
+        first = tune(folder, data, tmp_path / "a", **args)
     tune(folder, data, tmp_path / "b", **args)
-    tune(folder, data, tmp_path / "c", seed=1, **args)
     for name in ("params.safetensors", "config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    a = load_translators(open_folder(tmp_path / "a"))
-    c = load_translators(open_folder(tmp_path / "c"))
-    assert not torch.equal(a.weight, c.weight)
-    assert a.num_layers == first.num_layers == 3 and a.width == first.hidden_size == 32
+    back = load_translators(open_folder(tmp_path / "a"))
+    assert torch.equal(back.weight, fitted[0].weight) and torch.equal(back.bias, fitted[0].bias)
+    assert back.num_layers == first.num_layers == 3 and back.width == first.hidden_size == 32
     assert first.out == str(tmp_path / "a") and first.method == "kl"
+
+
+def test_the_refinement_follows_its_seed(tiny, tmp_path):
+    """The same seed, the same steps to the bit; another seed, another order of rows."""
+    from embedlens.analysis.tune.api import plan
+    from embedlens.analysis.tune.options import ask
+    from embedlens.analysis.tune.refine import Recipe
+    from embedlens.analysis.tune.run import Tuning
+
+    model, tokenizer = _load(tiny("llama-tied"))
+    asked = ask(words_file(tmp_path / "w.txt"), tmp_path / "out", None, None, 512, 128,
+                (256, 4, None), "kl", 0)  # fmt: skip
+    the_plan = plan(asked, tokenizer, model.config)
+    run = Tuning(model)
+    start = run.fit(the_plan.fit)
+    recipe = Recipe(rows=256, steps=4)
+    a, b, c = (run._refined(start, the_plan.refine, recipe, seed) for seed in (0, 0, 1))
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    assert not torch.equal(a.weight, c.weight) and not torch.equal(a.weight, start.weight)
 
 
 def test_affine_is_the_least_squares_map_to_the_last_layer(tiny, tmp_path):

@@ -88,7 +88,7 @@ StepsOpt = Annotated[
 LrOpt = Annotated[
     float | None,
     typer.Option(
-        "--lr", help="Refinement learning rate, as tuned-lens's lr scale (1.0 by default)."
+        "--lr", help="Refinement learning rate, as tuned-lens's lr scale (0.3 by default)."
     ),
 ]
 MethodOpt = Annotated[

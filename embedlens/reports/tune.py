@@ -49,6 +49,9 @@ class TuneReport(Report):
     steps: int
     lr: float
     seed: int
+    refined_layers: list[int] | None
+    """The layers whose refined translator was kept: it lowered the KL on a fitted sequence the
+    refinement did not read (the others keep the least-squares one); None with 'affine'."""
     eval: str
     """The held-out text: a file, or the data's tail after the tokens fitted."""
     eval_tokens: int

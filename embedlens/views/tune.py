@@ -37,11 +37,14 @@ def render(r: TuneReport) -> RenderableType:
             end_section=row.layer == r.num_layers - 1,
         )
     how = "least squares, then the KL refinement" if r.method == "kl" else "least squares"
-    refined = (
-        f", refined on {r.refine_tokens:,} of them in {r.steps:,} steps (lr {r.lr:g})"
-        if r.method == "kl"
-        else ""
-    )
+    refined = ""
+    if r.refined_layers is not None:
+        kept = _ranges(r.refined_layers) or "none"
+        refined = (
+            f", refined on {r.refine_tokens:,} of them in {r.steps:,} steps (lr {r.lr:g}; the "
+            f"refined translator kept where it did better on a fitted sequence it did not read: "
+            f"layers {kept})"
+        )
     line = (
         f"KL(model's output ‖ lens) and the next token's cross-entropy (CE) in nats per token; "
         f"bpb: the KL in bits per byte of the held-out text ({r.eval}). Fitted by {how} on "
@@ -49,6 +52,17 @@ def render(r: TuneReport) -> RenderableType:
         f"written to {r.out}."
     )
     return Group(table, shown(line, style="dim"))
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 register_view(TuneReport, render)

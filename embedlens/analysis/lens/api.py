@@ -85,11 +85,9 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
         one): a str is the template's Jinja text, a Path (any os.PathLike) a file holding it.
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
-    tuned: a lens folder (`tune`'s, or one tuned-lens saved): every layer but the last is read
-        through its translator, then the model's own decoder; a lens for another model is refused.
+    tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
 
-    Many prompts: `lens_prompts`. `lens(model, prompts=...)` (with `each`, `skip_bad`) still
-    calls it, with a DeprecationWarning, and goes in a later release.
+    Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated: it goes soon).
     """
     if prompts is not None or prompt is None:
         options.one_prompt_only(target, chat, grid)
@@ -103,10 +101,9 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
         return _deprecated_many(model, prompt, prompts, many_options)
     ask = options.ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args,
                       grid, chat_template)  # fmt: skip
-    lens_dir = _tuned_folder(tuned)
     loading = _loading(model, revision, dtype, device, device_map, max_memory, offload_folder,
                        trust_remote_code)  # fmt: skip
-    check = _checked_with(lens_dir, functools.partial(prepare, ask))
+    check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(prepare, ask))
     with _opened(model, tokenizer, loading, check) as (opened, run):
         return _one(opened, ask, run, _ready(lens_dir, opened))
 

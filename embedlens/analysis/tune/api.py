@@ -37,6 +37,9 @@ class Plan:
     seq_len: int
     fit: Sequences
     refine: Sequences
+    check: Sequences
+    """A fitted sequence the refinement does not read, to keep each refined translator only
+    where it does better than its start."""
     held_out: Sequences
     notes: list[str]
 
@@ -113,7 +116,8 @@ def plan(ask: options.TuneAsk, tokenizer: Any, config: Any) -> Plan:
         held_out = read_sequences(ask.eval, tokenize, sep, seq_len, n_eval, "--eval")
         for what, got, want in (("--data", fit, n_fit), ("--eval", held_out, n_eval)):
             _enough(what, got, want, seq_len, notes)
-    return Plan(seq_len, fit, _refine_share(fit, ask), held_out, notes)
+    refine, check = _refine_share(fit, ask)
+    return Plan(seq_len, fit, refine, check, held_out, notes)
 
 
 def _context(config: Any) -> int | None:
@@ -156,17 +160,20 @@ def _enough(what: str, got: Sequences, want: int, seq_len: int, notes: list[str]
         notes.append(f"{what} holds only {got.tokens:,} tokens (in sequences of {seq_len:,})")
 
 
-def _refine_share(fit: Sequences, ask: options.TuneAsk) -> Sequences:
-    """The sequences the refinement reads: a seeded choice among those fitted."""
+def _refine_share(fit: Sequences, ask: options.TuneAsk) -> tuple[Sequences, Sequences]:
+    """The sequences the refinement reads (a seeded choice among those fitted), and the one it
+    checks its translators on: the next in that order (with a single sequence, that one)."""
     if ask.refine_tokens == 0:
-        return fit.part(0, 0)
+        return fit.part(0, 0), fit.part(0, 0)
     order = list(range(len(fit)))
     random.Random(ask.seed).shuffle(order)
     count = min(len(fit), -(-ask.refine_tokens // fit.seq_len))
-    chosen = Sequences(fit.seq_len)
+    chosen, check = Sequences(fit.seq_len), Sequences(fit.seq_len)
     for i in order[:count]:
         chosen.add(fit.ids[i], fit.text_tokens[i], fit.text_bytes[i])
-    return chosen
+    i = order[count] if count < len(order) else order[-1]
+    check.add(fit.ids[i], fit.text_tokens[i], fit.text_bytes[i])
+    return chosen, check
 
 
 def _run(opened: Opened, ask: options.TuneAsk, the_plan: Plan, progress: Progress | None) -> Fitted:
@@ -176,12 +183,14 @@ def _run(opened: Opened, ask: options.TuneAsk, the_plan: Plan, progress: Progres
 
     run = Tuning(opened.model, progress)
     translators = run.fit(the_plan.fit)
+    refined = None
     if ask.method == "kl":
         rows = min(ask.refine_tokens, the_plan.refine.tokens)
         recipe = Recipe(rows=rows, steps=min(ask.steps, rows), lr=ask.lr)
-        translators = run.refine(translators, the_plan.refine, recipe, ask.seed)
+        refined = run.refine(translators, the_plan.refine, the_plan.check, recipe, ask.seed)
+        translators = refined.translators
     layers = run.evaluate(translators, the_plan.held_out)
-    return Fitted(translators, layers, run.vocab_rows)
+    return Fitted(translators, layers, run.vocab_rows, refined)
 
 
 def _write(
@@ -208,6 +217,7 @@ def _write(
         fit_tokens=the_plan.fit.tokens,
         refine_tokens=ours["refine_tokens"],
         steps=ours["steps"],
+        refined_layers=None if fitted.refined is None else fitted.refined.refined_layers,
         lr=ask.lr,
         seed=ask.seed,
         eval=str(ask.eval) if ask.eval is not None else f"the tail of {ask.data}",
@@ -226,7 +236,6 @@ def _recorded(
 ) -> dict[str, Any]:
     """config.json's `embedlens` object: what refuses the lens on another model, how it was
     tuned."""
-    from embedlens import __version__
     from embedlens.analysis.lens.report import dtype_name
     from embedlens.analysis.tune import match
     from embedlens.analysis.tune.fit import RIDGE
@@ -237,7 +246,6 @@ def _recorded(
     recipe = Recipe(rows=refine_tokens, steps=min(ask.steps, refine_tokens), lr=ask.lr)
     return {
         "format": FORMAT_VERSION,
-        "version": __version__,
         "hidden_size": t.width,
         "num_layers": t.num_layers,
         "vocab_rows": fitted.vocab_rows,
@@ -252,6 +260,7 @@ def _recorded(
         "ridge": RIDGE,
         "refine_tokens": refine_tokens,
         "steps": recipe.steps,
+        "refined_layers": None if fitted.refined is None else fitted.refined.refined_layers,
         "lr": ask.lr,
         "seed": ask.seed,
         "optimizer": {

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,16 +25,91 @@ from embedlens.analysis.lens.tuned import TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.reports.tune import TuneLayer
 
+Threads = Callable[[int], AbstractContextManager[None]]
+"""The CPU threads for work on n tokens (a context manager)."""
 CHUNK = 128
 """Rows decoded at once (float32 logits of CHUNK x V, a few copies)."""
 
 
 @dataclass
 class _Sums:
-    """Per lens: the sum of KL over positions and of cross-entropy over next tokens, per layer."""
+    """Per layer: the sum of KL over positions and of cross-entropy over next tokens."""
 
-    kl: list[float] = field(default_factory=list)
-    ce: list[float] = field(default_factory=list)
+    kl: list[float]
+    ce: list[float]
+
+    @classmethod
+    def zeros(cls, n_layers: int) -> _Sums:
+        return cls([0.0] * n_layers, [0.0] * n_layers)
+
+
+class _Evaluation:
+    """Sums over the held-out sequences, one sequence at a time."""
+
+    def __init__(self, model: nn.Module, blocks: Blocks, own: ModelDecoder, tuned: TunedDecoder):
+        self.model, self.blocks = model, blocks
+        self.n_layers = len(blocks.modules)
+        self.lenses = ((_Sums.zeros(self.n_layers), own), (_Sums.zeros(self.n_layers), tuned))
+        self.model_ce = 0.0
+        self.n_kl = self.n_ce = 0
+
+    def add(self, ids: list[int]) -> None:
+        """One sequence: every position's KL, every next token's cross-entropy, per layer."""
+        n_layers = self.n_layers
+        cap = capture(self.model, self.blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
+        assert cap.logits is not None
+        labels = torch.tensor([*ids[1:], -1], device=cap.logits.device)
+        device = input_device(self.model)
+        for start in range(0, len(ids), CHUNK):
+            rows = slice(start, start + CHUNK)
+            real = torch.log_softmax(cap.logits[rows], dim=-1)
+            label = labels[rows]
+            self.model_ce += _ce(real, label)
+            for layer in range(n_layers):
+                h = cap.residual[layer][rows].to(device)
+                for sums, decoder in self.lenses:
+                    lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
+                    lq = lq.to(real.device)
+                    sums.kl[layer] += _total((real.exp() * (real - lq)).sum(-1))
+                    sums.ce[layer] += _ce(lq, label)
+        self.n_kl += len(ids)
+        self.n_ce += len(ids) - 1
+
+    def layers(self, to_bits: float) -> list[TuneLayer]:
+        """Layers 0..L: means per token, and in bits per byte."""
+        (logit, _), (lens, _) = self.lenses
+        kl, ce = self.n_kl, self.n_ce
+        out = [
+            _layer(layer, logit.kl[layer] / kl, lens.kl[layer] / kl, logit.ce[layer] / ce,
+                   lens.ce[layer] / ce, to_bits)
+            for layer in range(self.n_layers)
+        ]  # fmt: skip
+        model_ce = self.model_ce / ce
+        out.append(_layer(self.n_layers, 0.0, 0.0, model_ce, model_ce, to_bits))
+        return out
+
+
+def layer_kl(
+    model: nn.Module, blocks: Blocks, decoder: TunedDecoder, data: Sequences, threads: Threads
+) -> list[float]:
+    """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through `decoder`
+    (the refinement's check of each translator on rows it did not train on)."""
+    n_layers = len(blocks.modules)
+    sums, n = [0.0] * n_layers, 0
+    device = input_device(model)
+    for ids in data.ids:
+        with torch.inference_mode(), threads(len(ids)):
+            cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
+            assert cap.logits is not None
+            for start in range(0, len(ids), CHUNK):
+                rows = slice(start, start + CHUNK)
+                real = torch.log_softmax(cap.logits[rows], dim=-1)
+                for layer in range(n_layers):
+                    h = cap.residual[layer][rows].to(device)
+                    lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
+                    sums[layer] += _total((real.exp() * (real - lq.to(real.device))).sum(-1))
+        n += len(ids)
+    return [s / n for s in sums]
 
 
 def evaluate(
@@ -43,44 +119,24 @@ def evaluate(
     tuned: TunedDecoder,
     data: Sequences,
     on_sequence: Callable[[int, int], None] | None = None,
+    *,
+    threads: Threads = lambda n: nullcontext(),
 ) -> list[TuneLayer]:
-    """Every layer's figures over the held-out sequences, in float64 sums."""
-    n_layers = len(blocks.modules)
-    logit, lens = (
-        _Sums([0.0] * n_layers, [0.0] * n_layers),
-        _Sums([0.0] * n_layers, [0.0] * n_layers),
-    )
-    model_ce, n_kl, n_ce = 0.0, 0, 0
-    device = input_device(model)
-    with torch.inference_mode():
-        for s, ids in enumerate(data.ids, 1):
-            cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
-            assert cap.logits is not None
-            labels = torch.tensor([*ids[1:], -1], device=cap.logits.device)
-            for start in range(0, len(ids), CHUNK):
-                rows = slice(start, start + CHUNK)
-                real = torch.log_softmax(cap.logits[rows], dim=-1)
-                label = labels[rows]
-                model_ce += _ce(real, label)
-                for layer in range(n_layers):
-                    h = cap.residual[layer][rows].to(device)
-                    for sums, decoder in ((logit, own), (lens, tuned)):
-                        lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
-                        lq = lq.to(real.device)
-                        sums.kl[layer] += float((real.exp() * (real - lq)).sum(dtype=torch.float64))
-                        sums.ce[layer] += _ce(lq, label)
-            n_kl += len(ids)
-            n_ce += len(ids) - 1
-            if on_sequence is not None:
-                on_sequence(s, len(data))
-    to_bits = data.tokens_per_byte() / math.log(2)
-    out = [
-        _layer(layer, logit.kl[layer] / n_kl, lens.kl[layer] / n_kl, logit.ce[layer] / n_ce,
-               lens.ce[layer] / n_ce, to_bits)
-        for layer in range(n_layers)
-    ]  # fmt: skip
-    out.append(_layer(n_layers, 0.0, 0.0, model_ce / n_ce, model_ce / n_ce, to_bits))
-    return out
+    """Every layer's figures over the held-out sequences, in float64 sums (`threads`: the CPU
+    threads for work on n tokens)."""
+    run = _Evaluation(model, blocks, own, tuned)
+    for s, ids in enumerate(data.ids, 1):
+        with torch.inference_mode(), threads(len(ids)):
+            run.add(ids)
+        if on_sequence is not None:
+            on_sequence(s, len(data))
+    return run.layers(data.tokens_per_byte() / math.log(2))
+
+
+def _total(values: torch.Tensor) -> float:
+    """The sum of a few values, in float64 and in order (a tensor's sum to one value would be
+    split between threads, and its last bits depend on how many)."""
+    return math.fsum(values.double().tolist())
 
 
 def _ce(log_probs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -88,8 +144,7 @@ def _ce(log_probs: torch.Tensor, labels: torch.Tensor) -> float:
     keep = labels >= 0
     if not bool(keep.any()):
         return 0.0
-    picked = log_probs[keep].gather(1, labels[keep][:, None])
-    return -float(picked.sum(dtype=torch.float64))
+    return -_total(log_probs[keep].gather(1, labels[keep][:, None]).flatten())
 
 
 def _layer(layer: int, lkl: float, tkl: float, lce: float, tce: float, to_bits: float) -> TuneLayer:

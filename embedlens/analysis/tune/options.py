@@ -18,6 +18,12 @@ EVAL_TOKENS = 2_048
 REFINE_TOKENS = 2_048
 ROWS_PER_STEP = 128
 """The refinement's default steps: its tokens / ROWS_PER_STEP."""
+LR = 0.3
+"""The refinement's default learning rate (tuned-lens's lr scale; its default, 1.0, is for
+hundreds of steps of 2^18 tokens from the identity: from the least-squares start, with 128 rows a
+step, it overshoots the last layers, which start close to their best. On SmolLM2, 2,048 tokens in
+16 steps: mean held-out KL over layers 1.693 nats after least squares, 1.509 refined at 1.0 and
+1.502 at 0.3, where every layer but the last improved)."""
 SEQ_LEN = 512
 """The longest default sequence: longer ones cost memory (a [seq_len, V] float32 array of the
 model's logits) and add little; the model's context when it is shorter."""
@@ -103,7 +109,7 @@ def _refinement(
             "refinement reads a share of them"
         )
     n_steps = max(1, refine // ROWS_PER_STEP) if steps is None else _positive("--steps", steps)
-    rate = 1.0 if lr is None else lr
+    rate = LR if lr is None else lr
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise UsageError(f"--lr must be a positive number, not {lr!r}")
     return refine, n_steps, float(rate)

@@ -4,8 +4,8 @@ with tuned-lens's recipe.
 tuned-lens's `train_loop` and `ingredients.Optimizer`: SGD with Nesterov momentum 0.9 and a
 learning rate of lr × (1 - momentum) (PyTorch's momentum scales steps by 1 / (1 - momentum), so
 lr 1 is a step of one gradient), weight decay 1e-3 on W and b (which, as the translator is added
-to h, pulls it toward the identity), the learning rate decayed linearly to 0 over the steps, the
-gradient of all translators clipped to norm 1 before each step. The loss of a step is the sum
+to h, pulls it toward the identity), the learning rate decayed linearly to 0 over the steps,
+gradients clipped to norm 1 before each step (each translator's on its own: see `_clip`). The loss of a step is the sum
 over layers of the mean KL over its rows; each layer's backward pass runs on its own, so one
 layer's graph (rows x vocabulary) is held at a time. Rows are drawn in a seeded order: the same
 data and seed give the same translators.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,13 @@ from torch import nn
 from embedlens.analysis.lens.blocks import Blocks, input_device
 from embedlens.analysis.lens.capture import capture
 from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.threads import one_thread
 from embedlens.analysis.lens.tuned import Translators
 from embedlens.analysis.tune.data import Sequences
 from embedlens.errors import NumericError
 
+Threads = Callable[[int], AbstractContextManager[None]]
+"""The CPU threads for work on n tokens (a context manager)."""
 StepFn = Callable[[int, int, list[float]], None]
 """Called after each step with (step, steps, the step's KL per layer)."""
 
@@ -75,7 +79,9 @@ def refine(
     data: Sequences,
     recipe: Recipe,
     seed: int,
+    *,
     on_step: StepFn | None = None,
+    threads: Threads = lambda n: nullcontext(),
 ) -> Translators:
     """The translators after `recipe.steps` steps over `recipe.rows` rows of `data`, from
     `start`."""
@@ -93,20 +99,36 @@ def refine(
     steps = recipe.steps
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / steps))
     sizes = [recipe.rows * (k + 1) // steps - recipe.rows * k // steps for k in range(steps)]
-    for step, rows in enumerate(_batches(model, blocks, data, sizes, seed), 1):
-        kls = _step(own, weight, bias, rows)
+    for step, rows in enumerate(_batches(model, blocks, data, sizes, seed, threads), 1):
+        with threads(len(rows)):
+            kls = _step(own, weight, bias, rows)
         if not all(math.isfinite(k) for k in kls):
             raise NumericError(
                 f"the refinement diverged at step {step} (the KL is not finite)",
                 hint="try a smaller --lr, or --method affine",
             )
-        nn.utils.clip_grad_norm_([weight, bias], recipe.clip)
+        _clip(weight, bias, recipe.clip)
         opt.step()
         opt.zero_grad(set_to_none=False)
         schedule.step()
         if on_step is not None:
             on_step(step, steps, kls)
     return Translators(weight.detach().float().cpu(), bias.detach().float().cpu())
+
+
+def _clip(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> None:
+    """Each layer's gradient (its W and b together) scaled down to norm `limit` when above it.
+
+    tuned-lens clips all translators' gradient as one, which is right for its hundreds of steps
+    from the identity; from the least-squares start, the large gradients of a few layers would
+    set every layer's step. Norms are taken on one thread (a sum to one value would otherwise
+    depend on the number of threads in its last bits)."""
+    assert weight.grad is not None and bias.grad is not None
+    with one_thread():
+        norms = (weight.grad.double().pow(2).sum((1, 2)) + bias.grad.double().pow(2).sum(1)).sqrt()
+        scale = (limit / (norms + 1e-6)).clamp(max=1.0).to(weight.grad.dtype)
+        weight.grad.mul_(scale[:, None, None])
+        bias.grad.mul_(scale[:, None])
 
 
 def _step(own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Rows) -> list[float]:
@@ -126,7 +148,12 @@ def _step(own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Ro
 
 
 def _batches(
-    model: nn.Module, blocks: Blocks, data: Sequences, sizes: list[int], seed: int
+    model: nn.Module,
+    blocks: Blocks,
+    data: Sequences,
+    sizes: list[int],
+    seed: int,
+    threads: Threads,
 ) -> Iterator[_Rows]:
     """Batches of rows of the given sizes, each sequence's rows in a seeded order (a batch may
     take rows from two sequences); only the sequences needed are run."""
@@ -138,7 +165,8 @@ def _batches(
     for ids in data.ids:
         if size is None:
             return
-        rows = _sequence_rows(model, blocks, ids, n_layers, generator)
+        with threads(len(ids)):
+            rows = _sequence_rows(model, blocks, ids, n_layers, generator)
         pending = rows if pending is None else pending.join(rows)
         while size is not None and len(pending) >= size:
             batch, pending = pending.take(size)

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens.blocks import find_blocks, input_device
 from embedlens.analysis.lens.capture import capture
 from embedlens.analysis.lens.decoder import ModelDecoder
 from embedlens.analysis.lens.engine import tolerance
+from embedlens.analysis.lens.threads import threads_for
 from embedlens.analysis.lens.tuned import Translators, TunedDecoder
 from embedlens.analysis.tune.data import Sequences
-from embedlens.analysis.tune.evaluate import evaluate
+from embedlens.analysis.tune.evaluate import evaluate, layer_kl
 from embedlens.analysis.tune.fit import LeastSquares
 from embedlens.analysis.tune.refine import Recipe, refine
 from embedlens.errors import UnsupportedError
@@ -37,6 +39,17 @@ BANDS = 3
 
 
 @dataclass(frozen=True)
+class Refined:
+    """The refinement's outcome: the translators kept, and each layer's KL on the check rows
+    before and after it (the refined translator is kept where it is lower)."""
+
+    translators: Translators
+    refined_layers: list[int]
+    kl_before: list[float]
+    kl_after: list[float]
+
+
+@dataclass(frozen=True)
 class Fitted:
     """What the run produced: the translators, the evaluation, and facts for the lens folder."""
 
@@ -44,6 +57,8 @@ class Fitted:
     layers: list[TuneLayer]
     vocab_rows: int
     """Rows of the model's output."""
+    refined: Refined | None = None
+    """None with --method affine."""
 
 
 class Tuning:
@@ -56,12 +71,20 @@ class Tuning:
         self.progress = progress or (lambda phase, done, total, detail: None)
         self.own: ModelDecoder | None = None
         self.vocab_rows = 0
+        self.others_busy = OthersBusy()
+
+    def threads(self, n_tokens: int) -> AbstractContextManager[None]:
+        """CPU threads for work on n_tokens, as the lens chooses them (one thread for small work,
+        and for large work while other processes keep the cores busy). The figures do not depend
+        on it: matrix products and row-wise reductions give the same bits on any number of
+        threads, and sums to one value are taken on one thread."""
+        return threads_for(self.model, n_tokens, self.others_busy)
 
     def fit(self, data: Sequences) -> Translators:
         """The least-squares translators over every sequence of `data` (streamed)."""
         stats: LeastSquares | None = None
-        with torch.inference_mode():
-            for s, ids in enumerate(data.ids, 1):
+        for s, ids in enumerate(data.ids, 1):
+            with torch.inference_mode(), self.threads(len(ids)):
                 if self.own is None:
                     self._self_check(ids)
                 cap = capture(
@@ -100,8 +123,26 @@ class Tuning:
             hint="`embedlens lens MODEL PROMPT` names the suspect step",
         )
 
-    def refine(self, start: Translators, data: Sequences, recipe: Recipe, seed: int) -> Translators:
-        """The translators refined on `recipe.rows` rows of `data` (KL to the model's output)."""
+    def refine(
+        self, start: Translators, data: Sequences, check: Sequences, recipe: Recipe, seed: int
+    ) -> Refined:
+        """The translators refined on `recipe.rows` rows of `data` (KL to the model's output),
+        each layer's kept only where it beats its start on `check` (rows not trained on)."""
+        assert self.own is not None
+        before = layer_kl(self.model, self.blocks, TunedDecoder(self.own, start), check,
+                          self.threads)  # fmt: skip
+        refined = self._refined(start, data, recipe, seed)
+        after = layer_kl(self.model, self.blocks, TunedDecoder(self.own, refined), check,
+                         self.threads)  # fmt: skip
+        better = [layer for layer in range(self.n_layers) if after[layer] < before[layer]]
+        keep = torch.tensor([layer in better for layer in range(self.n_layers)])
+        weight = torch.where(keep[:, None, None], refined.weight, start.weight)
+        bias = torch.where(keep[:, None], refined.bias, start.bias)
+        return Refined(Translators(weight, bias), better, before, after)
+
+    def _refined(
+        self, start: Translators, data: Sequences, recipe: Recipe, seed: int
+    ) -> Translators:
         assert self.own is not None
         bands = _bands(self.n_layers)
 
@@ -112,7 +153,10 @@ class Tuning:
             self.progress("refining", step, steps, f"KL by layers {shown}")
 
         with _frozen(self.model):
-            return refine(self.model, self.blocks, self.own, start, data, recipe, seed, on_step)
+            return refine(
+                self.model, self.blocks, self.own, start, data, recipe, seed,
+                on_step=on_step, threads=self.threads,
+            )  # fmt: skip
 
     def evaluate(self, translators: Translators, data: Sequences) -> list[TuneLayer]:
         """Per layer, the logit lens and the tuned lens on held-out `data`."""
@@ -122,7 +166,9 @@ class Tuning:
         def on_sequence(done: int, total: int) -> None:
             self.progress("evaluating", done * data.seq_len, total * data.seq_len, "")
 
-        return evaluate(self.model, self.blocks, self.own, tuned, data, on_sequence)
+        return evaluate(
+            self.model, self.blocks, self.own, tuned, data, on_sequence, threads=self.threads
+        )
 
 
 def _bands(n_layers: int) -> list[tuple[int, int]]:
