@@ -458,3 +458,50 @@ def test_smollm2_tuned_lens_beats_the_logit_lens_at_every_layer(smollm2, cli, tm
     plain = cli.json("lens", smollm2, prompt)
     tuned = cli.json("lens", smollm2, prompt, "--tuned", out)
     assert tuned["layers"][-1] == plain["layers"][-1] and tuned["check"]["ok"]
+
+
+def test_documents_and_sequences(tmp_path):
+    """Blank lines separate documents (JSON Lines: a `text` per line); each document follows a
+    separator, the stream is cut into whole sequences, and bytes are counted for text tokens."""
+    from embedlens.analysis.tune.data import documents, read_sequences
+
+    text = tmp_path / "t.txt"
+    text.write_text("a b\nc\n\n\n  \nd e f\n\ng\n", encoding="utf-8")
+    assert [d.text for d in documents(text)] == ["a b\nc", "d e f", "g"]
+    lines = tmp_path / "t.jsonl"
+    lines.write_text('\n{"text": "a b c", "id": 1}\n\n{"text": "d"}\n', encoding="utf-8")
+    assert [(d.line, d.text) for d in documents(lines)] == [(2, "a b c"), (4, "d")]
+
+    def tokenize(doc: str) -> list[int]:
+        return [ord(w) for w in doc.split()]
+
+    seqs = read_sequences(text, tokenize, 0, 3, 10)
+    assert seqs.ids == [[0, 97, 98], [99, 0, 100], [101, 102, 0]]  # "g" is left over
+    assert seqs.text_tokens == [2, 2, 2]
+    assert seqs.text_bytes == pytest.approx([5 / 3 * 2, 5 / 3 + 5 / 3, 5 / 3 * 2])
+    assert seqs.tokens_per_byte() == pytest.approx(6 / 10)
+    assert read_sequences(text, tokenize, 0, 3, 1).ids == [[0, 97, 98]]
+
+
+def test_the_update_is_torchs_nesterov_sgd():
+    """The in-place update is torch.optim.SGD's (Nesterov, weight decay, lr x (1 - momentum)),
+    with the linear decay of the learning rate, to the bit."""
+    from embedlens.analysis.tune.refine import Recipe, _Nesterov
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(3, 4, 4)), torch.nn.Parameter(torch.randn(3, 4))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    recipe = Recipe(rows=8, steps=4, lr=0.7)
+    opt = _Nesterov(ours, recipe)
+    sgd = torch.optim.SGD(theirs, lr=0.7 * 0.1, momentum=0.9, nesterov=True,
+                          weight_decay=1e-3, foreach=False)  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1 - s / 4)
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, theirs, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step(1 - step / 4)
+        sgd.step()
+        schedule.step()
+        for p, q in zip(ours, theirs, strict=True):
+            assert torch.equal(p, q)

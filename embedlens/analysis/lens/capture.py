@@ -106,5 +106,8 @@ def capture(
             setattr(cap, name, t[kept.to(t.device)])
     if logits:
         at = torch.searchsorted(kept, pi)
-        cap.logits = out[bi.to(out.device), at.to(out.device)].float()
+        whole = len(prompts) == 1 and bool(torch.equal(at, torch.arange(out.shape[1])))
+        # one prompt read at every position it kept, in order: its rows as they are (no copy)
+        cap.logits = out[0] if whole else out[bi.to(out.device), at.to(out.device)]
+        cap.logits = cap.logits.float()
     return cap

@@ -99,8 +99,7 @@ def plan(ask: options.TuneAsk, tokenizer: Any, config: Any) -> Plan:
     """Tokenise the data into the sequences the run needs (before the weights load)."""
     asked = ask.seq_len
     context = _context(config)
-    seq_len, note = options.resolve_seq_len(asked, context)
-    seq_len = min(seq_len, ask.tokens, ask.eval_tokens)
+    seq_len, note = options.resolve_seq_len(asked, context, min(ask.tokens, ask.eval_tokens))
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
 
     def tokenize(text: str) -> list[int]:

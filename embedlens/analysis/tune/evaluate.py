@@ -29,6 +29,8 @@ Threads = Callable[[int], AbstractContextManager[None]]
 """The CPU threads for work on n tokens (a context manager)."""
 CHUNK = 128
 """Rows decoded at once (float32 logits of CHUNK x V, a few copies)."""
+CHECK_ROWS = 256
+"""Rows of each sequence the refinement's check decodes at every layer."""
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _Evaluation:
         for start in range(0, len(ids), CHUNK):
             rows = slice(start, start + CHUNK)
             real = torch.log_softmax(cap.logits[rows], dim=-1)
+            p = real.exp()
             label = labels[rows]
             self.model_ce += _ce(real, label)
             for layer in range(n_layers):
@@ -70,7 +73,7 @@ class _Evaluation:
                 for sums, decoder in self.lenses:
                     lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
                     lq = lq.to(real.device)
-                    sums.kl[layer] += _total((real.exp() * (real - lq)).sum(-1))
+                    sums.kl[layer] += _total((p * (real - lq)).sum(-1))
                     sums.ce[layer] += _ce(lq, label)
         self.n_kl += len(ids)
         self.n_ce += len(ids) - 1
@@ -90,25 +93,33 @@ class _Evaluation:
 
 
 def layer_kl(
-    model: nn.Module, blocks: Blocks, decoder: TunedDecoder, data: Sequences, threads: Threads
+    model: nn.Module,
+    blocks: Blocks,
+    decoder: TunedDecoder,
+    data: Sequences,
+    threads: Threads,
+    rows: int = CHECK_ROWS,
 ) -> list[float]:
-    """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through `decoder`
-    (the refinement's check of each translator on rows it did not train on)."""
+    """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through `decoder`,
+    at about `rows` positions of each sequence, evenly spaced (the refinement's check of each
+    translator on rows it did not train on)."""
     n_layers = len(blocks.modules)
     sums, n = [0.0] * n_layers, 0
     device = input_device(model)
     for ids in data.ids:
+        read = list(range(0, len(ids), -(-len(ids) // rows)))
         with torch.inference_mode(), threads(len(ids)):
-            cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
+            cap = capture(model, blocks, [ids], [read], range(n_layers + 1))
             assert cap.logits is not None
-            for start in range(0, len(ids), CHUNK):
-                rows = slice(start, start + CHUNK)
-                real = torch.log_softmax(cap.logits[rows], dim=-1)
+            for start in range(0, len(read), CHUNK):
+                part = slice(start, start + CHUNK)
+                real = torch.log_softmax(cap.logits[part], dim=-1)
+                p = real.exp()
                 for layer in range(n_layers):
-                    h = cap.residual[layer][rows].to(device)
+                    h = cap.residual[layer][part].to(device)
                     lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
-                    sums[layer] += _total((real.exp() * (real - lq.to(real.device))).sum(-1))
-        n += len(ids)
+                    sums[layer] += _total((p * (real - lq.to(real.device))).sum(-1))
+        n += len(read)
     return [s / n for s in sums]
 
 

@@ -4,9 +4,11 @@ last layer's, from sufficient statistics streamed over the data.
 For residual rows x (layer l) and y (layer L), the translator minimises Σ |y - (x + W x + b)|²
 + λ n |W|² (ridge toward the identity, as weight decay is in the refinement): with the
 covariances C_xx and C_xy, Wᵀ = (C_xx + λ I)⁻¹ (C_xy - C_xx) and b = mean(y) - mean(x) - W mean(x).
-Per layer only the sums of x, y, x xᵀ and x yᵀ are kept (float64, after subtracting the first
-batch's means, so that the residual stream's large mean does not cancel the digits of its
-spread): memory does not grow with the tokens read.
+Per layer only the sums of x, y, x xᵀ and x yᵀ are kept, taken after subtracting the first
+batch's means (so that the residual stream's large mean does not cancel the digits of its
+spread): memory does not grow with the tokens read. The d x d sums are float32 (each batch's
+product is, and a sum of a hundred of them loses about 1e-5 of each entry, far below the ridge),
+the vectors and the solve float64.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class LeastSquares:
         self.shift_y: torch.Tensor | None = None
         self.sum_x = torch.zeros(num_layers, width, dtype=torch.float64)
         self.sum_y = torch.zeros(width, dtype=torch.float64)
-        self.xx = torch.zeros(num_layers, width, width, dtype=torch.float64)
-        self.xy = torch.zeros(num_layers, width, width, dtype=torch.float64)
+        self.xx = torch.zeros(num_layers, width, width, dtype=torch.float32)
+        self.xy = torch.zeros(num_layers, width, width, dtype=torch.float32)
 
     def add(self, residual: dict[int, torch.Tensor]) -> None:
         """Rows of one batch: residual[l] is [n, d] at layer l (0..L), the same rows at each."""
@@ -48,8 +50,8 @@ class LeastSquares:
         for layer in range(self.num_layers):
             x = residual[layer].detach().float().cpu() - self.shift_x[layer]
             self.sum_x[layer] += x.sum(0, dtype=torch.float64)
-            self.xx[layer] += (x.T @ x).double()
-            self.xy[layer] += (x.T @ y).double()
+            self.xx[layer].addmm_(x.T, x)
+            self.xy[layer].addmm_(x.T, y)
 
     def solve(self, ridge: float = RIDGE) -> Translators:
         """The translators that minimise the squared error (with the ridge toward identity)."""
@@ -61,8 +63,8 @@ class LeastSquares:
         eye = torch.eye(d, dtype=torch.float64)
         for layer in range(self.num_layers):
             mean_x = self.sum_x[layer] / n
-            cxx = self.xx[layer] / n - torch.outer(mean_x, mean_x)
-            cxy = self.xy[layer] / n - torch.outer(mean_x, mean_y)
+            cxx = self.xx[layer].double() / n - torch.outer(mean_x, mean_x)
+            cxy = self.xy[layer].double() / n - torch.outer(mean_x, mean_y)
             reg = ridge * float(torch.trace(cxx)) / d + 1e-12
             wt = _solve(cxx + reg * eye, cxy - cxx)
             w = wt.T

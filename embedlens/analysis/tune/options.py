@@ -125,14 +125,17 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-def resolve_seq_len(asked: int | None, context: int | None) -> tuple[int, str | None]:
-    """The sequence length to use, and a note saying how it was chosen (None when asked)."""
+def resolve_seq_len(asked: int | None, context: int | None, tokens: int) -> tuple[int, str | None]:
+    """The sequence length to use, and a note saying how it was chosen (None when asked);
+    `tokens`: the fewest tokens a part of the data is asked for (--tokens, --eval-tokens)."""
     if asked is not None:
         if context is not None and asked > context:
             raise UsageError(
                 f"--seq-len {asked:,} is longer than the model's context ({context:,} tokens)"
             )
         return asked, None
+    if tokens < min(SEQ_LEN, context or SEQ_LEN):
+        return tokens, f"sequences of {tokens:,} tokens: all --tokens or --eval-tokens ask for"
     if context is not None and context < SEQ_LEN:
         return context, f"sequences of {context:,} tokens: the model's context (--seq-len)"
     where = f"; the model's context is {context:,}" if context is not None else ""

@@ -32,6 +32,8 @@ from embedlens.errors import NumericError
 Threads = Callable[[int], AbstractContextManager[None]]
 """The CPU threads for work on n tokens (a context manager)."""
 StepFn = Callable[[int, int, list[float]], None]
+GRAPH_ROWS = 64
+"""Rows one backward pass runs on (a step's rows are split into such parts)."""
 """Called after each step with (step, steps, the step's KL per layer)."""
 
 
@@ -88,16 +90,8 @@ def refine(
     device = input_device(model)
     weight = nn.Parameter(start.weight.clone().to(device))
     bias = nn.Parameter(start.bias.clone().to(device))
-    m = recipe.momentum
-    opt = torch.optim.SGD(
-        [weight, bias],
-        lr=recipe.lr * (1 - m),
-        momentum=m,
-        nesterov=True,
-        weight_decay=recipe.weight_decay,
-    )
+    opt = _Nesterov([weight, bias], recipe)
     steps = recipe.steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / steps))
     sizes = [recipe.rows * (k + 1) // steps - recipe.rows * k // steps for k in range(steps)]
     for step, rows in enumerate(_batches(model, blocks, data, sizes, seed, threads), 1):
         with threads(len(rows)):
@@ -108,12 +102,33 @@ def refine(
                 hint="try a smaller --lr, or --method affine",
             )
         _clip(weight, bias, recipe.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        schedule.step()
+        opt.step(max(0.0, 1 - (step - 1) / steps))
         if on_step is not None:
             on_step(step, steps, kls)
     return Translators(weight.detach().float().cpu(), bias.detach().float().cpu())
+
+
+class _Nesterov:
+    """torch.optim.SGD's update with Nesterov momentum and weight decay (dampening 0), done in
+    place on each parameter and its gradient: SGD's own allocates a parameter-sized array or
+    two per step, as large as all translators."""
+
+    def __init__(self, params: list[nn.Parameter], recipe: Recipe) -> None:
+        self.params = params
+        self.recipe = recipe
+        self.momentum = [torch.zeros_like(p) for p in params]
+
+    def step(self, scale: float) -> None:
+        """One step at the learning rate lr × (1 - momentum) × scale; gradients zeroed after."""
+        r = self.recipe
+        lr = r.lr * (1 - r.momentum) * scale
+        with torch.no_grad():
+            for p, buf in zip(self.params, self.momentum, strict=True):
+                assert p.grad is not None
+                g = p.grad.add_(p, alpha=r.weight_decay)
+                buf.mul_(r.momentum).add_(g)
+                p.add_(g.add_(buf, alpha=r.momentum), alpha=-lr)
+                p.grad.zero_()
 
 
 def _clip(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> None:
@@ -125,25 +140,30 @@ def _clip(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> None:
     depend on the number of threads in its last bits)."""
     assert weight.grad is not None and bias.grad is not None
     with one_thread():
-        norms = (weight.grad.double().pow(2).sum((1, 2)) + bias.grad.double().pow(2).sum(1)).sqrt()
-        scale = (limit / (norms + 1e-6)).clamp(max=1.0).to(weight.grad.dtype)
-        weight.grad.mul_(scale[:, None, None])
-        bias.grad.mul_(scale[:, None])
+        for layer in range(weight.shape[0]):
+            w, b = weight.grad[layer], bias.grad[layer]
+            norm = math.hypot(float(w.double().norm()), float(b.double().norm()))
+            if norm > limit:
+                scale = limit / (norm + 1e-6)
+                w.mul_(scale)
+                b.mul_(scale)
 
 
 def _step(own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Rows) -> list[float]:
-    """Every layer's KL on the rows, its gradient added to the translators' (one layer's graph
-    at a time)."""
-    target = rows.target
-    p = target.exp()
-    kls = []
-    for layer, h in enumerate(rows.residual):
-        x = h.float()
-        translated = x + torch.addmm(bias[layer], x, weight[layer].T)
-        lq = torch.log_softmax(own.logits(translated.to(h.dtype)).float(), dim=-1)
-        loss = (p * (target - lq)).sum(-1).mean()
-        loss.backward()  # type: ignore[no-untyped-call]
-        kls.append(float(loss.detach()))
+    """Every layer's mean KL on the rows, its gradient added to the translators': one layer's
+    graph at a time, over GRAPH_ROWS rows at a time (a graph holds a few [rows, V] arrays)."""
+    n = len(rows)
+    kls = [0.0] * len(rows.residual)
+    for start in range(0, n, GRAPH_ROWS):
+        target = rows.target[start : start + GRAPH_ROWS]
+        p = target.exp()
+        for layer, h in enumerate(rows.residual):
+            x = h[start : start + GRAPH_ROWS].float()
+            translated = x + torch.addmm(bias[layer], x, weight[layer].T)
+            lq = torch.log_softmax(own.logits(translated.to(h.dtype)).float(), dim=-1)
+            loss = (p * (target - lq)).sum(-1).sum() / n
+            loss.backward()  # type: ignore[no-untyped-call]
+            kls[layer] += float(loss.detach())
     return kls
 
 
@@ -180,12 +200,16 @@ def _sequence_rows(
     model: nn.Module, blocks: Blocks, ids: list[int], n_layers: int, generator: torch.Generator
 ) -> _Rows:
     """One sequence's residual rows (layers 0..L-1) and the model's log-probabilities, in a
-    seeded order."""
-    with torch.inference_mode():
+    seeded order (without inference mode, whose tensors could not enter the refinement's
+    graph; the model's parameters are frozen, so no graph is built here). One [tokens, V] array
+    of log-probabilities is kept; at most two exist at once."""
+    with torch.no_grad():
         cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
         assert cap.logits is not None
         order = torch.randperm(len(ids), generator=generator)
-        target = torch.log_softmax(cap.logits, dim=-1)[order.to(cap.logits.device)]
+        logits, cap.logits = cap.logits, None
+        target = torch.log_softmax(logits, dim=-1)
+        del logits
+        target = target[order.to(target.device)]
         residual = [cap.residual[i][order.to(cap.residual[i].device)] for i in range(n_layers)]
-    # tensors made in inference mode cannot enter autograd: plain copies of them
-    return _Rows([r.clone() for r in residual], target.clone())
+    return _Rows(residual, target)

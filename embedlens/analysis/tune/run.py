@@ -22,7 +22,7 @@ from embedlens.analysis.lens.blocks import find_blocks, input_device
 from embedlens.analysis.lens.capture import capture
 from embedlens.analysis.lens.decoder import ModelDecoder
 from embedlens.analysis.lens.engine import tolerance
-from embedlens.analysis.lens.threads import threads_for
+from embedlens.analysis.lens.threads import one_thread, threads_for
 from embedlens.analysis.lens.tuned import Translators, TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.analysis.tune.evaluate import evaluate, layer_kl
@@ -34,6 +34,8 @@ from embedlens.reports.tune import TuneLayer
 Progress = Callable[[str, int, int, str], None]
 """Called as work advances: (phase, done, total, detail), phase 'fitting' (tokens), 'refining'
 (steps, the KL of layer bands in the detail) or 'evaluating' (held-out sequences)."""
+BUSY_CORES = 0.5
+"""Cores other processes keep busy from which the run takes one thread."""
 BANDS = 3
 """Layer bands whose mean KL the refinement's progress shows."""
 
@@ -74,11 +76,15 @@ class Tuning:
         self.others_busy = OthersBusy()
 
     def threads(self, n_tokens: int) -> AbstractContextManager[None]:
-        """CPU threads for work on n_tokens, as the lens chooses them (one thread for small work,
-        and for large work while other processes keep the cores busy). The figures do not depend
-        on it: matrix products and row-wise reductions give the same bits on any number of
-        threads, and sums to one value are taken on one thread."""
-        return threads_for(self.model, n_tokens, self.others_busy)
+        """CPU threads for work on n_tokens: one while other processes keep half a core busy or
+        more (a tuning run is minutes of matrix products, each ending in a barrier that waits
+        for a time slice on busy cores: measured on 2 cores at load 5, one thread took 201 CPU
+        seconds where two took 481), else as the lens chooses (one for small work). The figures
+        do not depend on it: matrix products and row-wise reductions give the same bits on any
+        number of threads, and sums to one value are taken on one thread."""
+        if torch.get_num_threads() > 1 and self.others_busy() >= BUSY_CORES:
+            return one_thread()
+        return threads_for(self.model, n_tokens)
 
     def fit(self, data: Sequences) -> Translators:
         """The least-squares translators over every sequence of `data` (streamed)."""
