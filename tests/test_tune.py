@@ -505,3 +505,24 @@ def test_the_update_is_torchs_nesterov_sgd():
         schedule.step()
         for p, q in zip(ours, theirs, strict=True):
             assert torch.equal(p, q)
+
+
+def test_the_sums_do_not_depend_on_the_number_of_threads():
+    """The run picks its CPU threads by the machine's load; what it computes must not change."""
+    from embedlens.analysis.tune.fit import LeastSquares
+
+    torch.manual_seed(0)
+    batches = [{i: torch.randn(512, 576) * (1 + i) + i for i in range(5)} for _ in range(2)]
+    before = torch.get_num_threads()
+    solved = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            sums = LeastSquares(4, 576)
+            for batch in batches:
+                sums.add(batch)
+            solved.append(sums.solve())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(solved[0].weight, solved[1].weight)
+    assert torch.equal(solved[0].bias, solved[1].bias)
