@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from embedlens.reports.lens import LensSummaryReport
+from embedlens.views.format import lens_name
 from embedlens.views.heatmap import write_plot
 
 PANELS = (
@@ -70,7 +71,7 @@ def figure(report: LensSummaryReport) -> Any:
 def _title(report: LensSummaryReport) -> str:
     where = "last position" if report.position == -1 else f"positions: {report.position}"
     return (
-        f"Logit lens of {report.display_model} over {report.n_prompts} prompts "
+        f"{lens_name(report)} of {report.display_model} over {report.n_prompts} prompts "
         f"({report.n_positions} positions read, {where})"
     )
 
