@@ -20,7 +20,8 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import emit, err_console, note
+from embedlens.cli._output import elapsed, emit, err_console, note, plain_progress
+from embedlens.text import model_title
 
 if TYPE_CHECKING:
     from embedlens.analysis.tune.run import Progress
@@ -136,7 +137,7 @@ def tune(
     from embedlens.analysis.tune import tune as run
 
     common(quiet=quiet, debug=debug, device=device)
-    with _progress(quiet) as shown:
+    with _progress(quiet, model) as shown:
         report = run(
             model, data, out, eval=eval_file, seq_len=seq_len, tokens=tokens,
             eval_tokens=eval_tokens, refine_tokens=refine_tokens, steps=steps, lr=lr,
@@ -150,11 +151,22 @@ def tune(
 
 
 @contextmanager
-def _progress(quiet: bool) -> Iterator[Progress | None]:
+def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
     """Bars on stderr, one per phase (tokens fitted, refinement steps with the KL of each band
-    of layers, tokens evaluated): only on a terminal and without --quiet."""
-    if quiet or not err_console.is_terminal:
+    of layers, tokens evaluated) on a terminal; off one, a plain line of the latest phase every
+    PLAIN_EVERY seconds (`plain_progress`); nothing with --quiet."""
+    if quiet:
         yield None
+        return
+    if not err_console.is_terminal:
+        latest = ["loading the model and reading the data"]
+        what = f"Tuning a lens on {model_title(model)}"
+
+        def seen(phase: str, done: int, total: int, detail: str) -> None:
+            latest[0] = f"{phase} {done:,}/{total:,}" + (f" ({detail})" if detail else "")
+
+        with plain_progress(lambda t: f"{latest[0]}, {elapsed(t)}: {what}"):
+            yield seen
         return
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
