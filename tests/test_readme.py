@@ -214,6 +214,17 @@ def test_readme_commands_refuses_a_readme_without_them():
         _readme_commands().commands("# embedlens\n\n```bash\npytest\n```\n")
 
 
+def readme_writes() -> dict[str, str]:
+    """README's ```bash lines that write a file (`... > NAME`): command -> NAME."""
+    found = {}
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.splitlines():
+            written = re.search(r" > ([\w.-]+)$", line)
+            if written:
+                found[line] = written.group(1)
+    return found
+
+
 def python_examples() -> list[str]:
     """README's ```python blocks (run on SmolLM2 in a folder that holds it)."""
     return re.findall(r"```python\n(.*?)```", README, flags=re.S)
@@ -227,6 +238,9 @@ def test_readme_python_example_gives_what_it_shows(block, smollm2, tmp_path, mon
 
     (tmp_path / SMOLLM2).symlink_to(smollm2)
     monkeypatch.chdir(tmp_path)
+    for command, made in readme_writes().items():  # a text file README's commands write
+        if f'"{made}"' in block:
+            subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True)
     scope: dict[str, object] = {}
     checked = 0
     for line in block.splitlines():
