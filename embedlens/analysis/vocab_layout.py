@@ -27,7 +27,7 @@ LISTED = 100  # unreachable tokens listed per kind (all are counted)
 
 def added_ids(vocab: Vocab) -> list[int]:
     """Ids of the tokens added on top of the tokenizer's model (specials included), sorted."""
-    return sorted(vocab.tokenizer.get_added_tokens_decoder())
+    return sorted(vocab.added)
 
 
 def read_layout(vocab: Vocab, table: Table) -> Layout:
@@ -231,15 +231,21 @@ def _kind(piece: str, raw: bytes) -> str:
     return "shadowed"
 
 
+def named_unused(pieces: list[str | None]) -> list[int]:
+    """The ids whose entry names itself unused or reserved (<unused12>, [unused7], ...)."""
+    return [i for i, p in enumerate(pieces) if p and p[0] in "<[" and _UNUSED_NAME.match(p)]
+
+
 def reference_rows(
-    vocab: Vocab, unreachable: dict[int, str], rows: int, pieces: list[str | None]
+    size: int, unreachable: dict[int, str], rows: int, named: list[int]
 ) -> ReferenceRows:
-    """Rows known unused: padding, tokens never produced as themselves, tokens named unused."""
-    ids: dict[int, str] = {i: "padding" for i in range(vocab.size, rows)}
+    """Rows known unused: padding (rows from the tokenizer's `size` on), tokens never produced
+    as themselves, tokens named unused (`named`, from named_unused)."""
+    ids: dict[int, str] = {i: "padding" for i in range(size, rows)}
     for i, kind in unreachable.items():
         if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
             ids[i] = kind
-    for i, piece in enumerate(pieces[:rows]):
-        if piece and piece[0] in "<[" and _UNUSED_NAME.match(piece):
+    for i in named:
+        if i < rows:
             ids[i] = "named_unused"
     return ReferenceRows(ids)

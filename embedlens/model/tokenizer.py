@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,9 @@ _GGUF_SPLITS = {
 class Vocab:
     """A loaded tokenizer and the facts about its ids that the table commands need."""
 
-    tokenizer: Tokenizer
+    built: Tokenizer | None
+    """The tokenizer; None for a vocabulary known from facts kept beside it (`loads` builds it
+    when something asks: `tokenizer`)."""
     size: int
     """len(tokenizer): the ids below it are real tokens, rows at or beyond it are padding."""
     special_ids: frozenset[int]
@@ -69,14 +71,39 @@ class Vocab:
     refuses to encode or look up text."""
     pieces: tuple[str | None, ...] | None = field(default=None, compare=False, repr=False)
     """Every id's entry as the tokenizer stores it, when known without asking it (a GGUF)."""
+    added: frozenset[int] = frozenset()
+    """The ids of the tokens added on top of the tokenizer's model (specials included)."""
+    texts: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    """Every id's text (`text`), when known without asking the tokenizer (kept facts)."""
+    loads: Callable[[], Vocab] | None = field(default=None, compare=False, repr=False)
+    """Builds the whole vocabulary when `built` is None."""
     _text: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+    _whole: list[Vocab] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, built on first use when only kept facts were read."""
+        if self.built is not None:
+            return self.built
+        tok = self.whole().built
+        assert tok is not None
+        return tok
+
+    def whole(self) -> Vocab:
+        """This vocabulary with its tokenizer built (itself when it has one)."""
+        if self.built is not None:
+            return self
+        if not self._whole:
+            assert self.loads is not None, "a Vocab without a tokenizer has a loader"
+            self._whole.append(self.loads())
+        return self._whole[0]
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, no special tokens added (no BOS)."""
-        self._whole()
+        self._refuse_text()
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def _whole(self) -> None:
+    def _refuse_text(self) -> None:
         if self.only is not None:
             raise ValueError("this vocabulary holds only some ids: it cannot read text")
 
@@ -86,6 +113,8 @@ class Vocab:
 
     def text(self, token_id: int) -> str:
         """One token's exact decoded text, its bytes as \\xNN when it is a partial UTF-8 sequence."""
+        if self.texts is not None and 0 <= token_id < len(self.texts):
+            return self.texts[token_id]
         if token_id in self._text:
             return self._text[token_id]
         piece = self.piece(token_id)
@@ -96,7 +125,7 @@ class Vocab:
 
     def lookup(self, text: str) -> int | None:
         """The id of the vocabulary entry spelled exactly `text` (stored form), if there is one."""
-        self._whole()
+        self._refuse_text()
         return self.tokenizer.token_to_id(text)
 
 
@@ -419,9 +448,10 @@ def _wrap(
     tok: Tokenizer, origin: str, *, unk: int | None, special: Iterable[int] | None = None
 ) -> Vocab:
     ids = set(special or ())
-    ids.update(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    added = tok.get_added_tokens_decoder()
+    ids.update(i for i, t in added.items() if t.special)
     size = tok.get_vocab_size(with_added_tokens=True)
-    return Vocab(tok, size, frozenset(ids), unk, origin)
+    return Vocab(tok, size, frozenset(ids), unk, origin, added=frozenset(added))
 
 
 def _unk_token(tok: Tokenizer) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,12 +86,30 @@ def load(key: str) -> Tokenizer | None:
 def store(key: str, tok: Tokenizer) -> None:
     """Keep a built tokenizer under its key: written to a temporary name, then renamed into
     place, so a reader never sees half a file; nothing happens when the cache is not writable."""
+    _write(f"{key}.json", lambda path: tok.save(str(path), pretty=False))
+
+
+def load_text(name: str) -> str | None:
+    """The text kept under `name` beside the tokenizers (facts derived from one), or None when
+    there is none or it cannot be read."""
+    try:
+        return (cache_dir() / name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def store_text(name: str, text: str) -> None:
+    """Keep `text` under `name`, as `store` keeps a tokenizer."""
+    _write(name, lambda path: path.write_text(text, encoding="utf-8"))
+
+
+def _write(name: str, write: Callable[[Path], object]) -> None:
     folder = cache_dir()
-    tmp = folder / f".{key}.{os.getpid()}.partial"
+    tmp = folder / f".{name}.{os.getpid()}.partial"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tok.save(str(tmp), pretty=False)
-        os.replace(tmp, folder / f"{key}.json")
+        write(tmp)
+        os.replace(tmp, folder / name)
     except Exception:  # a read-only or full disk (OSError, or the Rust side's bare Exception)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
