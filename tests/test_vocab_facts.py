@@ -60,7 +60,7 @@ def test_second_run_reads_the_kept_facts(tmp_path, cache, monkeypatch, kind):
         extra = ["ab", "abc", "xy", "ab", "é x", "abab"]
         path = _bpe_gguf(tmp_path / "bpe.gguf", extra, ["a b", "ab ab"])
     first = embedlens.vocab(path, all=True).to_dict()
-    assert len(list(cache.glob("*.vocab*.json"))) == 1
+    assert len(list(cache.glob("*.vocab*"))) == 1
     done = _tokenizer_work(monkeypatch)
     second = embedlens.vocab(path, all=True).to_dict()
     assert done == []  # no tokenizer built or loaded, no token decoded or encoded
@@ -85,8 +85,8 @@ def test_options_that_need_the_tokenizer_build_it(tmp_path, cache, monkeypatch):
 def test_a_damaged_entry_is_found_again(tmp_path, cache, monkeypatch):
     path = _sentencepiece(tmp_path / "sp.gguf")
     whole = embedlens.vocab(path).to_dict()
-    (entry,) = cache.glob("*.vocab*.json")
-    entry.write_text(entry.read_text()[:-100])
+    (entry,) = cache.glob("*.vocab*")
+    entry.write_bytes(entry.read_bytes()[:-100])
     done = _tokenizer_work(monkeypatch)
     assert embedlens.vocab(path).to_dict() == whole
     assert "searched" in done
@@ -102,7 +102,7 @@ def test_a_changed_tokenizer_gets_facts_of_its_own(tmp_path, cache, monkeypatch)
     tokens[2990] = "<unused_new>"
     _write_gguf(path, tokens, model="llama", scores=scores, types=types)
     after = embedlens.vocab(path).to_dict()
-    assert len(list(cache.glob("*.vocab*.json"))) == 2
+    assert len(list(cache.glob("*.vocab*"))) == 2
     assert after["fingerprint"]["sha256"] != before["fingerprint"]["sha256"]
     assert after["undertrained"]["reference_by_kind"].get("named_unused", 0) == (
         before["undertrained"]["reference_by_kind"].get("named_unused", 0) + 1
@@ -116,3 +116,28 @@ def test_an_unwritable_cache_is_left_alone(tmp_path, monkeypatch, cli):
     monkeypatch.setenv("EMBEDLENS_CACHE", str(blocker))
     first = cli.json("vocab", path)
     assert cli.json("vocab", path) == first and blocker.read_text() == ""
+
+
+def test_kept_vocabulary_shows_what_the_built_one_shows(tmp_path, cache):
+    """Every id's text, the special, added and unknown ids, read back, are the built ones'
+    (byte pieces, partial UTF-8, control and unused tokens among them)."""
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.io.source import resolve
+
+    path = _sentencepiece(tmp_path / "sp.gguf")
+    source = resolve(str(path))
+    header = read_gguf_header(path)
+    built, found = vocab_facts.model_vocab(source, header)
+    kept, read = vocab_facts.model_vocab(source, header)
+    assert built.built is not None and kept.built is None
+    assert read == found
+    assert [kept.text(i) for i in range(kept.size)] == [built.text(i) for i in range(built.size)]
+    assert (kept.size, kept.special_ids, kept.added, kept.unk_id, kept.origin) == (
+        built.size,
+        built.special_ids,
+        built.added,
+        built.unk_id,
+        built.origin,
+    )
+    assert kept.encode(" the king") == built.encode(" the king")  # built when asked
+    assert kept.built is None and kept.whole().built is not None

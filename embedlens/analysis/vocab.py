@@ -136,7 +136,7 @@ def _static(
     the scan reads the rows there are."""
     layout = read_layout(vocab, table)
     problems = layout_problems(layout)
-    kinds = {i: kind for i, kind in facts.kinds.items() if i < table.rows}
+    kinds = _below(facts.kinds, table.rows)
     prints = read_fingerprint(facts.fingerprint, table)
     if prints.matches is False:
         problems.append(
@@ -163,6 +163,13 @@ def _static(
         notes=notes,
         shows_all=shows_all,
     )
+
+
+def _below(kinds: dict[int, str], rows: int) -> dict[int, str]:
+    """The ids below `rows` (kinds are by id, in order: all of them when the last is)."""
+    if not kinds or next(reversed(kinds)) < rows:
+        return kinds
+    return {i: kind for i, kind in kinds.items() if i < rows}
 
 
 def _untrained_added(scanned: Undertrained) -> list[str]:

@@ -12,7 +12,10 @@ tokenizer (which is then built only if something else asks for it: --against, --
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from embedlens.analysis.vocab_fingerprint import entries, fingerprint, pieces_by_id
@@ -58,25 +61,37 @@ def model_vocab(source: ModelSource, gguf: GGUFHeader | None) -> tuple[Vocab, Vo
     if gguf is None:
         vocab = load_vocab(source)
         return vocab, facts_of(vocab, None)
-    name = f"{tokenizer_cache.tokenizer_key(gguf)}.vocab{FORMAT}.json"
-    kept = _read(tokenizer_cache.load_text(name), gguf)
+    name = f"{tokenizer_cache.tokenizer_key(gguf)}.vocab{FORMAT}"
+    kept = _read(tokenizer_cache.load_bytes(name), gguf)
     if kept is not None:
         return kept
     vocab = load_vocab(source, gguf)
     facts = facts_of(vocab, byte_level_merge_results(gguf))
-    tokenizer_cache.store_text(name, _written(vocab, facts))
+    tokenizer_cache.store_bytes(name, _written(vocab, facts))
     return vocab, facts
 
 
-def _written(vocab: Vocab, facts: VocabFacts) -> str:
+# A kept entry: _MAGIC, the length of a JSON header (8 bytes, little-endian), the header, then
+# the arrays it names, each of native uint32 ('I') or uint8 ('B') items, in _ARRAYS' order.
+_MAGIC = f"embedlens vocab facts {FORMAT} {sys.byteorder}\n".encode()
+_ARRAYS = (("kind_ids", "I"), ("kind_codes", "B"), ("text_ends", "I"))
+
+
+def _written(vocab: Vocab, facts: VocabFacts) -> bytes:
+    """The entry's bytes: the small facts as JSON, every id's text packed (PackedTexts)."""
     names = sorted(set(facts.kinds.values()))
     code = {k: n for n, k in enumerate(names)}
-    data = {
+    texts = [vocab.text(i).encode("utf-8", "surrogatepass") for i in range(vocab.size)]
+    arrays = {
+        "kind_ids": array("I", facts.kinds),
+        "kind_codes": array("B", [code[k] for k in facts.kinds.values()]),
+        "text_ends": array("I", accumulate(map(len, texts))),
+    }
+    header = {
         "size": vocab.size,
         "special_ids": sorted(vocab.special_ids),
         "unk_id": vocab.unk_id,
         "added": sorted(vocab.added),
-        "texts": [vocab.text(i) for i in range(vocab.size)],
         "fingerprint": facts.fingerprint,
         "unreachable": {
             "count": facts.unreachable.count,
@@ -84,45 +99,72 @@ def _written(vocab: Vocab, facts: VocabFacts) -> str:
             "tokens": [[t.id, t.token, t.kind, t.encodes_as] for t in facts.unreachable.tokens],
         },
         "kind_names": names,
-        "kind_ids": list(facts.kinds),
-        "kind_codes": [code[k] for k in facts.kinds.values()],
         "named_unused": facts.named_unused,
+        "counts": {k: len(a) for k, a in arrays.items()},
     }
-    return json.dumps(data, separators=(",", ":"))
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join(arrays[k].tobytes() for k, _ in _ARRAYS)
+    return _MAGIC + len(head).to_bytes(8, "little") + head + body + b"".join(texts)
 
 
-def _read(text: str | None, gguf: GGUFHeader) -> tuple[Vocab, VocabFacts] | None:
-    """The vocabulary and facts kept in `text`; None when there is none or it is damaged."""
-    if text is None:
+def _read(data: bytes | None, gguf: GGUFHeader) -> tuple[Vocab, VocabFacts] | None:
+    """The vocabulary and facts kept in `data`; None when there is none or it is damaged."""
+    if data is None or not data.startswith(_MAGIC):
         return None
     try:
-        data = json.loads(text)
-        return _vocab(data, gguf), _facts(data)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        view = memoryview(data)
+        at = len(_MAGIC) + 8
+        end = at + int.from_bytes(view[at - 8 : at], "little")
+        header = json.loads(view[at:end].tobytes())
+        arrays: dict[str, memoryview] = {}
+        for key, code in _ARRAYS:
+            n = int(header["counts"][key]) * (4 if code == "I" else 1)
+            part = view[end : end + n]
+            arrays[key] = part.cast("I") if code == "I" else part.cast("B")
+            end += n
+        ends = arrays["text_ends"]
+        if len(ends) != int(header["size"]) or (len(ends) and ends[-1] != len(view) - end):
+            return None
+        texts = PackedTexts(ends, view[end:])
+        return _vocab(header, texts, gguf), _facts(header, arrays)
+    except (ValueError, KeyError, TypeError, IndexError):
         return None
 
 
-def _vocab(data: dict[str, Any], gguf: GGUFHeader) -> Vocab:
-    size, texts = int(data["size"]), tuple(data["texts"])
-    if len(texts) != size or not all(isinstance(t, str) for t in texts):
-        raise ValueError("the kept texts do not cover the vocabulary")
-    unk = data["unk_id"]
+class PackedTexts:
+    """Every id's text as one UTF-8 blob and where each text ends: a text is decoded when
+    asked for (a run shows a few of 262,144)."""
+
+    def __init__(self, ends: memoryview, blob: memoryview) -> None:
+        self._ends, self._blob = ends, blob
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> str:
+        start = self._ends[i - 1] if i > 0 else 0
+        return bytes(self._blob[start : self._ends[i]]).decode("utf-8", "surrogatepass")
+
+
+def _vocab(header: dict[str, Any], texts: PackedTexts, gguf: GGUFHeader) -> Vocab:
+    unk = header["unk_id"]
     return Vocab(
         None,
-        size,
-        frozenset(int(i) for i in data["special_ids"]),
+        int(header["size"]),
+        frozenset(int(i) for i in header["special_ids"]),
         None if unk is None else int(unk),
         GGUF_ORIGIN,
-        added=frozenset(int(i) for i in data["added"]),
+        added=frozenset(int(i) for i in header["added"]),
         texts=texts,
         loads=lambda: vocab_from_gguf(gguf),
     )
 
 
-def _facts(data: dict[str, Any]) -> VocabFacts:
-    listed = data["unreachable"]
+def _facts(header: dict[str, Any], arrays: dict[str, memoryview]) -> VocabFacts:
+    listed = header["unreachable"]
     tokens = [UnreachableToken(int(i), str(t), str(k), list(e)) for i, t, k, e in listed["tokens"]]
     unreachable = Unreachable(int(listed["count"]), dict(listed["by_kind"]), tokens)
-    names = data["kind_names"]
-    kinds = dict(zip(data["kind_ids"], map(names.__getitem__, data["kind_codes"]), strict=True))
-    return VocabFacts(str(data["fingerprint"]), unreachable, kinds, list(data["named_unused"]))
+    names = header["kind_names"]
+    codes = map(names.__getitem__, arrays["kind_codes"])
+    kinds = dict(zip(arrays["kind_ids"].tolist(), codes, strict=True))
+    return VocabFacts(str(header["fingerprint"]), unreachable, kinds, list(header["named_unused"]))

@@ -23,6 +23,7 @@ from embedlens.reports.vocab import Layout, Unreachable, UnreachableToken
 BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
 LISTED = 100  # unreachable tokens listed per kind (all are counted)
+_NEVER_PRODUCED = frozenset({"single_byte", "shadowed", "unmerged", "byte_fallback"})
 
 
 def added_ids(vocab: Vocab) -> list[int]:
@@ -241,11 +242,7 @@ def reference_rows(
 ) -> ReferenceRows:
     """Rows known unused: padding (rows from the tokenizer's `size` on), tokens never produced
     as themselves, tokens named unused (`named`, from named_unused)."""
-    ids: dict[int, str] = {i: "padding" for i in range(size, rows)}
-    for i, kind in unreachable.items():
-        if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
-            ids[i] = kind
-    for i in named:
-        if i < rows:
-            ids[i] = "named_unused"
+    ids: dict[int, str] = dict.fromkeys(range(size, rows), "padding")
+    ids.update((i, kind) for i, kind in unreachable.items() if kind in _NEVER_PRODUCED)
+    ids.update((i, "named_unused") for i in named if i < rows)
     return ReferenceRows(ids)

@@ -16,7 +16,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
@@ -53,6 +53,13 @@ _GGUF_SPLITS = {
 }
 
 
+class Texts(Protocol):
+    """Every id's text, by id."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, token_id: int, /) -> str: ...
+
+
 @dataclass(frozen=True)
 class Vocab:
     """A loaded tokenizer and the facts about its ids that the table commands need."""
@@ -73,7 +80,7 @@ class Vocab:
     """Every id's entry as the tokenizer stores it, when known without asking it (a GGUF)."""
     added: frozenset[int] = frozenset()
     """The ids of the tokens added on top of the tokenizer's model (specials included)."""
-    texts: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    texts: Texts | None = field(default=None, compare=False, repr=False)
     """Every id's text (`text`), when known without asking the tokenizer (kept facts)."""
     loads: Callable[[], Vocab] | None = field(default=None, compare=False, repr=False)
     """Builds the whole vocabulary when `built` is None."""

@@ -89,18 +89,18 @@ def store(key: str, tok: Tokenizer) -> None:
     _write(f"{key}.json", lambda path: tok.save(str(path), pretty=False))
 
 
-def load_text(name: str) -> str | None:
-    """The text kept under `name` beside the tokenizers (facts derived from one), or None when
-    there is none or it cannot be read."""
+def load_bytes(name: str) -> bytes | None:
+    """What is kept under `name` beside the tokenizers (facts derived from one), or None when
+    there is nothing or it cannot be read."""
     try:
-        return (cache_dir() / name).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        return (cache_dir() / name).read_bytes()
+    except OSError:
         return None
 
 
-def store_text(name: str, text: str) -> None:
-    """Keep `text` under `name`, as `store` keeps a tokenizer."""
-    _write(name, lambda path: path.write_text(text, encoding="utf-8"))
+def store_bytes(name: str, data: bytes) -> None:
+    """Keep `data` under `name`, as `store` keeps a tokenizer."""
+    _write(name, lambda path: path.write_bytes(data))
 
 
 def _write(name: str, write: Callable[[Path], object]) -> None:
