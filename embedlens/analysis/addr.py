@@ -333,8 +333,9 @@ def _addr(
     ids = row_ids(texts)
     vocab: Vocab | None
     try:
-        # Rows given as ids need only their own tokens, not the whole tokenizer.
-        vocab = load_vocab(source, table.checkpoint.gguf, only=ids)
+        # Rows given as ids need only their own tokens, words only the pieces they can be
+        # built from: neither the whole tokenizer.
+        vocab = load_vocab(source, table.checkpoint.gguf, only=ids, words=True)
     except UnsupportedError as e:
         if ids is None:  # a row given as text cannot be read without the tokenizer
             raise

@@ -393,7 +393,7 @@ def neighbors(
     spec = os.fspath(model)
     source = resolve_source(spec, revision)
     table = locate(source, which)
-    vocab = load_vocab(source, table.checkpoint.gguf)
+    vocab = load_vocab(source, table.checkpoint.gguf, words=True)
     real = min(vocab.size, table.rows)
     words_given = [queries] if isinstance(queries, str) else list(queries)
     found = resolve(vocab, words_given, list(ids), real=real, total=table.rows, pool=pool)

@@ -24,6 +24,7 @@ from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
 from embedlens.model import tokenizer_cache
 from embedlens.model.tokenizer import (
+    GGUF_ORIGIN,
     Vocab,
     byte_level_merge_results,
     load_vocab,
@@ -33,7 +34,6 @@ from embedlens.reports.vocab import Unreachable, UnreachableToken
 
 FORMAT = 1
 """Raise when what is kept, or how it is found, changes."""
-GGUF_ORIGIN = "GGUF metadata"
 
 
 @dataclass(frozen=True)
