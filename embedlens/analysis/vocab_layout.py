@@ -70,10 +70,10 @@ def _placement(added: list[int], size: int) -> tuple[str, list[int]]:
     if not added:
         return "none", []
     taken = set(added)
-    ordinary = [i for i in range(size) if i not in taken]
-    if not ordinary:
+    low = next((i for i in range(size) if i not in taken), None)
+    if low is None:
         return "start", []
-    low, high = ordinary[0], ordinary[-1]
+    high = next(i for i in range(size - 1, -1, -1) if i not in taken)
     inside = [i for i in added if low < i < high]
     if inside:
         return "inside", inside
