@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from embedlens.io.gguf import GGUFHeader
+from embedlens.io.gguf import GGUFHeader, read_gguf_header
+from embedlens.io.source import ModelSource
 from embedlens.model import tokenizer as tk
 from embedlens.model.tokens import SPACE, byte_alphabet
 
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
 
 MAX_CHARS = 200
 """A longer text is read with the whole tokenizer (its substrings grow as its square)."""
+
+
+def words_vocab(source: ModelSource, gguf: GGUFHeader | None = None) -> tk.Vocab:
+    """The model's vocabulary for reading a few words: a GGUF file's (gguf_words_vocab), else
+    its tokenizer.json (load_vocab)."""
+    if not source.is_gguf:
+        return tk.load_vocab(source)
+    assert source.path is not None
+    return gguf_words_vocab(gguf or read_gguf_header(source.path))
 
 
 def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:

@@ -159,25 +159,14 @@ class Vocab:
 
 
 def load_vocab(
-    source: ModelSource,
-    gguf: GGUFHeader | None = None,
-    *,
-    only: Iterable[int] | None = None,
-    words: bool = False,
+    source: ModelSource, gguf: GGUFHeader | None = None, *, only: Iterable[int] | None = None
 ) -> Vocab:
     """The model's tokenizer: tokenizer.json beside the weights, or a GGUF file's metadata
-    (with `only`, just those ids of it: gguf_rows_vocab; with `words`, one that reads a few
-    words without building the whole: gguf_words)."""
+    (with `only`, just those ids of it: gguf_rows_vocab)."""
     if source.is_gguf:
         assert source.path is not None
         header = gguf or read_gguf_header(source.path)
-        if only is not None:
-            return gguf_rows_vocab(header, only)
-        if words:
-            from embedlens.model.gguf_words import gguf_words_vocab
-
-            return gguf_words_vocab(header)
-        return vocab_from_gguf(header)
+        return vocab_from_gguf(header) if only is None else gguf_rows_vocab(header, only)
     path = source.find("tokenizer.json")
     if path is None:
         raise UnsupportedError(

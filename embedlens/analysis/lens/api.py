@@ -11,7 +11,7 @@ import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from embedlens.analysis.lens import options
@@ -165,9 +165,7 @@ def lens_prompts(
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
 
-    def targets(one: Callable[[str], None]) -> None:
-        many.check_targets(source, ask, one)
-
+    targets = functools.partial(many.check_targets, source, ask)
     with ready(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
         return many.ManyRun(opened, ask, each).all(source, n_bad, bad)
 
