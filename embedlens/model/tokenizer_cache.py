@@ -8,7 +8,8 @@ of that. Each one is kept under `$EMBEDLENS_CACHE/tokenizers` (default
 the `tokenizers` version. A file whose tokenizer changes gets a new name, so an entry never
 outlives what it was built from; a file that changes elsewhere (its weights) keeps its entry,
 which still holds. The cache is an optimisation only: a missing, unreadable or damaged entry means
-the tokenizer is rebuilt, and a cache that cannot be written is left alone.
+the tokenizer is rebuilt, and a cache that cannot be written is left alone. What is derived from a
+tokenizer alone (analysis.vocab_facts) is kept beside it under the same key (`store_bytes`).
 """
 
 from __future__ import annotations
