@@ -160,7 +160,7 @@ class Rows:
         self._dequantize: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]] | None = None
         if self._gguf:
             if not self._q8_0:  # Q8_0 is read here, without importing gguf (0.1 s)
-                self._dequantize = _dequantizer(entry.name, entry.dtype)
+                self._dequantize = _dequantizer(entry.dtype)
             self._map = np.memmap(
                 entry.path,
                 np.uint8,
@@ -265,9 +265,7 @@ def _dequantize_q8_0(
     return result
 
 
-def _dequantizer(
-    name: str, dtype: str
-) -> Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]]:
+def _dequantizer(dtype: str) -> Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]]:
     """The `gguf` package's formula for a ggml type, taking rows of its blocks: the type's
     own class called on the rows given (gguf's dequantize() splits them into calls of 16 rows
     each, a fixed cost a call)."""
@@ -278,7 +276,7 @@ def _dequantizer(
     try:
         qtype = gguf.GGMLQuantizationType[dtype]
     except KeyError as e:
-        raise UnsupportedError(f"gguf cannot read ggml type {dtype} ('{name}')") from e
+        raise UnsupportedError(f"gguf cannot read ggml type {dtype}") from e
     own: Any = getattr(quants, dtype, None)
     if getattr(own, "qtype", None) == qtype and hasattr(own, "dequantize_rows"):
         own.init_grid()  # what dequantize() does first (the grid types' lookup tables)
