@@ -24,6 +24,7 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -232,25 +233,20 @@ def make_checkpoint(folder: Path, config: dict, n_tokens: int) -> Path:
     return folder
 
 
-def make_large_vocab_gguf(path: Path, n_tokens: int, width: int) -> Path:
-    """A GGUF file holding a Q8_0 embedding of n_tokens rows (random, std 0.02), a byte-level
-    vocabulary of n_tokens entries and the metadata `addr` reads (Gemma 3's 262k vocabulary
-    at full size)."""
+def make_large_vocab_gguf(path: Path, n_tokens: int, width: int, qtype_name: str = "Q8_0") -> Path:
+    """A GGUF file holding an embedding of n_tokens rows, a byte-level vocabulary of n_tokens
+    entries and the metadata `addr` reads (Gemma 3's 262k vocabulary at full size): Q8_0 rows
+    quantised from random values (std 0.02), or Q6_K rows of random blocks (the `gguf` package
+    quantises no K-quant type) with small float16 scales."""
     if path.is_file():
         return path
     import gguf
     import numpy as np
-    from gguf.quants import quantize
 
     from embedlens.model.tokens import byte_alphabet
 
-    qtype = gguf.GGMLQuantizationType.Q8_0
-    elems, block = gguf.GGML_QUANT_SIZES[qtype]
-    data = np.empty((n_tokens, width // elems * block), dtype=np.uint8)
-    rng = np.random.default_rng(0)
-    for start in range(0, n_tokens, 8192):
-        rows = rng.standard_normal((min(8192, n_tokens - start), width), dtype=np.float32) * 0.02
-        data[start : start + len(rows)] = quantize(rows, qtype)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    data = _random_rows(n_tokens, width, qtype)
     letters = list(byte_alphabet().values())
     tokens = letters + [f"w{i}" for i in range(n_tokens - len(letters))]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +266,29 @@ def make_large_vocab_gguf(path: Path, n_tokens: int, width: int) -> Path:
     writer.close()
     tmp.rename(path)
     return path
+
+
+def _random_rows(n_tokens: int, width: int, qtype: Any) -> Any:
+    """n_tokens rows of `qtype` blocks: Q8_0 quantised from normal values, Q6_K random bytes
+    with each block's float16 scale (its last two bytes) drawn from [1e-4, 1e-3)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    elems, block = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.empty((n_tokens, width // elems * block), dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    for start in range(0, n_tokens, 8192):
+        n = min(8192, n_tokens - start)
+        if qtype == gguf.GGMLQuantizationType.Q8_0:
+            rows = rng.standard_normal((n, width), dtype=np.float32) * 0.02
+            data[start : start + n] = quantize(rows, qtype)
+            continue
+        blocks = rng.integers(0, 256, (n, width // elems, block), dtype=np.uint8)
+        scales = rng.uniform(1e-4, 1e-3, (n, width // elems)).astype(np.float16)
+        blocks[:, :, -2:] = scales.view(np.uint8).reshape(n, width // elems, 2)
+        data[start : start + n] = blocks.reshape(n, -1)
+    return data
 
 
 def write_word_tokenizer(folder: Path, n_tokens: int) -> None:
@@ -419,8 +438,9 @@ def floors(qwen: Path, smol: Path, quick: bool) -> dict[str, str]:
 
 
 def vocab_floor(path: Path) -> dict[str, str]:
-    """The 262k embedding read and dequantised in this process: whole (what the `vocab` row's
-    baseline does, less starting Python) and in 4,096-row chunks never held together."""
+    """A 262k embedding read and dequantised in this process: whole, in 4,096-row chunks (what
+    the `vocab` rows' baseline does, less starting Python) and in 1 MiB chunks of float32 (the
+    blocks embedlens' passes dequantise a Q8_0 table in), the chunks never held together."""
     import gguf.quants
     import numpy as np
 
@@ -428,18 +448,24 @@ def vocab_floor(path: Path) -> dict[str, str]:
     quant = getattr(gguf.quants, qtype)
     shape = (int(rows), int(row_bytes))
     mm = np.memmap(name, dtype=np.uint8, mode="r", offset=int(offset), shape=shape)
+    small = max(1, (1 << 20) // (4 * (shape[1] // quant.type_size * quant.block_size)))
 
     def whole() -> None:
         raw = np.array(mm)
         quant.dequantize_blocks(raw.reshape(-1, quant.type_size))
 
-    def chunked() -> None:
-        for start in range(0, shape[0], 4096):
-            raw = np.array(mm[start : start + 4096])
+    def chunked(step: int) -> None:
+        for start in range(0, shape[0], step):
+            raw = np.array(mm[start : start + step])
             quant.dequantize_blocks(raw.reshape(-1, quant.type_size))
 
     out = {}
-    for how, fn in (("whole", whole), ("in 4,096-row chunks", chunked)):
+    ways = (
+        ("whole", whole),
+        ("in 4,096-row chunks", lambda: chunked(4096)),
+        (f"in {small:,}-row chunks", lambda: chunked(small)),
+    )
+    for how, fn in ways:
         best = min(_timed(fn) for _ in range(3))
         out[f"read and dequantise the {shape[0]:,}-row {qtype} embedding ({how}, numpy)"] = (
             f"{best * 1e3:.0f} ms"
@@ -482,11 +508,13 @@ def qwen_checkpoint(quick: bool, *, build: bool) -> Path:
     return folder
 
 
-def large_vocab_gguf(quick: bool, *, build: bool) -> Path:
-    """The 262k-token Q8_0 GGUF (4,000 tokens in quick mode), built on first use."""
-    path = CACHE / ("vocab-tiny.Q8_0.gguf" if quick else "vocab-262k.Q8_0.gguf")
+def large_vocab_gguf(quick: bool, *, build: bool, qtype: str = "Q8_0") -> Path:
+    """The 262k-token GGUF (4,000 tokens in quick mode), built on first use: Q8_0 rows of 896
+    (Gemma 3 1B's width is 1,152; 270M's 640 fills no K-quant block), Q6_K rows of 1,024."""
+    path = CACHE / (f"vocab-tiny.{qtype}.gguf" if quick else f"vocab-262k.{qtype}.gguf")
+    width = (64 if quick else 896) if qtype == "Q8_0" else (256 if quick else 1024)
     if build:
-        make_large_vocab_gguf(path, 4000 if quick else 262144, 64 if quick else 896)
+        make_large_vocab_gguf(path, 4000 if quick else 262144, width, qtype)
     return path
 
 
@@ -587,6 +615,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     el = embedlens_argv()
     qwen = qwen_checkpoint(quick, build=False)
     vocab_gguf = large_vocab_gguf(quick, build=False)
+    kquant_gguf = large_vocab_gguf(quick, build=False, qtype="Q6_K")
     smol = smollm2_path()
     llama70 = config_folder("Meta-Llama-3-70B")
     deepseek = config_folder("DeepSeek-V3")
@@ -634,6 +663,10 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
         Row("vocab, static, against its floor (Q8_0 GGUF, 262k-token vocabulary)",
             [*el, "vocab", str(vocab_gguf), "--json"],
             [sys.executable, "-c", READ_AND_DEQUANTISE, *embedding_args(vocab_gguf)],
+            "reading and dequantising the embedding once with numpy", budget=1.5),
+        Row("vocab, static, against its floor (Q6_K GGUF, 262k-token vocabulary)",
+            [*el, "vocab", str(kquant_gguf), "--json"],
+            [sys.executable, "-c", READ_AND_DEQUANTISE, *embedding_args(kquant_gguf)],
             "reading and dequantising the embedding once with numpy", budget=1.5),
         Row("vocab --against itself (Q8_0 GGUF, 262k-token vocabulary)",
             [*el, "vocab", str(vocab_gguf), "--against", str(vocab_gguf), "--json"],
@@ -692,6 +725,7 @@ def main() -> None:
     if args.build_only:
         qwen_checkpoint(args.quick, build=True)
         large_vocab_gguf(args.quick, build=True)
+        large_vocab_gguf(args.quick, build=True, qtype="Q6_K")
         rounded_smollm2(args.quick, build=True)
         write_prompts(CACHE / "prompts-english.txt", PROMPT_WORDS)
         write_prompts(CACHE / "prompts-words.txt", [*QUERIES, "man", "woman", "dog", "two"])
@@ -723,7 +757,8 @@ def main() -> None:
             server.communicate("")
     floor = floors(qwen, smol, args.quick)  # last: it imports numpy and torch here
     if any(r.name.startswith("vocab") for r in table):
-        floor.update(vocab_floor(large_vocab_gguf(args.quick, build=False)))
+        for qtype in ("Q8_0", "Q6_K"):
+            floor.update(vocab_floor(large_vocab_gguf(args.quick, build=False, qtype=qtype)))
     print_table(table, floor, runs)
     missing = [r.name for r in table if not r.times or (r.baseline and not r.base_times)]
     if missing:

@@ -347,7 +347,12 @@ def _builds_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from embedlens.model import tokenizer
 
     built: list[str] = []
-    for name in ("vocab_from_gguf", "gguf_tokenizer", "_byte_level", "_sentencepiece"):
+    for name in (
+        "vocab_from_gguf",
+        "gguf_tokenizer",
+        "byte_level_tokenizer",
+        "sentencepiece_tokenizer",
+    ):
         real = getattr(tokenizer, name)
 
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -362,7 +367,8 @@ def _rows_without_the_tokenizer(
     cli: Any, path: Path, ids: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """addr on rows given as ids builds no whole tokenizer, and its report (so its JSON and its
-    table) is the one the whole tokenizer gives; a row given as text still builds it."""
+    table) is the one the whole tokenizer gives; a row given as text builds a tokenizer of the
+    pieces it can be made of, not the whole one, and gives the same report too."""
     from embedlens.analysis.addr import addr, addr_report
     from embedlens.io.gguf import read_gguf_header
     from embedlens.io.source import resolve
@@ -380,8 +386,12 @@ def _rows_without_the_tokenizer(
     data = cli.json("addr", path, *texts)
     assert [r["token"] for r in data["rows"]] == [whole.text(i) for i in ids]
     assert built == []
-    addr(path, [ids[0], " king"])
-    assert "vocab_from_gguf" in built
+    mixed = [texts[0], " king", "king"]
+    expected = addr_report(
+        str(path), table, whole, mixed, tokens=None, tp=None, check=True, notes=list(table.notes)
+    )
+    assert addr(path, mixed) == expected
+    assert "vocab_from_gguf" not in built
 
 
 @pytest.mark.parametrize("make", [_byte_level_gguf, _sentencepiece_gguf])

@@ -219,3 +219,60 @@ def _imports_of(*argv: Any) -> tuple[Any, set[str], list[str]]:
     lines = result.stderr.splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
     return result, imported, [line for line in lines if not line.startswith("import time:")]
+
+
+def _targets_file(path: Path, bad: str, good: tuple[str, str] = (" Paris", " Rome")) -> Path:
+    lines = [
+        {"prompt": "The capital of France is", "target": good[0]},
+        {"prompt": "The capital of Germany is"},
+        {"prompt": "The capital of China is", "target": bad},
+        {"prompt": "The capital of Italy is", "target": good[1]},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_a_bad_target_in_a_prompts_file_is_refused_from_the_gguf(tmp_path):
+    """lens GGUF --prompts FILE, line 3's target not one token of the file's vocabulary:
+    refused with its line number from embedlens' own reading of the tokenizer, before torch or
+    transformers is imported; with --skip-bad it is left to the late check to count."""
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.model.tokenizer import vocab_from_gguf
+    from tests.gemma_vocab import gemma_like_vocab
+    from tests.test_vocab import _write_gguf
+
+    tokens, scores, types = gemma_like_vocab(3000)
+    model = _write_gguf(tmp_path / "sp.gguf", tokens, model="llama", scores=scores, types=types)
+    vocab = vocab_from_gguf(read_gguf_header(model))
+    assert len(vocab.encode("king")) == len(vocab.encode("queen")) == 1
+    prompts = _targets_file(tmp_path / "p.jsonl", "kingqueenzz", ("king", "queen"))
+    result, imported, said = _imports_of("lens", model, "--prompts", prompts)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert said[0].startswith("error: line 3: --target 'kingqueenzz' is not a single token: ")
+    assert not imported & {"torch", "transformers"}
+    result, imported, _ = _imports_of("lens", model, "--prompts", prompts, "--skip-bad")
+    assert "transformers" in imported  # not refused early: the run goes on to load the model
+
+
+def test_a_bad_target_in_a_prompts_file_says_what_the_late_check_says(smollm2, tmp_path):
+    """On SmolLM2's GGUF: the refusal before transformers loads has the words, line number and
+    hint of the late check (a tokenizer given, so none is built from the file)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    for target in ("北京", "queen"):
+        prompts = _targets_file(tmp_path / "p.jsonl", target)
+        result, imported, said = _imports_of("lens", smollm2, "--prompts", prompts)
+        assert (result.returncode, result.stdout) == (2, "")
+        assert not imported & {"torch", "transformers"}, target
+        with pytest.raises(UsageError) as late:
+            embedlens.lens_prompts(smollm2, embedlens_source(prompts), tokenizer=tok)
+        assert said[0] == "error: " + late.value.message
+        assert said[1] == "hint: " + str(late.value.hint)
+        assert late.value.message.startswith(f"line 3: --target '{target}'")
+
+
+def embedlens_source(path: Path) -> Any:
+    from embedlens.model.prompts import PromptSource
+
+    return PromptSource.open(path)

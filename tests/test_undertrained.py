@@ -100,3 +100,67 @@ def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypa
         assert np.array_equal(stats.mean_distance, first.mean_distance)
     single = np.asarray(rows.take(reference), dtype=np.float64).mean(axis=0)
     assert np.allclose(mean, single, rtol=1e-5, atol=1e-7)
+
+
+_SCALE_BYTES = {  # where a block keeps its float16 scales
+    "Q6_K": slice(-2, None),
+    "Q4_K": slice(0, 4),
+    "Q2_K": slice(-4, None),
+    "Q5_0": slice(0, 2),
+    "IQ4_NL": slice(0, 2),
+}
+
+
+@pytest.mark.parametrize("qtype", [*_SCALE_BYTES, "BF16", "F16"])
+def test_gguf_typed_rows_are_ggufs_in_few_calls(tmp_path, monkeypatch, qtype):
+    """Rows of types read through the gguf package's formulas: the values its dequantize()
+    gives, from blocks and from scattered rows, but in calls of many rows (dequantize() makes
+    one call per 16 rows: a [262144, 1024] Q6_K table took seconds)."""
+    import gguf
+    from gguf import quants
+
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate, open_rows
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    elems, size = gguf.GGML_QUANT_SIZES[kind]
+    n, width = 3000, 512
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, (n, width // elems, size), dtype=np.uint8)
+    if qtype in ("BF16", "F16"):  # finite values
+        values = rng.standard_normal((n, width)).astype(np.float32)
+        data = (values.view(np.uint32) >> 16).astype(np.uint16) if qtype == "BF16" else values
+        data = data.astype(np.float16) if qtype == "F16" else data
+        data = data.view(np.uint8).reshape(n, width // elems, size)
+    else:  # each block's float16 scales small and finite
+        at = _SCALE_BYTES[qtype]
+        count = len(range(size)[at]) // 2
+        scales = rng.uniform(1e-4, 1e-3, (n, width // elems, count)).astype(np.float16)
+        data[:, :, at] = scales.view(np.uint8).reshape(n, width // elems, 2 * count)
+    path = tmp_path / f"table.{qtype}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(width)
+    writer.add_tensor("token_embd.weight", data.reshape(n, -1), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    raw = data.reshape(n, -1)
+    whole = quants.dequantize(raw, kind).reshape(n, width)
+    assert np.isfinite(whole).all()
+    own = getattr(quants, qtype, None)
+    calls: list[int] = []
+    if own is not None:
+        real = own.dequantize_rows.__func__
+        monkeypatch.setattr(
+            own, "dequantize_rows", classmethod(lambda c, r: calls.append(len(r)) or real(c, r))
+        )
+    source = resolve(str(path))
+    rows = open_rows(source, locate(source, "input"))
+    blocks = [rows.block(s, min(n, s + rows.pass_rows)) for s in range(0, n, rows.pass_rows)]
+    assert np.array_equal(np.concatenate(blocks).view(np.uint32), whole.view(np.uint32))
+    ids = [2999, 7, 1500, 7, 42]
+    assert np.array_equal(rows.take(ids).view(np.uint32), whole[ids].view(np.uint32))
+    if own is not None:  # 1 MiB of float32 at a call: 512 rows of 512
+        assert calls and max(calls) == 512 and len(calls) <= n // 512 + 3

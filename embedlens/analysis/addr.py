@@ -24,6 +24,7 @@ from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.reference import gguf_reader_rows, raw_row, safetensors_rows
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model import words
+from embedlens.model.gguf_words import words_vocab
 from embedlens.model.matrix import Table, Which, check_matrix, check_row_range, locate
 from embedlens.model.tokenizer import Vocab, load_vocab
 from embedlens.reports.addr import AddrReport, AddrRow, Costs, ReadCheck, TpPlace, TpSplit
@@ -333,8 +334,10 @@ def _addr(
     ids = row_ids(texts)
     vocab: Vocab | None
     try:
-        # Rows given as ids need only their own tokens, not the whole tokenizer.
-        vocab = load_vocab(source, table.checkpoint.gguf, only=ids)
+        # Rows given as ids need only their own tokens, words only the pieces they can be
+        # built from: neither the whole tokenizer.
+        gguf = table.checkpoint.gguf
+        vocab = words_vocab(source, gguf) if ids is None else load_vocab(source, gguf, only=ids)
     except UnsupportedError as e:
         if ids is None:  # a row given as text cannot be read without the tokenizer
             raise

@@ -21,6 +21,7 @@ from embedlens.errors import CheckpointError, EmbedlensError, UsageError
 from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import resolve as resolve_source
 from embedlens.model import words
+from embedlens.model.gguf_words import words_vocab
 from embedlens.model.matrix import (
     Rows,
     Table,
@@ -30,7 +31,7 @@ from embedlens.model.matrix import (
     locate,
     open_rows,
 )
-from embedlens.model.tokenizer import Vocab, load_vocab
+from embedlens.model.tokenizer import Vocab
 from embedlens.model.words import Pool, check_pool, literal_note, pooled, unquoted
 from embedlens.reports.neighbors import (
     Neighbor,
@@ -393,7 +394,7 @@ def neighbors(
     spec = os.fspath(model)
     source = resolve_source(spec, revision)
     table = locate(source, which)
-    vocab = load_vocab(source, table.checkpoint.gguf)
+    vocab = words_vocab(source, table.checkpoint.gguf)
     real = min(vocab.size, table.rows)
     words_given = [queries] if isinstance(queries, str) else list(queries)
     found = resolve(vocab, words_given, list(ids), real=real, total=table.rows, pool=pool)

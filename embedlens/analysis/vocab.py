@@ -16,10 +16,10 @@ from pathlib import Path
 
 from embedlens.analysis.undertrained import Matrix, ReferenceRows, Tokens, scan
 from embedlens.analysis.vocab_diff import compare
-from embedlens.analysis.vocab_fingerprint import entries, pieces_by_id, read_fingerprint
+from embedlens.analysis.vocab_facts import VocabFacts, facts_of, model_vocab
+from embedlens.analysis.vocab_fingerprint import read_fingerprint
 from embedlens.analysis.vocab_layout import (
     added_ids,
-    find_unreachable,
     layout_problems,
     read_layout,
     reference_rows,
@@ -88,14 +88,13 @@ def vocab(
     source = resolve(model, revision)
     table = locate(source, "output")
     if tokenizer is None:
-        gguf = table.checkpoint.gguf
-        vocab_used = load_vocab(source, gguf)
-        merged = byte_level_merge_results(gguf) if gguf is not None else None
+        vocab_used, facts = model_vocab(source, table.checkpoint.gguf)
         origin = vocab_used.origin
     else:
         (vocab_used, merged), origin = _load_other(tokenizer), tokenizer
+        facts = facts_of(vocab_used, merged)
     other = load_other(against) if against is not None else None
-    report = _static(model, origin, vocab_used, source, table, merged, shows_all=all)
+    report = _static(model, origin, vocab_used, facts, source, table, shows_all=all)
     scanned, fit = report.undertrained, None
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
@@ -126,28 +125,25 @@ def _static(
     model: str,
     origin: str,
     vocab: Vocab,
+    facts: VocabFacts,
     source: ModelSource,
     table: Table,
-    merged: frozenset[str] | None,
     *,
     shows_all: bool,
 ) -> VocabReport:
-    """Everything that reads headers, the tokenizer and one matrix. Unreachable tokens are the
-    tokenizer's, all of them (the same whatever weights it is checked against); the scan reads
-    the rows there are."""
+    """Everything that reads headers, the tokenizer's facts and the matrices. Unreachable
+    tokens are the tokenizer's, all of them (the same whatever weights it is checked against);
+    the scan reads the rows there are."""
     layout = read_layout(vocab, table)
     problems = layout_problems(layout)
-    pieces = pieces_by_id(vocab)
-    raw = entries(vocab, pieces)
-    unreachable, every_kind = find_unreachable(vocab, vocab.size, pieces, raw, merged)
-    kinds = {i: kind for i, kind in every_kind.items() if i < table.rows}
-    prints = read_fingerprint(vocab, table, raw)
+    kinds = _below(facts.kinds, table.rows)
+    prints = read_fingerprint(facts.fingerprint, table)
     if prints.matches is False:
         problems.append(
             f"the weights' metadata names tokenizer hash {prints.metadata_value} "
             "but this vocabulary's fingerprint differs"
         )
-    reference = reference_rows(vocab, kinds, table.rows, pieces)
+    reference = reference_rows(vocab.size, kinds, table.rows, facts.named_unused)
     tokens = _tokens(vocab, reference, kinds, table.rows)
     scanned = scan(_matrices(source, table), vocab, tokens, all_tokens=True)
     problems.extend(_untrained_added(scanned))
@@ -159,7 +155,7 @@ def _static(
         tokenizer=origin,
         layout=layout,
         fingerprint=prints,
-        unreachable=unreachable,
+        unreachable=facts.unreachable,
         undertrained=scanned,
         against=None,
         fit=None,
@@ -167,6 +163,13 @@ def _static(
         notes=notes,
         shows_all=shows_all,
     )
+
+
+def _below(kinds: dict[int, str], rows: int) -> dict[int, str]:
+    """The ids below `rows` (kinds are by id, in order: all of them when the last is)."""
+    if not kinds or next(reversed(kinds)) < rows:
+        return kinds
+    return {i: kind for i, kind in kinds.items() if i < rows}
 
 
 def _untrained_added(scanned: Undertrained) -> list[str]:

@@ -30,6 +30,7 @@ def byte_level(vocab: Vocab) -> bool:
 
 def pieces_by_id(vocab: Vocab) -> list[str | None]:
     """Every id's vocabulary entry as stored (None for an id without one), in one call."""
+    vocab = vocab.whole()
     if vocab.pieces is not None:  # read with the GGUF: asking the tokenizer takes 0.5 s at 262k
         return list(vocab.pieces)
     pieces: list[str | None] = [None] * vocab.size
@@ -74,9 +75,8 @@ def _entries_blob(raw: list[bytes]) -> bytes:
     return out.tobytes()
 
 
-def read_fingerprint(vocab: Vocab, table: Table, raw: list[bytes]) -> Fingerprint:
-    """The fingerprint, and whether a tokenizer hash in the weights' metadata matches it."""
-    sha = fingerprint(vocab, raw)
+def read_fingerprint(sha: str, table: Table) -> Fingerprint:
+    """The fingerprint `sha`, and whether a tokenizer hash in the weights' metadata matches it."""
     key, value = metadata_hash(table)
     return Fingerprint(sha, key, value, None if value is None else same_hash(value, sha))
 

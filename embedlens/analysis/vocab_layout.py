@@ -23,11 +23,12 @@ from embedlens.reports.vocab import Layout, Unreachable, UnreachableToken
 BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
 LISTED = 100  # unreachable tokens listed per kind (all are counted)
+_NEVER_PRODUCED = frozenset({"single_byte", "shadowed", "unmerged", "byte_fallback"})
 
 
 def added_ids(vocab: Vocab) -> list[int]:
     """Ids of the tokens added on top of the tokenizer's model (specials included), sorted."""
-    return sorted(vocab.tokenizer.get_added_tokens_decoder())
+    return sorted(vocab.added)
 
 
 def read_layout(vocab: Vocab, table: Table) -> Layout:
@@ -69,10 +70,10 @@ def _placement(added: list[int], size: int) -> tuple[str, list[int]]:
     if not added:
         return "none", []
     taken = set(added)
-    ordinary = [i for i in range(size) if i not in taken]
-    if not ordinary:
+    low = next((i for i in range(size) if i not in taken), None)
+    if low is None:
         return "start", []
-    low, high = ordinary[0], ordinary[-1]
+    high = next(i for i in range(size - 1, -1, -1) if i not in taken)
     inside = [i for i in added if low < i < high]
     if inside:
         return "inside", inside
@@ -231,15 +232,20 @@ def _kind(piece: str, raw: bytes) -> str:
     return "shadowed"
 
 
+def named_unused(pieces: list[str | None]) -> list[int]:
+    """The ids whose entry names itself unused or reserved (<unused12>, [unused7], ...)."""
+    return [i for i, p in enumerate(pieces) if p and p[0] in "<[" and _UNUSED_NAME.match(p)]
+
+
 def reference_rows(
-    vocab: Vocab, unreachable: dict[int, str], rows: int, pieces: list[str | None]
+    size: int, unreachable: dict[int, str], rows: int, named: list[int]
 ) -> ReferenceRows:
-    """Rows known unused: padding, tokens never produced as themselves, tokens named unused."""
-    ids: dict[int, str] = {i: "padding" for i in range(vocab.size, rows)}
-    for i, kind in unreachable.items():
-        if kind in ("single_byte", "shadowed", "unmerged", "byte_fallback"):
-            ids[i] = kind
-    for i, piece in enumerate(pieces[:rows]):
-        if piece and piece[0] in "<[" and _UNUSED_NAME.match(piece):
-            ids[i] = "named_unused"
+    """Rows known unused: padding (rows from the tokenizer's `size` on), tokens never produced
+    as themselves, tokens named unused (`named`, from named_unused)."""
+    ids: dict[int, str] = dict.fromkeys(range(size, rows), "padding")
+    if set(unreachable.values()) <= _NEVER_PRODUCED:  # every one (no partial_utf8): at C speed
+        ids.update(unreachable)
+    else:
+        ids.update({i: kind for i, kind in unreachable.items() if kind in _NEVER_PRODUCED})
+    ids.update(dict.fromkeys((i for i in named if i < rows), "named_unused"))
     return ReferenceRows(ids)

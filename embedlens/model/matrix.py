@@ -9,8 +9,9 @@ fetched (embedlens.io.ranges).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.io.checkpoint import (
@@ -42,6 +43,7 @@ _SAFETENSORS_NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
 _BLOCK_BYTES = 2 << 20
 _GGUF_BLOCK_BYTES = 16 << 20
 _PASS_BYTES = 1 << 20
+_PIECE_BYTES = 1 << 20  # float32 bytes of a K-quant (or other gguf-read type) dequantised at a call
 _Q8_0 = (32, 34)  # elements and bytes of a Q8_0 block: a float16 scale and 32 int8 values
 
 
@@ -154,14 +156,11 @@ class Rows:
         self.entry = entry
         self.shape = (entry.shape[0], entry.shape[-1])
         v, d = self.shape
-        self._qtype: object | None = None
-        if fmt == "gguf":
-            import gguf
-
-            try:
-                self._qtype = gguf.GGMLQuantizationType[entry.dtype]
-            except KeyError as e:
-                raise UnsupportedError(f"gguf cannot read ggml type {entry.dtype}") from e
+        self._gguf = fmt == "gguf"
+        self._dequantize: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]] | None = None
+        if self._gguf:
+            if not self._q8_0:  # Q8_0 is read here, without importing gguf (0.1 s)
+                self._dequantize = _dequantizer(entry.dtype)
             self._map = np.memmap(
                 entry.path,
                 np.uint8,
@@ -192,8 +191,9 @@ class Rows:
         """Rows per block for a pass that multiplies each block by a few vectors: 1 MiB of
         float32 stays in cache and its product runs on one BLAS thread (larger ones start
         threads that wait on each other when the cores are busy: four times the CPU time);
-        GGUF types that gguf's dequantize() reads keep its larger blocks (a fixed cost a call)."""
-        if self._qtype is not None and not self._q8_0:
+        other GGUF types (read through gguf's formulas, in pieces of their own) keep the larger
+        blocks their passes have always summed, so their figures stay the same."""
+        if self._gguf and not self._q8_0:
             return self.block_rows
         return max(1, _PASS_BYTES // (4 * self.shape[1]))
 
@@ -206,13 +206,10 @@ class Rows:
     ) -> npt.NDArray[np.float32]:
         import numpy as np
 
-        if self._qtype is not None and self._q8_0:
+        if self._gguf and self._q8_0:
             return _dequantize_q8_0(raw, self.shape[1], out)
-        if self._qtype is not None:
-            from gguf.quants import dequantize
-
-            rows = dequantize(np.ascontiguousarray(raw), self._qtype)  # type: ignore[arg-type]
-            return np.asarray(rows, dtype=np.float32).reshape(raw.shape[0], self.shape[1])
+        if self._dequantize is not None:
+            return _in_pieces(self._dequantize, raw, self.shape[1], out)
         if self.entry.dtype == "F32":
             return np.asarray(raw, dtype=np.float32)
         if out is None:
@@ -246,8 +243,7 @@ class Rows:
         import numpy as np
 
         raw: npt.NDArray[np.generic] = self._map[np.asarray(ids, dtype=np.int64)]
-        rows: npt.NDArray[np.float32] = self._convert(raw).copy()
-        return rows
+        return self._convert(raw)  # a new array: every conversion writes a fresh one
 
 
 def _dequantize_q8_0(
@@ -266,6 +262,45 @@ def _dequantize_q8_0(
     grouped = result.reshape(n, groups, 32)
     np.copyto(grouped, values, casting="unsafe")  # int8 to float32, exact
     np.multiply(grouped, scales[:, :, None], out=grouped)
+    return result
+
+
+def _dequantizer(dtype: str) -> Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]]:
+    """The `gguf` package's formula for a ggml type, taking rows of its blocks: the type's
+    own class called on the rows given (gguf's dequantize() splits them into calls of 16 rows
+    each, a fixed cost a call)."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    try:
+        qtype = gguf.GGMLQuantizationType[dtype]
+    except KeyError as e:
+        raise UnsupportedError(f"gguf cannot read ggml type {dtype}") from e
+    own: Any = getattr(quants, dtype, None)
+    if getattr(own, "qtype", None) == qtype and hasattr(own, "dequantize_rows"):
+        own.init_grid()  # what dequantize() does first (the grid types' lookup tables)
+        return lambda raw: np.asarray(own.dequantize_rows(raw), dtype=np.float32)
+    return lambda raw: np.asarray(quants.dequantize(raw, qtype), dtype=np.float32)
+
+
+def _in_pieces(
+    dequantize: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]],
+    raw: npt.NDArray[np.generic],
+    width: int,
+    out: npt.NDArray[np.uint32] | None,
+) -> npt.NDArray[np.float32]:
+    """Rows dequantised _PIECE_BYTES of float32 at a call (the formulas' temporaries stay in
+    cache), into `out` when given; each value is what one call on all the rows gives (the
+    formulas work block by block)."""
+    import numpy as np
+
+    n = raw.shape[0]
+    result = np.empty((n, width), np.float32) if out is None else out.view(np.float32)
+    step = max(1, _PIECE_BYTES // (4 * width))
+    for start in range(0, n, step):
+        piece = np.ascontiguousarray(raw[start : start + step]).view(np.uint8)
+        result[start : start + step] = dequantize(piece).reshape(piece.shape[0], width)
     return result
 
 

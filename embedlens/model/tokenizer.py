@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
@@ -28,7 +28,8 @@ from embedlens.text import error_line
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+GGUF_ORIGIN = "GGUF metadata"
 _STRING = 8  # GGUF metadata value type of a string
 _NUMBERS = frozenset({0, 1, 2, 3, 4, 5, 6, 10, 11, 12})  # GGUF integer and float types
 _UNPACK = dict(zip(sorted(_NUMBERS), "BbHhIifQqd", strict=True))  # their struct codes
@@ -53,11 +54,29 @@ _GGUF_SPLITS = {
 }
 
 
+class Texts(Protocol):
+    """Every id's text, by id."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, token_id: int, /) -> str: ...
+
+
+class Reader(Protocol):
+    """Reads text with a few of a vocabulary's pieces at a time (gguf_words.WordReader)."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def lookup(self, text: str) -> int | None: ...
+    def piece(self, token_id: int) -> str | None: ...
+    def decode(self, token_id: int) -> str: ...
+
+
 @dataclass(frozen=True)
 class Vocab:
     """A loaded tokenizer and the facts about its ids that the table commands need."""
 
-    tokenizer: Tokenizer
+    built: Tokenizer | None
+    """The tokenizer; None for a vocabulary known from facts kept beside it (`loads` builds it
+    when something asks: `tokenizer`)."""
     size: int
     """len(tokenizer): the ids below it are real tokens, rows at or beyond it are padding."""
     special_ids: frozenset[int]
@@ -69,34 +88,73 @@ class Vocab:
     refuses to encode or look up text."""
     pieces: tuple[str | None, ...] | None = field(default=None, compare=False, repr=False)
     """Every id's entry as the tokenizer stores it, when known without asking it (a GGUF)."""
+    added: frozenset[int] = frozenset()
+    """The ids of the tokens added on top of the tokenizer's model (specials included)."""
+    texts: Texts | None = field(default=None, compare=False, repr=False)
+    """Every id's text (`text`), when known without asking the tokenizer (kept facts)."""
+    loads: Callable[[], Vocab] | None = field(default=None, compare=False, repr=False)
+    """Builds the whole vocabulary when `built` is None."""
+    reader: Reader | None = field(default=None, compare=False, repr=False)
+    """Encodes, looks up and shows tokens in place of the tokenizer (built when `built` is
+    None and something else asks for it)."""
     _text: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+    _whole: list[Vocab] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, built on first use when only kept facts were read."""
+        if self.built is not None:
+            return self.built
+        tok = self.whole().built
+        assert tok is not None
+        return tok
+
+    def whole(self) -> Vocab:
+        """This vocabulary with its tokenizer built (itself when it has one)."""
+        if self.built is not None:
+            return self
+        if not self._whole:
+            assert self.loads is not None, "a Vocab without a tokenizer has a loader"
+            self._whole.append(self.loads())
+        return self._whole[0]
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, no special tokens added (no BOS)."""
-        self._whole()
+        self._refuse_text()
+        if self.reader is not None:
+            return self.reader.encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def _whole(self) -> None:
+    def _refuse_text(self) -> None:
         if self.only is not None:
             raise ValueError("this vocabulary holds only some ids: it cannot read text")
 
     def piece(self, token_id: int) -> str | None:
         """The vocabulary entry as stored ('Ġking', '▁king'), or None outside the vocabulary."""
+        if self.reader is not None:
+            return self.reader.piece(token_id)
         return self.tokenizer.id_to_token(token_id)
 
     def text(self, token_id: int) -> str:
         """One token's exact decoded text, its bytes as \\xNN when it is a partial UTF-8 sequence."""
+        if self.texts is not None and 0 <= token_id < len(self.texts):
+            return self.texts[token_id]
         if token_id in self._text:
             return self._text[token_id]
         piece = self.piece(token_id)
-        decoded = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if self.reader is not None:
+            decoded = self.reader.decode(token_id)
+        else:
+            decoded = self.tokenizer.decode([token_id], skip_special_tokens=False)
         shown = token_text(decoded, piece)
         self._text[token_id] = shown
         return shown
 
     def lookup(self, text: str) -> int | None:
         """The id of the vocabulary entry spelled exactly `text` (stored form), if there is one."""
-        self._whole()
+        self._refuse_text()
+        if self.reader is not None:
+            return self.reader.lookup(text)
         return self.tokenizer.token_to_id(text)
 
 
@@ -207,6 +265,14 @@ def _unsupported_kind(header: GGUFHeader, kind: str) -> UnsupportedError:
     )
 
 
+def check_gguf_kind(header: GGUFHeader, meta: GGUFTokenizer) -> None:
+    """UnsupportedError naming the file when embedlens does not rebuild its kind of vocabulary
+    or it has nothing to build its merges from."""
+    _check_merges(header, meta.kind, meta.merges is not None, meta.scores is not None)
+    if meta.kind not in ("gpt2", "llama"):
+        raise _unsupported_kind(header, meta.kind)
+
+
 def _check_merges(header: GGUFHeader, kind: str, merges: bool, scores: bool) -> None:
     """UnsupportedError naming the file when its BPE vocabulary has no merges to build from."""
     if kind == "gpt2" and not merges:
@@ -279,20 +345,18 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE), or load
     the one built before from the same metadata (tokenizer_cache)."""
     meta = gguf_tokenizer(header)
-    kind, tokens, types, merges = meta.kind, meta.tokens, meta.types, meta.merges
-    _check_merges(header, kind, merges is not None, meta.scores is not None)
-    if kind not in ("gpt2", "llama"):
-        raise _unsupported_kind(header, kind)
-    spelled = _byte_alphabet_spelling(tokens) if kind == "gpt2" else tokens
+    kind, tokens, types = meta.kind, meta.tokens, meta.types
+    check_gguf_kind(header, meta)
+    spelled = byte_alphabet_spelling(tokens) if kind == "gpt2" else tokens
     key = tokenizer_cache.tokenizer_key(header)
     tok = tokenizer_cache.load(key)
     if tok is None:
         tok = _build_gguf_tokenizer(header, meta, spelled)
         tokenizer_cache.store(key, tok)
     unk = header.meta("tokenizer.ggml.unknown_token_id")
-    special = {i for i, t in enumerate(types) if t == _CONTROL}
-    vocab = _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
-    return replace(vocab, pieces=_stored_pieces(spelled, vocab.size))
+    special = {i for i, t in enumerate(types) if t == CONTROL}
+    vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
+    return replace(vocab, pieces=stored_pieces(spelled, vocab.size))
 
 
 def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list[str]) -> Tokenizer:
@@ -300,11 +364,18 @@ def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list
     CheckpointError when the Rust side finds them inconsistent."""
     try:
         if meta.kind == "gpt2":
-            tok = _byte_level(spelled, meta.merges, header.meta("tokenizer.ggml.pre"))
+            assert meta.merges is not None, "vocab_from_gguf checks that it has merges"
+            tok = byte_level_tokenizer(
+                first_ids(spelled), meta.merges, header.meta("tokenizer.ggml.pre")
+            )
         else:
             add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
-            tok = _sentencepiece(meta.tokens, meta.merges, meta.scores, add_space=bool(add_space))
-        _add_gguf_tokens(tok, meta.tokens, meta.types, byte_level=meta.kind == "gpt2")
+            scores = (
+                None if meta.scores is None else dict(zip(meta.tokens, meta.scores, strict=False))
+            )
+            vocab = first_ids(meta.tokens)
+            tok = sentencepiece_tokenizer(vocab, meta.merges, scores, add_space=bool(add_space))
+        add_gguf_tokens(tok, meta.tokens, meta.types, byte_level=meta.kind == "gpt2")
     except (UnsupportedError, CheckpointError):
         raise
     except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
@@ -314,18 +385,18 @@ def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list
     return tok
 
 
-def _stored_pieces(spelled: list[str], size: int) -> tuple[str | None, ...]:
+def stored_pieces(spelled: list[str], size: int) -> tuple[str | None, ...]:
     """What get_vocab gives by id for a vocabulary built from these entries: each entry at its
     first id (a repeated entry's later ids have none), ids from `size` on left out."""
     if len(set(spelled)) == len(spelled):  # no entry repeated: each at its own id
         pieces: list[str | None] = list(spelled[:size])
     else:
-        first = _first_ids(spelled)
+        first = first_ids(spelled)
         pieces = [t if first[t] == i else None for i, t in enumerate(spelled[:size])]
     return tuple(pieces + [None] * (size - len(pieces)))
 
 
-def _first_ids(tokens: list[str]) -> dict[str, int]:
+def first_ids(tokens: list[str]) -> dict[str, int]:
     """Each entry's first id (a repeated entry's later ids lose), built at C speed."""
     return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
 
@@ -373,15 +444,15 @@ def gguf_rows_vocab(header: GGUFHeader, ids: Iterable[int]) -> Vocab:
     tokens = [pieces[i] for i in order]
     kinds = [int(types.get(i, 0)) for i in order]
     try:
-        tok = _partial_tokenizer(dict(zip(tokens, order, strict=True)), byte_level=kind == "gpt2")
-        _add_gguf_tokens(tok, tokens, kinds, byte_level=kind == "gpt2")
+        tok = partial_tokenizer(dict(zip(tokens, order, strict=True)), byte_level=kind == "gpt2")
+        add_gguf_tokens(tok, tokens, kinds, byte_level=kind == "gpt2")
     except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
         raise CheckpointError(
             f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
         ) from e
     unk = header.meta("tokenizer.ggml.unknown_token_id")
-    special = {i for i, t in zip(order, kinds, strict=True) if t == _CONTROL}
-    vocab = _wrap(tok, "GGUF metadata", unk=unk if isinstance(unk, int) else None, special=special)
+    special = {i for i, t in zip(order, kinds, strict=True) if t == CONTROL}
+    vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, size=value.count, only=frozenset(order))
 
 
@@ -402,7 +473,7 @@ def _numbers_at(header: GGUFHeader, key: str, ids: Iterable[int]) -> dict[int, A
     return value.items_at(ids)
 
 
-def _partial_tokenizer(vocab: dict[str, int], *, byte_level: bool) -> Tokenizer:
+def partial_tokenizer(vocab: dict[str, int], *, byte_level: bool) -> Tokenizer:
     """A tokenizer of just these pieces (ids kept), decoding as the whole one decodes."""
     from tokenizers import Tokenizer, models
 
@@ -419,9 +490,10 @@ def _wrap(
     tok: Tokenizer, origin: str, *, unk: int | None, special: Iterable[int] | None = None
 ) -> Vocab:
     ids = set(special or ())
-    ids.update(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    added = tok.get_added_tokens_decoder()
+    ids.update(i for i, t in added.items() if t.special)
     size = tok.get_vocab_size(with_added_tokens=True)
-    return Vocab(tok, size, frozenset(ids), unk, origin)
+    return Vocab(tok, size, frozenset(ids), unk, origin, added=frozenset(added))
 
 
 def _unk_token(tok: Tokenizer) -> int | None:
@@ -477,12 +549,10 @@ def _strings(array: LazyArray) -> tuple[list[str], int | None]:
     return out, bad
 
 
-def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tokenizer:
-    """A byte-level BPE tokenizer of these tokens (spelled in the byte alphabet)."""
+def byte_level_tokenizer(vocab: dict[str, int], merges: list[str], pre: object) -> Tokenizer:
+    """A byte-level BPE tokenizer of these entries (spelled in the byte alphabet) and ids."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    assert merges is not None, "vocab_from_gguf checks that a byte-level vocabulary has merges"
-    vocab = _first_ids(tokens)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)  # type: ignore[arg-type]
     tok = Tokenizer(bpe)
@@ -500,7 +570,7 @@ def _byte_level(tokens: list[str], merges: list[str] | None, pre: object) -> Tok
     return tok
 
 
-def _byte_alphabet_spelling(tokens: list[str]) -> list[str]:
+def byte_alphabet_spelling(tokens: list[str]) -> list[str]:
     """The tokens in the byte alphabet: those stored as text respelled."""
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
@@ -531,21 +601,22 @@ def _sentencepiece_decoder() -> Any:
     )
 
 
-def _sentencepiece(
-    tokens: list[str],
+def sentencepiece_tokenizer(
+    vocab: dict[str, int],
     merges: list[str] | None,
-    scores: list[float] | None,
+    scores: dict[str, float] | None,
     *,
     add_space: bool,
 ) -> Tokenizer:
+    """A SentencePiece BPE tokenizer of these entries and ids, built by `merges` or else by
+    the merges `scores` imply."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = _first_ids(tokens)
     if merges is not None:
         pairs = [_merge_pair(m) for m in merges]
     else:
         assert scores is not None, "vocab_from_gguf checks for merges or scores"
-        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
+        pairs = _merges_from_scores(vocab, scores)
     unk = "<unk>" if "<unk>" in vocab else None
     bpe = models.BPE(
         vocab=vocab,
@@ -578,7 +649,7 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     return [(a, b) for a, b, _ in found]
 
 
-def _add_gguf_tokens(
+def add_gguf_tokens(
     tok: Tokenizer, tokens: list[str], types: list[int], *, byte_level: bool
 ) -> None:
     """Control tokens become special added tokens, user-defined ones plain added tokens."""
@@ -588,14 +659,14 @@ def _add_gguf_tokens(
     control = [
         AddedToken(t, special=True, normalized=False)
         for t, kind in zip(tokens, types, strict=False)
-        if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)
+        if kind == CONTROL and (alphabet is None or set(t) <= alphabet)
     ]
     if control:
         tok.add_special_tokens(control)
     user = [
         AddedToken(t, special=False, normalized=False)
         for t, kind in zip(tokens, types, strict=False)
-        if kind == _USER_DEFINED and tok.token_to_id(t) is not None
+        if kind == USER_DEFINED and tok.token_to_id(t) is not None
     ]
     if user:
         tok.add_tokens(user)

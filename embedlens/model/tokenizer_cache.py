@@ -8,7 +8,8 @@ of that. Each one is kept under `$EMBEDLENS_CACHE/tokenizers` (default
 the `tokenizers` version. A file whose tokenizer changes gets a new name, so an entry never
 outlives what it was built from; a file that changes elsewhere (its weights) keeps its entry,
 which still holds. The cache is an optimisation only: a missing, unreadable or damaged entry means
-the tokenizer is rebuilt, and a cache that cannot be written is left alone.
+the tokenizer is rebuilt, and a cache that cannot be written is left alone. What is derived from a
+tokenizer alone (analysis.vocab_facts) is kept beside it under the same key (`store_bytes`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,12 +87,30 @@ def load(key: str) -> Tokenizer | None:
 def store(key: str, tok: Tokenizer) -> None:
     """Keep a built tokenizer under its key: written to a temporary name, then renamed into
     place, so a reader never sees half a file; nothing happens when the cache is not writable."""
+    _write(f"{key}.json", lambda path: tok.save(str(path), pretty=False))
+
+
+def load_bytes(name: str) -> bytes | None:
+    """What is kept under `name` beside the tokenizers (facts derived from one), or None when
+    there is nothing or it cannot be read."""
+    try:
+        return (cache_dir() / name).read_bytes()
+    except OSError:
+        return None
+
+
+def store_bytes(name: str, data: bytes) -> None:
+    """Keep `data` under `name`, as `store` keeps a tokenizer."""
+    _write(name, lambda path: path.write_bytes(data))
+
+
+def _write(name: str, write: Callable[[Path], object]) -> None:
     folder = cache_dir()
-    tmp = folder / f".{key}.{os.getpid()}.partial"
+    tmp = folder / f".{name}.{os.getpid()}.partial"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tok.save(str(tmp), pretty=False)
-        os.replace(tmp, folder / f"{key}.json")
+        write(tmp)
+        os.replace(tmp, folder / name)
     except Exception:  # a read-only or full disk (OSError, or the Rust side's bare Exception)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

@@ -193,7 +193,8 @@ def lens_prompts(
         return many.check_all(source, ask, tok, config, template)
 
     check = _checked_with(lens_dir, check_lines)
-    with ready(model, tokenizer, loading, check) as (opened, (n_bad, bad)):
+    targets = functools.partial(many.check_targets, source, ask)
+    with ready(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
         through = _ready(lens_dir, opened)
         run = many.ManyRun(opened, ask, each, through, compare_logit=compare_logit)
         return run.all(source, n_bad, bad)

@@ -85,6 +85,20 @@ def check_file(source: PromptSource, ask: ManyAsk) -> None:
         raise _nothing_to_run(n_bad)
 
 
+def check_targets(source: PromptSource, ask: ManyAsk, one: Callable[[str], None]) -> None:
+    """Every line's target checked with `one` (a GGUF file's own tokenizer, before transformers
+    builds its): the first that is not one token stops the run with what `check_all` would
+    say of its line. With `skip_bad` they are left to `check_all` to count."""
+    if ask.skip_bad:
+        return
+    for line in source:
+        if isinstance(line, PromptLine) and line.target is not None:
+            try:
+                one(line.target)
+            except UsageError as e:
+                raise BadLine(line.line, e.message, hint=e.hint) from None
+
+
 def check_all(
     source: PromptSource, ask: ManyAsk, tokenizer: Any, config: Any, template: str
 ) -> tuple[int, list[BadLine]]:

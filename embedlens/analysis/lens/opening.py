@@ -21,10 +21,13 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.io.source import ModelSource
+    from embedlens.model.tokenizer import Vocab
 
 T = TypeVar("T")
 Check = Callable[[Any, Any, str], T]
 """(tokenizer, config, the chat template's name for messages) -> what was checked."""
+Targets = Callable[[Callable[[str], None]], None]
+"""Given a check of one --target (UsageError when it is not one token), checks many."""
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,23 @@ def ready(
     check: Check[T],
     own_template: bool = False,
     target: str | None = None,
+    targets: Targets | None = None,
 ) -> Iterator[tuple[Opened, T]]:
     """The model ready for the run (loaded from its files, or as the caller loaded it), with
     what `check` returned before any weight was read; `loading`: a `Load` for a model named by
-    its files, else the loading options given for a loaded one (refused). `own_template` and
-    `target`: as `from_files` takes them."""
+    its files, else the loading options given for a loaded one (refused). `own_template`,
+    `target` and `targets`: as `from_files` takes them."""
     if isinstance(loading, Load):
         assert isinstance(model, (str, os.PathLike))
         name = os.fspath(model)
         with from_files(
-            name, loading, tokenizer, check, own_template=own_template, target=target
+            name,
+            loading,
+            tokenizer,
+            check,
+            own_template=own_template,
+            target=target,
+            targets=targets,
         ) as opened:
             yield opened
     else:
@@ -77,11 +87,13 @@ def from_files(
     *,
     own_template: bool = False,
     target: str | None = None,
+    targets: Targets | None = None,
 ) -> Iterator[tuple[Opened, T]]:
     """The model named `name` loaded from its files (hub, folder or GGUF), after `check`.
     What the files alone can tell is refused before a tokenizer is built: `own_template`, the run
     needs the model's chat template (--chat without --chat-template) and they hold none;
-    `target`, a --target that is not one token of a GGUF file's vocabulary."""
+    `target`, a --target that is not one token of a GGUF file's vocabulary; `targets` is given
+    the same check for the targets of many prompts."""
     from embedlens.analysis.lens.prompt import no_chat_template
     from embedlens.io.source import resolve
     from embedlens.model import loading
@@ -93,8 +105,12 @@ def from_files(
         source = resolve(name, load.revision)
         if own_template and tokenizer is None and stored_template(source) is False:
             raise no_chat_template()
-        if target is not None and tokenizer is None and source.is_gguf:
-            _check_target(source, target)
+        if (target is not None or targets is not None) and tokenizer is None and source.is_gguf:
+            one = _target_check(source)
+            if target is not None:
+                one(target)
+            if targets is not None:
+                targets(one)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loading.check_source(source, trust_remote_code=trust)
@@ -120,8 +136,8 @@ def from_files(
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
 
 
-def _check_target(source: ModelSource, target: str) -> None:
-    """A --target checked with embedlens' own reading of a GGUF file's tokenizer (built from the
+def _target_check(source: ModelSource) -> Callable[[str], None]:
+    """A --target check with embedlens' own reading of a GGUF file's tokenizer (built from the
     header, kept in the tokenizer cache), which encodes to the ids of the one transformers builds
     (tests/test_tokenizer_cache.py): a target that is not one token is refused before that."""
     from embedlens.analysis.lens.prompt import single_token
@@ -129,10 +145,18 @@ def _check_target(source: ModelSource, target: str) -> None:
     from embedlens.model.tokenizer import vocab_from_gguf
 
     assert source.path is not None
-    vocab = vocab_from_gguf(read_gguf_header(source.path))
-    unk = vocab.unk_id
-    unk_token = None if unk is None else vocab.piece(unk)
-    single_token(target, vocab.encode, vocab.text, unk, unk_token)
+    path = source.path
+    built: list[Vocab] = []
+
+    def check(target: str) -> None:  # the tokenizer is built for the first target asked about
+        if not built:
+            built.append(vocab_from_gguf(read_gguf_header(path)))
+        vocab = built[0]
+        unk = vocab.unk_id
+        unk_token = None if unk is None else vocab.piece(unk)
+        single_token(target, vocab.encode, vocab.text, unk, unk_token)
+
+    return check
 
 
 @contextmanager

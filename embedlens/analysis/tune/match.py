@@ -148,7 +148,7 @@ def vocab_fingerprint(tokenizer: Any) -> str | None:
     if backend is None:
         return None
     vocab = Vocab(
-        tokenizer=backend,
+        built=backend,
         size=len(tokenizer),
         special_ids=frozenset(int(i) for i in tokenizer.all_special_ids),
         unk_id=tokenizer.unk_token_id,

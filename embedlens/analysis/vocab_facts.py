@@ -1,0 +1,170 @@
+"""What `vocab` reads from a tokenizer alone, and for a GGUF, kept beside its built tokenizer.
+
+The tokens the tokenizer never produces, the vocabulary's fingerprint, the entries named unused,
+and every id's text with the added and special ids depend on the tokenizer only; finding the
+unreachable tokens decodes and encodes every token. For a GGUF file they are kept in the
+tokenizer cache (`tokenizer_cache`) under the tokenizer's key and this module's FORMAT, so a later
+`vocab` on a file with the same tokenizer metadata reads them back instead of building the
+tokenizer (which is then built only if something else asks for it: --against, --verify,
+--check-fit). A missing or damaged entry means they are found again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+from embedlens.analysis.vocab_fingerprint import entries, fingerprint, pieces_by_id
+from embedlens.analysis.vocab_layout import find_unreachable, named_unused
+from embedlens.io.gguf import GGUFHeader
+from embedlens.io.source import ModelSource
+from embedlens.model import tokenizer_cache
+from embedlens.model.tokenizer import (
+    GGUF_ORIGIN,
+    Vocab,
+    byte_level_merge_results,
+    load_vocab,
+    vocab_from_gguf,
+)
+from embedlens.reports.vocab import Unreachable, UnreachableToken
+
+FORMAT = 1
+"""Raise when what is kept, or how it is found, changes."""
+
+
+@dataclass(frozen=True)
+class VocabFacts:
+    """A tokenizer's own facts: its fingerprint, the tokens it never produces (the report and
+    every such id's kind) and the ids of entries named unused."""
+
+    fingerprint: str
+    unreachable: Unreachable
+    kinds: dict[int, str]
+    named_unused: list[int]
+
+
+def facts_of(vocab: Vocab, merged: frozenset[str] | None) -> VocabFacts:
+    """Find the facts (`merged`: what a byte-level GGUF's merges build, when known)."""
+    pieces = pieces_by_id(vocab)
+    raw = entries(vocab, pieces)
+    unreachable, kinds = find_unreachable(vocab, vocab.size, pieces, raw, merged)
+    return VocabFacts(fingerprint(vocab, raw), unreachable, kinds, named_unused(pieces))
+
+
+def model_vocab(source: ModelSource, gguf: GGUFHeader | None) -> tuple[Vocab, VocabFacts]:
+    """The model's own vocabulary and its facts: for a GGUF, those kept for its tokenizer
+    metadata (the tokenizer left unbuilt until asked for), else found and kept."""
+    if gguf is None:
+        vocab = load_vocab(source)
+        return vocab, facts_of(vocab, None)
+    name = f"{tokenizer_cache.tokenizer_key(gguf)}.vocab{FORMAT}"
+    kept = _read(tokenizer_cache.load_bytes(name), gguf)
+    if kept is not None:
+        return kept
+    vocab = load_vocab(source, gguf)
+    facts = facts_of(vocab, byte_level_merge_results(gguf))
+    tokenizer_cache.store_bytes(name, _written(vocab, facts))
+    return vocab, facts
+
+
+# A kept entry: _MAGIC, the length of a JSON header (8 bytes, little-endian), the header, then
+# the arrays it names, each of native uint32 ('I') or uint8 ('B') items, in _ARRAYS' order.
+_MAGIC = f"embedlens vocab facts {FORMAT} {sys.byteorder}\n".encode()
+_ARRAYS = (("kind_ids", "I"), ("kind_codes", "B"), ("text_ends", "I"))
+
+
+def _written(vocab: Vocab, facts: VocabFacts) -> bytes:
+    """The entry's bytes: the small facts as JSON, every id's text packed (PackedTexts)."""
+    names = sorted(set(facts.kinds.values()))
+    code = {k: n for n, k in enumerate(names)}
+    texts = [vocab.text(i).encode("utf-8", "surrogatepass") for i in range(vocab.size)]
+    arrays = {
+        "kind_ids": array("I", facts.kinds),
+        "kind_codes": array("B", [code[k] for k in facts.kinds.values()]),
+        "text_ends": array("I", accumulate(map(len, texts))),
+    }
+    header = {
+        "size": vocab.size,
+        "special_ids": sorted(vocab.special_ids),
+        "unk_id": vocab.unk_id,
+        "added": sorted(vocab.added),
+        "fingerprint": facts.fingerprint,
+        "unreachable": {
+            "count": facts.unreachable.count,
+            "by_kind": facts.unreachable.by_kind,
+            "tokens": [[t.id, t.token, t.kind, t.encodes_as] for t in facts.unreachable.tokens],
+        },
+        "kind_names": names,
+        "named_unused": facts.named_unused,
+        "counts": {k: len(a) for k, a in arrays.items()},
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join(arrays[k].tobytes() for k, _ in _ARRAYS)
+    return _MAGIC + len(head).to_bytes(8, "little") + head + body + b"".join(texts)
+
+
+def _read(data: bytes | None, gguf: GGUFHeader) -> tuple[Vocab, VocabFacts] | None:
+    """The vocabulary and facts kept in `data`; None when there is none or it is damaged."""
+    if data is None or not data.startswith(_MAGIC):
+        return None
+    try:
+        view = memoryview(data)
+        at = len(_MAGIC) + 8
+        end = at + int.from_bytes(view[at - 8 : at], "little")
+        header = json.loads(view[at:end].tobytes())
+        arrays: dict[str, memoryview] = {}
+        for key, code in _ARRAYS:
+            n = int(header["counts"][key]) * (4 if code == "I" else 1)
+            part = view[end : end + n]
+            arrays[key] = part.cast("I") if code == "I" else part.cast("B")
+            end += n
+        ends = arrays["text_ends"]
+        if len(ends) != int(header["size"]) or (len(ends) and ends[-1] != len(view) - end):
+            return None
+        texts = PackedTexts(ends, view[end:])
+        return _vocab(header, texts, gguf), _facts(header, arrays)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+class PackedTexts:
+    """Every id's text as one UTF-8 blob and where each text ends: a text is decoded when
+    asked for (a run shows a few of 262,144)."""
+
+    def __init__(self, ends: memoryview, blob: memoryview) -> None:
+        self._ends, self._blob = ends, blob
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> str:
+        start = self._ends[i - 1] if i > 0 else 0
+        return bytes(self._blob[start : self._ends[i]]).decode("utf-8", "surrogatepass")
+
+
+def _vocab(header: dict[str, Any], texts: PackedTexts, gguf: GGUFHeader) -> Vocab:
+    unk = header["unk_id"]
+    return Vocab(
+        None,
+        int(header["size"]),
+        frozenset(int(i) for i in header["special_ids"]),
+        None if unk is None else int(unk),
+        GGUF_ORIGIN,
+        added=frozenset(int(i) for i in header["added"]),
+        texts=texts,
+        loads=lambda: vocab_from_gguf(gguf),
+    )
+
+
+def _facts(header: dict[str, Any], arrays: dict[str, memoryview]) -> VocabFacts:
+    listed = header["unreachable"]
+    tokens = [UnreachableToken(int(i), str(t), str(k), list(e)) for i, t, k, e in listed["tokens"]]
+    unreachable = Unreachable(int(listed["count"]), dict(listed["by_kind"]), tokens)
+    names = header["kind_names"]
+    codes = map(names.__getitem__, arrays["kind_codes"])
+    kinds = dict(zip(arrays["kind_ids"].tolist(), codes, strict=True))
+    return VocabFacts(str(header["fingerprint"]), unreachable, kinds, list(header["named_unused"]))
