@@ -13,6 +13,8 @@ the vectors and the solve float64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from embedlens.analysis.lens.tuned import Translators
@@ -24,25 +26,33 @@ RIDGE = 1e-4
 class LeastSquares:
     """Streamed sums for the least-squares translators of layers 0..L-1."""
 
-    def __init__(self, num_layers: int, width: int) -> None:
+    def __init__(
+        self, num_layers: int, width: int, shift: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """`shift`: the means subtracted (`means`), else the first batch's."""
         self.num_layers = num_layers
         self.width = width
         self.n = 0
-        self.shift_x: torch.Tensor | None = None
-        self.shift_y: torch.Tensor | None = None
+        self.shift_x: torch.Tensor | None = None if shift is None else shift[0]
+        self.shift_y: torch.Tensor | None = None if shift is None else shift[1]
         self.sum_x = torch.zeros(num_layers, width, dtype=torch.float64)
         self.sum_y = torch.zeros(width, dtype=torch.float64)
         self.xx = torch.zeros(num_layers, width, width, dtype=torch.float32)
         self.xy = torch.zeros(num_layers, width, width, dtype=torch.float32)
 
+    @staticmethod
+    def means(
+        residual: dict[int, torch.Tensor], num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's means at layers 0..L-1 ([L, d]) and at layer L ([d]): the shift."""
+        x = torch.stack([residual[i].detach().float().cpu().mean(0) for i in range(num_layers)])
+        return x, residual[num_layers].detach().float().cpu().mean(0)
+
     def add(self, residual: dict[int, torch.Tensor]) -> None:
         """Rows of one batch: residual[l] is [n, d] at layer l (0..L), the same rows at each."""
         last = residual[self.num_layers].detach().float().cpu()
         if self.shift_x is None:
-            self.shift_y = last.mean(0)
-            self.shift_x = torch.stack(
-                [residual[i].detach().float().cpu().mean(0) for i in range(self.num_layers)]
-            )
+            self.shift_x, self.shift_y = self.means(residual, self.num_layers)
         assert self.shift_x is not None and self.shift_y is not None
         y = last - self.shift_y
         self.n += int(y.shape[0])
@@ -52,6 +62,14 @@ class LeastSquares:
             self.sum_x[layer] += x.sum(0, dtype=torch.float64)
             self.xx[layer].addmm_(x.T, x)
             self.xy[layer].addmm_(x.T, y)
+
+    def reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        """The sums of every process added (`all_reduce` sums a tensor over them in place; the
+        shift must be the same in each)."""
+        count = torch.tensor([self.n], dtype=torch.float64)
+        for total in (count, self.sum_x, self.sum_y, self.xx, self.xy):
+            all_reduce(total)
+        self.n = int(count)
 
     def solve(self, ridge: float = RIDGE) -> Translators:
         """The translators that minimise the squared error (with the ridge toward identity)."""
