@@ -157,6 +157,16 @@ class Session:
         if self.failure is not None:
             raise _failed(self.failure)
 
+    def recorded(self) -> RankFailed | None:
+        """Another process's failure, if one is recorded in the store now."""
+        record = self.failure
+        if record is None:
+            with suppress(Exception):
+                record = _read(self.store)
+        if record is None or record["rank"] == self.rank:
+            return None
+        return _failed(record)
+
     def share(self, n: int) -> range:
         """This process's items of n: every size-th from its rank."""
         return range(self.rank, n, self.size)

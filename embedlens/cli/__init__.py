@@ -17,9 +17,14 @@ try:
     from embedlens.cli import tied as _tied
     from embedlens.cli import tune as _tune
     from embedlens.cli import vocab as _vocab
-    from embedlens.cli._errors import report_error
+    from embedlens.cli._errors import report_error, report_terminated
     from embedlens.cli._output import silence_stdout, write_stdout
-    from embedlens.cli._scratch import make_scratch, remove_scratch, unwind_on_sigterm
+    from embedlens.cli._scratch import (
+        TERMINATED,
+        make_scratch,
+        remove_scratch,
+        unwind_on_sigterm,
+    )
     from embedlens.errors import EmbedlensError
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None
@@ -159,6 +164,8 @@ def main() -> None:
         app()
     except SystemExit as e:
         code = e.code
+        if code == TERMINATED:
+            report_terminated()
     except KeyboardInterrupt:
         code = 130
     finally:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 import typer
 
 from embedlens.cli._output import err_console, silence_stdout
-from embedlens.cli._scratch import remove_made
+from embedlens.cli._scratch import TERMINATED, remove_made
 from embedlens.errors import EmbedlensError, RankFailed, UsageError
 from embedlens.runtime import world
 from embedlens.text import debug_enabled, one_line
@@ -56,6 +56,26 @@ def report_error(
     if say is not None and rank == 0:
         say()
     return True
+
+
+def report_terminated() -> None:
+    """SIGTERM in a run split under torchrun, which ends every process once one has ended:
+    rank 0 says the failure behind it, or that no process said one (killed? out of memory?)."""
+    rank, _ = world()
+    session = _session()
+    if session is None or rank != 0:
+        return
+    failed = session.recorded()
+    if failed is not None:
+        report_error(failed.message, failed.hint, failed.exit_code, theirs=True)
+        return
+    report_error(
+        "the run was stopped (SIGTERM): torchrun ends every process once one has ended, and "
+        "none said why",
+        "a process killed by the system (out of memory?) says nothing; see the launcher's report",
+        TERMINATED,
+        theirs=True,
+    )
 
 
 def end_stuck(error: RankFailed) -> None:
