@@ -193,7 +193,8 @@ def test_tune_over_two_processes_fits_what_one_fits(tiny, tmp_path):
 
 def test_least_squares_sums_of_two_shares_add_up(tiny, tmp_path):
     """The fit's sums over two shares of the sequences, taken with one shift (rank 0's) and
-    added, solve to the translators of the sums over all of them (float32 sums: within 1e-4)."""
+    added, solve to the translators of the sums over all of them: the running sums are float64,
+    so only their order's last bits differ (float32 sums moved SmolLM2's translators by 7e-4)."""
     import torch
 
     from embedlens.analysis.tune.fit import LeastSquares
@@ -213,8 +214,8 @@ def test_least_squares_sums_of_two_shares_add_up(tiny, tmp_path):
     parts[0].reduce(lambda total: total.add_(next(theirs)))
     assert parts[0].n == whole.n == 6 * 64
     a, b = whole.solve(), parts[0].solve()
-    assert float((a.weight - b.weight).abs().max() / a.weight.abs().max()) <= 1e-4
-    assert float((a.bias - b.bias).abs().max() / a.bias.abs().max()) <= 1e-4
+    assert float((a.weight - b.weight).abs().max() / a.weight.abs().max()) <= 1e-9
+    assert float((a.bias - b.bias).abs().max() / a.bias.abs().max()) <= 1e-9
 
 
 def test_a_refined_translator_needs_more_than_rounding():

@@ -53,7 +53,8 @@ coin toss between two translators."""
 @dataclass(frozen=True)
 class Refined:
     """The refinement's outcome: the translators kept, and each layer's KL on the check rows
-    before and after it (the refined translator is kept where it is lower)."""
+    before and after it (the refined translator is kept where it is lower by more than
+    rounding: KEEP_MARGIN)."""
 
     translators: Translators
     refined_layers: list[int]
