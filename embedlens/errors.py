@@ -56,3 +56,23 @@ class ResourceError(EmbedlensError):
 
 class NumericError(EmbedlensError):
     """The model's computation gives NaN or infinity: no prediction can be read from it."""
+
+
+class RankFailed(EmbedlensError):
+    """Another process of a run split under torchrun failed (its message, said by rank 0)."""
+
+    def __init__(self, rank: int, message: str, *, hint: str | None = None) -> None:
+        super().__init__(f"rank {rank}: {message}", hint=hint)
+        self.rank = rank
+
+
+class RankUsageError(RankFailed):
+    """Another process failed on a usage error (exit 2)."""
+
+    exit_code: ClassVar[int] = 2
+
+
+class RankInterrupted(RankFailed):
+    """Another process was interrupted (Ctrl-C on its machine: exit 130)."""
+
+    exit_code: ClassVar[int] = 130

@@ -9,7 +9,9 @@ the command line, and none of it overrides what the user set:
 - `heap_kept()`: freed memory kept in the process while a long run allocates and frees large
   arrays (glibc's thresholds, restored afterwards);
 - `OthersBusy`: how many cores other processes keep busy, so the lens takes fewer threads on a
-  busy machine.
+  busy machine;
+- `world()`: this process's rank and the number of processes under torchrun (read from the
+  environment, so that a run alone never imports `embedlens.analysis.dist`).
 
 This module imports nothing heavy: `embedlens` consults it before a command's module loads.
 """
@@ -209,3 +211,19 @@ def _from_load_average() -> float:
     elapsed = time.monotonic() - _IMPORTED
     rate = min(float(os.cpu_count() or 1), (own.user + own.system) / elapsed) if elapsed > 1 else 0
     return max(0.0, os.getloadavg()[0] - rate)
+
+
+# --- torchrun --------------------------------------------------------------------------------
+
+
+def world() -> tuple[int, int]:
+    """This process's rank and the number of processes, as torchrun sets them (`RANK`,
+    `WORLD_SIZE`); (0, 1) alone, or when they are not whole numbers."""
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0, 1
+    if size <= 1 or not 0 <= rank < size:
+        return 0, 1
+    return rank, size

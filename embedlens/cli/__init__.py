@@ -17,9 +17,14 @@ try:
     from embedlens.cli import tied as _tied
     from embedlens.cli import tune as _tune
     from embedlens.cli import vocab as _vocab
-    from embedlens.cli._errors import print_error
+    from embedlens.cli._errors import report_error, report_terminated
     from embedlens.cli._output import silence_stdout, write_stdout
-    from embedlens.cli._scratch import make_scratch, remove_scratch, unwind_on_sigterm
+    from embedlens.cli._scratch import (
+        TERMINATED,
+        make_scratch,
+        remove_scratch,
+        unwind_on_sigterm,
+    )
     from embedlens.errors import EmbedlensError
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None
@@ -69,7 +74,7 @@ class _Group(_HelpChecked, TyperGroup):
         except EmbedlensError as e:  # writing the help or the version: stdout closed or full
             if not standalone_mode:
                 raise
-            print_error(e.message, e.hint)
+            report_error(e.message, e.hint, e.exit_code)
             sys.exit(e.exit_code)
         except OSError as e:  # writing the help: the commands' own output is checked in them
             if not standalone_mode:
@@ -77,7 +82,7 @@ class _Group(_HelpChecked, TyperGroup):
             silence_stdout()
             if isinstance(e, BrokenPipeError):
                 sys.exit(0)
-            print_error(f"cannot write the output to stdout: {e.strerror or e}")
+            report_error(f"cannot write the output to stdout: {e.strerror or e}")
             sys.exit(1)
         except Exception as e:
             code = getattr(e, "exit_code", None)
@@ -89,11 +94,11 @@ class _Group(_HelpChecked, TyperGroup):
                     write_stdout(ctx.get_help() + "\n")
                     code = 0
                 except EmbedlensError as failed:
-                    print_error(failed.message, failed.hint)
+                    report_error(failed.message, failed.hint, failed.exit_code)
                     code = failed.exit_code
             else:
                 command = ctx.command_path if ctx is not None else "embedlens"
-                print_error(e.format_message(), f"see '{command} --help'")
+                report_error(e.format_message(), f"see '{command} --help'", code)
             if not standalone_mode:
                 raise
             sys.exit(code)
@@ -159,6 +164,8 @@ def main() -> None:
         app()
     except SystemExit as e:
         code = e.code
+        if code == TERMINATED:
+            report_terminated()
     except KeyboardInterrupt:
         code = 130
     finally:

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from contextlib import suppress
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import typer
 
 from embedlens.cli._output import err_console, silence_stdout
-from embedlens.errors import EmbedlensError, UsageError
+from embedlens.cli._scratch import TERMINATED, remove_made
+from embedlens.errors import EmbedlensError, RankFailed, UsageError
+from embedlens.runtime import world
 from embedlens.text import debug_enabled, one_line
+
+if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
 from embedlens.views.format import shown
 
 P = ParamSpec("P")
@@ -24,6 +32,71 @@ def print_error(message: str, hint: str | None = None) -> None:
     err_console.print(shown("error: " + one_line(message), style="red"), soft_wrap=True)
     if hint:
         err_console.print(shown("hint: " + one_line(hint), style="dim"), soft_wrap=True)
+
+
+def report_error(
+    message: str,
+    hint: str | None = None,
+    code: int = 1,
+    *,
+    theirs: bool = False,
+    quiet: bool = False,
+) -> bool:
+    """Say an error (`print_error`; nothing with `quiet`: Ctrl-C). In a run split under
+    torchrun, rank 0 alone says it, once: the first failure of any process (`theirs`: the
+    error is another process's, `errors.RankFailed`), told through the run's store
+    (`analysis.dist`); before the run has joined the store (the command line's own checks, the
+    same in every process), the other processes say nothing. False when this process had
+    already ended on an error."""
+    rank, size = world()
+    session = _session() if size > 1 else None
+    say = None if quiet else functools.partial(print_error, message, hint)
+    if session is not None:
+        return session.end(message, hint, code, theirs=theirs, say=say)
+    if say is not None and rank == 0:
+        say()
+    return True
+
+
+def report_terminated() -> None:
+    """SIGTERM in a run split under torchrun, which ends every process once one has ended:
+    rank 0 says the failure behind it, or that no process said one (killed? out of memory?)."""
+    rank, _ = world()
+    session = _session()
+    if session is None or rank != 0:
+        return
+    failed = session.recorded()
+    if failed is not None:
+        report_error(failed.message, failed.hint, failed.exit_code, theirs=True)
+        return
+    report_error(
+        "the run was stopped (SIGTERM): torchrun ends every process once one has ended, and "
+        "none said why",
+        "a process killed by the system (out of memory?) says nothing; see the launcher's report",
+        TERMINATED,
+        theirs=True,
+    )
+
+
+def end_stuck(error: RankFailed) -> None:
+    """Another process failed while this one was busy elsewhere (loading a model): say it as
+    `report_error` does and leave at once, the scratch folder removed (the watchdog's last
+    resort, from its thread)."""
+    if not report_error(error.message, error.hint, error.exit_code, theirs=True):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):
+            stream.flush()
+    remove_made()
+    os._exit(error.exit_code)
+
+
+def _session() -> Session | None:
+    """The run's session under torchrun, once this process has joined it (the module is not
+    imported before: a run alone never imports it)."""
+    dist = sys.modules.get("embedlens.analysis.dist")
+    session: Session | None = None if dist is None else dist.current()
+    return session
 
 
 _PATH_PARAMS = {"model"}  # the file system may hold names that are not UTF-8
@@ -61,9 +134,11 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except EmbedlensError as e:
             if debug_enabled():
                 traceback.print_exc()
-            print_error(e.message, e.hint)
+            theirs = isinstance(e, RankFailed)
+            report_error(e.message, e.hint, e.exit_code, theirs=theirs)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
+            report_error("interrupted (Ctrl-C)", None, 130, quiet=True)
             raise typer.Exit(130) from None
         except BrokenPipeError:
             silence_stdout()
@@ -71,7 +146,7 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except Exception as e:
             if debug_enabled():
                 traceback.print_exc()
-            print_error(
+            report_error(
                 f"internal error: {type(e).__name__}: {e}",
                 "rerun with --debug (or EMBEDLENS_DEBUG=1) for the traceback, and report it",
             )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.cli._output import counter, emit, note, rendered, warn, write_stdout
 from embedlens.errors import UsageError
+from embedlens.runtime import world
 from embedlens.text import model_title
 
 if TYPE_CHECKING:
@@ -34,6 +35,12 @@ def run_prompts(
         raise UsageError("give a PROMPT, or --prompts FILE (- for stdin)")
     if prompt is not None:
         raise UsageError("give either PROMPT or --prompts, not both")
+    rank, size = world()
+    if prompts == "-" and size > 1:
+        raise UsageError(
+            "--prompts - reads stdin, which the processes torchrun starts do not share",
+            hint="give a file every process can read",
+        )
     options = dict(options)
     one_prompt_only(options.pop("target"), options.pop("chat"), False)
     if plot is not None:
@@ -55,6 +62,8 @@ def run_prompts(
             advance()
 
         summary = lens_prompts(model, source, each=on_report, **options)
+    if rank != 0:  # under torchrun, rank 0 prints every prompt's output and the summary
+        return
     show.finish(summary, plot)
     emit(summary, as_json=as_json)
 

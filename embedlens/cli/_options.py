@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 import typer
 
 from embedlens.cli._output import check_stdout, set_quiet
+from embedlens.errors import UsageError
+from embedlens.runtime import world
 
 ModelArg = Annotated[
     str,
@@ -44,10 +46,22 @@ TrustOpt = Annotated[
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+DistBackend = Literal["auto", "gloo", "nccl"]
+DistBackendOpt = Annotated[
+    DistBackend,
+    typer.Option(
+        "--dist-backend",
+        help="Under torchrun: the process group's backend (auto: NCCL for a model on CUDA, "
+        "else gloo). Ignored when run alone.",
+    ),
+]
 
 
-def common(*, quiet: bool, debug: bool, device: str | None = None) -> None:
-    """Apply --quiet and --debug, and check --device (and the memory limit) before any work."""
+def common(*, quiet: bool, debug: bool, device: str | None = None, split: bool = False) -> None:
+    """Apply --quiet and --debug, and check --device (and the memory limit) before any work.
+
+    Under torchrun (WORLD_SIZE above 1), a command that `split`s over processes joins the
+    run's store, and only rank 0 prints progress and notes; any other is refused."""
     from embedlens.model.loading import check_device
     from embedlens.model.preflight import memory_limit_override
 
@@ -58,3 +72,26 @@ def common(*, quiet: bool, debug: bool, device: str | None = None) -> None:
     memory_limit_override()  # a bad EMBEDLENS_MEMORY_LIMIT is refused before any work
     if device is not None:
         check_device(device)
+    _split_run(split)
+
+
+def _split_run(split: bool) -> None:
+    """Under torchrun: refuse a command that runs in one process; else join the run's store,
+    rank 0 alone printing progress and notes."""
+    rank, size = world()
+    if size == 1:
+        return
+    if not split:
+        raise UsageError(
+            f"WORLD_SIZE is {size} (torchrun): embedlens splits only `lens --prompts` and "
+            "`tune` over processes",
+            hint="run this command alone, without torchrun",
+        )
+    from embedlens.analysis import dist
+    from embedlens.cli._errors import end_stuck
+
+    if rank != 0:
+        set_quiet(True)
+    dist.timeout()  # a bad EMBEDLENS_DIST_TIMEOUT is refused before any work
+    dist.on_stuck(end_stuck)
+    dist.connect()

@@ -14,6 +14,7 @@ from embedlens.cli._options import (
     DebugOpt,
     DeviceMap,
     DeviceOpt,
+    DistBackendOpt,
     Dtype,
     JsonOpt,
     ModelArg,
@@ -236,6 +237,7 @@ def lens(
     threshold: ThresholdOpt = None,
     tuned: TunedOpt = None,
     compare_logit: CompareLogitOpt = False,
+    dist_backend: DistBackendOpt = "auto",
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -253,10 +255,10 @@ def lens(
                 against_revision=against_revision, threshold=threshold,
                 tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
-        common(quiet=quiet, debug=debug, device=device)
+        common(quiet=quiet, debug=debug, device=device, split=True)
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           options={**opts, "skip_bad": skip_bad,
-                                    "compare_logit": compare_logit})  # fmt: skip
+                           options={**opts, "skip_bad": skip_bad, "compare_logit": compare_logit,
+                                    "dist_backend": dist_backend})  # fmt: skip
     run_report(
         model if against is None else f"{model} against {against}",
         lambda: run_lens(model, prompt, grid=plot is not None and against is None, **opts),

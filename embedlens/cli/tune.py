@@ -13,6 +13,7 @@ from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
     DeviceOpt,
+    DistBackendOpt,
     JsonOpt,
     ModelArg,
     QuietOpt,
@@ -21,6 +22,7 @@ from embedlens.cli._options import (
     common,
 )
 from embedlens.cli._output import elapsed, emit, err_console, note, plain_progress
+from embedlens.runtime import world
 from embedlens.text import model_title
 
 if TYPE_CHECKING:
@@ -126,6 +128,7 @@ def tune(
     trust_remote_code: TrustOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
+    dist_backend: DistBackendOpt = "auto",
 ) -> None:
     """Fit a tuned lens to MODEL on --data and write it to --out, for `lens --tuned`.
 
@@ -136,14 +139,17 @@ def tune(
     """
     from embedlens.analysis.tune import tune as run
 
-    common(quiet=quiet, debug=debug, device=device)
-    with _progress(quiet, model) as shown:
+    common(quiet=quiet, debug=debug, device=device, split=True)
+    rank = world()[0]  # under torchrun, rank 0 alone shows progress, notes and the report
+    with _progress(quiet or rank != 0, model) as shown:
         report = run(
             model, data, out, eval=eval_file, seq_len=seq_len, tokens=tokens,
             eval_tokens=eval_tokens, refine_tokens=refine_tokens, steps=steps, lr=lr,
             method=method, seed=seed, progress=shown, revision=revision, dtype=dtype,
-            device=device, trust_remote_code=trust_remote_code,
+            device=device, trust_remote_code=trust_remote_code, dist_backend=dist_backend,
         )  # fmt: skip
+    if rank != 0:
+        return
     for text in report.notes:
         note("note: " + text)
     note(f"wrote {report.out}")

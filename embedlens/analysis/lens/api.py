@@ -12,6 +12,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from embedlens.analysis.lens import options
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
+    from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.decoder import Decoder
     from embedlens.analysis.lens.opening import Check, Opened
     from embedlens.analysis.lens.pairing import Pair
@@ -151,6 +153,7 @@ def lens_prompts(
     threshold: float | None = None,
     tuned: str | os.PathLike[str] | None = None,
     compare_logit: bool = False,
+    dist_backend: str = "auto",
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -165,9 +168,11 @@ def lens_prompts(
         `LensPairSummaryReport`, with `each` given each prompt's `LensPairReport`.
     compare_logit: with `tuned`, the logit lens's statistics over the same prompts too (the
         summary's `logit_layers`); the prompts run through both lenses.
+    dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
+        or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `each` is called on
+        rank 0 with every prompt's report in input order, every rank returns the summary.
     The other options are `lens`'s.
     """
-    from embedlens.analysis.lens import many
     from embedlens.model.prompts import PromptSource
 
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
@@ -177,11 +182,33 @@ def lens_prompts(
             "--compare-logit compares the tuned lens with the logit lens: give --tuned"
         )
     _not_both(tuned, against)
-    lens_dir = _tuned_folder(tuned)
     source = PromptSource.of(prompts)
-    loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
-    asked = (against, against_tokenizer, against_revision, threshold)
-    loading, pair = _models(model, tokenizer, loads, *asked)
+    session = _joined(dist_backend, device, source, against, device_map)
+    with nullcontext() if session is None else session.guarded():
+        lens_dir = _tuned_folder(tuned)
+        loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
+        asked = (against, against_tokenizer, against_revision, threshold)
+        loading, pair = _models(model, tokenizer, loads, *asked)
+        return _many(model, tokenizer, (loading, pair), ask, source, each, lens_dir,
+                     compare_logit, session)  # fmt: skip
+
+
+def _many(
+    model: object,
+    tokenizer: Any,
+    models: tuple[options.Load | dict[str, bool], Pair | None],
+    ask: options.ManyAsk,
+    source: PromptSource,
+    each: EachFn | None,
+    lens_dir: LensFolder | None,
+    compare_logit: bool,
+    session: Session | None,
+) -> LensSummaryReport:
+    """`lens_prompts` once what was asked is checked: every line checked before the model
+    loads, then the run (`many.ManyRun`), split over the processes of `session`."""
+    from embedlens.analysis.lens import many
+
+    loading, pair = models
     if isinstance(loading, options.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
@@ -197,7 +224,39 @@ def lens_prompts(
     with ready(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
         through = _ready(lens_dir, opened)
         run = many.ManyRun(opened, ask, each, through, compare_logit=compare_logit)
-        return run.all(source, n_bad, bad)
+        return run.all(source, n_bad, bad, session)
+
+
+def _joined(
+    backend: str,
+    device: str,
+    source: PromptSource,
+    against: object,
+    device_map: str | None,
+) -> Session | None:
+    """Under torchrun (WORLD_SIZE above 1): this process's part of the run, the process group
+    joined, after what does not split is refused; None alone (`analysis.dist` unimported)."""
+    from embedlens.runtime import world
+
+    if world()[1] == 1:
+        return None
+    from embedlens.analysis import dist
+
+    dist.check_backend(backend)
+    what = None
+    if against is not None:
+        what = "--against (two models in turn, on one machine)"
+    elif device_map is not None:
+        what = "--device-map (one model over every device of the machine)"
+    elif source.spool is not None:
+        what = "prompts from stdin (the processes torchrun starts do not share it)"
+    if what is not None:
+        raise UsageError(
+            f"under torchrun, lens --prompts runs the prompts split over processes: {what} "
+            "runs in one process only",
+            hint="run it without torchrun",
+        )
+    return dist.join(backend, device)
 
 
 def _deprecated_many(

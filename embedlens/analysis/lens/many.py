@@ -20,6 +20,7 @@ from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.reports.tune import tuned_report, tuned_summary
 
 if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.tune.use import Through
@@ -202,17 +203,61 @@ class ManyRun:
         """With compare_logit: the logit lens over the same prompts, for its statistics."""
         if compare_logit and through is not None:
             self.logit = BatchLens(model, layers, 1, len(opened.tokenizer)), LensStats()
+        self.split_note: str | None = None
 
-    def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
-        """Every prompt run, freed memory kept in the process meanwhile (`runtime.heap_kept`: the
-        decode allocates and frees hundreds of large chunks)."""
+    def all(
+        self, source: PromptSource, n_bad: int, bad: list[BadLine], session: Session | None = None
+    ) -> LensSummaryReport:
+        """Every prompt run (`session`: split over processes), freed memory kept in the process
+        meanwhile (`runtime.heap_kept`: the decode allocates and frees hundreds of large
+        chunks)."""
         from embedlens.runtime import heap_kept
 
         o = self.opened
         with heap_kept():
-            for window in windows(source, self.ask, o.tokenizer, o.config, o.template):
-                self.run_window(window)
+            found = windows(source, self.ask, o.tokenizer, o.config, o.template)
+            if session is None:
+                for window in found:
+                    self.run_window(window)
+            else:
+                self._split(found, session)
             return self.summary(n_bad, bad)
+
+    def _split(self, found: Iterator[Window], session: Session) -> None:
+        """Under torchrun: window w runs on rank w mod N (so each prompt runs in the batch one
+        process gives it, and its report is the same bytes); after each round of N windows,
+        rank 0 hands their reports on in input order; the statistics are summed at the end."""
+        each, n = self.each, session.size
+        kept: list[tuple[LensReport, PromptLine]] = []
+        if each is not None:  # reports are built where `each` is given (on every process)
+            self.each = lambda report, line: kept.append((report, line))
+        ran = count = 0
+        for w, window in enumerate(found):
+            session.check()
+            count = w + 1
+            if w % n == session.rank:
+                self.run_window(window)
+                ran += 1
+            if count % n == 0:
+                _hand_on(session, kept, each)
+        if count % n:
+            _hand_on(session, kept, each)
+        self.each = each
+        self._merge(session, ran)
+
+    def _merge(self, session: Session, ran: int) -> None:
+        """Every process's statistics summed (in rank order), and the note of who ran what."""
+        from embedlens.analysis.lens.stats import LensStats
+
+        parts = session.all_gather((self.stats, None if self.logit is None else self.logit[1], ran))
+        self.stats = LensStats.merged([p[0] for p in parts])
+        if self.logit is not None:
+            self.logit = self.logit[0], LensStats.merged([p[1] for p in parts])
+        runs = ", ".join(f"rank {r}: {p[2]}" for r, p in enumerate(parts))
+        self.split_note = (
+            f"split over {session.size} processes (torchrun, {session.backend}): window w of "
+            f"{WINDOW} prompts ran on rank w mod {session.size} (windows run by {runs})"
+        )
 
     def run_window(
         self, window: Window, others: list[dict[int, Any]] | None = None
@@ -261,7 +306,23 @@ class ManyRun:
             layers=stats.summary(),
             notes=[*o.before, *bad_notes(n_bad, bad), *o.after],
         )
+        if self.split_note is not None:
+            summary.notes.append(self.split_note)
         if self.through is None:
             return summary
         logit = None if self.logit is None else self.logit[1].summary()
         return tuned_summary(summary, self.through[1], logit)
+
+
+def _hand_on(
+    session: Session, kept: list[tuple[LensReport, PromptLine]], each: EachFn | None
+) -> None:
+    """The reports of a round of windows, gathered on rank 0 and handed to `each` there, in
+    input order (the round's windows are in rank order)."""
+    parts = session.gather(list(kept))
+    kept.clear()
+    if parts is None or each is None:
+        return
+    for part in parts:
+        for report, line in part:
+            each(report, line)

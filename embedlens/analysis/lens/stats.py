@@ -61,6 +61,27 @@ class LensStats:
                     acc.ranks[top.target_rank] += 1
         self.n_targets += int(has_target)
 
+    @classmethod
+    def merged(cls, parts: list[LensStats]) -> LensStats:
+        """The statistics of every part together (its sums added, in the order given): the
+        statistics of processes that each ran a share of the prompts."""
+        out = cls()
+        for part in parts:
+            out.n_prompts += part.n_prompts
+            out.n_positions += part.n_positions
+            out.n_targets += part.n_targets
+            for layer, acc in part._layers.items():
+                mine = out._layers.setdefault(layer, _Sums())
+                mine.n += acc.n
+                mine.kl += acc.kl
+                mine.entropy += acc.entropy
+                mine.agree += acc.agree
+                mine.n_target += acc.n_target
+                mine.target_prob += acc.target_prob
+                mine.target_logprob += acc.target_logprob
+                mine.ranks.update(acc.ranks)
+        return out
+
     def summary(self) -> list[LensLayerStats]:
         """The means per layer, in layer order."""
         return [_means(layer, acc) for layer, acc in sorted(self._layers.items())]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
+    from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.tune.run import Fitted, Progress
     from embedlens.reports.tune import TuneReport
@@ -64,6 +65,7 @@ def tune(
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    dist_backend: str = "auto",
 ) -> TuneReport:
     """Fit a tuned lens (an affine translator per layer, decoded by the model's own final norm
     and head) and write it to the folder `out`; the report holds its held-out evaluation.
@@ -74,25 +76,43 @@ def tune(
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
     progress: called as `progress(phase, done, total, detail)` as work advances.
+    dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
+        or 'nccl'): each rank fits and evaluates every WORLD_SIZE-th sequence, the sums are
+        added over ranks, each refinement step's rows are split between them and its gradients
+        summed; rank 0 writes the folder, every rank returns the report.
     The loading options are `lens`'s; a loaded model (with its `tokenizer`) runs as it is.
     """
     from embedlens.analysis.lens import options as lens_options
 
-    ask = options.ask(data, out, eval, seq_len, tokens, eval_tokens, (refine_tokens, steps, lr),
-                      method, seed)  # fmt: skip
-    given = (revision, dtype, device, None, None, None, trust_remote_code)
-    loading: Any = (
-        lens_options.load_options(*given)
-        if isinstance(model, (str, os.PathLike))
-        else lens_options.loading_given(*given)
-    )
+    session = _joined(dist_backend, device)
+    with nullcontext() if session is None else session.guarded():
+        ask = options.ask(data, out, eval, seq_len, tokens, eval_tokens,
+                          (refine_tokens, steps, lr), method, seed)  # fmt: skip
+        given = (revision, dtype, device, None, None, None, trust_remote_code)
+        loading: Any = (
+            lens_options.load_options(*given)
+            if isinstance(model, (str, os.PathLike))
+            else lens_options.loading_given(*given)
+        )
 
-    def check(tok: Any, config: Any, _template: str) -> Plan:
-        return plan(ask, tok, config)
+        def check(tok: Any, config: Any, _template: str) -> Plan:
+            return plan(ask, tok, config)
 
-    with _opened(model, tokenizer, loading, check) as (opened, the_plan):
-        fitted = _run(opened, ask, the_plan, progress)
-        return _write(opened, ask, the_plan, fitted, revision)
+        with _opened(model, tokenizer, loading, check) as (opened, the_plan):
+            fitted = _run(opened, ask, the_plan, progress, session)
+            return _write(opened, ask, the_plan, fitted, revision, session)
+
+
+def _joined(backend: str, device: str) -> Session | None:
+    """Under torchrun (WORLD_SIZE above 1): this process's part of the run, the process group
+    joined; None alone (`analysis.dist` unimported)."""
+    from embedlens.runtime import world
+
+    if world()[1] == 1:
+        return None
+    from embedlens.analysis import dist
+
+    return dist.join(backend, device)
 
 
 def plan(ask: options.TuneAsk, tokenizer: Any, config: Any) -> Plan:
@@ -175,12 +195,19 @@ def _refine_share(fit: Sequences, ask: options.TuneAsk) -> tuple[Sequences, Sequ
     return chosen, check
 
 
-def _run(opened: Opened, ask: options.TuneAsk, the_plan: Plan, progress: Progress | None) -> Fitted:
-    """Fit, refine and evaluate on the model made ready."""
+def _run(
+    opened: Opened,
+    ask: options.TuneAsk,
+    the_plan: Plan,
+    progress: Progress | None,
+    session: Session | None,
+) -> Fitted:
+    """Fit, refine and evaluate on the model made ready (split over the processes of
+    `session`)."""
     from embedlens.analysis.tune.refine import Recipe
     from embedlens.analysis.tune.run import Fitted, Tuning
 
-    run = Tuning(opened.model, progress)
+    run = Tuning(opened.model, progress, session)
     translators = run.fit(the_plan.fit)
     refined = None
     if ask.method == "kl":
@@ -193,9 +220,14 @@ def _run(opened: Opened, ask: options.TuneAsk, the_plan: Plan, progress: Progres
 
 
 def _write(
-    opened: Opened, ask: options.TuneAsk, the_plan: Plan, fitted: Fitted, revision: str | None
+    opened: Opened,
+    ask: options.TuneAsk,
+    the_plan: Plan,
+    fitted: Fitted,
+    revision: str | None,
+    session: Session | None,
 ) -> TuneReport:
-    """The lens folder written, and the report."""
+    """The lens folder written (by rank 0 alone under torchrun), and the report."""
     from embedlens.analysis.lens.report import dtype_name
     from embedlens.analysis.tune.folder import lens_config, write_folder
     from embedlens.reports.tune import TuneReport
@@ -205,8 +237,16 @@ def _write(
 
     unembed = unembed_hash(opened.model)
     config = lens_config(opened.name, revision, unembed, fitted.translators, ours)
-    write_folder(ask.out, fitted.translators, config)
+    if session is None or session.rank == 0:
+        write_folder(ask.out, fitted.translators, config)
     held = the_plan.held_out
+    notes = [*opened.before, *the_plan.notes, *opened.after]
+    if session is not None:
+        notes.append(
+            f"split over {session.size} processes (torchrun, {session.backend}): sequence s "
+            f"fitted and evaluated on rank s mod {session.size}, each refinement step's rows "
+            "shared out and its gradients summed; rank 0 wrote the folder"
+        )
     return TuneReport(
         model=opened.name,
         out=str(ask.out),
@@ -226,7 +266,7 @@ def _write(
         hidden_size=fitted.translators.width,
         dtype=dtype_name(opened.model),
         layers=fitted.layers,
-        notes=[*opened.before, *the_plan.notes, *opened.after],
+        notes=notes,
     )
 
 

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from embedlens.analysis.lens.decoder import ModelDecoder
 from embedlens.analysis.lens.tuned import TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.reports.tune import TuneLayer
+
+if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
 
 Threads = Callable[[int], AbstractContextManager[None]]
 """The CPU threads for work on n tokens (a context manager)."""
@@ -77,6 +81,19 @@ class _Evaluation:
                     sums.ce[layer] += _ce(lq, label)
         self.n_kl += len(ids)
         self.n_ce += len(ids) - 1
+
+    def reduce(self, sum_floats: Callable[[list[float]], list[float]]) -> None:
+        """The sums of every process added (`sum_floats` sums values over them)."""
+        (logit, _), (lens, _) = self.lenses
+        parts = (logit.kl, logit.ce, lens.kl, lens.ce)
+        flat = sum_floats(
+            [v for part in parts for v in part] + [self.model_ce, self.n_kl, self.n_ce]
+        )
+        n = self.n_layers
+        for i, part in enumerate(parts):
+            part[:] = flat[i * n : (i + 1) * n]
+        self.model_ce = flat[4 * n]
+        self.n_kl, self.n_ce = round(flat[4 * n + 1]), round(flat[4 * n + 2])
 
     def layers(self, to_bits: float) -> list[TuneLayer]:
         """Layers 0..L: means per token, and in bits per byte."""
@@ -132,15 +149,21 @@ def evaluate(
     on_sequence: Callable[[int, int], None] | None = None,
     *,
     threads: Threads = lambda n: nullcontext(),
+    session: Session | None = None,
 ) -> list[TuneLayer]:
     """Every layer's figures over the held-out sequences, in float64 sums (`threads`: the CPU
-    threads for work on n tokens)."""
+    threads for work on n tokens; under torchrun, `session`: sequence s on rank s mod N, the
+    sums added over processes)."""
     run = _Evaluation(model, blocks, own, tuned)
-    for s, ids in enumerate(data.ids, 1):
+    share = range(len(data)) if session is None else session.share(len(data))
+    for s, i in enumerate(share, 1):
+        ids = data.ids[i]
         with torch.inference_mode(), threads(len(ids)):
             run.add(ids)
         if on_sequence is not None:
             on_sequence(s, len(data))
+    if session is not None:
+        run.reduce(session.sum_floats)
     return run.layers(data.tokens_per_byte() / math.log(2))
 
 

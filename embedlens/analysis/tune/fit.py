@@ -6,12 +6,16 @@ For residual rows x (layer l) and y (layer L), the translator minimises Σ |y - 
 covariances C_xx and C_xy, Wᵀ = (C_xx + λ I)⁻¹ (C_xy - C_xx) and b = mean(y) - mean(x) - W mean(x).
 Per layer only the sums of x, y, x xᵀ and x yᵀ are kept, taken after subtracting the first
 batch's means (so that the residual stream's large mean does not cancel the digits of its
-spread): memory does not grow with the tokens read. The d x d sums are float32 (each batch's
-product is, and a sum of a hundred of them loses about 1e-5 of each entry, far below the ridge),
-the vectors and the solve float64.
+spread): memory does not grow with the tokens read. Each batch's d x d products are float32, their
+running sums float64, as are the vectors and the solve: the solve turns a change in the last bits
+of float32 sums (1e-7 of an entry) into one of 1e-4 in SmolLM2's translators, so summed in
+float32 the lens would follow the order of the sums (another in a run split over processes, which
+adds its parts' sums).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -24,25 +28,33 @@ RIDGE = 1e-4
 class LeastSquares:
     """Streamed sums for the least-squares translators of layers 0..L-1."""
 
-    def __init__(self, num_layers: int, width: int) -> None:
+    def __init__(
+        self, num_layers: int, width: int, shift: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """`shift`: the means subtracted (`means`), else the first batch's."""
         self.num_layers = num_layers
         self.width = width
         self.n = 0
-        self.shift_x: torch.Tensor | None = None
-        self.shift_y: torch.Tensor | None = None
+        self.shift_x: torch.Tensor | None = None if shift is None else shift[0]
+        self.shift_y: torch.Tensor | None = None if shift is None else shift[1]
         self.sum_x = torch.zeros(num_layers, width, dtype=torch.float64)
         self.sum_y = torch.zeros(width, dtype=torch.float64)
-        self.xx = torch.zeros(num_layers, width, width, dtype=torch.float32)
-        self.xy = torch.zeros(num_layers, width, width, dtype=torch.float32)
+        self.xx = torch.zeros(num_layers, width, width, dtype=torch.float64)
+        self.xy = torch.zeros(num_layers, width, width, dtype=torch.float64)
+
+    @staticmethod
+    def means(
+        residual: dict[int, torch.Tensor], num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's means at layers 0..L-1 ([L, d]) and at layer L ([d]): the shift."""
+        x = torch.stack([residual[i].detach().float().cpu().mean(0) for i in range(num_layers)])
+        return x, residual[num_layers].detach().float().cpu().mean(0)
 
     def add(self, residual: dict[int, torch.Tensor]) -> None:
         """Rows of one batch: residual[l] is [n, d] at layer l (0..L), the same rows at each."""
         last = residual[self.num_layers].detach().float().cpu()
         if self.shift_x is None:
-            self.shift_y = last.mean(0)
-            self.shift_x = torch.stack(
-                [residual[i].detach().float().cpu().mean(0) for i in range(self.num_layers)]
-            )
+            self.shift_x, self.shift_y = self.means(residual, self.num_layers)
         assert self.shift_x is not None and self.shift_y is not None
         y = last - self.shift_y
         self.n += int(y.shape[0])
@@ -50,8 +62,16 @@ class LeastSquares:
         for layer in range(self.num_layers):
             x = residual[layer].detach().float().cpu() - self.shift_x[layer]
             self.sum_x[layer] += x.sum(0, dtype=torch.float64)
-            self.xx[layer].addmm_(x.T, x)
-            self.xy[layer].addmm_(x.T, y)
+            self.xx[layer] += x.T @ x
+            self.xy[layer] += x.T @ y
+
+    def reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        """The sums of every process added (`all_reduce` sums a tensor over them in place; the
+        shift must be the same in each)."""
+        count = torch.tensor([self.n], dtype=torch.float64)
+        for total in (count, self.sum_x, self.sum_y, self.xx, self.xy):
+            all_reduce(total)
+        self.n = int(count)
 
     def solve(self, ridge: float = RIDGE) -> Translators:
         """The translators that minimise the squared error (with the ridge toward identity)."""
@@ -63,8 +83,8 @@ class LeastSquares:
         eye = torch.eye(d, dtype=torch.float64)
         for layer in range(self.num_layers):
             mean_x = self.sum_x[layer] / n
-            cxx = self.xx[layer].double() / n - torch.outer(mean_x, mean_x)
-            cxy = self.xy[layer].double() / n - torch.outer(mean_x, mean_y)
+            cxx = self.xx[layer] / n - torch.outer(mean_x, mean_x)
+            cxy = self.xy[layer] / n - torch.outer(mean_x, mean_y)
             reg = ridge * float(torch.trace(cxx)) / d + 1e-12
             wt = _solve(cxx + reg * eye, cxy - cxx)
             w = wt.T

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from embedlens.analysis.lens.threads import one_thread
 from embedlens.analysis.lens.tuned import Translators
 from embedlens.analysis.tune.data import Sequences
 from embedlens.errors import NumericError
+
+if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
 
 Threads = Callable[[int], AbstractContextManager[None]]
 """The CPU threads for work on n tokens (a context manager)."""
@@ -61,6 +65,10 @@ class _Rows:
     def __len__(self) -> int:
         return int(self.target.shape[0])
 
+    def part(self, start: int, stop: int) -> _Rows:
+        """Rows start..stop."""
+        return _Rows([r[start:stop] for r in self.residual], self.target[start:stop])
+
     def take(self, n: int) -> tuple[_Rows, _Rows]:
         """The first n rows, and the rest."""
         head = _Rows([r[:n] for r in self.residual], self.target[:n])
@@ -84,9 +92,12 @@ def refine(
     *,
     on_step: StepFn | None = None,
     threads: Threads = lambda n: nullcontext(),
+    session: Session | None = None,
 ) -> Translators:
     """The translators after `recipe.steps` steps over `recipe.rows` rows of `data`, from
-    `start`."""
+    `start`. Under torchrun (`session`) every process reads the same rows, takes its part of
+    each step's and the step's gradient and KL are summed over processes: each then takes the
+    same step (the sum of every part is the whole step's, up to the order of float sums)."""
     device = input_device(model)
     weight = nn.Parameter(start.weight.clone().to(device))
     bias = nn.Parameter(start.bias.clone().to(device))
@@ -94,8 +105,11 @@ def refine(
     steps = recipe.steps
     sizes = [recipe.rows * (k + 1) // steps - recipe.rows * k // steps for k in range(steps)]
     for step, rows in enumerate(_batches(model, blocks, data, sizes, seed, threads), 1):
-        with threads(len(rows)):
-            kls = _step(own, weight, bias, rows)
+        mine = rows if session is None else rows.part(*session.part(len(rows)))
+        with threads(len(mine)):
+            kls = _step(own, weight, bias, mine, len(rows))
+        if session is not None:
+            kls = _summed(session, weight, bias, kls)
         if not all(math.isfinite(k) for k in kls):
             raise NumericError(
                 f"the refinement diverged at step {step} (the KL is not finite)",
@@ -149,12 +163,26 @@ def _clip(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> None:
                 b.mul_(scale)
 
 
-def _step(own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Rows) -> list[float]:
-    """Every layer's mean KL on the rows, its gradient added to the translators': one layer's
-    graph at a time, over GRAPH_ROWS rows at a time (a graph holds a few [rows, V] arrays)."""
-    n = len(rows)
+def _summed(
+    session: Session, weight: torch.Tensor, bias: torch.Tensor, kls: list[float]
+) -> list[float]:
+    """Every process's part of a step added: the gradients (in place) and each layer's KL."""
+    for p in (weight, bias):
+        if p.grad is None:  # a process whose part of the step had no row
+            p.grad = torch.zeros_like(p)
+        session.all_reduce_(p.grad)
+    return session.sum_floats(kls)
+
+
+def _step(
+    own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Rows, total: int
+) -> list[float]:
+    """Every layer's KL on the rows, summed and divided by the step's `total` rows, its gradient
+    added to the translators': one layer's graph at a time, over GRAPH_ROWS rows at a time (a
+    graph holds a few [rows, V] arrays)."""
+    n = total
     kls = [0.0] * len(rows.residual)
-    for start in range(0, n, GRAPH_ROWS):
+    for start in range(0, len(rows), GRAPH_ROWS):
         target = rows.target[start : start + GRAPH_ROWS]
         p = target.exp()
         for layer, h in enumerate(rows.residual):

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from embedlens.errors import UnsupportedError
 from embedlens.reports.tune import TuneLayer
 from embedlens.runtime import OthersBusy
 
+if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
+
 Progress = Callable[[str, int, int, str], None]
 """Called as work advances: (phase, done, total, detail), phase 'fitting' (tokens), 'refining'
 (steps, the KL of layer bands in the detail) or 'evaluating' (held-out sequences)."""
@@ -38,12 +42,19 @@ BUSY_CORES = 0.5
 """Cores other processes keep busy from which the run takes one thread."""
 BANDS = 3
 """Layer bands whose mean KL the refinement's progress shows."""
+KEEP_MARGIN = 1e-4
+KEEP_FLOOR = 1e-6
+"""A refined translator is kept where it lowers the check rows' KL by more than KEEP_MARGIN of
+it plus KEEP_FLOOR nats: a smaller change is float rounding, whose last bits follow the order
+of the sums (a run split over processes adds in another order), and would make the choice a
+coin toss between two translators."""
 
 
 @dataclass(frozen=True)
 class Refined:
     """The refinement's outcome: the translators kept, and each layer's KL on the check rows
-    before and after it (the refined translator is kept where it is lower)."""
+    before and after it (the refined translator is kept where it is lower by more than
+    rounding: KEEP_MARGIN)."""
 
     translators: Translators
     refined_layers: list[int]
@@ -64,16 +75,22 @@ class Fitted:
 
 
 class Tuning:
-    """A run on one model: `fit`, then `refine`, then `evaluate`."""
+    """A run on one model: `fit`, then `refine`, then `evaluate`; under torchrun (`session`),
+    split over processes: each fits and evaluates its share of the sequences (the sums added
+    over processes), and takes its part of each refinement step's rows (the gradients added)."""
 
-    def __init__(self, model: nn.Module, progress: Progress | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, progress: Progress | None = None, session: Session | None = None
+    ) -> None:
         self.model = model
+        self.session = session
         self.blocks = find_blocks(model)
         self.n_layers = len(self.blocks.modules)
         self.progress = progress or (lambda phase, done, total, detail: None)
         self.own: ModelDecoder | None = None
         self.vocab_rows = 0
         self.others_busy = OthersBusy()
+        self._counts: dict[str, int] = {}
 
     def threads(self, n_tokens: int) -> AbstractContextManager[None]:
         """CPU threads for work on n_tokens: one while other processes keep half a core busy or
@@ -89,7 +106,8 @@ class Tuning:
     def fit(self, data: Sequences) -> Translators:
         """The least-squares translators over every sequence of `data` (streamed)."""
         stats: LeastSquares | None = None
-        for s, ids in enumerate(data.ids, 1):
+        for s in self._share(len(data)):
+            ids = data.ids[s]
             with torch.inference_mode(), self.threads(len(ids)):
                 if self.own is None:
                     self._self_check(ids)
@@ -98,11 +116,42 @@ class Tuning:
                     range(self.n_layers + 1), logits=False,
                 )  # fmt: skip
                 if stats is None:
-                    stats = LeastSquares(self.n_layers, int(cap.residual[0].shape[-1]))
+                    stats = self._sums(cap.residual)
                 stats.add(cap.residual)
-                self.progress("fitting", s * data.seq_len, data.tokens, "")
+            self.progress("fitting", self._done("fitting", data.seq_len), data.tokens, "")
+        if self.session is not None:
+            if self.own is None:  # a process without a sequence of its own
+                with torch.inference_mode(), self.threads(len(data.ids[0])):
+                    self._self_check(data.ids[0])
+            stats = stats or self._sums(None)
+            stats.reduce(self.session.all_reduce_)
         assert stats is not None
         return stats.solve()
+
+    def _share(self, n: int) -> range:
+        """The sequences this process runs, of n (all of them alone)."""
+        return range(n) if self.session is None else self.session.share(n)
+
+    def _done(self, phase: str, n: int) -> int:
+        """Tokens done so far in a phase, over every process (`n` more by this one)."""
+        if self.session is None:
+            self._counts[phase] = self._counts.get(phase, 0) + n
+            return self._counts[phase]
+        self.session.check()
+        return self.session.total(phase, n)
+
+    def _sums(self, residual: dict[int, torch.Tensor] | None) -> LeastSquares:
+        """The least-squares sums, shifted by the first sequence's means: under torchrun, rank
+        0's (the run's first sequence), which every process takes."""
+        if self.session is None:
+            assert residual is not None
+            return LeastSquares(self.n_layers, int(residual[0].shape[-1]))
+        shift = None
+        if self.session.rank == 0:
+            assert residual is not None
+            shift = LeastSquares.means(residual, self.n_layers)
+        shift_x, shift_y = self.session.broadcast(shift)
+        return LeastSquares(self.n_layers, int(shift_y.shape[-1]), shift=(shift_x, shift_y))
 
     def _self_check(self, ids: list[int]) -> None:
         """The model's own decoder reproduces its logits from the last block's output (cutting
@@ -134,17 +183,25 @@ class Tuning:
     ) -> Refined:
         """The translators refined on `recipe.rows` rows of `data` (KL to the model's output),
         each layer's kept only where it beats its start on `check` (rows not trained on)."""
-        assert self.own is not None
-        before = layer_kl(self.model, self.blocks, TunedDecoder(self.own, start), check,
-                          self.threads)  # fmt: skip
+        before = self._check_kl(start, check)
         refined = self._refined(start, data, recipe, seed)
-        after = layer_kl(self.model, self.blocks, TunedDecoder(self.own, refined), check,
-                         self.threads)  # fmt: skip
-        better = [layer for layer in range(self.n_layers) if after[layer] < before[layer]]
+        after = self._check_kl(refined, check)
+        if self.session is not None:  # rank 0's figures, so that every process keeps the same
+            before, after = self.session.broadcast((before, after))
+        better = [layer for layer in range(self.n_layers) if _better(before[layer], after[layer])]
         keep = torch.tensor([layer in better for layer in range(self.n_layers)])
         weight = torch.where(keep[:, None, None], refined.weight, start.weight)
         bias = torch.where(keep[:, None], refined.bias, start.bias)
         return Refined(Translators(weight, bias), better, before, after)
+
+    def _check_kl(self, translators: Translators, check: Sequences) -> list[float]:
+        """Each layer's KL through `translators` on the check rows (on rank 0 alone under
+        torchrun: the others get its figures)."""
+        assert self.own is not None
+        if self.session is not None and self.session.rank != 0:
+            return []
+        decoder = TunedDecoder(self.own, translators)
+        return layer_kl(self.model, self.blocks, decoder, check, self.threads)
 
     def _refined(
         self, start: Translators, data: Sequences, recipe: Recipe, seed: int
@@ -161,7 +218,7 @@ class Tuning:
         with _frozen(self.model):
             return refine(
                 self.model, self.blocks, self.own, start, data, recipe, seed,
-                on_step=on_step, threads=self.threads,
+                on_step=on_step, threads=self.threads, session=self.session,
             )  # fmt: skip
 
     def evaluate(self, translators: Translators, data: Sequences) -> list[TuneLayer]:
@@ -170,11 +227,17 @@ class Tuning:
         tuned = TunedDecoder(self.own, translators)
 
         def on_sequence(done: int, total: int) -> None:
-            self.progress("evaluating", done * data.seq_len, total * data.seq_len, "")
+            self.progress("evaluating", self._done("evaluating", data.seq_len), data.tokens, "")
 
         return evaluate(
-            self.model, self.blocks, self.own, tuned, data, on_sequence, threads=self.threads
-        )
+            self.model, self.blocks, self.own, tuned, data, on_sequence, threads=self.threads,
+            session=self.session,
+        )  # fmt: skip
+
+
+def _better(before: float, after: float) -> bool:
+    """The refined translator lowers the KL by more than rounding could (KEEP_MARGIN)."""
+    return after < before - KEEP_MARGIN * abs(before) - KEEP_FLOOR
 
 
 def _bands(n_layers: int) -> list[tuple[int, int]]:
