@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from embedlens import runtime
-from embedlens.runtime import OthersBusy, Reading, others_between
+from tests import busy
+from tests.busy import OthersBusy, Reading, others_between
 
 # --- BLAS threads ------------------------------------------------------------------------------
 
@@ -190,11 +191,11 @@ def test_readings_of_proc_stat_less_this_process(tmp_path, monkeypatch):
     own = [3.0]
 
     def machine(busy_s: float) -> None:  # user, nice, system, idle, iowait, irq, softirq, steal
-        ticks = round(busy_s * runtime._TICK)
+        ticks = round(busy_s * busy._TICK)
         stat.write_text(f"cpu  {ticks - 7} 0 7 123456 89 0 0 0 0 0\ncpu0 1 2 3 4\n")
 
-    monkeypatch.setattr(runtime, "PROC_STAT", str(stat))
-    monkeypatch.setattr(runtime, "time", clock)
+    monkeypatch.setattr(busy, "PROC_STAT", str(stat))
+    monkeypatch.setattr(busy, "time", clock)
     monkeypatch.setattr(os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
     machine(10.0)
     others = OthersBusy()
@@ -221,7 +222,7 @@ def test_another_process_spinning_reads_as_busy():
 
 
 def test_without_proc_stat_the_load_average_less_own_use(monkeypatch):
-    monkeypatch.setattr(runtime, "PROC_STAT", "/nonexistent/stat")
+    monkeypatch.setattr(busy, "PROC_STAT", "/nonexistent/stat")
     monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0), raising=False)
-    busy = OthersBusy()()
-    assert 7.0 - (os.cpu_count() or 1) <= busy <= 7.0
+    cores = OthersBusy()()
+    assert 7.0 - (os.cpu_count() or 1) <= cores <= 7.0

@@ -1,8 +1,8 @@
 """The same input gives the same bytes: beside other processes' load, on one thread or all.
 
-The lens picks its thread count from the work's size and from the load of other processes
-(`embedlens.runtime.OthersBusy`), so a busy machine runs it on fewer threads than a quiet one;
-no figure may move with that choice.
+The lens picks its thread count from the work's size alone, never from the machine's load (a
+thread count can move the last bits of a batch's forward pass): a busy machine runs it as a
+quiet one does, and no figure may move beside other processes' work.
 """
 
 from __future__ import annotations
@@ -19,18 +19,15 @@ import pytest
 from tests.busy import busy_processes
 
 ROOT = Path(__file__).resolve().parent.parent
-# Runs the CLI with torch's thread count forced: 1, or N with the machine read as idle, so that
-# large work takes all N whatever the load (small work runs on one thread by design, and there
-# the forward pass itself would follow the thread count: a 7-token product is split by its sum).
+# Runs the CLI with torch's thread count forced: 1, or N (small work runs on one thread by design,
+# and there the forward pass itself would follow the thread count: a 7-token product is split by
+# its sum).
 _FORCED = """\
 import sys
 import torch
 threads = int(sys.argv[1])
 if threads:
     torch.set_num_threads(threads)
-if threads > 1:
-    from embedlens import runtime
-    runtime.OthersBusy.__call__ = lambda self: 0.0
 from embedlens.cli import main
 sys.argv = ["embedlens", *sys.argv[2:]]
 main()
@@ -94,7 +91,7 @@ def test_lens_json_is_the_same_whatever_the_load_and_threads(prompts, smollm2, t
 
 def test_busy_processes_keep_the_cores_busy():
     """The load the test above and CI's busy run make is real: other processes' CPU time."""
-    from embedlens.runtime import OthersBusy
+    from tests.busy import OthersBusy
 
     if not Path("/proc/stat").exists():
         pytest.skip("needs /proc/stat")

@@ -31,7 +31,6 @@ from embedlens.analysis.lens.engine import (
 )
 from embedlens.analysis.lens.ranking import Top, rowdot, tops_from_log_softmax
 from embedlens.analysis.lens.threads import threads_for
-from embedlens.runtime import OthersBusy
 
 BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
@@ -85,9 +84,8 @@ class BatchLens:
     """Runs the lens on batches of prompts of one model, its decoder (and the steps after the
     last block) found once.
 
-    The forward pass runs on one CPU thread while other processes already keep as many cores
-    busy as torch would use (`runtime.OthersBusy`, asked only for large work), and for small
-    work (`threads.threads_for`)."""
+    The forward pass runs on one CPU thread for small work, on torch's own setting otherwise
+    (`threads.threads_for`: from the work's size, never from the machine's load)."""
 
     def __init__(
         self,
@@ -108,7 +106,6 @@ class BatchLens:
         self.k = k
         self.real_vocab = real_vocab
         self.decoder: Decoder | None = None
-        self.others_busy = OthersBusy()
         self.keep = keep
         """Each result keeps what a comparison with another model needs (`engine.Kept`)."""
 
@@ -123,7 +120,7 @@ class BatchLens:
 
     def _run_group(self, items: list[BatchItem]) -> list[BatchOut]:
         n_tokens = sum(len(item.ids) for item in items)
-        with torch.inference_mode(), threads_for(self.model, n_tokens, self.others_busy):
+        with torch.inference_mode(), threads_for(self.model, n_tokens):
             decoded = self._decode(items)
         if decoded is None:  # the model's own logits are not finite: each alone says where
             return [self._alone(item) for item in items]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -15,24 +15,19 @@ SMALL_WORK = 4e9
 
 
 @contextmanager
-def threads_for(
-    model: nn.Module, n_tokens: int, others_busy: Callable[[], float] | None = None
-) -> Iterator[None]:
-    """One CPU thread for a small forward pass, the default otherwise; with `others_busy`
-    (cores other processes keep busy, asked only for large work), one thread for large work too
-    while that reaches torch's thread count.
+def threads_for(model: nn.Module, n_tokens: int) -> Iterator[None]:
+    """One CPU thread for a small forward pass, torch's own setting otherwise: chosen from the
+    work's size alone, never from the machine's load, since the thread count can move the last
+    bits of a forward pass (seen on SmolLM2: 2 of 64 prompts' rows in a batch on two threads) and
+    a figure must not depend on what else the machine runs.
 
     A short prompt through a small model is hundreds of thin matmuls; with several threads each
-    one ends in a barrier, and on a machine whose other cores are busy every barrier waits for a
-    time slice (measured on 2 busy cores: SmolLM2 on 5 tokens, 0.15 s on one thread, 1.5 to 3.6 s
-    on two; 100 prompts at load 4.0 to 5.8: 60 s wall on one thread, 86 to 97 s on two). Large
-    work keeps torch's own setting unless the cores are busy.
+    one ends in a barrier that waits for a time slice when the other cores are busy (measured on
+    2 busy cores: SmolLM2 on 5 tokens, 0.15 s on one thread, 1.5 to 3.6 s on two).
     """
     on_cpu = input_device(model).type == "cpu"
     work = sum(p.numel() for p in model.parameters()) * n_tokens
-    before = torch.get_num_threads()
-    large = work >= SMALL_WORK
-    if not on_cpu or before == 1 or (large and (others_busy is None or others_busy() < before)):
+    if not on_cpu or torch.get_num_threads() == 1 or work >= SMALL_WORK:
         yield
         return
     with one_thread():

@@ -22,7 +22,7 @@ from embedlens.analysis.lens.blocks import find_blocks, input_device
 from embedlens.analysis.lens.capture import capture
 from embedlens.analysis.lens.decoder import ModelDecoder
 from embedlens.analysis.lens.engine import tolerance
-from embedlens.analysis.lens.threads import one_thread, threads_for
+from embedlens.analysis.lens.threads import threads_for
 from embedlens.analysis.lens.tuned import Translators, TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.analysis.tune.evaluate import evaluate, layer_kl
@@ -30,7 +30,6 @@ from embedlens.analysis.tune.fit import LeastSquares
 from embedlens.analysis.tune.refine import Recipe, refine
 from embedlens.errors import UnsupportedError
 from embedlens.reports.tune import TuneLayer
-from embedlens.runtime import OthersBusy
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
 Progress = Callable[[str, int, int, str], None]
 """Called as work advances: (phase, done, total, detail), phase 'fitting' (tokens), 'refining'
 (steps, the KL of layer bands in the detail) or 'evaluating' (held-out sequences)."""
-BUSY_CORES = 0.5
-"""Cores other processes keep busy from which the run takes one thread."""
 BANDS = 3
 """Layer bands whose mean KL the refinement's progress shows."""
 KEEP_MARGIN = 1e-4
@@ -89,18 +86,13 @@ class Tuning:
         self.progress = progress or (lambda phase, done, total, detail: None)
         self.own: ModelDecoder | None = None
         self.vocab_rows = 0
-        self.others_busy = OthersBusy()
         self._counts: dict[str, int] = {}
 
     def threads(self, n_tokens: int) -> AbstractContextManager[None]:
-        """CPU threads for work on n_tokens: one while other processes keep half a core busy or
-        more (a tuning run is minutes of matrix products, each ending in a barrier that waits
-        for a time slice on busy cores: measured on 2 cores at load 5, one thread took 201 CPU
-        seconds where two took 481), else as the lens chooses (one for small work). The figures
-        do not depend on it: matrix products and row-wise reductions give the same bits on any
-        number of threads, and sums to one value are taken on one thread."""
-        if torch.get_num_threads() > 1 and self.others_busy() >= BUSY_CORES:
-            return one_thread()
+        """CPU threads for work on n_tokens, as the lens chooses them (one for small work): from
+        the work's size alone, never from the machine's load, so that the lens folder's bytes
+        do not depend on what else the machine runs (on 2 busy cores at load 5, two threads
+        took 481 CPU seconds where one took 201: set OMP_NUM_THREADS=1 on a shared machine)."""
         return threads_for(self.model, n_tokens)
 
     def fit(self, data: Sequences) -> Translators:
