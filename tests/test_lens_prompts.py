@@ -464,31 +464,21 @@ def test_top_rows_ties_across_the_kth_place():
             assert top.ids == best_ids(x[r], kth, kk).tolist(), (k, r)
 
 
-def test_batch_threads_one_thread_when_cores_are_busy(tiny):
-    from embedlens.analysis.lens.threads import threads_for as batch_threads
+def test_batch_threads_follow_the_work_never_the_load(tiny):
+    """One thread for small work, torch's own setting for large work, busy machine or not."""
+    from embedlens.analysis.lens.threads import threads_for
+    from tests.busy import busy_processes
 
     model = _load(tiny("llama-tied"))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        asked: list[float] = []
-
-        def busy(cores: float):  # type: ignore[no-untyped-def]
-            def measure() -> float:
-                asked.append(cores)
-                return cores
-
-            return measure
-
-        with batch_threads(model, 10**6, busy(2.0)):
-            assert torch.get_num_threads() == 1
+        with busy_processes(2):
+            with threads_for(model, 10**6):  # large work on a busy machine: torch's setting
+                assert torch.get_num_threads() == 2
+            with threads_for(model, 1):  # small work: one thread
+                assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with batch_threads(model, 10**6, busy(0.3)):  # large work, an idle machine:
-            assert torch.get_num_threads() == 2  # torch's own setting
-        assert len(asked) == 2
-        with batch_threads(model, 1, busy(2.0)):  # small work: one thread, nothing measured
-            assert torch.get_num_threads() == 1
-        assert len(asked) == 2
     finally:
         torch.set_num_threads(before)
 
