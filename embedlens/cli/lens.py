@@ -249,27 +249,21 @@ def lens(
 
     opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
-                device_map=device_map,
-                max_memory=max_memory, offload_folder=offload_folder, revision=revision,
-                dtype=dtype, device=device, trust_remote_code=trust_remote_code, against=against,
-                against_revision=against_revision, threshold=threshold,
+                device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
+                revision=revision, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                against=against, against_revision=against_revision, threshold=threshold,
                 tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
         common(quiet=quiet, debug=debug, device=device, split=True)
+        more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend}
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           options={**opts, "skip_bad": skip_bad, "compare_logit": compare_logit,
-                                    "dist_backend": dist_backend})  # fmt: skip
+                           options={**opts, **more})  # fmt: skip
     run_report(
         model if against is None else f"{model} against {against}",
         lambda: run_lens(model, prompt, grid=plot is not None and against is None, **opts),
-        as_json=as_json,
-        quiet=quiet,
-        debug=debug,
-        device=device,
-        doing="Running the lens on",
-        check=lambda: _check_one(plot, compare_logit),
-        say=lambda report: _say(report, plot),
-    )
+        as_json=as_json, quiet=quiet, debug=debug, device=device, doing="Running the lens on",
+        check=lambda: _check_one(plot, compare_logit), say=lambda report: _say(report, plot),
+    )  # fmt: skip
 
 
 def _check_one(plot: Path | None, compare_logit: bool) -> None:

@@ -110,6 +110,19 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
     _not_both(tuned, against)
+    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned)
+
+
+def _one_prompt(
+    model: object,
+    tokenizer: Any,
+    models: tuple[options.Load | dict[str, bool], Pair | None],
+    ask: options.Ask,
+    target: str | None,
+    tuned: str | os.PathLike[str] | None,
+) -> LensReport:
+    """One prompt through the engine (a pair's, or through a tuned lens), and its report."""
+    loading, pair = models
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
@@ -177,11 +190,7 @@ def lens_prompts(
 
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
-    if compare_logit and tuned is None:
-        raise UsageError(
-            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
-        )
-    _not_both(tuned, against)
+    _not_both(tuned, against, compare_logit)
     source = PromptSource.of(prompts)
     session = _joined(dist_backend, device, source, against, device_map)
     with nullcontext() if session is None else session.guarded():
@@ -355,9 +364,13 @@ def _ready(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
     return ready(lens_dir, opened.model, opened.tokenizer)
 
 
-def _not_both(tuned: object, against: object) -> None:
+def _not_both(tuned: object, against: object, compare_logit: bool = False) -> None:
     """--tuned and --against together are refused: a pair is compared through each model's own
-    decoder, and one lens folder fits one model."""
+    decoder, and one lens folder fits one model; --compare-logit needs --tuned."""
+    if compare_logit and tuned is None:
+        raise UsageError(
+            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
+        )
     if tuned is not None and against is not None:
         raise UsageError(
             "--tuned and --against do not combine: --against compares two models through their "
