@@ -232,6 +232,43 @@ def make_checkpoint(folder: Path, config: dict, n_tokens: int) -> Path:
     return folder
 
 
+def make_smollm2_folder(folder: Path, gguf_path: Path) -> Path:
+    """SmolLM2 as a hub download lays it out, from its GGUF: model.safetensors in bfloat16 (as the
+    hub holds it; the head is tied to the embedding, so there is none), config.json and the
+    tokenizer's files as transformers saves them."""
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from embedlens.model.gguf_patches import sharing_gguf_reads
+
+    kwargs = {"gguf_file": gguf_path.name}
+    with sharing_gguf_reads():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, dtype=torch.float32, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    # save_pretrained refuses a model loaded from GGUF: its weights and config are written here
+    state = {
+        k: v.to(torch.bfloat16).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.update(architectures=[type(model).__name__], dtype="bfloat16")
+    config.pop("_name_or_path", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tmp = folder / "model.safetensors.partial"
+    save_file(state, tmp, metadata={"format": "pt"})
+    tmp.rename(folder / "model.safetensors")
+    return folder
+
+
 def make_large_vocab_gguf(path: Path, n_tokens: int, width: int) -> Path:
     """A GGUF file holding a Q8_0 embedding of n_tokens rows (random, std 0.02), a byte-level
     vocabulary of n_tokens entries and the metadata `addr` reads (Gemma 3's 262k vocabulary
@@ -479,6 +516,14 @@ def qwen_checkpoint(quick: bool, *, build: bool) -> Path:
             tiny_qwen3_config() if quick else json.loads((CONFIGS / "Qwen3-0.6B.json").read_text())
         )
         make_checkpoint(folder, config, 4000 if quick else 151669)
+    return folder
+
+
+def smollm2_folder(*, build: bool) -> Path:
+    """SmolLM2 as a safetensors folder (what a hub download holds), built on first use."""
+    folder = CACHE / "smollm2-135m"
+    if build:
+        make_smollm2_folder(folder, smollm2_path())
     return folder
 
 
