@@ -6,6 +6,7 @@ free. Errors from transformers are translated into embedlens errors at this boun
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -27,7 +28,7 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import preflight
+from embedlens.model import direct, preflight
 from embedlens.model.gguf_patches import gguf_reads_shared
 from embedlens.text import error_line, first_line
 
@@ -195,18 +196,21 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Non
 
 
 def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
-    """The transformers config object (class defaults applied)."""
+    """The transformers config object (class defaults applied): for a folder, from the config
+    class its model type names (`direct.read_config`), else through AutoConfig."""
     _quiet_transformers()
-    from transformers import AutoConfig
-
     with _where(source) as (where, kwargs):
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
         with _translated(source, "reading the config"), gguf_reads_shared(source):
-            config = AutoConfig.from_pretrained(
-                where, trust_remote_code=trust_remote_code, **kwargs
-            )
+            config = None if source.is_gguf else direct.read_config(Path(where))
+            if config is None:
+                from transformers import AutoConfig
+
+                config = AutoConfig.from_pretrained(
+                    where, trust_remote_code=trust_remote_code, **kwargs
+                )
     check_rope(source, config)
     return config
 
@@ -236,10 +240,15 @@ def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) ->
     """Build the model from its config on the meta device: no weights read, no memory used."""
     config = hf_config(source, trust_remote_code=trust_remote_code)
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with _translated(source, "building the model from its config"), torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    with _translated(source, "building the model from its config"):
+        built = direct.build_on_meta(config)
+        if built is not None:
+            return built
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def check_device(device: str) -> None:
@@ -306,21 +315,13 @@ def load_model(
 
     `config`, a transformers config already read from the same source, saves reading it again.
     A weight the checkpoint lacks or holds in another shape is an error (transformers would fill
-    it with random values); tensors the model does not use are appended to `notes`.
+    it with random values); tensors the model does not use are appended to `notes`. A folder's
+    float32 model loaded whole on one device has its weights assigned directly
+    (`direct.load_float32`: the same model, without transformers' per-tensor machinery).
     """
     check_source(source, trust_remote_code=trust_remote_code)
     _quiet_transformers()
-    from transformers import AutoModelForCausalLM
-
-    options: dict[str, Any] = {"dtype": torch_dtype(dtype)}
-    if config is not None:
-        options["config"] = config
-    if device_map is not None:
-        options["device_map"] = device_map
-        if max_memory is not None:
-            options["max_memory"] = max_memory
-        if offload_folder is not None:
-            options["offload_folder"] = offload_folder
+    options = _load_options(dtype, config, device_map, max_memory, offload_folder)
     preflight.check_load(source, dtype=dtype, device=None if device_map else resolve_device(device))
     with (
         _where(source) as (where, kwargs),
@@ -328,17 +329,23 @@ def load_model(
         gguf_reads_shared(source),
         _conversion_errors_named(source),
     ):
-        # Mismatched shapes come back in the loading info (and are refused below) instead of
-        # stopping transformers with a pointer to a report it does not show.
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            where,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=None,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,
-            **kwargs,
-            **options,
+        loaded: Any = (
+            _load_direct(source, options) if dtype == "float32" and not device_map else None
         )
+        if loaded is None:
+            from transformers import AutoModelForCausalLM
+
+            # Mismatched shapes come back in the loading info (and are refused below) instead of
+            # stopping transformers with a pointer to a report it does not show.
+            loaded = AutoModelForCausalLM.from_pretrained(
+                where,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=None,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                **kwargs,
+                **options,
+            )
         model, info = loaded
     _refuse_gguf_on_disk(source, model)
     extra = check_loading_info(source, model, info)
@@ -348,6 +355,38 @@ def load_model(
         model.to(resolve_device(device))
     model.eval()  # autograd is left as the caller has it: the lens runs under inference_mode
     return model
+
+
+def _load_options(
+    dtype: str,
+    config: Any,
+    device_map: str | None,
+    max_memory: dict[Any, int | str] | None,
+    offload_folder: str | None,
+) -> dict[str, Any]:
+    """from_pretrained's keyword arguments for these loading options."""
+    options: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    if config is not None:
+        options["config"] = config
+    if device_map is not None:
+        options["device_map"] = device_map
+        if max_memory is not None:
+            options["max_memory"] = max_memory
+        if offload_folder is not None:
+            options["offload_folder"] = offload_folder
+    return options
+
+
+def _load_direct(source: ModelSource, options: dict[str, Any]) -> tuple[Any, Any] | None:
+    """(model, loading info) of a folder's safetensors loaded directly, or None where
+    transformers' from_pretrained is needed (see `direct.load_float32`)."""
+    if source.kind != "dir" or source.path is None:
+        return None
+    config = options.get("config")
+    if config is None:
+        config = hf_config(source)
+    files = direct.weight_files(source.path, config)
+    return None if files is None else direct.load_float32(source.path, config, files)
 
 
 def _refuse_gguf_on_disk(source: ModelSource, model: Any) -> None:
@@ -461,12 +500,17 @@ def _exception_line(text: str) -> str:
 
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
-    """The model's tokenizer through transformers (GGUF: rebuilt from the file's metadata)."""
+    """The model's tokenizer: a folder's tokenizer.json through the `tokenizers` library where
+    transformers would read it into its generic class unchanged (`direct_tokenizer`), else
+    through transformers (GGUF: rebuilt from the file's metadata)."""
     check_source(source, trust_remote_code=trust_remote_code)
+    check_tokenizer_files(source)
     _quiet_transformers()
+    fast = _direct_tokenizer(source, trust_remote_code=trust_remote_code)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
-    check_tokenizer_files(source)
     try:
         with (
             _where(source) as (where, kwargs),
@@ -485,6 +529,22 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
             hint="save a fast tokenizer (tokenizer.json) beside the model, or install "
             "sentencepiece (or tiktoken) for a slow one",
         ) from e
+
+
+def _direct_tokenizer(source: ModelSource, *, trust_remote_code: bool) -> Any:
+    """A folder's tokenizer read directly, or None (then transformers reads it)."""
+    from embedlens.model.direct_tokenizer import open_tokenizer
+
+    folder = source.path
+    if source.kind != "dir" or folder is None:
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or (trust_remote_code and "auto_map" in config):
+        return None
+    return open_tokenizer(folder, config)
 
 
 def check_tokenizer_files(source: ModelSource) -> None:
