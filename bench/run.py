@@ -581,6 +581,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     # SmolLM2's GGUF takes transformers a minute to load: the quick check runs the lens rows on
     # the tiny Qwen3 checkpoint instead.
     lens_model, lens_name = (qwen, "tiny Qwen3 checkpoint") if quick else (smol, "SmolLM2")
+    qwen_name = "tiny Qwen3 checkpoint" if quick else "Qwen3-0.6B checkpoint"
     hub_repo = f"bench/{qwen.name}"
     table = [
         Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
@@ -629,6 +630,9 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
             [sys.executable, str(LENS_PLAIN), "The capital of France is", str(lens_model)],
             "plain transformers lens", budget=0.6, mem_budget=1.0),
+        *([] if quick else folder_lens_rows(el, smollm2_folder(build=False), "SmolLM2 folder",
+                                            "The capital of France is")),
+        *folder_lens_rows(el, qwen, qwen_name, "king queen man woman"),
         Row(f"lens --prompts, 100 prompts ({lens_name})",
             [*el, "lens", str(lens_model), "--prompts", str(CACHE / "prompts-english.txt"),
              "--json"],
@@ -640,6 +644,20 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             "a single-prompt lens", budget=3.0),
     ]  # fmt: skip
     return table, qwen, smol
+
+
+def folder_lens_rows(el: list[str], folder: Path, name: str, prompt: str) -> list[Row]:
+    """The lens on a safetensors folder (what a hub download holds) against the plain
+    transformers lens on it, and against importing torch, transformers and the model's class."""
+    command = [*el, "lens", str(folder), prompt, "--json"]
+    return [
+        Row(f"lens ({name}, last position)", command,
+            [sys.executable, str(LENS_PLAIN), prompt, str(folder)], "plain transformers lens",
+            budget=0.6, mem_budget=1.0),
+        Row(f"lens ({name}) over the import floor", command,
+            [sys.executable, "-c", IMPORT_MODEL_CLASSES, str(folder)],
+            "importing torch, transformers and the model's classes", over_budget=1.5),
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -654,6 +672,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.build_only:
         qwen_checkpoint(args.quick, build=True)
+        if not args.quick:
+            smollm2_folder(build=True)
         large_vocab_gguf(args.quick, build=True)
         write_prompts(CACHE / "prompts-english.txt", PROMPT_WORDS)
         write_prompts(CACHE / "prompts-words.txt", [*QUERIES, "man", "woman", "dog", "two"])
