@@ -24,9 +24,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from embedlens.errors import CheckpointError
-from embedlens.text import error_line
-
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -159,16 +156,14 @@ def open_tokenizer(folder: Path, config: dict[str, Any]) -> DirectTokenizer | No
         return None
     if any(settings.get(k) for k in _CHANGES_TEXT) or "fast_tokenizer_files" in settings:
         return None
-    text = path.read_text(encoding="utf-8")
-    added = _added_tokens(json.loads(text))
     special, extra = _special_tokens(settings)
-    if added is None or special is None or extra is None:
+    backend = _backend(path)
+    if backend is None or special is None or extra is None:
         return None
+    added = {i: _flags(t) for i, t in backend.get_added_tokens_decoder().items()}
     if not _adds_nothing(folder, settings, added, [*special.values(), *extra]):
         return None
-    return DirectTokenizer(
-        _backend(text, path), special, extra, _chat_template(folder, settings), str(folder)
-    )
+    return DirectTokenizer(backend, special, extra, _chat_template(folder, settings), str(folder))
 
 
 def _json(path: Path) -> Any:
@@ -202,16 +197,10 @@ def _generic(settings: dict[str, Any], config: dict[str, Any]) -> bool:
     )
 
 
-def _added_tokens(data: Any) -> dict[int, dict[str, Any]] | None:
-    """tokenizer.json's added tokens by id (None for a file transformers would reject)."""
-    if not isinstance(data, dict) or not isinstance(data.get("added_tokens"), list):
-        return None
-    found: dict[int, dict[str, Any]] = {}
-    for token in data["added_tokens"]:
-        if not isinstance(token, dict) or not isinstance(token.get("id"), int):
-            return None
-        found[token["id"]] = {k: v for k, v in token.items() if k != "id"}
-    return found
+def _flags(token: Any) -> dict[str, Any]:
+    """An added token's content and settings, as tokenizer.json and tokenizer_config.json
+    spell them."""
+    return {name: getattr(token, name) for name in _TOKEN_FLAGS}
 
 
 def _special_tokens(settings: dict[str, Any]) -> tuple[dict[str, str] | None, list[str] | None]:
@@ -267,13 +256,15 @@ def _adds_nothing(
     return all(t in contents for t in special if t)
 
 
-def _backend(text: str, path: Path) -> Tokenizer:
+def _backend(path: Path) -> Tokenizer | None:
+    """tokenizer.json read by the `tokenizers` library (None if it cannot: transformers then
+    fails on it as it always has)."""
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_str(text)
-    except Exception as e:  # the Rust side raises a bare Exception for a malformed file
-        raise CheckpointError(f"cannot read '{path}': {error_line(e)}") from e
+        return Tokenizer.from_file(str(path))
+    except Exception:  # the Rust side raises a bare Exception for a malformed file
+        return None
 
 
 def _chat_template(folder: Path, settings: dict[str, Any]) -> Any:
