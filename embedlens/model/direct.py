@@ -295,10 +295,10 @@ def _assign(model: Any, plan: _Plan, dtype: Any) -> Any:
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """torch on one thread while tensors are copied: a copy is bound by the pages it first
-    touches, and threads splitting it only contend (measured on 2 busy cores: SmolLM2's
-    tensors to float32 in 0.6 s on one thread, 2 to 3.5 s on two; transformers' loader copies in
-    worker threads, each on one)."""
+    """torch on one thread while tensors are copied (elementwise: the values do not depend on
+    it). A copy is bound by the fresh pages it touches, and threads splitting it only contend:
+    measured on 2 busy cores, SmolLM2's tensors to float32 in 0.6 s on one thread, 2 to 3.5 s on
+    two (transformers' own loader, copying in a pool of worker threads, took 0.6 s)."""
     import torch
 
     before = torch.get_num_threads()
