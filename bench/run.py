@@ -581,7 +581,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     # SmolLM2's GGUF takes transformers a minute to load: the quick check runs the lens rows on
     # the tiny Qwen3 checkpoint instead.
     lens_model, lens_name = (qwen, "tiny Qwen3 checkpoint") if quick else (smol, "SmolLM2")
-    qwen_name = "tiny Qwen3 checkpoint" if quick else "Qwen3-0.6B checkpoint"
+    qwen_folder = "tiny Qwen3 folder" if quick else "Qwen3-0.6B folder"
     hub_repo = f"bench/{qwen.name}"
     table = [
         Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
@@ -632,7 +632,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             "plain transformers lens", budget=0.6, mem_budget=1.0),
         *([] if quick else folder_lens_rows(el, smollm2_folder(build=False), "SmolLM2 folder",
                                             "The capital of France is")),
-        *folder_lens_rows(el, qwen, qwen_name, "king queen man woman"),
+        *folder_lens_rows(el, qwen, qwen_folder, "king queen man woman"),
         Row(f"lens --prompts, 100 prompts ({lens_name})",
             [*el, "lens", str(lens_model), "--prompts", str(CACHE / "prompts-english.txt"),
              "--json"],
