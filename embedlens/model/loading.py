@@ -329,9 +329,8 @@ def load_model(
         gguf_reads_shared(source),
         _conversion_errors_named(source),
     ):
-        loaded: Any = (
-            _load_direct(source, options) if dtype == "float32" and not device_map else None
-        )
+        direct_ok = dtype == "float32" and not device_map
+        loaded: Any = _load_direct(source, options, trust_remote_code) if direct_ok else None
         if loaded is None:
             from transformers import AutoModelForCausalLM
 
@@ -377,14 +376,16 @@ def _load_options(
     return options
 
 
-def _load_direct(source: ModelSource, options: dict[str, Any]) -> tuple[Any, Any] | None:
+def _load_direct(
+    source: ModelSource, options: dict[str, Any], trust_remote_code: bool
+) -> tuple[Any, Any] | None:
     """(model, loading info) of a folder's safetensors loaded directly, or None where
     transformers' from_pretrained is needed (see `direct.load_float32`)."""
     if source.kind != "dir" or source.path is None:
         return None
     config = options.get("config")
     if config is None:
-        config = hf_config(source)
+        config = hf_config(source, trust_remote_code=trust_remote_code)
     files = direct.weight_files(source.path, config)
     return None if files is None else direct.load_float32(source.path, config, files)
 
