@@ -653,7 +653,7 @@ def folder_lens_rows(el: list[str], folder: Path, name: str, prompt: str) -> lis
     return [
         Row(f"lens ({name}, last position)", command,
             [sys.executable, str(LENS_PLAIN), prompt, str(folder)], "plain transformers lens",
-            budget=0.6, mem_budget=1.0),
+            budget=0.6),
         Row(f"lens ({name}) over the import floor", command,
             [sys.executable, "-c", IMPORT_MODEL_CLASSES, str(folder)],
             "importing torch, transformers and the model's classes", over_budget=1.5),
