@@ -55,6 +55,7 @@ def _run(model: str, args: list[str]) -> str:
         capture_output=True,
         text=True,
         env=env,
+        cwd=ROOT,  # `python -m` puts the working folder first on sys.path: run this tree's code
         check=False,
     )
     return f"exit {out.returncode}\n--- stdout\n{out.stdout}--- stderr\n{out.stderr}"

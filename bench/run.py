@@ -535,6 +535,20 @@ def large_vocab_gguf(quick: bool, *, build: bool) -> Path:
     return path
 
 
+def rounded_smollm2(quick: bool, *, build: bool) -> Path | None:
+    """SmolLM2's weights rounded from Q4_1 to Q8_0 (`retype_gguf.py`), the --against rows' B;
+    None in quick mode (the lens rows run on the tiny Qwen3 checkpoint, against itself)."""
+    if quick:
+        return None
+    path = CACHE / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    if build and not path.is_file():
+        sys.path.insert(0, str(HERE))
+        from retype_gguf import retype
+
+        retype(smollm2_path(), path, "Q8_0")
+    return path
+
+
 # The same neighbors after downloading the whole weights file into the hub cache, in one process.
 DOWNLOAD_THEN_NEIGHBORS = """
 import sys
@@ -582,6 +596,8 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     # the tiny Qwen3 checkpoint instead.
     lens_model, lens_name = (qwen, "tiny Qwen3 checkpoint") if quick else (smol, "SmolLM2")
     qwen_folder = "tiny Qwen3 folder" if quick else "Qwen3-0.6B folder"
+    rounded = rounded_smollm2(quick, build=False)
+    other, pair_name = (qwen, "itself") if rounded is None else (rounded, "its Q8_0 rounding")
     hub_repo = f"bench/{qwen.name}"
     table = [
         Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
@@ -642,6 +658,17 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(qwen), "--prompts", str(CACHE / "prompts-words.txt"), "--json"],
             [*el, "lens", str(qwen), "king queen man woman", "--json"],
             "a single-prompt lens", budget=3.0),
+        Row(f"lens --against ({lens_name} against {pair_name})",
+            [*el, "lens", str(lens_model), "The capital of France is", "--against", str(other),
+             "--json"],
+            [*el, "lens", str(lens_model), "The capital of France is", "--json"],
+            "the single-model lens", budget=2.2),
+        Row(f"lens --prompts --against, 100 prompts ({lens_name} against {pair_name})",
+            [*el, "lens", str(lens_model), "--prompts", str(CACHE / "prompts-english.txt"),
+             "--against", str(other), "--json"],
+            [*el, "lens", str(lens_model), "--prompts", str(CACHE / "prompts-english.txt"),
+             "--json"],
+            "--prompts alone", budget=2.2),
     ]  # fmt: skip
     return table, qwen, smol
 
@@ -675,6 +702,7 @@ def main() -> None:
         if not args.quick:
             smollm2_folder(build=True)
         large_vocab_gguf(args.quick, build=True)
+        rounded_smollm2(args.quick, build=True)
         write_prompts(CACHE / "prompts-english.txt", PROMPT_WORDS)
         write_prompts(CACHE / "prompts-words.txt", [*QUERIES, "man", "woman", "dog", "two"])
         return

@@ -9,6 +9,7 @@ object; `rich.print(report)` shows its tables; Jupyter shows it as HTML):
     embedlens.lens_prompts("SmolLM2-135M-Instruct.Q4_1.gguf", ["The capital of France is"])
 
 Importing embedlens is cheap: torch, transformers and numpy load when a function needs them.
+A command's process tuning (`embedlens.runtime`) is applied as its function is first looked up.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'embedlens' has no attribute '{name}'")
+    from embedlens import runtime
+
+    runtime.prepare(name)  # before the command's module imports numpy (BLAS threads)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

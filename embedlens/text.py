@@ -17,6 +17,30 @@ def visible(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+LOADED = "a loaded model"
+
+
+def model_title(model: str) -> str:
+    """A model as titles name it: a hub id (or a class name) whole, a local file by its name, a
+    model folder (config.json) by its last part, a folder holding one .gguf file by that file's
+    name; any other folder (the one a loaded model's GGUF file sat in, which transformers keeps
+    as its `_name_or_path`) names no model: LOADED. Empty: LOADED."""
+    from pathlib import Path
+
+    if not model:
+        return LOADED
+    path = Path(model)
+    try:
+        if not path.is_dir():
+            return path.name if path.is_file() else model
+        if (path / "config.json").is_file():
+            return path.name or model
+        ggufs = [p for p in path.glob("*.gguf") if p.is_file()]
+    except OSError:
+        return model
+    return ggufs[0].name if len(ggufs) == 1 else LOADED
+
+
 def one_line(text: str) -> str:
     """Whitespace runs as one space (a message may quote a multi-line value)."""
     return " ".join(text.split())

@@ -25,6 +25,9 @@ HF_HOME = Path(tempfile.mkdtemp(prefix="embedlens-hf-home-"))
 os.environ["HF_HOME"] = str(HF_HOME)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# no plain progress lines off a terminal: on a busy machine a run passes 10 s, and tests read
+# stderr line by line (tests/test_progress.py turns them back on)
+os.environ["EMBEDLENS_PROGRESS_SECONDS"] = "0"
 os.environ.pop("HF_TOKEN", None)
 
 
@@ -126,6 +129,7 @@ _SLOW_MODULES = {
     "test_interrupts.py",  # signals in subprocesses
     "test_install.py",  # installs in subprocesses
     "test_heatmap.py",  # drawings with matplotlib
+    "test_curves.py",  # drawings with matplotlib
     "test_fuzz_headers.py",  # hypothesis writes and parses thousands of headers
     "test_code_shape.py",  # parses every source file (a lint: ruff runs beside it)
 }

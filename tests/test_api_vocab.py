@@ -9,20 +9,40 @@ from tests.models import TOKENIZER_LEN, VOCAB
 
 
 def test_vocab_to_dict_is_the_json_object(cli, tiny):
+    """As for every command, without all=True: the JSON always holds every row's figures."""
     folder = tiny("llama-untied")
-    report = embedlens.vocab(str(folder), all=True)
+    report = embedlens.vocab(str(folder))
     assert isinstance(report, embedlens.Report)
     assert report.to_dict() == cli.json("vocab", folder)
     assert report.layout.padding_rows == VOCAB - TOKENIZER_LEN
-    # Without all (the command's --all, implied by --json) the per-row lists are left out.
-    plain = embedlens.vocab(str(folder)).to_dict()["undertrained"]
-    assert plain["indicators"] is None and plain["norms"] is None
+    scan = report.to_dict()["undertrained"]
+    assert len(scan["indicators"]) == len(scan["norms"]) == VOCAB
+    # all=True (--all) lists every candidate in the tables; the JSON is the same.
+    every = embedlens.vocab(str(folder), all=True)
+    assert every.to_dict() == report.to_dict() == cli.json("vocab", folder, "--all")
+    assert "shows_all" not in report.to_dict()
+
+
+def test_vocab_all_lists_every_candidate_in_the_tables(cli, smollm2):
+    """--all (all=True) changes the tables only: SmolLM2's 59 candidates, 15 shown without it."""
+    import io
+
+    from rich.console import Console
+
+    report = embedlens.vocab(str(smollm2), all=True)
+    buffer = io.StringIO()
+    Console(file=buffer, width=140, color_system=None, highlight=False).print(report)
+    assert buffer.getvalue() == cli("vocab", smollm2, "--all").stdout
+    assert "more (--all)" not in buffer.getvalue()
+    assert "│ 59 │" in buffer.getvalue()
+    assert "... 44 more (--all)" in cli("vocab", smollm2).stdout
+    assert report.to_dict() == cli.json("vocab", smollm2)
 
 
 def test_vocab_against_is_the_json_object(cli, tiny):
     folder = tiny("llama-tied")
     other = str(tiny("llama-untied") / "tokenizer.json")
-    report = embedlens.vocab(str(folder), against=other, all=True)
+    report = embedlens.vocab(str(folder), against=other)
     assert report.to_dict() == cli.json("vocab", folder, "--against", other)
     assert report.against is not None and report.against.identical
 

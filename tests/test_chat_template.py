@@ -159,3 +159,63 @@ def test_a_template_file_serves_every_chat_line_of_a_prompts_file(cli, tiny, bar
     without = cli("lens", bare, "--prompts", lines)
     assert without.exit_code == 2 and "line 1" in without.stderr
     assert "no chat template" in without.stderr
+
+
+@pytest.mark.parametrize("form", ["folder", "gguf"])
+def test_no_chat_template_is_said_from_the_files_before_transformers_loads(
+    form, tiny, smollm2, tmp_path
+):
+    """--chat on a model whose files hold no chat template: refused from the files (a GGUF
+    header, tokenizer_config.json) before the tokenizer is built, so before transformers or torch
+    is imported (a 262k-token GGUF took 46 s to rebuild its tokenizer first)."""
+
+    if form == "gguf":
+        model = _gguf_rewrite(
+            smollm2, tmp_path / "no-template.gguf", meta={"tokenizer.chat_template": (8, "")}
+        )
+    else:
+        model = tmp_path / "no-template"
+        shutil.copytree(tiny("llama-tied"), model)
+        (model / "chat_template.jinja").unlink()
+    result, imported, said = _imports_of("lens", model, "Paris", "--chat", "The capital of France?")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert said[0] == "error: this model's tokenizer has no chat template, so --chat cannot be used"
+    assert not imported & {"torch", "transformers"}, sorted(imported & {"torch", "transformers"})
+    with pytest.raises(UsageError, match="no chat template"):  # the library says the same
+        embedlens.lens(model, "Paris", chat="The capital of France?")
+
+
+def test_a_bad_target_on_a_gguf_is_refused_before_transformers_loads(smollm2, tmp_path):
+    """--target that is not one token of a GGUF's vocabulary: refused with embedlens' own reading
+    of the file's tokenizer (the ids transformers' gives), before torch or transformers is
+    imported, with the words the late check (a tokenizer given) says."""
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    for target in ("北京", "queen"):
+        result, imported, said = _imports_of("lens", smollm2, "中国的首都是", "--target", target)
+        assert (result.returncode, result.stdout) == (2, "")
+        assert not imported & {"torch", "transformers"}, target
+        with pytest.raises(UsageError) as late:
+            embedlens.lens(smollm2, "中国的首都是", target=target, tokenizer=tok)
+        assert said[0] == "error: " + late.value.message
+        assert said[1] == "hint: " + str(late.value.hint)
+
+
+def _imports_of(*argv: Any) -> tuple[Any, set[str], list[str]]:
+    """Run `embedlens ARGV` with `-X importtime`: the result, every module imported, and the
+    stderr lines that are not import times."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "embedlens", *map(str, argv)],
+        capture_output=True, text=True, env=env, cwd=root, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import ")}
+    return result, imported, [line for line in lines if not line.startswith("import time:")]

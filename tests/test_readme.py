@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,9 +95,53 @@ def console_examples() -> list[tuple[str, list[str]]]:
     return examples
 
 
-def run_example(command: str, smollm2: Path, folder: Path, **env: str) -> str:
-    """The README command's stdout and stderr, run in `folder` beside SmolLM2 and facts.jsonl."""
+def readme_builds() -> dict[str, tuple[str, list[str]]]:
+    """Files README's console blocks make with a script of this repository (`$ python bench/...
+    IN OUT ...`): OUT -> (the command, the output shown)."""
+    builds = {}
+    for block in re.findall(r"```console\n(.*?)```", README, flags=re.S):
+        lines = block.splitlines()
+        if lines[0].startswith("$ python bench/"):
+            builds[shlex.split(lines[0])[4]] = (lines[0][2:], [ln.rstrip() for ln in lines[1:]])
+    return builds
+
+
+@pytest.fixture(scope="session")
+def readme_files(smollm2, tmp_path_factory) -> Callable[[str], Path]:
+    """readme_files(name) -> the file README's build command makes, made once (it prints what
+    README shows)."""
+    folder = tmp_path_factory.mktemp("readme-files")
     (folder / SMOLLM2).symlink_to(smollm2)
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            command, shown = readme_builds()[name]
+            argv = shlex.split(command)
+            argv[:2] = [sys.executable, str(ROOT / argv[1])]
+            result = subprocess.run(argv, cwd=folder, capture_output=True, text=True)
+            assert result.returncode == 0, result.stderr
+            assert_shows(shown, result.stdout + result.stderr)
+            made[name] = folder / name
+        return made[name]
+
+    return make
+
+
+def run_example(
+    command: str,
+    smollm2: Path,
+    folder: Path,
+    files: Callable[[str], Path] | None = None,
+    **env: str,
+) -> str:
+    """The README command's stdout and stderr, run in `folder` beside SmolLM2, facts.jsonl and
+    the files README's build commands make that it names (`files`)."""
+    (folder / SMOLLM2).symlink_to(smollm2)
+    for name in readme_builds():
+        if name in command:
+            assert files is not None, f"{command} needs {name}"
+            (folder / name).symlink_to(files(name))
     for block in re.findall(r"```jsonl\n(.*?)```", README, flags=re.S):  # the prompts file shown
         (folder / "facts.jsonl").write_text(block, encoding="utf-8")
     argv = shlex.split(command)
@@ -116,8 +161,8 @@ def assert_shows(shown: list[str], output: str) -> None:
 
 
 @pytest.mark.parametrize("command, shown", console_examples(), ids=lambda x: str(x)[:60])
-def test_readme_example_prints_what_it_shows(command, shown, smollm2, tmp_path):
-    assert_shows(shown, run_example(command, smollm2, tmp_path))
+def test_readme_example_prints_what_it_shows(command, shown, smollm2, tmp_path, readme_files):
+    assert_shows(shown, run_example(command, smollm2, tmp_path, readme_files))
 
 
 @pytest.mark.slow
@@ -127,10 +172,12 @@ def test_readme_example_prints_what_it_shows(command, shown, smollm2, tmp_path):
     [(c, s) for c, s in console_examples() if c.split()[1] == "lens"],
     ids=lambda x: str(x)[:60],
 )
-def test_readme_lens_examples_hold_with_avx2_kernels(command, shown, smollm2, tmp_path):
+def test_readme_lens_examples_hold_with_avx2_kernels(
+    command, shown, smollm2, tmp_path, readme_files
+):
     """On a CPU without AVX-512 float32 sums land elsewhere (README's layer-0 KL of 99.529 is
     99.530 there; float64 says 99.5285): the stated tolerance covers both kernels."""
-    assert_shows(shown, run_example(command, smollm2, tmp_path, **AVX2))
+    assert_shows(shown, run_example(command, smollm2, tmp_path, readme_files, **AVX2))
 
 
 def test_readme_examples_were_found():

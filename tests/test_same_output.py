@@ -1,7 +1,7 @@
 """The same input gives the same bytes: beside other processes' load, on one thread or all.
 
 The lens picks its thread count from the work's size and from the load of other processes
-(`embedlens.analysis.cpu_busy`), so a busy machine runs it on fewer threads than a quiet one;
+(`embedlens.runtime.OthersBusy`), so a busy machine runs it on fewer threads than a quiet one;
 no figure may move with that choice.
 """
 
@@ -29,8 +29,8 @@ threads = int(sys.argv[1])
 if threads:
     torch.set_num_threads(threads)
 if threads > 1:
-    from embedlens.analysis import cpu_busy
-    cpu_busy.OthersBusy.__call__ = lambda self: 0.0
+    from embedlens import runtime
+    runtime.OthersBusy.__call__ = lambda self: 0.0
 from embedlens.cli import main
 sys.argv = ["embedlens", *sys.argv[2:]]
 main()
@@ -94,7 +94,7 @@ def test_lens_json_is_the_same_whatever_the_load_and_threads(prompts, smollm2, t
 
 def test_busy_processes_keep_the_cores_busy():
     """The load the test above and CI's busy run make is real: other processes' CPU time."""
-    from embedlens.analysis.cpu_busy import OthersBusy
+    from embedlens.runtime import OthersBusy
 
     if not Path("/proc/stat").exists():
         pytest.skip("needs /proc/stat")

@@ -92,7 +92,8 @@ def row_ids(given: Sequence[str]) -> list[int] | None:
 def resolve_rows(
     given: Sequence[str], vocab: Vocab | None, total: int
 ) -> list[tuple[str, int, list[int]]]:
-    """(as given, row, whole encoding) for each ROW: an id, or a token's text."""
+    """(the row's query, row, whole encoding) for each ROW: an id, or a token's text (a text
+    wholly inside one pair of quotes is the text between them: "' king'" is ' king')."""
     out: list[tuple[str, int, list[int]]] = []
     for text in given:
         if text == "":
@@ -104,6 +105,7 @@ def resolve_rows(
             continue
         if vocab is None:
             raise UsageError(f"'{text}' is not a row id, and the model has no tokenizer to read it")
+        text = words.unquoted(text)
         ids = vocab.encode(text)
         if len(ids) != 1 and vocab.lookup(text) is not None:
             ids = [vocab.lookup(text) or 0]
@@ -246,9 +248,12 @@ def addr_report(
     entry = table.entry
     v, d = table.rows, table.width
     found = resolve_rows(given, vocab, v)
-    for text, _, ids in found:
-        if vocab is not None and not _ID.match(text.strip()):  # a word: how it split
+    for typed, (text, _, ids) in zip(given, found, strict=True):
+        if vocab is not None and not _ID.match(typed.strip()):  # a word: how it split
             notes += words.word_notes(text, ids, vocab.encode, vocab.text, verb="addressed")
+            how = "give its id, {id}"
+            literal = words.literal_note(typed, vocab.encode, vocab.text, how)
+            notes += [] if literal is None else [literal]
     split = None if tp is None else tp_split(v, tp, entry.row_bytes)
     cost = costs(v, d, entry.row_bytes, tokens)
     real = min(vocab.size, v) if vocab is not None else v
@@ -299,7 +304,8 @@ def addr(
 ) -> AddrReport:
     """Where each row of the embedding (or head) table lives, proved by reading it back.
 
-    rows: row ids, or tokens' texts (a text's first token is used); tokens: also give the bytes
+    rows: row ids, or tokens' texts (a text's first token is used; one wholly inside a pair of
+    quotes is the text between them); tokens: also give the bytes
     a batch of that many lookups reads; tp: the tensor-parallel size (which rank holds each row,
     as vLLM splits the table); check: read each row back and compare it with the format's own
     loader.

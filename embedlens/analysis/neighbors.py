@@ -31,7 +31,7 @@ from embedlens.model.matrix import (
     open_rows,
 )
 from embedlens.model.tokenizer import Vocab, load_vocab
-from embedlens.model.words import Pool, check_pool, pooled
+from embedlens.model.words import Pool, check_pool, literal_note, pooled, unquoted
 from embedlens.reports.neighbors import (
     Neighbor,
     NeighborsReport,
@@ -43,7 +43,6 @@ from embedlens.reports.tokens import TokenRef
 
 _OPERATOR = re.compile(r"\s[+-]\s")
 _SPLIT = re.compile(r"(?:(?<=\s)|^)([+-])(?=\s|$)")
-_QUOTED = re.compile(r"^(['\"])(.*)\1$", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -69,21 +68,12 @@ def parse_expression(text: str) -> list[tuple[int, str]] | None:
     An expression has a '+' or '-' with whitespace on both sides. Its words are stripped; a word
     in quotes keeps its text exactly ("' king' - ' man' + ' woman'").
     """
-    if not _OPERATOR.search(text):
+    typed = typed_terms(text)
+    if typed is None:
         return None
-    parts = _SPLIT.split(text.strip())  # [word, op, word, op, word, ...]
-    signs = [1]
-    if parts[0].strip() == "" and len(parts) > 1:  # a leading sign: '- man + woman'
-        signs = [-1 if parts[1] == "-" else 1]
-        parts = parts[2:]
-    words = parts[0::2]
-    signs += [-1 if op == "-" else 1 for op in parts[1::2]]
     terms: list[tuple[int, str]] = []
-    for s, word in zip(signs, words, strict=True):
-        word = word.strip()
-        quoted = _QUOTED.match(word)
-        if quoted:
-            word = quoted.group(2)
+    for s, word in typed:
+        word = unquoted(word)
         if word == "":
             raise UsageError(
                 f"cannot parse the expression '{text}': an operator has no word beside it",
@@ -91,6 +81,31 @@ def parse_expression(text: str) -> list[tuple[int, str]] | None:
             )
         terms.append((s, word))
     return terms
+
+
+def typed_terms(text: str) -> list[tuple[int, str]] | None:
+    """An expression's signed words as typed (stripped, quotes kept), or None for a plain word."""
+    if not _OPERATOR.search(text):
+        return None
+    parts = _SPLIT.split(text.strip())  # [word, op, word, op, word, ...]
+    signs = [1]
+    if parts[0].strip() == "" and len(parts) > 1:  # a leading sign: '- man + woman'
+        signs = [-1 if parts[1] == "-" else 1]
+        parts = parts[2:]
+    signs += [-1 if op == "-" else 1 for op in parts[1::2]]
+    return [(s, w.strip()) for s, w in zip(signs, parts[0::2], strict=True)]
+
+
+def literal_notes(vocab: Vocab, given: Sequence[str]) -> list[str]:
+    """A note for each quoted word that is, quotes and all, a token of its own."""
+    notes = []
+    for text in given:
+        typed = typed_terms(text)
+        for word in [text] if typed is None else [w for _, w in typed]:
+            found = literal_note(word, vocab.encode, vocab.text, "give --id {id}")
+            if found is not None:
+                notes.append(found)
+    return list(dict.fromkeys(notes))
 
 
 def _term(vocab: Vocab, sign: int, word: str, total: int, pool: str = "first") -> Term:
@@ -160,7 +175,8 @@ def resolve(
             raise UsageError("empty query", hint="give a word, an expression, or --id ROW")
         signed = parse_expression(text)
         if signed is None:
-            queries.append(Query(text, "word", [_term(vocab, 1, text, total, pool)]))
+            word = unquoted(text)
+            queries.append(Query(word, "word", [_term(vocab, 1, word, total, pool)]))
         else:
             terms = [_term(vocab, s, w, total, pool) for s, w in signed]
             queries.append(Query(text, "expression", terms))
@@ -366,8 +382,8 @@ def neighbors(
 ) -> NeighborsReport:
     """The nearest tokens to each query by cosine in the embedding (or head) matrix.
 
-    queries: words, or expressions such as "king - man + woman" (a word in quotes keeps its
-    spaces); ids: rows queried by id; matrix: "input" (the embedding) or "output" (the LM head);
+    queries: words, or expressions such as "king - man + woman" (a word wholly inside one pair
+    of quotes is the text between them, its spaces kept: "' king'" is ' king'); ids: rows queried by id; matrix: "input" (the embedding) or "output" (the LM head);
     pool: how a word of several tokens is queried ("first", "mean" or "last" token).
     """
     if top_k < 1:
@@ -388,7 +404,7 @@ def neighbors(
             f"-k {top_k} is more than the {searched:,} rows searched",
             hint=f"use -k between 1 and {searched:,}",
         )
-    notes = list(table.notes)
+    notes = [*table.notes, *literal_notes(vocab, words_given)]
     if vocab.size > table.rows:
         notes.append(
             f"the tokenizer has {vocab.size:,} tokens but the matrix only {table.rows:,} "

@@ -9,6 +9,7 @@ id (`vocab_diff.py`). `--verify` and `--check-fit` load the model (`vocab_fit.py
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from embedlens.analysis.vocab_layout import (
     reference_rows,
 )
 from embedlens.errors import UsageError
+from embedlens.io.gguf import read_gguf_header
 from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model.matrix import Table, locate, open_rows
@@ -61,11 +63,11 @@ class _Asked:
 
 @counts_hub_reads
 def vocab(
-    model: str,
+    model: str | os.PathLike[str],
     *,
-    against: str | None = None,
+    against: str | os.PathLike[str] | None = None,
     check_fit: bool = False,
-    tokenizer: str | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
     verify: bool = False,
     max_verify: int = MAX_VERIFY,
     all: bool = False,
@@ -78,20 +80,22 @@ def vocab(
     """Check MODEL's vocabulary against its matrices, scan for under-trained tokens, and (on
     request) compare it with another vocabulary (`against`) or measure whether the weights fit
     it (`check_fit`, with `tokenizer` another tokenizer than the model's own); `verify` asks the
-    model to repeat the first `max_verify` candidates; `all` keeps every row's indicator."""
-    every_row = all
+    model to repeat the first `max_verify` candidates; `all` shows every candidate in the
+    tables (`to_dict()`, the --json object, always holds every candidate and row). MODEL,
+    `against` and `tokenizer` are text or paths (`pathlib.Path`)."""
     _check_arguments(model, max_verify)
+    model, against, tokenizer = os.fspath(model), _text(against), _text(tokenizer)
     source = resolve(model, revision)
     table = locate(source, "output")
     if tokenizer is None:
-        vocab_used = load_vocab(source, table.checkpoint.gguf)
+        gguf = table.checkpoint.gguf
+        vocab_used = load_vocab(source, gguf)
+        merged = byte_level_merge_results(gguf) if gguf is not None else None
         origin = vocab_used.origin
     else:
-        vocab_used, origin = load_other(tokenizer), tokenizer
+        (vocab_used, merged), origin = _load_other(tokenizer), tokenizer
     other = load_other(against) if against is not None else None
-    gguf = table.checkpoint.gguf
-    merged = byte_level_merge_results(gguf) if tokenizer is None and gguf is not None else None
-    report = _static(model, origin, vocab_used, source, table, merged, every_row=every_row)
+    report = _static(model, origin, vocab_used, source, table, merged, shows_all=all)
     scanned, fit = report.undertrained, None
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
@@ -103,8 +107,13 @@ def vocab(
     return _finish(report, scanned, diff, fit)
 
 
+def _text(spec: str | os.PathLike[str] | None) -> str | None:
+    """A path given as a `pathlib.Path` (any os.PathLike) as text; None stays None."""
+    return None if spec is None else os.fspath(spec)
+
+
 def _check_arguments(model: object, max_verify: int) -> None:
-    if not isinstance(model, str):
+    if not isinstance(model, (str, os.PathLike)):
         raise UsageError(
             "vocab reads MODEL from its files: give a hub repo id, a folder or a .gguf file",
             hint="a loaded model's vocabulary cannot be checked against its checkpoint",
@@ -121,15 +130,17 @@ def _static(
     table: Table,
     merged: frozenset[str] | None,
     *,
-    every_row: bool,
+    shows_all: bool,
 ) -> VocabReport:
-    """Everything that reads headers, the tokenizer and one matrix."""
+    """Everything that reads headers, the tokenizer and one matrix. Unreachable tokens are the
+    tokenizer's, all of them (the same whatever weights it is checked against); the scan reads
+    the rows there are."""
     layout = read_layout(vocab, table)
     problems = layout_problems(layout)
-    rows = min(vocab.size, table.rows)
     pieces = pieces_by_id(vocab)
     raw = entries(vocab, pieces)
-    unreachable, kinds = find_unreachable(vocab, rows, pieces, raw, merged)
+    unreachable, every_kind = find_unreachable(vocab, vocab.size, pieces, raw, merged)
+    kinds = {i: kind for i, kind in every_kind.items() if i < table.rows}
     prints = read_fingerprint(vocab, table, raw)
     if prints.matches is False:
         problems.append(
@@ -138,7 +149,7 @@ def _static(
         )
     reference = reference_rows(vocab, kinds, table.rows, pieces)
     tokens = _tokens(vocab, reference, kinds, table.rows)
-    scanned = scan(_matrices(source, table), vocab, tokens, all_tokens=every_row)
+    scanned = scan(_matrices(source, table), vocab, tokens, all_tokens=True)
     problems.extend(_untrained_added(scanned))
     notes = [] if table.tied else list(table.notes)
     if vocab.size > table.rows:
@@ -154,6 +165,7 @@ def _static(
         fit=None,
         problems=problems,
         notes=notes,
+        shows_all=shows_all,
     )
 
 
@@ -238,15 +250,24 @@ def _finish(
 
 def load_other(spec: str) -> Vocab:
     """Another vocabulary: a tokenizer.json, a folder holding one, or any MODEL."""
+    return _load_other(spec)[0]
+
+
+def _load_other(spec: str) -> tuple[Vocab, frozenset[str] | None]:
+    """Another vocabulary, and what a byte-level GGUF's merges build (as for the model's own)."""
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
         check_tokenizer_json(path)
-        return vocab_from_file(path)
+        return vocab_from_file(path), None
     if (
         path.is_dir()
         and (path / "tokenizer.json").is_file()
         and not (path / "config.json").is_file()
     ):
         check_tokenizer_json(path / "tokenizer.json")
-        return vocab_from_file(path / "tokenizer.json")
-    return load_vocab(resolve(spec))
+        return vocab_from_file(path / "tokenizer.json"), None
+    source = resolve(spec)
+    if not source.is_gguf or source.path is None:
+        return load_vocab(source), None
+    header = read_gguf_header(source.path)
+    return load_vocab(source, header), byte_level_merge_results(header)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.cli._output import counter, emit, note, rendered, warn, write_stdout
 from embedlens.errors import UsageError
+from embedlens.text import model_title
 
 if TYPE_CHECKING:
     from embedlens.model.prompts import PromptLine
@@ -43,7 +44,11 @@ def run_prompts(
         options = {**options, "top_k": min(options["top_k"], 1)}
     show = _Shown(as_json=as_json, each=each)
     source = PromptSource.open(prompts)
-    with counter(f"Running the lens on {model}", "prompts") as advance:
+    against = options.get("against")
+    what = model_title(model)
+    if against is not None:
+        what = f"{what} against {model_title(str(against))}"
+    with counter(f"Running the lens on {what}", "prompts") as advance:
 
         def on_report(report: LensReport, line: PromptLine) -> None:
             show.report(report, line)
@@ -86,8 +91,22 @@ class _Shown:
                 f"{summary.n_prompts} prompts: its rows are not faithful for this architecture "
                 "(run one of them alone to see the suspect step)"
             )
+        from embedlens.reports.lens_diff import LensPairSummaryReport
+
+        pair = summary if isinstance(summary, LensPairSummaryReport) else None
+        if pair is not None and pair.diff.n_against_unfaithful:
+            warn(
+                f"the lens does not reproduce the logits of '{pair.diff.against}' on "
+                f"{pair.diff.n_against_unfaithful} of {summary.n_prompts} prompts: its rows "
+                "are not faithful for this architecture"
+            )
         self.notes(summary.notes)
-        if plot is not None:
+        if plot is not None and pair is not None:
+            from embedlens.views.diff_curves import save_diff_curves
+
+            save_diff_curves(pair, plot)
+            note(f"wrote {plot}")
+        elif plot is not None:
             from embedlens.views.curves import save_curves
 
             save_curves(summary, plot)

@@ -21,6 +21,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Write one JSON object to 
 RevisionOpt = Annotated[
     str | None, typer.Option("--revision", help="Hub revision: branch, tag or commit.")
 ]
+AgainstRevisionOpt = Annotated[
+    str | None,
+    typer.Option("--against-revision", help="Hub revision of the --against model."),
+]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DtypeOpt = Annotated[
     Dtype,

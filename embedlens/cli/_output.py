@@ -6,15 +6,19 @@ import io
 import os
 import stat
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from rich.console import Console, RenderableType
+from rich.table import Column
 from rich.text import Text
 
 from embedlens.errors import OutputError
 from embedlens.io import ranges
 from embedlens.reports import Report
+from embedlens.text import binary_size
 from embedlens.views.format import shown
 
 
@@ -121,7 +125,11 @@ def emit(report: Report, *, as_json: bool) -> None:
 
 
 def rendered(renderable: RenderableType) -> str:
-    """What the stdout console would print, as a string (so it is written, and checked, once)."""
+    """What the stdout console would print, as a string (so it is written, and checked, once).
+
+    Nothing is cut to the width: a word longer than a line (a fingerprint, a path) stands whole on
+    its line, and a table too wide for the terminal keeps its figures and tokens whole and prints
+    wider (views.format.Sheet), rather than ending in '…'."""
     buffer = io.StringIO()
     Console(
         file=buffer,
@@ -133,7 +141,7 @@ def rendered(renderable: RenderableType) -> str:
         soft_wrap=False,
         markup=False,
         emoji=False,
-    ).print(renderable)
+    ).print(renderable, crop=False)
     return buffer.getvalue()
 
 
@@ -148,11 +156,58 @@ def warn(message: str) -> None:
     err_console.print(shown("warning: " + message, style="bold red"), soft_wrap=True)
 
 
+PLAIN_EVERY = 10.0
+"""Off a terminal (a CI log, nohup, a notebook's `!embedlens`), progress is a plain line on
+stderr every this many seconds of a long wait, never an animation; work done sooner prints none.
+$EMBEDLENS_PROGRESS_SECONDS sets another interval (0: none)."""
+
+
+def _plain_every() -> float:
+    """PLAIN_EVERY, or $EMBEDLENS_PROGRESS_SECONDS when set to a number (0 or less: no lines)."""
+    try:
+        return float(os.environ["EMBEDLENS_PROGRESS_SECONDS"])
+    except (KeyError, ValueError):
+        return PLAIN_EVERY
+
+
+@contextmanager
+def plain_progress(line: Callable[[float], str]) -> Iterator[None]:
+    """Off a terminal and without --quiet: every PLAIN_EVERY seconds while the block runs, the
+    line `line(seconds elapsed)` on stderr; nothing else (no line for work done sooner)."""
+    every = _plain_every()
+    if _state["quiet"] or err_console.is_terminal or every <= 0:
+        yield
+        return
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            text = line(time.monotonic() - start)
+            with suppress(Exception):  # stderr closed or full: progress is not worth an error
+                err_console.print(shown(text), soft_wrap=True, highlight=False)
+
+    thread = threading.Thread(target=tick, name="embedlens-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _elapsed(seconds: float) -> str:
+    whole = int(seconds)
+    return f"{whole // 60}:{whole % 60:02d}"
+
+
 @contextmanager
 def progress(message: str) -> Iterator[None]:
-    """A spinner on stderr while work runs, only on a terminal and without --quiet."""
+    """A spinner on stderr while work runs on a terminal; off one, a plain line every
+    PLAIN_EVERY seconds (neither with --quiet)."""
     if _state["quiet"] or not err_console.is_terminal:
-        yield
+        with plain_progress(lambda t: f"{message}: {_elapsed(t)}"):
+            yield
         return
     with err_console.status(shown(message), spinner="dots"):
         yield
@@ -160,10 +215,21 @@ def progress(message: str) -> Iterator[None]:
 
 @contextmanager
 def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
-    """A progress line on stderr counting items done and their rate (only on a terminal and
-    without --quiet); yields the function that counts one more."""
+    """A progress line on stderr counting items done and their rate (on a terminal; off one, a
+    plain line every PLAIN_EVERY seconds; neither with --quiet); yields the function that counts
+    one more. The count comes first, so a long message never hides it."""
     if _state["quiet"] or not err_console.is_terminal:
-        yield lambda: None
+        done = [0]
+
+        def line(t: float) -> str:
+            rate = f", {done[0] / t:.1f} {unit}/s" if done[0] and t > 0 else ""
+            return f"{done[0]:,} {unit} done{rate}, {_elapsed(t)}: {message}"
+
+        def one_more() -> None:
+            done[0] += 1
+
+        with plain_progress(line):
+            yield one_more
         return
     from rich.progress import (
         Progress,
@@ -181,22 +247,38 @@ def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
 
     columns = (
         SpinnerColumn(),
-        TextColumn("{task.description}", markup=False),
         TextColumn("{task.completed:.0f} " + unit),
         Rate(),
         TimeElapsedColumn(),
+        # What is left of the line, its end cut short first: a long path never hides the count.
+        TextColumn(
+            "{task.description}",
+            markup=False,
+            table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"),
+        ),
     )
-    with Progress(*columns, console=err_console, transient=True) as bar:
+    with Progress(*columns, console=err_console, transient=True, expand=True) as bar:
         task = bar.add_task(shown(message).plain, total=None)
         yield lambda: bar.advance(task)
 
 
 @contextmanager
 def byte_bar(message: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr for a large download (only on a terminal and without --quiet),
-    as huggingface_hub shows one; yields the function that counts bytes received."""
+    """A progress bar on stderr for a large download (on a terminal, as huggingface_hub shows one;
+    off one, a plain line every PLAIN_EVERY seconds; neither with --quiet); yields the function
+    that counts bytes received."""
     if _state["quiet"] or not err_console.is_terminal:
-        yield lambda n: None
+        got = [0]
+
+        def line(t: float) -> str:
+            share = f" ({100 * got[0] / total:.0f}%)" if total else ""
+            return f"{message}: {binary_size(got[0])} of {binary_size(total)}{share}, {_elapsed(t)}"
+
+        def received(n: int) -> None:
+            got[0] += n
+
+        with plain_progress(line):
+            yield received
         return
     from rich.progress import (
         BarColumn,

@@ -14,9 +14,8 @@ from embedlens.cli._options import (
     ModelArg,
     QuietOpt,
     RevisionOpt,
-    common,
 )
-from embedlens.cli._output import emit, note, progress
+from embedlens.cli._run import run_report
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -33,7 +32,9 @@ def addr(
         list[str],
         typer.Argument(
             metavar="ROW...",
-            help="A row id (an integer), or a token's text (its first token is used).",
+            help="A row id (an integer), or a token's text (its first token is used). A text "
+            "wholly inside one pair of quotes is the text between them: \"' king'\" is ' king' "
+            "with its leading space, \"'42'\" the token 42 (not row 42).",
             show_default=False,
         ),
     ],
@@ -67,11 +68,12 @@ def addr(
     """
     from embedlens.analysis.addr import addr as find_addr
 
-    common(quiet=quiet, debug=debug)
-    with progress(f"Reading {model}"):
-        report = find_addr(
+    run_report(
+        model,
+        lambda: find_addr(
             model, rows, matrix=matrix, tokens=tokens, tp=tp, check=check, revision=revision
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+        ),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+    )

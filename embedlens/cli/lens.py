@@ -10,6 +10,7 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._options import (
+    AgainstRevisionOpt,
     DebugOpt,
     DeviceMap,
     DeviceOpt,
@@ -21,7 +22,8 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import emit, note, progress, warn
+from embedlens.cli._output import note, warn
+from embedlens.cli._run import run_report, say_notes
 
 if TYPE_CHECKING:
     from embedlens.reports.lens import LensReport
@@ -35,6 +37,8 @@ EXAMPLES = (
     '  $ embedlens lens ./base.gguf "Paris" --chat "The capital of France?" --chat-template chat.jinja\n\n'
     '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json\n\n'
     "  $ embedlens lens ./my-model --prompts prompts.jsonl --plot curves.png\n\n"
+    '  $ embedlens lens ./model.Q4_1.gguf "The capital of France is" --against ./model.Q8_0.gguf\n\n'
+    "  $ embedlens lens ./base --prompts prompts.jsonl --against ./instruct --plot kl.png\n\n"
     "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl"
 )
 
@@ -140,6 +144,24 @@ PlotOpt = Annotated[
     ),
 ]
 
+AgainstOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--against",
+        metavar="MODEL",
+        help="Read another model (B, same vocabulary and layers) on the same ids: per layer, "
+        "KL(A ‖ B), whether the top-1 agree, and the residual KL (A's decoder on B's residual).",
+    ),
+]
+ThresholdOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--threshold",
+        metavar="NATS",
+        help="With --against: the KL above which a layer counts as divergent (1e-06 by default).",
+    ),
+]
+
 DeviceMapOpt = Annotated[
     DeviceMap | None,
     typer.Option(
@@ -191,6 +213,9 @@ def lens(
     prompts: PromptsOpt = None,
     each: EachOpt = False,
     skip_bad: SkipBadOpt = False,
+    against: AgainstOpt = None,
+    against_revision: AgainstRevisionOpt = None,
+    threshold: ThresholdOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -200,36 +225,60 @@ def lens(
     """
     from embedlens.analysis.lens import lens as run_lens
 
-    common(quiet=quiet, debug=debug, device=device)
     opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
                 device_map=device_map,
                 max_memory=max_memory, offload_folder=offload_folder, revision=revision,
-                dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # fmt: skip
+                dtype=dtype, device=device, trust_remote_code=trust_remote_code, against=against,
+                against_revision=against_revision, threshold=threshold)  # fmt: skip
     if prompts is not None or prompt is None:
+        common(quiet=quiet, debug=debug, device=device)
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
                            options={**opts, "skip_bad": skip_bad})  # fmt: skip
+    run_report(
+        model if against is None else f"{model} against {against}",
+        lambda: run_lens(model, prompt, grid=plot is not None and against is None, **opts),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+        device=device,
+        doing="Running the lens on",
+        check=lambda: _check_plot(plot),
+        say=lambda report: _say(report, plot),
+    )
+
+
+def _check_plot(plot: Path | None) -> None:
+    """Before any work: --plot names a format the heatmap is drawn in, and matplotlib is there."""
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
         check_plot_file(plot)
-    with progress(f"Running the lens on {model}"):
-        report = run_lens(model, prompt, grid=plot is not None, **opts)
-    _say(report, plot)
-    emit(report, as_json=as_json)
 
 
 def _say(report: LensReport, plot: Path | None) -> None:
-    """On stderr: the not-faithful warning and the notes; then the plot, when one was asked for."""
-    if not report.check.ok:
-        warn(
-            f"the lens does not reproduce this model's logits (max |Δ| = "
-            f"{report.check.max_abs_logit_diff:.3g} > {report.check.tolerance:.3g}): its rows are "
-            f"not faithful for this architecture; suspect: {report.check.suspect}"
-        )
-    for text in report.notes:
-        note("note: " + text)
-    if plot is not None:
+    """On stderr: the not-faithful warnings and the notes; then the plot, when one was asked
+    for (with --against: the KL curves, else the heatmap)."""
+    from embedlens.reports.lens_diff import LensPairReport
+
+    pair = report if isinstance(report, LensPairReport) else None
+    checks = [("this model's logits", report.check)]
+    if pair is not None:
+        checks.append((f"the logits of '{pair.diff.against}'", pair.diff.against_check))
+    for whose, c in checks:
+        if not c.ok:
+            warn(
+                f"the lens does not reproduce {whose} (max |Δ| = "
+                f"{c.max_abs_logit_diff:.3g} > {c.tolerance:.3g}): its rows are not faithful "
+                f"for this architecture; suspect: {c.suspect}"
+            )
+    say_notes(report)
+    if plot is not None and pair is not None:
+        from embedlens.views.diff_curves import save_diff_curves
+
+        save_diff_curves(pair, plot)
+        note(f"wrote {plot}")
+    elif plot is not None:
         from embedlens.views.heatmap import save_heatmap
 
         for text in save_heatmap(report, plot):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
@@ -15,9 +14,8 @@ from embedlens.cli._options import (
     ModelArg,
     QuietOpt,
     RevisionOpt,
-    common,
 )
-from embedlens.cli._output import emit, note, progress
+from embedlens.cli._run import run_report
 from embedlens.model.words import Pool
 
 EXAMPLES = (
@@ -33,7 +31,8 @@ QueriesArg = Annotated[
     typer.Argument(
         metavar="QUERY...",
         help="Words or expressions such as "
-        '"king - man + woman" (words stripped; quote one to keep its spaces: "\' king\'"). '
+        '"king - man + woman" (an expression\'s words are stripped). A word wholly inside one '
+        "pair of quotes is the text between them, spaces kept: \"' king'\" is ' king'. "
         "A word of several tokens is queried as --pool says.",
         show_default=False,
     ),
@@ -78,15 +77,11 @@ def neighbors(
     and only real tokens' rows are searched: padding rows past the tokenizer's length never
     are, special tokens only with --include-special, and a query's own rows never appear.
     """
-    common(quiet=quiet, debug=debug)
-    # The product is [block, d] x [d, queries] with few queries: BLAS threads cost more than they
-    # give (0.73 s against 0.20 s for Qwen3-0.6B's table on two busy cores). Read when numpy is
-    # first imported, by the import just below; a value the user set wins.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from embedlens.analysis.neighbors import neighbors as find_neighbors
+    from embedlens import neighbors as find_neighbors  # runtime.prepare: one BLAS thread
 
-    with progress(f"Reading {model}"):
-        report = find_neighbors(
+    run_report(
+        model,
+        lambda: find_neighbors(
             model,
             queries or [],
             top_k=k,
@@ -95,7 +90,8 @@ def neighbors(
             include_special=include_special,
             pool=pool,
             revision=revision,
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+        ),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+    )

@@ -16,9 +16,8 @@ from embedlens.cli._options import (
     QuietOpt,
     RevisionOpt,
     TrustOpt,
-    common,
 )
-from embedlens.cli._output import emit, note, progress
+from embedlens.cli._run import run_report
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -56,9 +55,9 @@ def params(
     """
     from embedlens.analysis.params import params as run
 
-    common(quiet=quiet, debug=debug, device=device)
-    with progress(f"Reading {model}"):
-        report = run(
+    run_report(
+        model,
+        lambda: run(
             model,
             meta_only=meta_only,
             load=load,
@@ -67,7 +66,9 @@ def params(
             dtype=dtype,
             device=device,
             trust_remote_code=trust_remote_code,
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+        ),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+        device=device,
+    )

@@ -16,9 +16,8 @@ from embedlens.cli._options import (
     QuietOpt,
     RevisionOpt,
     TrustOpt,
-    common,
 )
-from embedlens.cli._output import emit, note, progress
+from embedlens.cli._run import run_report
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -53,9 +52,9 @@ def tied(
     """
     from embedlens.analysis.tied import tied as run
 
-    common(quiet=quiet, debug=debug, device=device)
-    with progress(f"Reading {model}"):
-        report = run(
+    run_report(
+        model,
+        lambda: run(
             model,
             meta_only=meta_only,
             load=load,
@@ -63,7 +62,9 @@ def tied(
             dtype=dtype,
             device=device,
             trust_remote_code=trust_remote_code,
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+        ),
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+        device=device,
+    )

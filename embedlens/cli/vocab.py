@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -11,23 +9,27 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
-    DeviceOpt,
-    DtypeOpt,
+    Dtype,
     JsonOpt,
     ModelArg,
     QuietOpt,
     RevisionOpt,
-    TrustOpt,
-    common,
 )
-from embedlens.cli._output import emit, err_console, note, progress
+from embedlens.cli._output import err_console, plain_progress
+from embedlens.cli._run import run_report
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from embedlens.reports.vocab import VocabReport
+
+PROBLEMS_FOUND = 3
+"""`vocab --check`'s exit status when the report lists a problem."""
+
 EXAMPLES = (
     "Examples:\n\n"
     "  $ embedlens vocab ./SmolLM2-135M-Instruct.Q4_1.gguf\n\n"
+    '  $ embedlens vocab ./my-model --check --quiet > vocab.txt || echo "exit $?"\n\n'
     "  $ embedlens vocab ./my-model --against ./old-tokenizer/tokenizer.json\n\n"
     "  $ embedlens vocab ./my-model --check-fit --tokenizer ./new-tokenizer\n\n"
     "  $ embedlens vocab Qwen/Qwen3-0.6B --verify --max-verify 50 --json"
@@ -69,7 +71,35 @@ MaxVerifyOpt = Annotated[
     int, typer.Option("--max-verify", metavar="N", help="Candidates --verify asks about.")
 ]
 AllOpt = Annotated[
-    bool, typer.Option("--all", help="Show every candidate (JSON: every row's indicator).")
+    bool,
+    typer.Option(
+        "--all", help="List every candidate in the tables (--json always holds them all)."
+    ),
+]
+CheckOpt = Annotated[
+    bool,
+    typer.Option(
+        "--check",
+        help=f"Exit {PROBLEMS_FOUND} when a problem is found (after printing the report), for "
+        "scripts; without it the exit status is 0 whatever was found.",
+    ),
+]
+# --dtype, --device and --trust-remote-code apply only to the model --verify and --check-fit load.
+VocabDtypeOpt = Annotated[
+    Dtype,
+    typer.Option("--dtype", help="Dtype --verify and --check-fit load the weights in."),
+]
+VocabDeviceOpt = Annotated[
+    str,
+    typer.Option("--device", help="cpu, cuda, mps or auto: where --verify and --check-fit run."),
+]
+VocabTrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Allow a model's own code to run when --verify or --check-fit loads it (off by "
+        "default).",
+    ),
 ]
 
 
@@ -82,11 +112,12 @@ def vocab(
     verify: VerifyOpt = False,
     max_verify: MaxVerifyOpt = 20,
     all_tokens: AllOpt = False,
+    check: CheckOpt = False,
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "cpu",
-    trust_remote_code: TrustOpt = False,
+    dtype: VocabDtypeOpt = "auto",
+    device: VocabDeviceOpt = "cpu",
+    trust_remote_code: VocabTrustOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -95,48 +126,64 @@ def vocab(
     Without --verify and --check-fit it reads the headers, the tokenizer and the head and
     embedding (one matrix when tied), never torch. The fingerprint is a SHA-256 of the
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
-    start-up.
+    start-up. With --check the exit status is 3 when a problem is found.
     """
-    # [V, d] x [d] products and one [d, d] eigenproblem: BLAS threads cost more than they give on
-    # busy cores (read when numpy is first imported, so before the import below; a value the
-    # user set wins). The scan runs one thread per core of its own.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from embedlens.analysis.vocab import vocab as run
+    from embedlens import vocab as run  # runtime.prepare: one BLAS thread
 
-    common(quiet=quiet, debug=debug, device=device)
-    spinner = nullcontext() if verify else progress(f"Reading {model}")
-    with _Bar(quiet) as bar, spinner:
-        report = run(
-            model,
-            against=against,
-            check_fit=check_fit,
-            tokenizer=tokenizer,
-            verify=verify,
-            max_verify=max_verify,
-            all=all_tokens or as_json,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            on_progress=bar.update,
-        )
-    for text in report.notes:
-        note("note: " + text)
-    emit(report, as_json=as_json)
+    def work() -> VocabReport:
+        with _Bar(quiet or not verify) as bar:  # --verify's batches (its own bar, no spinner)
+            return run(
+                model,
+                against=against,
+                check_fit=check_fit,
+                tokenizer=tokenizer,
+                verify=verify,
+                max_verify=max_verify,
+                all=all_tokens,
+                revision=revision,
+                dtype=dtype,
+                device=device,
+                trust_remote_code=trust_remote_code,
+                on_progress=bar.update,
+            )
+
+    report = run_report(
+        model,
+        work,
+        as_json=as_json,
+        quiet=quiet,
+        debug=debug,
+        device=device,
+        spinner=not verify,
+    )
+    if check and report.problems:
+        raise typer.Exit(PROBLEMS_FOUND)
 
 
 class _Bar:
-    """A progress bar on stderr for --verify's batches (terminal only, not with --quiet)."""
+    """Progress on stderr for --verify's batches: a bar on a terminal, plain lines every few
+    seconds off one (neither with --quiet)."""
 
     def __init__(self, quiet: bool) -> None:
         self._quiet = quiet
         self._progress: Progress | None = None
         self._task: TaskID | None = None
+        self._done = (0, 0)
+        self._plain = plain_progress(self._line)
 
     def __enter__(self) -> _Bar:
+        if not self._quiet:
+            self._plain.__enter__()
         return self
 
+    def _line(self, seconds: float) -> str:
+        done, total = self._done
+        if not total:
+            return f"Verifying: loading the model, {int(seconds)} s"
+        return f"Verifying: {done} of {total} batches, {int(seconds)} s"
+
     def update(self, done: int, total: int) -> None:
+        self._done = (done, total)
         if self._quiet or not err_console.is_terminal:
             return
         from rich.progress import Progress
@@ -148,5 +195,7 @@ class _Bar:
         self._progress.update(self._task, completed=done)
 
     def __exit__(self, *exc: object) -> None:
+        if not self._quiet:
+            self._plain.__exit__(None, None, None)
         if self._progress is not None:
             self._progress.stop()

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import ConfigError, UsageError
 from embedlens.model.chat_sizes import (
@@ -27,6 +27,9 @@ from embedlens.model.chat_sizes import (
     repeat_size,
     value_size,
 )
+
+if TYPE_CHECKING:
+    from embedlens.io.source import ModelSource
 
 SECONDS = 5.0
 """How long a chat template may take to render (real ones take milliseconds)."""
@@ -322,3 +325,28 @@ def read_template(path: str | os.PathLike[str]) -> str:
     if not text.strip():
         raise UsageError(f"--chat-template '{where}' is empty")
     return text
+
+
+def stored_template(source: ModelSource) -> bool | None:
+    """Whether the model's files hold a chat template, told from what is on disk (a GGUF header's
+    `tokenizer.chat_template`; `chat_template.jinja` or `.json`, or a `chat_template` in
+    tokenizer_config.json), before any tokenizer is built; None when it cannot be told without a
+    download."""
+    import json
+
+    if source.is_gguf:
+        from embedlens.io.gguf import read_gguf_header
+
+        assert source.path is not None
+        return bool(read_gguf_header(source.path).metadata.get("tokenizer.chat_template"))
+    if any(
+        source.cached(name) is not None for name in ("chat_template.jinja", "chat_template.json")
+    ):
+        return True
+    config = source.cached("tokenizer_config.json")
+    if config is None:
+        return None if source.kind == "hub" else False
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None  # the tokenizer's own loading says what is wrong with the file

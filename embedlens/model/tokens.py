@@ -120,8 +120,9 @@ def show_bytes(raw: bytes) -> str:
 def token_text(decoded: str, piece: str | None) -> str:
     """One token as users see it, from its decoded text and its vocabulary entry: the text a
     lone token decodes to (a SentencePiece decoder strips a first token's leading space: a
-    token stored with '▁' keeps it), its bytes when decoding lost them."""
-    if piece is not None and piece.startswith(SPACE) and not decoded.startswith(" "):
+    token stored with '▁' keeps it, unless the decoder kept the '▁' itself), its bytes when
+    decoding lost them."""
+    if piece is not None and piece.startswith(SPACE) and not decoded.startswith((" ", SPACE)):
         decoded = " " + decoded
     return readable(decoded, piece)
 

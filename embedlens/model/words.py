@@ -3,6 +3,9 @@
 A word may split into several tokens ('北京' is four byte pieces in a byte-level vocabulary), and
 a word typed without its leading space ('cat') is often a rarer word piece than the token users
 mean (' cat', the word after a space). Both are reported as notes, never silently.
+
+A word typed wholly inside one pair of quotes is the text between them (`"' king'"` is ' king',
+with its leading space), wherever a word is typed (`unquoted`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,37 @@ unit rows of all its tokens, or its last token's row."""
 RARER = 2
 """A bare word's token counts as much rarer than the spaced one when its id is at least this many
 times larger (BPE ids follow merge order, which follows frequency)."""
+
+
+QUOTES = ("'", '"')
+
+
+def unquoted(text: str) -> str:
+    """The word a typed text means: the text between one pair of quotes ('…' or "…") that holds
+    it whole, with its spaces (`' king'` is ' king'); any other text as it is, quotes alone
+    included ('', \'\'\' and \"\"\" are those tokens)."""
+    if len(text) > 2 and text[0] in QUOTES and text[-1] == text[0] and set(text) - set(QUOTES):
+        return text[1:-1]
+    return text
+
+
+def literal_note(
+    typed: str, encode: Callable[[str], list[int]], text: Callable[[int], str], how: str
+) -> str | None:
+    """A note when a quoted word is, quotes and all, a token of its own (SmolLM2's "','" is id
+    8178): the word between the quotes is used; `how` says how to use that token instead, with
+    `{id}` for its id."""
+    if unquoted(typed) == typed:
+        return None
+    ids = encode(typed)
+    if len(ids) != 1 or text(ids[0]) != typed:
+        return None
+    outer = '"' if typed[0] == "'" else "'"
+    shown = outer + typed + outer
+    return (
+        f"{shown} is read as the word between its quotes, {_quote(unquoted(typed))}; to use the "
+        f"token {shown} itself (id {ids[0]}), {how.format(id=ids[0])}"
+    )
 
 
 def check_pool(pool: str) -> str:

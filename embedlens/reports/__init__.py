@@ -1,10 +1,11 @@
 """Report dataclasses: what each command computes, and the one JSON object written from it.
 
 These modules import nothing heavy (no torch, numpy or Rich), so the API, the renderers and tests
-can use them freely. Field names are the JSON contract (shared/CONTRACT.md): add fields freely,
-never rename or remove one. How a report is shown lives in `embedlens.views`, which imports these
-modules and never the other way: each view registers itself here (`register_view`), and importing
-`embedlens.views` (as `embedlens.<command>` and the command line do) lets every report render.
+can use them freely. Field names are the JSON contract, written out field by field in
+docs/json.md (tests/test_json_doc.py keeps the two in step): add fields freely, never rename or
+remove one. How a report is shown lives in `embedlens.views`, which imports these modules and
+never the other way: each view registers itself here (`register_view`), and importing
+`embedlens.views` (as `import embedlens` does) lets every report render.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
+SHOWN_ONLY = {"json": False}
+"""`field(metadata=SHOWN_ONLY)`: a field that says how a report is shown, left out of its JSON."""
 SCHEMA_VERSION = 1
 
 R = TypeVar("R", bound="Report")
@@ -36,6 +39,8 @@ class Report:
     and its display in a terminal (`rich.print(report)`) and in a notebook (HTML)."""
 
     command: ClassVar[str]
+    notes: list[str]
+    """What the user should know beside the figures (the command line writes them on stderr)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object `--json` prints: schema_version, command, model, then the fields."""
@@ -45,7 +50,9 @@ class Report:
             "command": self.command,
             "model": body["model"],
         }
-        out.update((k, v) for k, v in body.items() if k not in out)
+        fields: dict[str, dataclasses.Field[Any]] = getattr(self, "__dataclass_fields__", {})
+        shown_only = {name for name, f in fields.items() if not f.metadata.get("json", True)}
+        out.update((k, v) for k, v in body.items() if k not in out and k not in shown_only)
         return out
 
     def to_json(self, *, indent: int | None = None) -> str:

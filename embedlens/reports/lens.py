@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 from embedlens.reports import Report
 from embedlens.reports.tokens import TokenRef
+from embedlens.text import model_title
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,9 @@ class LensReport(Report):
 
     @property
     def display_model(self) -> str:
-        """The model as titles show it: a local path by its last part, a repo id whole."""
-        path = Path(self.model)
-        return path.name if path.exists() else self.model
+        """The model as titles show it (text.model_title): a repo id whole, a local path by its
+        last part, never the folder a loaded model's GGUF file sat in."""
+        return model_title(self.model)
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,6 @@ class LensSummaryReport(Report):
 
     @property
     def display_model(self) -> str:
-        """The model as titles show it: a local path by its last part, a repo id whole."""
-        path = Path(self.model)
-        return path.name if path.exists() else self.model
+        """The model as titles show it (text.model_title): a repo id whole, a local path by its
+        last part, never the folder a loaded model's GGUF file sat in."""
+        return model_title(self.model)

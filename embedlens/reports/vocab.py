@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from embedlens.reports import Report
+from embedlens.reports import SHOWN_ONLY, Report
 from embedlens.reports.tokens import TokenRef
 
 
@@ -253,10 +253,14 @@ class VocabDiff:
     shifted: int
     """Tokens found in both at different ids."""
     shifts: list[Shift]
+    """The blocks of ids that moved together (empty when the vocabularies are unrelated)."""
     added_examples: list[TokenRef]
     removed_examples: list[TokenRef]
     renamed_examples: list[Renamed]
     summary: list[str]
+    unrelated: bool = False
+    """Most tokens both hold sit at different ids, one by one rather than in shifted blocks:
+    not one vocabulary changed, but another one."""
 
 
 @dataclass(frozen=True)
@@ -304,3 +308,6 @@ class VocabReport(Report):
     hub_fetched_bytes: int | None = None
     """Bytes fetched from the hub by HTTP range for this report (headers and the rows read);
     None when nothing was read by range (a local model, or one whole in the hub cache)."""
+    shows_all: bool = field(default=False, metadata=SHOWN_ONLY)
+    """Whether the tables list every candidate (--all), not the first few; how the report is
+    shown, so not in `to_dict()`, which always holds every candidate and every row's figures."""

@@ -16,6 +16,7 @@ def load_views() -> None:
         addr,
         html,
         lens,
+        lens_diff,
         lens_summary,
         neighbors,
         params,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.addr import AddrReport
-from embedlens.views.format import count, quoted, shown, size
+from embedlens.text import model_title
+from embedlens.views.format import Sheet, Words, count, shown, size
 
 
 def _yes_no(value: bool | None) -> Text:
@@ -36,7 +36,7 @@ def _layout(r: AddrReport) -> Text:
     """The line on the tensor: file, shape, dtype, strides and sizes."""
     v, d = r.shape
     return shown(
-        f"{r.tensor} in {r.file}: shape [{count(v)}, {count(d)}], {r.dtype}, "
+        f"{r.tensor} in {model_title(r.file)}: shape [{count(v)}, {count(d)}], {r.dtype}, "
         f"{r.element_size} bytes per element, stride ({count(d)}, 1), "
         f"row {count(r.row_bytes)} bytes, table {count(r.table_bytes)} bytes "
         f"({size(r.table_bytes)})"
@@ -52,11 +52,11 @@ def _layout(r: AddrReport) -> Text:
     )
 
 
-def _table(r: AddrReport) -> Table:
+def _table(r: AddrReport) -> Sheet:
     """One line per row asked for: its token, offsets, tensor-parallel place and read-back."""
-    table = Table()
+    table = Sheet()
     table.add_column("row", justify="right", no_wrap=True)
-    table.add_column("token", min_width=7)
+    table.add_column("token", min_width=7, no_wrap=True)
     table.add_column("tensor\noffset", justify="right", no_wrap=True)
     table.add_column("file\noffset", justify="right", no_wrap=True)
     if r.tp is not None:
@@ -64,7 +64,9 @@ def _table(r: AddrReport) -> Table:
             table.add_column(col, justify="right", no_wrap=True)
     table.add_column("read\nback", no_wrap=True)
     for row in r.rows:
-        token = quoted(row.token) if row.token is not None else Text("(padding)", style="dim")
+        token = (
+            Words().token(row.token) if row.token is not None else Text("(padding)", style="dim")
+        )
         cells: list[Text | str] = [
             str(row.row),
             token,

@@ -15,14 +15,18 @@ from embedlens.reports.lens import LensSummaryReport
 from embedlens.views.heatmap import write_plot
 
 PANELS = (
-    ("kl", "KL(output ‖ lens), nats", False),
-    ("entropy", "entropy of the lens, nats", False),
-    ("top1_agreement", "top-1 agrees with the output", False),
-    ("target_prob", "p(target)", False),
-    ("target_logprob", "log p(target)", False),
-    ("target_rank_median", "median rank of the target", True),
+    ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
+    ("entropy", "entropy of the lens, nats", "linear"),
+    ("top1_agreement", "top-1 agrees with the output", "linear"),
+    ("target_prob", "p(target)", "linear"),
+    ("target_logprob", "log p(target)", "linear"),
+    ("target_rank_median", "median rank of the target", "log"),
 )
-"""(statistic, axis label, log scale)."""
+"""(statistic, axis label, y scale). KL runs from about 100 nats at the embedding to 0 at the
+output: on a linear axis layer 0 flattens every later layer into the floor, so it is drawn on a
+log scale that stays linear near 0 (symlog), where the output's 0 sits."""
+KL_LINEAR_BELOW = 0.01
+"""The symlog KL axis is linear from 0 to this many nats, logarithmic above."""
 
 
 def figure(report: LensSummaryReport) -> Any:
@@ -31,22 +35,27 @@ def figure(report: LensSummaryReport) -> Any:
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     layers = [row.layer for row in report.layers]
     panels = [
-        (key, label, log)
-        for key, label, log in PANELS
+        (key, label, scale)
+        for key, label, scale in PANELS
         if all(getattr(row, key) is not None for row in report.layers)
     ]
     cols = min(3, len(panels))
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
-    for ax, (key, label, log) in zip(axes.flat, panels, strict=False):
+    for ax, (key, label, scale) in zip(axes.flat, panels, strict=False):
         ax.plot(layers, [getattr(row, key) for row in report.layers], marker="o", markersize=3)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("layer (0 = embedding output)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
         ax.grid(alpha=0.3)
-        if log:
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=KL_LINEAR_BELOW)
+            ax.set_ylim(bottom=0)
+        elif scale == "log":
             ax.set_yscale("log")
         if key == "top1_agreement":
             ax.set_ylim(-0.03, 1.03)

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensReport, Prediction
-from embedlens.views.format import prob, quoted, shown
+from embedlens.views.format import Sheet, Words, prob, quoted, shown
 
 NEXT_SHOWN = 100
 """Predictions after the top-1 that a table row shows; the rest are counted."""
@@ -19,26 +18,22 @@ NEXT_SHOWN = 100
 def render(r: LensReport) -> RenderableType:
     """The prompt's tokens, one row per layer, the grid, and the self-check."""
     parts: list[RenderableType] = []
-    tokens = Text("tokens: ")
+    tokens = Words("tokens: ")
     for i, t in enumerate(r.tokens):
-        piece = quoted(t.token)
-        if i == r.position_index:
-            piece.stylize("bold reverse")
-        tokens.append_text(piece).append(" ")
+        tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
     parts.append(tokens)
     read = r.tokens[r.position_index].token
-    title = (
-        f"Logit lens of {r.display_model} after '{read}' (position {r.position_index}, {r.dtype})"
-    )
-    table = Table(title=shown(title, "table.title"))
-    table.add_column("layer", justify="right")
-    table.add_column("top-1")
-    table.add_column("p", justify="right")
+    title = Words(f"Logit lens of {r.display_model} after ", style="table.title").token(read)
+    title.add(f" (position {r.position_index}, {r.dtype})")
+    table = Sheet(title=title)
+    table.add_column("layer", justify="right", no_wrap=True)
+    table.add_column("top-1", no_wrap=True)
+    table.add_column("p", justify="right", no_wrap=True)
     if r.layers and len(r.layers[0].top) > 1:
         table.add_column("next")
     if r.target is not None:
-        table.add_column(shown(f"p('{r.target.token}')"), justify="right")
-        table.add_column("rank", justify="right")
+        table.add_column(Words("p(").token(r.target.token).add(")"), justify="right")
+        table.add_column("rank", justify="right", no_wrap=True)
     for row in r.layers:
         label = str(row.layer)
         if row.layer == 0:
@@ -59,30 +54,31 @@ def render(r: LensReport) -> RenderableType:
     return Group(*parts)
 
 
-def _runners_up(top: Sequence[Prediction]) -> Text:
+def _runners_up(top: Sequence[Prediction]) -> Words:
     """The next predictions after the top-1, at most NEXT_SHOWN of them, then how many more
     there are: -k 49152 would fill a terminal with a table no one reads (and take minutes to
-    lay out); `--json` lists them all."""
-    rest = Text()
+    lay out); `--json` lists them all. A line breaks between predictions, never inside one
+    (a token and its probability stay together)."""
+    rest = Words()
     for pred in top[:NEXT_SHOWN]:
         p_text = prob(pred.prob, pred.logprob)
-        rest.append_text(quoted(pred.token)).append(f" {p_text}  ", style="dim")
+        rest.keep(quoted(pred.token).add(f" {p_text}", style="dim")).add("  ")
     if len(top) > NEXT_SHOWN:
         rest.append(f"and {len(top) - NEXT_SHOWN:,} more (--json lists them all)", style="dim")
     return rest
 
 
-def _render_grid(r: LensReport) -> Table:
+def _render_grid(r: LensReport) -> Sheet:
     assert r.grid is not None
-    grid = Table(title="Top-1 at every layer (rows) and position (columns)")
-    grid.add_column("layer", justify="right")
+    grid = Sheet(title="Top-1 at every layer (rows) and position (columns)")
+    grid.add_column("layer", justify="right", no_wrap=True)
     for cell in r.grid[0].cells:
         grid.add_column(quoted(r.tokens[cell.position].token), justify="left")
     for row in r.grid:
         grid.add_row(
             str(row.layer),
             *(
-                quoted(c.token).append(f" {prob(c.prob, c.logprob, 2)}", style="dim")
+                quoted(c.token).add(f" {prob(c.prob, c.logprob, 2)}", style="dim")
                 for c in row.cells
             ),
         )

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensSummaryReport
-from embedlens.views.format import shown
+from embedlens.views.format import Sheet, shown
 
 
 def render(r: LensSummaryReport) -> RenderableType:
@@ -20,8 +19,10 @@ def render(r: LensSummaryReport) -> RenderableType:
         f"Logit lens of {r.display_model} over {r.n_prompts} prompts "
         f"({r.n_positions} positions, {r.dtype})"
     )
-    table = Table(title=shown(title, "table.title"))
-    for name in ("layer", "KL (nats)", "entropy", "top-1 agrees"):
+    table = Sheet(title=shown(title, "table.title"))
+    # Headers wrap at their spaces on a narrow terminal; the figures never do.
+    table.add_column("layer", justify="right", no_wrap=True)
+    for name in ("KL (nats)", "entropy", "top-1 agrees"):
         table.add_column(name, justify="right")
     targets = r.n_targets > 0
     if targets:

@@ -5,39 +5,35 @@ from __future__ import annotations
 import math
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.neighbors import NeighborsReport, QueryResult
-from embedlens.views.format import count, quoted, shown
+from embedlens.views.format import Sheet, Words, count, shown
 
 
 def _cosine(value: float) -> str:
     return f"{value:.4f}" if math.isfinite(value) else "n/a"
 
 
-def _title(q: QueryResult) -> Text:
-    title = Text("Nearest to ", style="bold")
+def _title(q: QueryResult) -> Words:
+    title = Words("Nearest to ", style="bold")
     if q.kind == "id":
-        title.append(f"row {q.token_id} ")
-        title.append_text(quoted(q.token or ""))
-        return title
+        return title.add(f"row {q.token_id} ").token(q.token or "")
     if q.kind == "expression":
         for i, t in enumerate(q.terms):
             if i or t.sign < 0:
-                title.append(" - " if t.sign < 0 else " + ")
-            title.append_text(quoted(t.token))
+                title.add(" - " if t.sign < 0 else " + ")
+            title.token(t.token)
         return title
-    title.append_text(quoted(q.query))
+    title.token(q.query)
     if q.kind == "word" and len(q.rows) > 1:
-        title.append(f" (mean of the unit rows {', '.join(str(r) for r in q.rows)})")
+        title.add(f" (mean of the unit rows {', '.join(str(r) for r in q.rows)})")
     elif q.kind == "word":
-        title.append(f" (id {q.token_id}")
+        title.add(f" (id {q.token_id}")
         if q.token != q.query:
-            title.append(", token ")
-            title.append_text(quoted(q.token or ""))
-        title.append(")")
+            title.add(", token ").token(q.token or "")
+        title.add(")")
     return title
 
 
@@ -59,15 +55,11 @@ def _caption(q: QueryResult) -> list[Text]:
 _QUERIED = {"first": "the first", "last": "the last", "mean": "the mean of their unit rows"}
 
 
-def _split_note(word: str, tokens: list[str], pool: str) -> Text:
-    line = quoted(word)
-    line.append(f" splits into {len(tokens)} tokens:")
+def _split_note(word: str, tokens: list[str], pool: str) -> Words:
+    line = Words(style="yellow").token(word).add(f" splits into {len(tokens)} tokens:")
     for tok in tokens:
-        line.append(" ")
-        line.append_text(quoted(tok))
-    line.append(f"; {_QUERIED.get(pool, pool)} is queried")
-    line.stylize("yellow")
-    return line
+        line.add(" ").token(tok)
+    return line.add(f"; {_QUERIED.get(pool, pool)} is queried")
 
 
 def render(r: NeighborsReport) -> RenderableType:
@@ -75,13 +67,13 @@ def render(r: NeighborsReport) -> RenderableType:
     parts: list[RenderableType] = []
     for q in r.queries:
         parts.append(_title(q))
-        table = Table()
+        table = Sheet()
         table.add_column("#", justify="right")
         table.add_column("id", justify="right")
-        table.add_column("token")
+        table.add_column("token", no_wrap=True)
         table.add_column("cosine", justify="right")
         for rank, n in enumerate(q.neighbors, 1):
-            table.add_row(str(rank), str(n.id), quoted(n.token), _cosine(n.cosine))
+            table.add_row(str(rank), str(n.id), Words().token(n.token), _cosine(n.cosine))
         parts.append(table)
         parts.extend(_caption(q))
     left_out = [f"{count(r.padding_rows)} padding rows"] if r.padding_rows else []

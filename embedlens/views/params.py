@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.params import ParamsReport
-from embedlens.views.format import count, share, shown, size
+from embedlens.text import model_title
+from embedlens.views.format import Sheet, count, share, shown, size
 
 _LABELS = {
     "embedding": "embedding",
@@ -22,11 +22,13 @@ _LABELS = {
 
 def render(r: ParamsReport) -> RenderableType:
     """The share table, the block parts, and the head's cost."""
-    table = Table(title=shown(f"Parameters of {r.model} (source: {r.source})", "table.title"))
+    table = Sheet(
+        title=shown(f"Parameters of {model_title(r.model)} (source: {r.source})", "table.title")
+    )
     table.add_column("part")
-    table.add_column("params", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("bytes", justify="right")
+    table.add_column("params", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
     for g in r.groups:
         label = _LABELS.get(g.name, g.name)
         if g.name == "embedding" and r.tied:
@@ -67,7 +69,7 @@ def render(r: ParamsReport) -> RenderableType:
             )
         )
     if r.blocks:
-        per = Table(title="Per block")
+        per = Sheet(title="Per block")
         for col in ("layer", "params", "attention", "mlp", "experts", "router", "norms", "other"):
             per.add_column(col, justify="right")
         for b in r.blocks:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.tied import TiedReport
-from embedlens.views.format import count, share, shown, size
+from embedlens.text import model_title
+from embedlens.views.format import Sheet, count, share, shown, size
 
 
 def _yes_no(value: bool | None) -> Text:
@@ -19,7 +19,9 @@ def _yes_no(value: bool | None) -> Text:
 
 def render(r: TiedReport) -> RenderableType:
     """Evidence, verdict and savings."""
-    table = Table(title=shown(f"Is the LM head of {r.model} the embedding?", "table.title"))
+    table = Sheet(
+        title=shown(f"Is the LM head of {model_title(r.model)} the embedding?", "table.title")
+    )
     table.add_column("evidence")
     table.add_column("says tied?")
     table.add_row("config: tie_word_embeddings", _yes_no(r.evidence.config))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.vocab import Candidate, MatrixScan, Undertrained, VocabDiff, VocabReport
-from embedlens.views.format import count, quoted, shown
+from embedlens.views.format import Sheet, Words, count, quoted, shown
 
 TOP = 15  # candidates shown without --all
 
@@ -19,9 +18,9 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def _layout(r: VocabReport) -> Table:
+def _layout(r: VocabReport) -> Sheet:
     lay = r.layout
-    t = Table(title=shown(f"Vocabulary ({r.tokenizer})", "bold"), show_header=False)
+    t = Sheet(title=shown(f"Vocabulary ({r.tokenizer})", "bold"), show_header=False)
     t.add_column("what")
     t.add_column("value")
     t.add_row("tokenizer tokens", count(lay.tokenizer_size))
@@ -34,20 +33,24 @@ def _layout(r: VocabReport) -> Table:
     )
     t.add_row("padding rows", count(lay.padding_rows))
     t.add_row("tokens without a row", count(lay.missing_rows))
-    specials = Text(f"{len(lay.special_tokens)}")
+    specials = Words(f"{len(lay.special_tokens)}")
     for s in lay.special_tokens[:3]:
-        specials.append(" ")
-        specials.append_text(quoted(s.token))
+        specials.add(" ").token(s.token)
     if len(lay.special_tokens) > 3:
         specials.append(" ...")
     t.add_row("special tokens", specials)
     t.add_row("added tokens", f"{lay.added_tokens}, placed: {lay.added_placement}")
     t.add_row("unreachable tokens", _kinds(r.unreachable.count, r.unreachable.by_kind))
-    t.add_row("fingerprint", "sha256:" + r.fingerprint.sha256)
     if r.fingerprint.metadata_key is not None:
         verdict = "matches" if r.fingerprint.matches else "DIFFERS"
         t.add_row("metadata hash", f"{r.fingerprint.metadata_key}: {verdict}")
     return t
+
+
+def _fingerprint(r: VocabReport) -> Words:
+    """The fingerprint on a line of its own (71 characters: no table cell at 80 columns holds
+    it whole), moved under its label when the line is too narrow for both."""
+    return Words("fingerprint: ", style="bold").add("sha256:" + r.fingerprint.sha256)
 
 
 def _kinds(n: int, by_kind: dict[str, int]) -> str:
@@ -130,17 +133,17 @@ def _signal(u: Undertrained, c: Candidate) -> str:
     return ", ".join(out)
 
 
-def _candidates(u: Undertrained, listed: list[Candidate]) -> Table:
+def _candidates(u: Undertrained, listed: list[Candidate]) -> Sheet:
     """The candidates' table: id, token, indicator, norm (each matrix's when untied), the
     signals that flagged it, (with --verify) repeat probability."""
-    t = Table()
+    t = Sheet()
     names = ["#", "id", "token", "indicator", "norm"]
     if u.input is not None:
         names = ["#", "id", "token", "head\nind.", "head\nnorm", "emb.\nind.", "emb.\nnorm"]
-    # A narrow terminal folds the text columns; numbers and tokens are never cut short.
+    # A narrow terminal wraps the text columns at spaces; numbers and tokens are never cut.
     for name in names:
         if name == "token":
-            t.add_column(name, overflow="fold")
+            t.add_column(name)
         else:
             t.add_column(name, justify="right", no_wrap=True)
     t.add_column("signal", overflow="fold")
@@ -150,7 +153,7 @@ def _candidates(u: Undertrained, listed: list[Candidate]) -> Table:
     for rank, c in enumerate(listed, 1):
         token = quoted(c.token)
         if c.special:
-            token.append(" (special)", style="dim")
+            token.add(" (special)", style="dim")
         cells: list[str | Text] = [str(rank), str(c.id), token, _num(c.indicator), _num(c.norm, 2)]
         if c.input is not None:
             cells += [_num(c.input.indicator), _num(c.input.norm, 2)]
@@ -166,7 +169,13 @@ def _diff(d: VocabDiff) -> list[RenderableType]:
     title = f"Against '{d.other}' ({count(d.other_size)} tokens): "  # shown: a path
     if d.identical:
         return [shown(title + "identical vocabulary", style="bold green")]
-    state = "compatible (only appended tokens)" if d.compatible else "DIFFERENT"
+    state = (
+        "UNRELATED"
+        if d.unrelated
+        else "compatible (only appended tokens)"
+        if d.compatible
+        else "DIFFERENT"
+    )
     parts: list[RenderableType] = [
         shown(
             title + f"{state}; same id {count(d.same_ids)}, shifted {count(d.shifted)}, added "
@@ -177,29 +186,25 @@ def _diff(d: VocabDiff) -> list[RenderableType]:
     parts.extend(shown("  " + line) for line in d.summary)
     for label, refs in (("added", d.added_examples), ("removed", d.removed_examples)):
         if refs:
-            line = Text(f"  {label}:")
+            line = Words(f"  {label}:")
             for ref in refs:
-                line.append(f" {ref.id} ")
-                line.append_text(quoted(ref.token))
+                line.add(f" {ref.id} ").token(ref.token)
             parts.append(line)
     for rn in d.renamed_examples:
-        line = Text(f"  renamed: {rn.id} ")
-        line.append_text(quoted(rn.token))
-        line.append(" -> ")
-        line.append_text(quoted(rn.other_token))
+        line = Words(f"  renamed: {rn.id} ").token(rn.token).add(" -> ").token(rn.other_token)
         parts.append(line)
     return parts
 
 
 def render(r: VocabReport) -> RenderableType:
     """The layout table, the scan, the comparison and the fit check, then the verdict."""
-    top = None if r.undertrained.indicators is not None else TOP
-    parts: list[RenderableType] = [_layout(r)]
+    top = None if r.shows_all else TOP
+    parts: list[RenderableType] = [_layout(r), _fingerprint(r)]
     parts.extend(_scan(r.undertrained, top))
     if r.against is not None:
         parts.extend(_diff(r.against))
     if r.fit is not None:
-        t = Table(title=shown(f"Fit with the tokenizer ({r.fit.tokenizer})", style="bold"))
+        t = Sheet(title=shown(f"Fit with the tokenizer ({r.fit.tokenizer})", style="bold"))
         for col in ("text", "tokens", "loss", "ids shifted by one", "uniform", "fits"):
             t.add_column(col, justify="left" if col in ("text", "fits") else "right")
         for x in r.fit.languages:

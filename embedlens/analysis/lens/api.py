@@ -8,26 +8,26 @@ is: never reloaded, moved, re-typed or left changed.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 from embedlens.analysis.lens import options
 from embedlens.analysis.lens.many import EachFn
-from embedlens.analysis.lens.prompt import Prompt, prepare
+from embedlens.analysis.lens.one import one_report, run_one
+from embedlens.analysis.lens.opening import ready
+from embedlens.analysis.lens.prompt import prepare
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
-    from embedlens.analysis.lens.opening import Check, Opened
+    from embedlens.analysis.lens.pairing import Pair
     from embedlens.model.prompts import PromptSource
     from embedlens.reports.lens import LensReport, LensSummaryReport
-
-T = TypeVar("T")
 
 
 @overload
@@ -68,6 +68,10 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
     each: EachFn | None = None,
     skip_bad: bool = False,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: PreTrainedTokenizerBase | None = None,
+    against_revision: str | None = None,
+    threshold: float | None = None,
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -82,26 +86,26 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
         one): a str is the template's Jinja text, a Path (any os.PathLike) a file holding it.
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
+    against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
+        is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
 
-    Many prompts: `lens_prompts`. `lens(model, prompts=...)` (with `each`, `skip_bad`) still
-    calls it, with a DeprecationWarning, and goes in a later release.
+    Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
     if prompts is not None or prompt is None:
-        options.one_prompt_only(target, chat, grid)
-        many_options = dict(
-            tokenizer=tokenizer, layers=layers, top_k=top_k, position=position,
-            no_thinking=no_thinking, template_args=template_args, chat_template=chat_template,
-            each=each, skip_bad=skip_bad, device_map=device_map, max_memory=max_memory,
-            offload_folder=offload_folder, revision=revision, dtype=dtype, device=device,
-            trust_remote_code=trust_remote_code,
-        )  # fmt: skip
-        return _deprecated_many(model, prompt, prompts, many_options)
+        return _deprecated_many(model, prompt, prompts, locals())
     ask = options.ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args,
                       grid, chat_template)  # fmt: skip
-    loading = _loading(model, revision, dtype, device, device_map, max_memory, offload_folder,
-                       trust_remote_code)  # fmt: skip
-    with _opened(model, tokenizer, loading, functools.partial(prepare, ask)) as (opened, run):
-        return _one(opened, ask, run)
+    loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
+    asked = (against, against_tokenizer, against_revision, threshold)
+    loading, pair = _models(model, tokenizer, loads, *asked)
+    if pair is not None:
+        from embedlens.analysis.lens.against import lens_pair
+
+        return lens_pair(pair, ask)
+    own_template = ask.chat is not None and ask.template is None
+    check = functools.partial(prepare, ask)
+    with ready(model, tokenizer, loading, check, own_template, target) as (opened, run):
+        return one_report(opened, ask, run, run_one(opened, ask, run))
 
 
 def lens_prompts(
@@ -124,6 +128,10 @@ def lens_prompts(
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: PreTrainedTokenizerBase | None = None,
+    against_revision: str | None = None,
+    threshold: float | None = None,
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -134,6 +142,8 @@ def lens_prompts(
     each: called as `each(report, line)` with each prompt's `LensReport` (what `lens` returns
         for it) as it comes.
     skip_bad: skip (and count) bad prompts instead of stopping at the first.
+    against: B (`against_tokenizer`: a loaded B's own, else A's is used); then a
+        `LensPairSummaryReport`, with `each` given each prompt's `LensPairReport`.
     The other options are `lens`'s.
     """
     from embedlens.analysis.lens import many
@@ -142,15 +152,20 @@ def lens_prompts(
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
     source = PromptSource.of(prompts)
-    loading = _loading(model, revision, dtype, device, device_map, max_memory, offload_folder,
-                       trust_remote_code)  # fmt: skip
+    loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
+    asked = (against, against_tokenizer, against_revision, threshold)
+    loading, pair = _models(model, tokenizer, loads, *asked)
     if isinstance(loading, options.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
+    if pair is not None:
+        from embedlens.analysis.lens.against import lens_pair_prompts
+
+        return lens_pair_prompts(pair, ask, source, each)
 
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
 
-    with _opened(model, tokenizer, loading, check) as (opened, (n_bad, bad)):
+    with ready(model, tokenizer, loading, check) as (opened, (n_bad, bad)):
         return many.ManyRun(opened, ask, each).all(source, n_bad, bad)
 
 
@@ -158,9 +173,13 @@ def _deprecated_many(
     model: str | os.PathLike[str] | nn.Module,
     prompt: str | None,
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None,
-    many_options: dict[str, Any],
+    given: dict[str, Any],
 ) -> LensSummaryReport:
-    """`lens(model, prompts=...)`, the former spelling of `lens_prompts`."""
+    """`lens(model, prompts=...)`, the former spelling of `lens_prompts`; `given`: every
+    argument of that call, of which lens_prompts takes those it has too."""
+    options.one_prompt_only(given["target"], given["chat"], given["grid"])
+    taken = set(inspect.signature(lens_prompts).parameters) - {"model", "prompts"}
+    many_options = {name: value for name, value in given.items() if name in taken}
     if prompts is None:
         raise UsageError("give a prompt, or many with lens_prompts(model, prompts)")
     if prompt is not None:
@@ -173,25 +192,45 @@ def _deprecated_many(
     return lens_prompts(model, prompts, **many_options)
 
 
-def _one(opened: Opened, ask: options.Ask, run: Prompt) -> LensReport:
-    """One prompt through the engine, and its report."""
-    from embedlens.analysis.lens.blocks import find_blocks
-    from embedlens.analysis.lens.engine import run_lens
-    from embedlens.analysis.lens.report import lens_report
+Loads = tuple[
+    str | None,
+    str,
+    str,
+    str | None,
+    Mapping[int | str, int | str] | str | None,
+    str | os.PathLike[str] | None,
+    bool,
+]
+"""revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code."""
 
-    model = opened.model
-    result = run_lens(
-        model,
-        run.ids,
-        layers=options.resolve_layers(ask.layers, len(find_blocks(model).modules)),
-        positions=list(range(len(run.ids))) if ask.grid else [run.index],
-        k=ask.top_k,
-        real_vocab=len(opened.tokenizer),
-        target=run.target_id,
-        full_at=[run.index],
-    )
-    around = (opened.before, opened.after)
-    return lens_report(opened.name, opened.tokenizer, model, result, ask, run, around)
+
+def _models(
+    model: object,
+    tokenizer: Any,
+    loads: Loads,
+    against: object,
+    against_tokenizer: Any,
+    against_revision: str | None,
+    threshold: float | None,
+) -> tuple[options.Load | dict[str, bool], Pair | None]:
+    """How to load the model (`_loading`), and with `against` the pair: B loads as A does, but
+    for its revision (a loaded B refuses that alone)."""
+    loading = _loading(model, *loads)
+    limit = options.check_threshold(threshold, against)
+    if against is None:
+        if against_tokenizer is not None or against_revision is not None:
+            raise UsageError("--against-revision and against_tokenizer apply only with --against")
+        return loading, None
+    from embedlens.analysis.lens.pairing import Pair, Side
+
+    if isinstance(against, (str, os.PathLike)):
+        b_loading = _loading(against, against_revision, *loads[1:])
+    else:
+        b_loading = options.loading_given(
+            against_revision, "float32", "cpu", None, None, None, False
+        )
+    a, b = Side(model, tokenizer, loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]
+    return loading, Pair(a, b, limit)
 
 
 def _loading(
@@ -210,20 +249,3 @@ def _loading(
     if isinstance(model, (str, os.PathLike)):
         return options.load_options(*given)
     return options.loading_given(*given)
-
-
-@contextmanager
-def _opened(
-    model: object, tokenizer: Any, loading: options.Load | dict[str, bool], check: Check[T]
-) -> Iterator[tuple[Opened, T]]:
-    """The model ready for the run (loaded from its files, or as the caller loaded it), with
-    what `check` returned before any weight was read."""
-    from embedlens.analysis.lens import opening
-
-    if isinstance(loading, options.Load):
-        assert isinstance(model, (str, os.PathLike))
-        with opening.from_files(os.fspath(model), loading, tokenizer, check) as ready:
-            yield ready
-    else:
-        with opening.from_loaded(model, tokenizer, loading, check) as ready:
-            yield ready

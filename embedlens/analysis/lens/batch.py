@@ -15,21 +15,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embedlens.analysis.cpu_busy import OthersBusy
 from embedlens.analysis.lens.blocks import find_blocks, input_device
 from embedlens.analysis.lens.capture import capture
 from embedlens.analysis.lens.decoder import Decoder, ModelDecoder
 from embedlens.analysis.lens.engine import (
     Check,
+    Kept,
     LensResult,
     Row,
     check_decoded,
     decoded,
+    kept_rows,
     run_lens,
     tolerance,
 )
 from embedlens.analysis.lens.ranking import Top, rowdot, tops_from_log_softmax
 from embedlens.analysis.lens.threads import threads_for
+from embedlens.runtime import OthersBusy
 
 BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
@@ -51,6 +53,9 @@ class BatchItem:
     read: int | None = None
     """The position whose rows hold the top-k (None: every position); the others hold their
     top-1 and the target only."""
+    other: dict[int, torch.Tensor] | None = None
+    """With `keep`: another model's residual at these positions (layer -> [P, d]), decoded
+    through this model's decoder beside its own rows (`engine.Kept.other`)."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,12 @@ class BatchLens:
     last block) found once.
 
     The forward pass runs on one CPU thread while other processes already keep as many cores
-    busy as torch would use (`cpu_busy.OthersBusy`, asked only for large work), and for small
+    busy as torch would use (`runtime.OthersBusy`, asked only for large work), and for small
     work (`threads.threads_for`)."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[int], k: int, real_vocab: int) -> None:
+    def __init__(
+        self, model: nn.Module, layers: Sequence[int], k: int, real_vocab: int, keep: bool = False
+    ) -> None:
         self.model = model
         self.blocks = find_blocks(model)
         self.n_layers = len(self.blocks.modules)
@@ -93,6 +100,8 @@ class BatchLens:
         self.real_vocab = real_vocab
         self.decoder: Decoder | None = None
         self.others_busy = OthersBusy()
+        self.keep = keep
+        """Each result keeps what a comparison with another model needs (`engine.Kept`)."""
 
     def run(self, items: Sequence[BatchItem]) -> list[BatchOut]:
         """Every item's rows and statistics, in the order given."""
@@ -127,6 +136,8 @@ class BatchLens:
             real_vocab=self.real_vocab,
             target=item.target,
             full_at=None if item.read is None else [item.read],
+            keep=self.keep,
+            other=item.other,
         )
         with torch.inference_mode():
             decoded = self._decode([item])
@@ -147,8 +158,8 @@ class BatchLens:
             self.decoder = ModelDecoder(model, self.blocks, dummy_id=items[0].ids[0])
         decoder = self.decoder
         device = input_device(model)
-        job = _Decode(self, items, real)
-        job.run(decoder, cap.residual, device)
+        job = _Decode(self, items, real, cap.residual)
+        job.run(decoder, device)
         steps = decoder.steps(cap.residual[self.n_layers][0].to(device), job.tol)
         return [job.result(b, steps, decoder.full) for b in range(len(items))]
 
@@ -157,11 +168,19 @@ class _Decode:
     """Every (prompt, layer, position) row of a batch through the decoder, in bounded chunks,
     reduced to its top-k and its KL and entropy."""
 
-    def __init__(self, lens: BatchLens, items: list[BatchItem], real: torch.Tensor) -> None:
+    def __init__(
+        self,
+        lens: BatchLens,
+        items: list[BatchItem],
+        real: torch.Tensor,
+        residual: dict[int, torch.Tensor],
+    ) -> None:
         self.lens = lens
         self.items = items
         self.real = real
         """The model's own logits, [N, V]: row r is (prompt, position) number r of the batch."""
+        self.residual = residual
+        """The captured residual stream, layer -> [N, d]."""
         self.where = [(b, p) for b, item in enumerate(items) for p in item.positions]
         self.first = [self.where.index((b, item.positions[0])) for b, item in enumerate(items)]
         """Each prompt's first row (its rows are consecutive)."""
@@ -176,18 +195,20 @@ class _Decode:
         self.ref_prob = self.ref_log.exp()
         self.negent = rowdot(self.ref_prob, self.ref_log)
         """Σ p log p of the model's output at each row (minus its entropy)."""
+        self.kept: list[Kept] = [Kept({}, {}, {}) for _ in items]
+        self.other = _other_rows(items)
 
-    def run(
-        self, decoder: Decoder, residual: dict[int, torch.Tensor], device: torch.device
-    ) -> None:
+    def run(self, decoder: Decoder, device: torch.device) -> None:
         lens = self.lens
         n_rows = range(len(self.where))
         order = [(layer, r) for layer in lens.layers if layer != lens.n_layers for r in n_rows]
         order += [(lens.n_layers, r) for r in n_rows]
         vocab = int(self.real.shape[-1])
-        for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
+        for part, out in decoded(decoder, self.residual, order, CHUNK_BYTES, vocab, device):
             if not self._take(part, out):
                 check_decoded(out, part, lambda r: self.where[r][1])
+            if lens.keep:
+                self._keep(decoder, part, out, device)
         targets = [self.items[b].target for b, _ in self.where]
         tops = self._tops(self.where, self.real, self.ref_log, targets)
         for r, ((b, p), top) in enumerate(zip(self.where, tops, strict=True)):
@@ -198,6 +219,18 @@ class _Decode:
 
     def _vocab(self) -> int:
         return min(self.lens.real_vocab, int(self.real.shape[-1]))
+
+    def _keep(
+        self, decoder: Decoder, part: list[Row], out: torch.Tensor, device: torch.device
+    ) -> None:
+        """Keep every row of the chunk for a comparison, and the other model's rows through
+        this decoder in the same chunk."""
+        keys = [(self.where[r][0], (layer, self.where[r][1])) for layer, r in part]
+        own, other = kept_rows(decoder, part, out, keys, self.other, device)
+        for (b, key), row in own:
+            self.kept[b].logits[key] = row
+        for (b, key), row in other:
+            self.kept[b].other[key] = row
 
     def _take(self, part: list[Row], out: torch.Tensor) -> bool:
         """Keep a chunk's rows and statistics; False when a row is not finite (then nothing
@@ -275,6 +308,11 @@ class _Decode:
         lens = self.lens
         suspect = None if self.diff[b] <= self.tol else "the steps after the last block"
         start = self.first[b]
+        end = start + len(self.items[b].positions)
+        kept = None
+        if lens.keep:
+            residual = {layer: rows[start:end] for layer, rows in self.residual.items()}
+            kept = Kept(self.kept[b].logits, self.kept[b].other, residual)
         result = LensResult(
             num_layers=lens.n_layers,
             vocab_size=int(self.real.shape[-1]),
@@ -284,6 +322,16 @@ class _Decode:
             check=Check(self.diff[b], self.tol, self.agrees[b], suspect),
             steps=steps,
             full_tail=full,
-            output=self.real[start : start + len(self.items[b].positions)],
+            output=self.real[start:end],
+            kept=kept,
         )
         return result, self.kl[b], self.top1[b]
+
+
+def _other_rows(items: list[BatchItem]) -> dict[int, torch.Tensor] | None:
+    """The other model's residual at every row of the batch, in the batch's order (None unless
+    every item has one)."""
+    if not items or any(item.other is None for item in items):
+        return None
+    layers = items[0].other or {}
+    return {layer: torch.cat([(item.other or {})[layer] for item in items]) for layer in layers}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ this size."""
 
 Row = tuple[int, int]
 """(layer, row of the capture)."""
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,19 @@ class Check:
     def ok(self) -> bool:
         """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
         return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a run keeps to be compared with another model's (`keep=True`), at the positions read
+    in full: float32 logits [V] by (layer, position) through this run's decoder (the last layer's
+    too: the decoding of the last block's output, beside the model's own `output`); the other
+    model's residual through the same decoder, in the same chunks as this run's own rows (`other`,
+    empty unless given); and the residual stream the run captured, layer -> [positions, d]."""
+
+    logits: dict[tuple[int, int], torch.Tensor]
+    other: dict[tuple[int, int], torch.Tensor]
+    residual: dict[int, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,8 @@ class LensResult:
     """True when the tail had to run with every block in place (cutting the list failed)."""
     output: torch.Tensor | None = None
     """The model's own logits at `positions`, float32 [P, V] (a view of the run's)."""
+    kept: Kept | None = None
+    """With `keep`: what a comparison with another model needs."""
 
     def output_at(self, position: int) -> torch.Tensor | None:
         """The model's own logits at one position read."""
@@ -93,8 +110,17 @@ def decoded(
     chunk = max(1, chunk_bytes // (4 * vocab))
     for start in range(0, len(order), chunk):
         part = list(order[start : start + chunk])
-        h = torch.stack([residual[layer][r].to(device) for layer, r in part])
-        yield part, decoder.logits(h, [layer for layer, _ in part]).float()
+        yield part, decode_rows(decoder, residual, part, device)
+
+
+def decode_rows(
+    decoder: Decoder, residual: dict[int, torch.Tensor], part: Sequence[Row], device: torch.device
+) -> torch.Tensor:
+    """The rows `part` of `residual` through the decoder at once: float32 logits [n, V]. The
+    same rows in the same chunk give the same bits: a comparison decodes another model's rows
+    in the chunks of this one's."""
+    h = torch.stack([residual[layer][r].to(device) for layer, r in part])
+    return decoder.logits(h, [layer for layer, _ in part]).float()
 
 
 def run_lens(
@@ -108,12 +134,16 @@ def run_lens(
     target: int | None = None,
     full_at: Sequence[int] | None = None,
     decoder: Decoder | None = None,
+    keep: bool = False,
+    other: dict[int, torch.Tensor] | None = None,
 ) -> LensResult:
     """Decode `layers` (0 = embedding output, L = the model's output) at `positions` of one prompt:
     absolute indices into `input_ids`. `real_vocab` is the tokenizer's length: rows
     past it are padding and never predicted, though the softmax runs over every row. `full_at`:
     the positions whose rows hold the top-k and the target (all by default); the others hold
     their top-1 only (a grid's cells), whatever k is. `decoder`: the model's own by default.
+    `keep`: the result keeps what a comparison needs (`Kept`), with `other` (another model's
+    residual at the same layers and positions, layer -> [P, d]) through this decoder.
     """
     blocks = find_blocks(model)
     n_layers = len(blocks.modules)
@@ -136,15 +166,9 @@ def run_lens(
             raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
         full = None if full_at is None else frozenset(int(p) for p in full_at)
         job = _OnePrompt(layers, n_layers, pos, k, min(real_vocab, vocab), target, real, full)
-        rows, diff, agrees = job.decode(decoder, cap.residual, device)
+        keeping = None if not keep else _Keeping(other or {})
         tol = tolerance(next(model.parameters()).dtype, real)
-        if diff > tol and not decoder.full:  # cutting the block list may have changed the tail
-            decoder.full = True
-            retry = job.decode(decoder, cap.residual, device)
-            if retry[1] < diff:
-                rows, diff, agrees = retry
-            else:
-                decoder.full = False
+        rows, diff, agrees, kept = _decode_checked(job, decoder, cap.residual, device, keeping, tol)
         steps = decoder.steps(cap.residual[n_layers][0].to(device), tol)
         suspect = decoder.suspect(cap, tol) if diff > tol else None
     return LensResult(
@@ -157,7 +181,68 @@ def run_lens(
         steps=steps,
         full_tail=decoder.full,
         output=real,
+        kept=None if kept is None else Kept(kept.logits, kept.other, _at(cap.residual, wanted)),
     )
+
+
+def _decode_checked(
+    job: _OnePrompt,
+    decoder: Decoder,
+    residual: dict[int, torch.Tensor],
+    device: torch.device,
+    keeping: _Keeping | None,
+    tol: float,
+) -> tuple[dict[tuple[int, int], Top], float, bool, _Keeping | None]:
+    """`job.decode`, and once more with every block in place when the last block's decoding
+    misses the model's logits (cutting the block list may have changed the tail): the closer of
+    the two is kept."""
+    first = job.decode(decoder, residual, device, keeping)
+    if not first[1] > tol or decoder.full:  # a NaN difference is not retried
+        return first
+    decoder.full = True
+    retry = job.decode(decoder, residual, device, keeping)
+    if retry[1] < first[1]:
+        return retry
+    decoder.full = False
+    return first
+
+
+def _at(residual: dict[int, torch.Tensor], layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    return {layer: residual[layer] for layer in layers}
+
+
+@dataclass
+class _Keeping:
+    """The rows one decoding keeps for a comparison (a retry starts afresh)."""
+
+    other_residual: dict[int, torch.Tensor]
+    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    other: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def fresh(self) -> _Keeping:
+        return _Keeping(self.other_residual)
+
+
+def kept_rows(
+    decoder: Decoder,
+    part: list[Row],
+    out: torch.Tensor,
+    keys: Sequence[K | None],
+    other: dict[int, torch.Tensor] | None,
+    device: torch.device,
+) -> tuple[list[tuple[K, torch.Tensor]], list[tuple[K, torch.Tensor]]]:
+    """A decoded chunk's rows whose key is not None (copied: the chunk itself is let go), and
+    the other model's residual at the same rows through the same decoder in the same chunk."""
+    at = [(i, k) for i, k in enumerate(keys) if k is not None]
+    if not at:
+        return [], []
+    index = [i for i, _ in at]
+    mine = out[index]
+    own = [(k, mine[j]) for j, (_, k) in enumerate(at)]
+    if not other:
+        return own, []
+    theirs = decode_rows(decoder, other, part, device)[index]
+    return own, [(k, theirs[j]) for j, (_, k) in enumerate(at)]
 
 
 @dataclass(frozen=True)
@@ -176,9 +261,14 @@ class _OnePrompt:
     """Positions reduced to the top-k and the target (None: all); the others to their top-1."""
 
     def decode(
-        self, decoder: Decoder, residual: dict[int, torch.Tensor], device: torch.device
-    ) -> tuple[dict[tuple[int, int], Top], float, bool]:
-        """Every (layer, position) reduced to its top-k, plus the self-check on the last block.
+        self,
+        decoder: Decoder,
+        residual: dict[int, torch.Tensor],
+        device: torch.device,
+        keeping: _Keeping | None = None,
+    ) -> tuple[dict[tuple[int, int], Top], float, bool, _Keeping | None]:
+        """Every (layer, position) reduced to its top-k, plus the self-check on the last block;
+        with `keeping`, the rows at the positions read in full kept too.
 
         Rows go through the decoder in chunks of bounded size and only their top-k is kept, so a
         layer x position grid never holds more than one chunk of logits.
@@ -188,8 +278,14 @@ class _OnePrompt:
         rows: dict[tuple[int, int], Top] = {}
         diff, agrees = 0.0, True
         vocab = int(self.real.shape[-1])
+        kept = None if keeping is None else keeping.fresh()
         for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
             check_decoded(out, part, lambda j: self.pos[j])
+            if kept is not None:
+                keys = [self._kept_at(row) for row in part]
+                own, other = kept_rows(decoder, part, out, keys, kept.other_residual, device)
+                kept.logits.update(own)
+                kept.other.update(other)
             last = [i for i, (layer, _) in enumerate(part) if layer == self.n_layers]
             if last:
                 mine = out[last]
@@ -204,7 +300,14 @@ class _OnePrompt:
         if self.n_layers in self.layers:  # the last layer is the model's own output
             where = [(self.n_layers, p) for p in self.pos]
             rows.update(self._reduce(where, self.real))
-        return rows, diff, agrees
+        return rows, diff, agrees, kept
+
+    def _kept_at(self, row: Row) -> tuple[int, int] | None:
+        """The (layer, position) a comparison keeps of a decoded row: a layer asked for (or the
+        last) at a position read in full."""
+        layer, j = row
+        p = self.pos[j]
+        return (layer, p) if self.full_at is None or p in self.full_at else None
 
     def _reduce(
         self, where: list[tuple[int, int]], logits: torch.Tensor

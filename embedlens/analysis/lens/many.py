@@ -8,7 +8,7 @@ statistics (`stats`): memory does not grow with the number of prompts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
@@ -30,6 +30,8 @@ _SHOWN_BAD = 5
 
 Prepared = tuple[Ask, Prompt, list[int] | None]
 """A line's ask, its prompt, and the absolute positions read (None: the single run's)."""
+Window = list[tuple[PromptLine, Prepared]]
+"""Lines run together, each with what `prepare_line` made of it."""
 
 
 def prepare_line(
@@ -111,7 +113,7 @@ def _nothing_to_run(n_bad: int) -> UsageError:
     )
 
 
-def _bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
+def bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
     """Notes for the lines skipped with --skip-bad."""
     notes = [f"skipped line {e.line}: {e.reason}" for e in shown]
     if n_bad > len(shown):
@@ -119,10 +121,48 @@ def _bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
     return notes
 
 
+def rows_read(prepared: Prepared) -> int:
+    """How many (prompt, position) rows a prepared line reads."""
+    ask, prompt, listed = prepared
+    if listed is not None:
+        return len(listed)
+    return len(prompt.ids) if ask.position is None else 1
+
+
+def windows(
+    source: PromptSource,
+    ask: ManyAsk,
+    tokenizer: Any,
+    config: Any,
+    template: str,
+    *,
+    rows: int | None = None,
+) -> Iterator[Window]:
+    """The good lines, prepared, WINDOW at a time (fewer once they read `rows` rows)."""
+    window: Window = []
+    n_rows = 0
+    for line in source:
+        if isinstance(line, BadLine):
+            continue
+        try:
+            prepared = prepare_line(line, ask, tokenizer, config, template)
+        except BadLine:
+            continue
+        window.append((line, prepared))
+        n_rows += rows_read(prepared)
+        if len(window) >= WINDOW or (rows is not None and n_rows >= rows):
+            yield window
+            window, n_rows = [], 0
+    if window:
+        yield window
+
+
 class ManyRun:
     """The second reading: prompts run a window at a time, reports handed on, statistics kept."""
 
-    def __init__(self, opened: Opened, ask: ManyAsk, each: EachFn | None) -> None:
+    def __init__(
+        self, opened: Opened, ask: ManyAsk, each: EachFn | None, *, keep: bool = False
+    ) -> None:
         from embedlens.analysis.lens.batch import BatchLens
         from embedlens.analysis.lens.blocks import find_blocks
         from embedlens.analysis.lens.stats import LensStats
@@ -130,60 +170,51 @@ class ManyRun:
         model = opened.model
         layers = resolve_layers(ask.layers, len(find_blocks(model).modules))
         self.opened, self.ask, self.each = opened, ask, each
-        k = ask.top_k if each is not None else 1  # the statistics read the top-1 alone
-        self.batch = BatchLens(model, layers, k, len(opened.tokenizer))
+        # the statistics read the top-1 alone; reports (`each`, a comparison's) the top-k
+        k = ask.top_k if each is not None or keep else 1
+        self.batch = BatchLens(model, layers, k, len(opened.tokenizer), keep)
         self.stats = LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
-        """Every prompt run, freed memory kept in the process meanwhile (`heap.py`: the decode
-        allocates and frees hundreds of large chunks)."""
-        from embedlens.analysis import heap
+        """Every prompt run, freed memory kept in the process meanwhile (`runtime.heap_kept`: the
+        decode allocates and frees hundreds of large chunks)."""
+        from embedlens.runtime import heap_kept
 
-        with heap.kept():
-            return self._all(source, n_bad, bad)
-
-    def _all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
-        window: list[tuple[PromptLine, Prepared]] = []
-        for line in source:
-            if isinstance(line, BadLine):
-                continue
-            try:
-                window.append((line, self._prepare(line)))
-            except BadLine:
-                continue
-            if len(window) >= WINDOW:
-                self._flush(window)
-                window = []
-        if window:
-            self._flush(window)
-        return self._summary(n_bad, bad)
-
-    def _prepare(self, line: PromptLine) -> Prepared:
         o = self.opened
-        return prepare_line(line, self.ask, o.tokenizer, o.config, o.template)
+        with heap_kept():
+            for window in windows(source, self.ask, o.tokenizer, o.config, o.template):
+                self.run_window(window)
+            return self.summary(n_bad, bad)
 
-    def _flush(self, window: list[tuple[PromptLine, Prepared]]) -> None:
+    def run_window(
+        self, window: Window, others: list[dict[int, Any]] | None = None
+    ) -> list[BatchOut]:
+        """One window's prompts in batches, their statistics kept and their reports handed on;
+        `others`: another model's residual for each (a comparison: `BatchItem.other`)."""
         from embedlens.analysis.lens.batch import BatchItem
 
         items = []
-        for _, (ask, prompt, listed) in window:
+        for i, (_, (ask, prompt, listed)) in enumerate(window):
             positions = listed or (
                 list(range(len(prompt.ids))) if ask.position is None else [prompt.index]
             )
-            items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index))
+            other = None if others is None else others[i]
+            items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index, other))
         outs = self.batch.run(items)
         for (line, (ask, prompt, _)), out in zip(window, outs, strict=True):
             self.stats.add(out.result, out.kl, out.model_top1)
             if self.each is not None:
-                self.each(self._report(ask, prompt, out), line)
+                self.each(self.report(ask, prompt, out), line)
+        return outs
 
-    def _report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
+    def report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
         """The report a single run on this prompt gives (notes too)."""
         o = self.opened
         around = (o.before, o.after)
         return lens_report(o.name, o.tokenizer, o.model, out.result, ask, prompt, around)
 
-    def _summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+    def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        """The per-layer statistics of every prompt run so far."""
         stats, o = self.stats, self.opened
         pos = self.ask.position
         return LensSummaryReport(
@@ -196,5 +227,5 @@ class ManyRun:
             num_layers=self.batch.n_layers,
             dtype=dtype_name(o.model),
             layers=stats.summary(),
-            notes=[*o.before, *_bad_notes(n_bad, bad), *o.after],
+            notes=[*o.before, *bad_notes(n_bad, bad), *o.after],
         )

@@ -8,6 +8,7 @@ re-typed, in eval mode for the run and every module's training flag restored aft
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,17 +44,57 @@ class Opened:
 
 
 @contextmanager
-def from_files(
-    name: str, load: Load, tokenizer: Any, check: Check[T]
+def ready(
+    model: object,
+    tokenizer: Any,
+    loading: Load | dict[str, bool],
+    check: Check[T],
+    own_template: bool = False,
+    target: str | None = None,
 ) -> Iterator[tuple[Opened, T]]:
-    """The model named `name` loaded from its files (hub, folder or GGUF), after `check`."""
+    """The model ready for the run (loaded from its files, or as the caller loaded it), with
+    what `check` returned before any weight was read; `loading`: a `Load` for a model named by
+    its files, else the loading options given for a loaded one (refused). `own_template` and
+    `target`: as `from_files` takes them."""
+    if isinstance(loading, Load):
+        assert isinstance(model, (str, os.PathLike))
+        name = os.fspath(model)
+        with from_files(
+            name, loading, tokenizer, check, own_template=own_template, target=target
+        ) as opened:
+            yield opened
+    else:
+        with from_loaded(model, tokenizer, loading, check) as opened:
+            yield opened
+
+
+@contextmanager
+def from_files(
+    name: str,
+    load: Load,
+    tokenizer: Any,
+    check: Check[T],
+    *,
+    own_template: bool = False,
+    target: str | None = None,
+) -> Iterator[tuple[Opened, T]]:
+    """The model named `name` loaded from its files (hub, folder or GGUF), after `check`.
+    What the files alone can tell is refused before a tokenizer is built: `own_template`, the run
+    needs the model's chat template (--chat without --chat-template) and they hold none;
+    `target`, a --target that is not one token of a GGUF file's vocabulary."""
+    from embedlens.analysis.lens.prompt import no_chat_template
     from embedlens.io.source import resolve
     from embedlens.model import loading
+    from embedlens.model.chat import stored_template
     from embedlens.model.gguf_patches import gguf_reads_shared
 
     trust = load.trust_remote_code
     with load.offload_dir() as folder:
         source = resolve(name, load.revision)
+        if own_template and tokenizer is None and stored_template(source) is False:
+            raise no_chat_template()
+        if target is not None and tokenizer is None and source.is_gguf:
+            _check_target(source, target)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loading.check_source(source, trust_remote_code=trust)
@@ -77,6 +118,21 @@ def from_files(
         built_in = _builtin_code_note(config, trust_remote_code=trust)
         after = [] if built_in is None else [built_in]
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
+
+
+def _check_target(source: ModelSource, target: str) -> None:
+    """A --target checked with embedlens' own reading of a GGUF file's tokenizer (built from the
+    header, kept in the tokenizer cache), which encodes to the ids of the one transformers builds
+    (tests/test_tokenizer_cache.py): a target that is not one token is refused before that."""
+    from embedlens.analysis.lens.prompt import single_token
+    from embedlens.io.gguf import read_gguf_header
+    from embedlens.model.tokenizer import vocab_from_gguf
+
+    assert source.path is not None
+    vocab = vocab_from_gguf(read_gguf_header(source.path))
+    unk = vocab.unk_id
+    unk_token = None if unk is None else vocab.piece(unk)
+    single_token(target, vocab.encode, vocab.text, unk, unk_token)
 
 
 @contextmanager

@@ -18,6 +18,13 @@ DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequentia
 LayerItem = int | tuple[int | None, int | None, int | None]
 MemoryMap = dict[int | str, int | str]
 
+DEFAULT_THRESHOLD = 1e-6
+"""KL (nats) above which a layer counts as divergent. A model against itself, or against an
+exact copy, gives exactly 0 (the same bits through the same code). Two runs of the same weights
+whose logits differ by rounding alone stay far below it: logits moved by at most δ move KL by at
+most δ²/2 (half the variance of the change), and the self-check allows δ = 1e-3 in float32,
+i.e. 5e-7 nats."""
+
 _LAYERS_HINT = (
     "use layer numbers and ranges, e.g. --layers 0,4,8 or --layers 20: or --layers 0:10:2"
 )
@@ -192,6 +199,22 @@ def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:
             "--target, --chat and --grid apply to one prompt; with --prompts give target and "
             "chat on each line (JSON Lines)"
         )
+
+
+def check_threshold(threshold: float | None, against: object) -> float:
+    """The KL (nats) above which a layer counts as divergent: DEFAULT_THRESHOLD, or the one
+    given (with another model only; a number, at least 0)."""
+    if threshold is None:
+        return DEFAULT_THRESHOLD
+    if against is None:
+        raise UsageError("--threshold applies only with --against")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise UsageError(f"--threshold must be a number of nats, not {threshold!r}")
+    if not threshold >= 0 or threshold == float("inf"):
+        raise UsageError(
+            f"--threshold must be a finite number of nats, at least 0, not {threshold}"
+        )
+    return float(threshold)
 
 
 def check_top_k(top_k: int) -> None:

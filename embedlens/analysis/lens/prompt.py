@@ -65,7 +65,7 @@ def prompt_ids(
         ids = list(tokenizer(prompt)["input_ids"])
         text = prompt
     else:
-        context = _context(config)
+        context = context_length(config)
         text = _render_chat(tokenizer, chat, switches, template, context, chat_template) + prompt
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
@@ -84,11 +84,7 @@ def _render_chat(
     """The chat template (the tokenizer's, or `own`) applied to one user message, with the
     generation prompt."""
     if own is None and not getattr(tokenizer, "chat_template", None):
-        raise UsageError(
-            "this model's tokenizer has no chat template, so --chat cannot be used",
-            hint="give one with --chat-template FILE (a Jinja file), or run without --chat "
-            "and write the whole prompt yourself",
-        )
+        raise no_chat_template()
     from embedlens.model import chat as bounded
 
     messages = [{"role": "user", "content": chat}]
@@ -122,10 +118,18 @@ def _render_chat(
     return text
 
 
+def no_chat_template() -> UsageError:
+    """--chat with neither the model's chat template nor --chat-template."""
+    return UsageError(
+        "this model's tokenizer has no chat template, so --chat cannot be used",
+        hint="give one with --chat-template FILE (a Jinja file), or run without --chat "
+        "and write the whole prompt yourself",
+    )
+
+
 def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
     """The id of the --target token, and of its spaced form (' ' + target) when that is another
     single token (which of the two the model means is its own to say: see `target_note`)."""
-    from embedlens.model.words import spaced_form
 
     def encode(text: str) -> list[int]:
         return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -133,15 +137,30 @@ def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
     def text_of(token_id: int) -> str:
         return token_text(tokenizer, token_id)
 
-    ids = encode(target)
     unk = getattr(tokenizer, "unk_token_id", None)
-    if len(ids) == 1 and (ids[0] != unk or target == tokenizer.unk_token):
+    return single_token(target, encode, text_of, unk, getattr(tokenizer, "unk_token", None))
+
+
+def single_token(
+    target: str,
+    encode: Callable[[str], list[int]],
+    text_of: Callable[[int], str],
+    unk: int | None,
+    unk_token: str | None,
+) -> tuple[int, int | None]:
+    """`target_token` with the tokenizer given as functions (the model's own tokenizer, or
+    embedlens' reading of a GGUF file's, which encodes to the same ids, before the first is
+    built): the id, and the spaced form's; UsageError when the target is not one token."""
+    from embedlens.model.words import spaced_form
+
+    ids = encode(target)
+    if len(ids) == 1 and (ids[0] != unk or target == unk_token):
         other = encode(" " + target) if target and not target[0].isspace() else []
         return int(ids[0]), other[0] if len(other) == 1 and other != ids else None
     if len(ids) == 1:
         raise UsageError(
             f"--target '{target}' is not in the vocabulary: it encodes to the unknown token "
-            f"'{tokenizer.unk_token}'"
+            f"'{unk_token}'"
         )
     if not ids:
         raise UsageError(f"--target '{target}' encodes to no token")
@@ -202,7 +221,7 @@ def _text_config(config: PretrainedConfig | None) -> object:
     return get() if callable(get) else config
 
 
-def _context(config: PretrainedConfig | None) -> int | None:
+def context_length(config: PretrainedConfig | None) -> int | None:
     """The model's context length in tokens, if its config gives one."""
     context = getattr(_text_config(config), "max_position_embeddings", None)
     return context if isinstance(context, int) else None
@@ -212,7 +231,7 @@ def check_fits(
     config: PretrainedConfig | None, ids: list[int], items: list[LayerItem] | None
 ) -> None:
     """The prompt fits the model's context, and the layers asked for exist."""
-    context = _context(config)
+    context = context_length(config)
     if context is not None and len(ids) > context:
         raise UsageError(
             f"the prompt is {len(ids)} tokens, longer than the model's context ({context})"

@@ -1,0 +1,276 @@
+"""`lens --against`: A's lens and B's on the same prompt ids, compared layer by layer.
+
+Before any weight is read, B is checked against A (`pairing`: vocabulary, layers, outputs).
+B always runs first, keeping at the rows read its logits at every layer and its residual
+stream; A then runs with B's residual as `other` (its own decoder on B's rows), and `pair`
+compares the two. How the models share memory:
+
+- one prompt: B is loaded, run and freed before A's weights are read (what A needs of it is a
+  few rows), so the two are never in memory together;
+- many prompts: both at once when the pre-flight says they fit together (A's weights plus B's
+  load), B and A then taking each window of prompts in turn; otherwise one after the other: B
+  runs every prompt, its rows wait in a temporary folder a window per file, and B is freed
+  before A loads and reads them back.
+
+A model given already loaded is in memory whatever is done, and is never freed here.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from embedlens.analysis.lens import many
+from embedlens.analysis.lens.one import one_report, run_one
+from embedlens.analysis.lens.opening import Check, Opened, ready
+from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
+from embedlens.analysis.lens.pair import PairStats, compare
+from embedlens.analysis.lens.pair_report import pair_report, pair_summary
+from embedlens.analysis.lens.pairing import Pair, Side, check_pair
+from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, prepare
+from embedlens.errors import UsageError
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.batch import BatchOut
+    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.model.prompts import BadLine, PromptSource
+    from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+
+KEEP_BYTES = 256 * 2**20
+"""Logits kept for a window of prompts (float32 bytes: B's rows, A's, and A's decoding of B's):
+a window holds fewer prompts when their rows would take more."""
+
+
+@dataclass(frozen=True)
+class Named:
+    """What the reports say of B, kept after it is freed: its name and its notes."""
+
+    name: str
+    notes: list[str]
+
+
+def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
+    """One prompt through B then A (B freed first), and A's report with B's `diff`."""
+    a, b = pair.a, pair.b
+    check_pair(a, b)
+
+    def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named]:
+        run = prepare(ask, tok, config, template)
+        with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids])) as ob:
+            result = run_one(ob, ask, run, keep=True)
+            named = _named(ob)
+        gc.collect()  # B's weights go before A's are read
+        return run, result, named
+
+    with ready(a.model, a.tokenizer, a.loading, b_first) as (oa, (run, rb, named)):
+        assert rb.kept is not None
+        ra = run_one(oa, ask, run, keep=True, other=rb.kept.residual)
+        report = one_report(oa, ask, run, ra)
+        diffs = compare(ra, rb, run.index)
+        return pair_report(report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes)
+
+
+def lens_pair_prompts(
+    pair: Pair, ask: ManyAsk, source: PromptSource, each: many.EachFn | None
+) -> LensPairSummaryReport:
+    """Many prompts through B and A, both at once when they fit together, else one after the
+    other; A's summary with the per-layer means of B against it."""
+    from embedlens.runtime import heap_kept
+
+    a, b = pair.a, pair.b
+    check_pair(a, b)
+    apart = apart_note(a, b)
+    start = _PairRun.factory(ask, each, pair.threshold)
+    with heap_kept():
+        if apart is None:
+            return _together(a, b, ask, source, start)
+        return _apart(a, b, ask, source, start, apart)
+
+
+def apart_note(a: Side, b: Side) -> str | None:
+    """None when both models fit in memory at once (the pre-flight adds them up); else the note
+    saying why they run one after the other."""
+    if not isinstance(a.loading, Load) or not isinstance(b.loading, Load):
+        return None  # a model given loaded is in memory already
+    after = f"'{b.name}' ran first, and was freed before '{a.name}' loaded"
+    load = a.loading
+    if load.device_map is not None:
+        return f"with --device-map each model has the devices to itself: {after}"
+    from embedlens.model import preflight
+    from embedlens.model.loading import resolve_device
+    from embedlens.text import binary_size
+
+    assert a.source is not None and b.source is not None
+    est_a, est_b = (
+        preflight.estimate(a.source, load.dtype),
+        preflight.estimate(b.source, load.dtype),
+    )
+    free, label = preflight.available(resolve_device(load.device))
+    if est_a is None or est_b is None or free is None:
+        return f"the memory two models need together cannot be told here: {after}"
+    need = est_a.weights + est_b.needed
+    if need <= free:
+        return None
+    return (
+        f"the two models together need about {binary_size(need)} of {label}, more than the "
+        f"{binary_size(free)} available: {after}"
+    )
+
+
+def _together(
+    a: Side, b: Side, ask: ManyAsk, source: PromptSource, pair: Callable[[Opened, Named], _PairRun]
+) -> LensPairSummaryReport:
+    """Both models loaded; B then A on each window of prompts."""
+
+    def check(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine]]:
+        return many.check_all(source, ask, tok, config, template)
+
+    with ready(a.model, a.tokenizer, a.loading, check) as (oa, (n_bad, bad)):
+        lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
+        with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config)) as ob:
+            run_b = many.ManyRun(ob, ask, None, keep=True)
+            run = pair(oa, _named(ob))
+            for window in lines(rows=_rows(oa.config, ask)):
+                run.window(window, run_b.run_window(window))
+            return run.summary(n_bad, bad, [])
+
+
+def _apart(
+    a: Side,
+    b: Side,
+    ask: ManyAsk,
+    source: PromptSource,
+    pair: Callable[[Opened, Named], _PairRun],
+    note: str,
+) -> LensPairSummaryReport:
+    """B on every prompt, its rows kept in a temporary folder, B freed; then A."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="embedlens-against-") as tmp:
+        folder = Path(tmp)
+
+        def b_first(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine], Named]:
+            n_bad, bad = many.check_all(source, ask, tok, config, template)
+            lines = functools.partial(many.windows, source, ask, tok, config, template)
+            with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config)) as ob:
+                run_b = many.ManyRun(ob, ask, None, keep=True)
+                for i, window in enumerate(lines(rows=_rows(config, ask))):
+                    torch.save(run_b.run_window(window), folder / f"{i}.pt")
+                named = _named(ob)
+            gc.collect()  # B's weights go before A's are read
+            return n_bad, bad, named
+
+        with ready(a.model, a.tokenizer, a.loading, b_first) as (oa, (n_bad, bad, named)):
+            run = pair(oa, named)
+            lines = many.windows(
+                source, ask, oa.tokenizer, oa.config, oa.template, rows=_rows(oa.config, ask)
+            )
+            for i, window in enumerate(lines):
+                outs_b = torch.load(folder / f"{i}.pt", weights_only=False)
+                (folder / f"{i}.pt").unlink()
+                run.window(window, outs_b)
+            return run.summary(n_bad, bad, [note])
+
+
+class _PairRun:
+    """A's side of many prompts: each window run with B's residual, compared with B's rows."""
+
+    def __init__(
+        self,
+        opened: Opened,
+        named: Named,
+        ask: ManyAsk,
+        each: many.EachFn | None,
+        threshold: float,
+    ) -> None:
+        self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
+        self.run = many.ManyRun(opened, ask, None, keep=True)
+        self.stats = PairStats()
+
+    @staticmethod
+    def factory(
+        ask: ManyAsk, each: many.EachFn | None, threshold: float
+    ) -> Callable[[Opened, Named], _PairRun]:
+        """How to start A's side once A is ready and B has been (`named`)."""
+        return lambda opened, named: _PairRun(opened, named, ask, each, threshold)
+
+    def window(self, window: many.Window, outs_b: list[BatchOut]) -> None:
+        others = [_residual(out.result) for out in outs_b]
+        outs_a = self.run.run_window(window, others)
+        for (line, (ask, prompt, _)), out_a, out_b in zip(window, outs_a, outs_b, strict=True):
+            diffs = self.stats.add(out_a.result, out_b.result, prompt.index)
+            if self.each is not None:
+                report = self.run.report(ask, prompt, out_a)
+                named, tok = self.named, self.opened.tokenizer
+                pair = pair_report(report, diffs, out_b.result, named.name, self.threshold, tok,
+                                   named.notes)  # fmt: skip
+                self.each(pair, line)
+
+    def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
+        """A's summary with the means of B against it; `notes` after B's."""
+        summary = self.run.summary(n_bad, bad)
+        named = self.named
+        return pair_summary(summary, self.stats, named.name, self.threshold, [*named.notes, *notes])
+
+
+def _residual(result: LensResult) -> dict[int, Any]:
+    assert result.kept is not None
+    return result.kept.residual
+
+
+@contextmanager
+def _ready_b(b: Side, a_tokenizer: Any, check: Check[None]) -> Iterator[Opened]:
+    """B ready, reading A's prompt ids with A's tokenizer (the vocabularies are the same) unless
+    it was given its own."""
+    tokenizer = a_tokenizer if b.tokenizer is None else b.tokenizer
+    with ready(b.model, tokenizer, b.loading, check) as (opened, _):
+        yield opened
+
+
+def _named(opened: Opened) -> Named:
+    return Named(opened.name, [f"against: {n}" for n in (*opened.before, *opened.after)])
+
+
+def _fits_b(
+    b: Side, ask: Ask | ManyAsk, ids: Callable[[], Any], a_config: Any = None
+) -> Check[None]:
+    """B's check: every prompt fits its context (read again only when it is shorter than A's)."""
+
+    def check(_tok: Any, config: Any, _template: str) -> None:
+        mine, theirs = context_length(config), context_length(a_config)
+        if mine is None or (a_config is not None and theirs is not None and theirs <= mine):
+            return
+        try:
+            for row in ids():
+                check_fits(config, row, None)
+        except UsageError as e:
+            raise UsageError(f"'{b.name}': {e.message}", hint=e.hint) from None
+
+    return check
+
+
+def _ids(lines: Callable[..., Iterator[many.Window]]) -> Callable[[], Iterator[list[int]]]:
+    """Every prompt's ids, read again."""
+
+    def ids() -> Iterator[list[int]]:
+        for window in lines():
+            yield from (prompt.ids for _, (_, prompt, _) in window)
+
+    return ids
+
+
+def _rows(config: Any, ask: ManyAsk) -> int | None:
+    """Rows per window so that the logits kept fit KEEP_BYTES (None: the config cannot say)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    blocks = getattr(text, "num_hidden_layers", None)
+    if not isinstance(vocab, int) or not isinstance(blocks, int) or vocab < 1:
+        return None
+    layers = len(set(resolve_layers(ask.layers, blocks)) | {blocks})
+    return max(1, KEEP_BYTES // (3 * layers * vocab * 4))

@@ -1,0 +1,134 @@
+"""Two models' lenses compared at the rows read: KL between them, A's decoder on B's residual.
+
+Both results come from the engine with `keep`: B's first, then A's with B's residual stream as
+`other`, so that A's decoder runs on B's rows in the same chunks as on its own. Every pair of
+rows compared was decoded in the same chunks by the same code: equal residuals give equal bits,
+and a KL of exactly 0. KL is taken in float64 from the float32 logits, on one thread (a row's
+sum split between threads would move its last bits with the machine's load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from embedlens.analysis.lens.engine import LensResult
+from embedlens.analysis.lens.ranking import Top
+from embedlens.analysis.lens.threads import one_thread
+from embedlens.errors import UnsupportedError
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """A against B at one (layer, position)."""
+
+    layer: int
+    kl: float
+    residual_kl: float
+    top1_agree: bool
+    target_logprob_delta: float | None
+    against: Top
+    """B's predictions there."""
+
+
+def kl_rows(p: torch.Tensor, q: torch.Tensor) -> list[float]:
+    """KL(softmax p ‖ softmax q) of each pair of rows of logits [n, V], in nats (float64); q is
+    moved to p's device (two models may sit on different devices)."""
+    with one_thread():
+        lp = torch.log_softmax(p.double(), dim=-1)
+        lq = torch.log_softmax(q.to(p.device).double(), dim=-1)
+        terms = torch.where(torch.isneginf(lp), 0.0, lp.exp() * (lp - lq))  # 0 log 0 = 0
+        return terms.sum(dim=-1).clamp_min(0.0).tolist()
+
+
+def compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
+    """Every layer of A's result against B's at one position both read (on one thread: copying
+    a few rows is too little work to share, and each parallel step waits for a busy core)."""
+    with one_thread():
+        return _compare(a, b, position)
+
+
+def _compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
+    if a.kept is None or b.kept is None or a.output is None or b.output is None:
+        raise ValueError("compare needs both results run with keep=True")
+    if a.vocab_size != b.vocab_size:
+        raise UnsupportedError(
+            f"the two models' outputs differ in size ({a.vocab_size:,} and {b.vocab_size:,} "
+            "rows): their predictions cannot be compared token by token"
+        )
+    n = a.num_layers
+    layers = a.layers
+
+    def lens_rows(r: LensResult) -> torch.Tensor:
+        assert r.kept is not None
+        out = r.output_at(position)
+        assert out is not None
+        return torch.stack([out if x == n else r.kept.logits[(x, position)] for x in layers])
+
+    kl = kl_rows(lens_rows(a), lens_rows(b))
+    own = torch.stack([a.kept.logits[(x, position)] for x in layers])
+    theirs = torch.stack([a.kept.other[(x, position)] for x in layers])
+    residual_kl = kl_rows(own, theirs)
+    out = []
+    for i, x in enumerate(layers):
+        top_a, top_b = a.rows[(x, position)], b.rows[(x, position)]
+        delta = None
+        if top_a.target_logprob is not None and top_b.target_logprob is not None:
+            delta = top_b.target_logprob - top_a.target_logprob
+        agree = top_a.ids[0] == top_b.ids[0]
+        out.append(LayerDiff(x, kl[i], residual_kl[i], agree, delta, top_b))
+    return out
+
+
+def first_above(layers: Sequence[int], kls: Sequence[float], threshold: float) -> int | None:
+    """The first layer whose KL exceeds the threshold (a NaN never does), or None."""
+    return next((x for x, kl in zip(layers, kls, strict=True) if kl > threshold), None)
+
+
+@dataclass
+class _Sums:
+    n: int = 0
+    kl: float = 0.0
+    residual_kl: float = 0.0
+    agree: int = 0
+    n_target: int = 0
+    delta: float = 0.0
+
+
+@dataclass
+class PairStats:
+    """Sums per layer of A against B, added to one prompt at a time (every position read)."""
+
+    layers: dict[int, _Sums] = field(default_factory=dict)
+    n_against_unfaithful: int = 0
+
+    def add(self, a: LensResult, b: LensResult, read: int) -> list[LayerDiff]:
+        """One prompt's results, compared at every position both read; the comparison at the
+        position `read` (its report's)."""
+        self.n_against_unfaithful += int(not b.check.ok)
+        shown: list[LayerDiff] = []
+        for position in a.positions:
+            diffs = compare(a, b, position)
+            if position == read:
+                shown = diffs
+            for d in diffs:
+                acc = self.layers.setdefault(d.layer, _Sums())
+                acc.n += 1
+                acc.kl += d.kl
+                acc.residual_kl += d.residual_kl
+                acc.agree += int(d.top1_agree)
+                if d.target_logprob_delta is not None:
+                    acc.n_target += 1
+                    acc.delta += d.target_logprob_delta
+        return shown
+
+    def means(self) -> list[tuple[int, float, float, float, float | None]]:
+        """(layer, mean kl, mean residual_kl, top-1 agreement, mean target delta) per layer."""
+        out = []
+        for layer, acc in sorted(self.layers.items()):
+            n = max(acc.n, 1)
+            delta = acc.delta / acc.n_target if acc.n_target else None
+            out.append((layer, acc.kl / n, acc.residual_kl / n, acc.agree / n, delta))
+        return out

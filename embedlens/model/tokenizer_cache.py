@@ -1,0 +1,96 @@
+"""Tokenizers rebuilt from GGUF metadata, kept as tokenizer.json files in embedlens' cache.
+
+Rebuilding a SentencePiece vocabulary of 262,144 scored pieces (Gemma 3) takes seconds, most of
+them spent deriving its merges from the scores; loading the built tokenizer back takes a fraction
+of that. Each one is kept under `$EMBEDLENS_CACHE/tokenizers` (default
+`$HF_HOME/embedlens/tokenizers`), named by a SHA-256 of everything it is built from: the file's
+`tokenizer.ggml.*` metadata as stored (arrays as their raw bytes), this module's format number and
+the `tokenizers` version. A file whose tokenizer changes gets a new name, so an entry never
+outlives what it was built from; a file that changes elsewhere (its weights) keeps its entry,
+which still holds. The cache is an optimisation only: a missing, unreadable or damaged entry means
+the tokenizer is rebuilt, and a cache that cannot be written is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from embedlens.io.gguf import GGUFHeader, LazyArray
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+FORMAT = 1
+"""Raise when vocab_from_gguf builds a different tokenizer from the same metadata."""
+_CHUNK = 1 << 20
+
+
+def cache_dir() -> Path:
+    """The folder of kept tokenizers: $EMBEDLENS_CACHE/tokenizers, else
+    $HF_HOME/embedlens/tokenizers."""
+    own = os.environ.get("EMBEDLENS_CACHE", "").strip()
+    if own:
+        return Path(own).expanduser() / "tokenizers"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "embedlens" / "tokenizers"
+
+
+def tokenizer_key(header: GGUFHeader) -> str:
+    """SHA-256 of the tokenizer metadata (key, type and bytes of each `tokenizer.ggml.*`
+    value), the cache format and the tokenizers version."""
+    import tokenizers
+
+    digest = hashlib.sha256(f"embedlens-gguf-tokenizer {FORMAT} {tokenizers.__version__}".encode())
+    for key in sorted(k for k in header.metadata if k.startswith("tokenizer.ggml.")):
+        value = header.metadata[key]
+        digest.update(b"\0" + key.encode("utf-8", "surrogateescape") + b"\0")
+        if isinstance(value, LazyArray):
+            digest.update(f"array {value.item_type} {value.count}\0".encode())
+            _hash_span(digest, value)
+        else:
+            digest.update(f"{type(value).__name__} {value!r}".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def _hash_span(digest: hashlib._Hash, array: LazyArray) -> None:
+    with open(array.path, "rb") as fh:
+        fh.seek(array.start)
+        left = array.end - array.start
+        while left > 0:
+            chunk = fh.read(min(left, _CHUNK))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+
+
+def load(key: str) -> Tokenizer | None:
+    """The kept tokenizer of this key, or None when there is none or it cannot be read."""
+    path = cache_dir() / f"{key}.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception:  # a damaged entry (the Rust side raises a bare Exception): rebuild
+        return None
+
+
+def store(key: str, tok: Tokenizer) -> None:
+    """Keep a built tokenizer under its key: written to a temporary name, then renamed into
+    place, so a reader never sees half a file; nothing happens when the cache is not writable."""
+    folder = cache_dir()
+    tmp = folder / f".{key}.{os.getpid()}.partial"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tmp), pretty=False)
+        os.replace(tmp, folder / f"{key}.json")
+    except Exception:  # a read-only or full disk (OSError, or the Rust side's bare Exception)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

@@ -1,0 +1,211 @@
+"""Process tuning, in one place: BLAS threads, the C heap's thresholds, other processes' load.
+
+None of it changes a figure, only how fast it comes; all of it applies to the Python API as to
+the command line, and none of it overrides what the user set:
+
+- `one_blas_thread()`: numpy's BLAS on one thread for the commands whose work is many small
+  products (`neighbors`, `vocab`), set through `OPENBLAS_NUM_THREADS` only where the user has not
+  set it, and only while numpy is not yet imported (after that it is too late: nothing changes);
+- `heap_kept()`: freed memory kept in the process while a long run allocates and frees large
+  arrays (glibc's thresholds, restored afterwards);
+- `OthersBusy`: how many cores other processes keep busy, so the lens takes fewer threads on a
+  busy machine.
+
+This module imports nothing heavy: `embedlens` consults it before a command's module loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+# --- BLAS threads ----------------------------------------------------------------------------
+
+BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+"""The variable numpy's BLAS (OpenBLAS, as numpy's wheels ship it) reads its thread count from."""
+ONE_BLAS_THREAD = frozenset({"neighbors", "vocab"})
+"""Commands whose work is [block, d] x [d, few] products: BLAS threads cost more than they give
+(0.73 s against 0.20 s for `neighbors` on Qwen3-0.6B's table on two busy cores)."""
+
+
+def one_blas_thread() -> bool:
+    """Ask numpy's BLAS for one thread: `OPENBLAS_NUM_THREADS=1` unless the variable is set
+    (a value the user set wins, whatever it is). Returns whether BLAS can still take it.
+
+    OpenBLAS reads the variable once, when numpy is first imported. When numpy is already
+    imported (by the caller, or by an earlier command in the same process) it is too late:
+    nothing is changed, neither the variable (which would only mislead child processes) nor BLAS,
+    which keeps the threads it started with. The figures are the same either way; only the time
+    differs. To get one thread then, set `OPENBLAS_NUM_THREADS=1` before starting Python.
+    """
+    if "numpy" in sys.modules:
+        return False
+    os.environ.setdefault(BLAS_THREADS, "1")
+    return True
+
+
+def prepare(command: str) -> None:
+    """Tune the process for `command` before its module (and numpy with it) is imported:
+    `embedlens.<command>` calls this when the function is first looked up, so that the Python
+    API and the command line (which looks its function up the same way) run alike."""
+    if command in ONE_BLAS_THREAD:
+        one_blas_thread()
+
+
+# --- Freed memory kept in the process --------------------------------------------------------
+#
+# torch on the CPU allocates every output afresh, and glibc hands a freed block above its mmap
+# threshold (32 MiB at most) straight back to the kernel, and trims the heap's free top, so a run
+# that decodes hundreds of [rows, V] chunks pays the kernel's page faults for each one again.
+# Measured on the Qwen3-0.6B-shaped checkpoint (100 prompts, float32, 2 cores): 29.7 s and 2.7
+# million minor page faults as glibc sets itself, 21.4 s and 0.93 million with both thresholds
+# raised; the peak resident memory was the same (3.88 GB).
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+KEEP_BELOW = 2**30
+"""During a run, blocks below 1 GiB come from and go back to the heap."""
+AFTER_MMAP = 32 * 2**20
+AFTER_TRIM = 2 * AFTER_MMAP
+
+_active: list[bool] = []
+"""Whether each run now open had glibc take the thresholds (runs nest: the outermost sets them)."""
+
+
+def _glibc() -> Any:
+    """The C library's functions when it is glibc, else None."""
+    import ctypes
+
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
+        return None
+    if not version or not version.startswith("glibc"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return libc
+
+
+@contextmanager
+def heap_kept() -> Iterator[bool]:
+    """Freed blocks stay in the heap for the block's length; yields whether glibc took it.
+
+    glibc's mmap and trim thresholds are raised for the length of a run, and afterwards set where
+    glibc's own dynamic threshold ends up once large blocks have been freed (32 MiB, and twice
+    that for trimming); then the heap's free memory goes back to the kernel. Elsewhere than on
+    glibc it does nothing."""
+    if _active:
+        _active.append(_active[-1])
+        try:
+            yield _active[-1]
+        finally:
+            _active.pop()
+        return
+    libc = _glibc()
+    took = libc is not None and bool(
+        libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BELOW)
+    )
+    _active.append(took)
+    try:
+        yield took
+    finally:
+        _active.pop()
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, AFTER_MMAP)
+            libc.mallopt(M_TRIM_THRESHOLD, AFTER_TRIM)
+            libc.malloc_trim(0)
+
+
+# --- Other processes' load -------------------------------------------------------------------
+#
+# The load average cannot say it: it counts this process too, so a long lens run that keeps two
+# cores busy would read its own work as another process's. On Linux the machine's busy time comes
+# from /proc/stat and this process's from os.times(); elsewhere the load average is all there is.
+
+PROC_STAT = "/proc/stat"
+FIRST_WINDOW_S = 0.05
+"""At the first reading there is no earlier one: measure over this long (this process idle)."""
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The machine's busy CPU seconds, this process's CPU seconds, and when."""
+
+    machine: float
+    own: float
+    wall: float
+
+
+def read_now() -> Reading | None:
+    """Now's reading, or None where /proc/stat is not there or not readable."""
+    try:
+        with open(PROC_STAT, encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 5:
+        return None
+    try:
+        ticks = [int(x) for x in fields[1:9]]
+    except ValueError:
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    busy = sum(ticks) - idle
+    own = os.times()
+    return Reading(busy / _TICK, own.user + own.system, time.monotonic())
+
+
+def others_between(before: Reading, after: Reading) -> float:
+    """Cores kept busy by other processes between two readings (never below 0)."""
+    wall = after.wall - before.wall
+    if wall <= 0:
+        return 0.0
+    others = (after.machine - before.machine) - (after.own - before.own)
+    return max(0.0, others / wall)
+
+
+class OthersBusy:
+    """Cores other processes kept busy since the last call (the first call measures a short
+    window); where /proc/stat is missing, the load average less this process's mean use."""
+
+    def __init__(self) -> None:
+        self._last: Reading | None = None
+
+    def __call__(self) -> float:
+        now = read_now()
+        if now is None:
+            return _from_load_average()
+        if self._last is None:
+            time.sleep(FIRST_WINDOW_S)
+            self._last, now = now, read_now() or now
+        busy = others_between(self._last, now)
+        self._last = now
+        return busy
+
+
+_IMPORTED = time.monotonic()
+
+
+def _from_load_average() -> float:
+    """The 1-minute load average less this process's mean CPU use since this module loaded."""
+    if not hasattr(os, "getloadavg"):
+        return 0.0
+    own = os.times()
+    elapsed = time.monotonic() - _IMPORTED
+    rate = min(float(os.cpu_count() or 1), (own.user + own.system) / elapsed) if elapsed > 1 else 0
+    return max(0.0, os.getloadavg()[0] - rate)

@@ -1,0 +1,153 @@
+"""How `lens --against` is shown: a row per layer of A against B, the first divergent one marked.
+
+One prompt: each model's top-1 and its probability, whether they agree, KL(A ‖ B) and the
+residual KL, the --target's log-probability change; then both self-checks. Many prompts: the
+per-layer means. Every figure is shown whole (KL with three significant digits).
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from embedlens.reports import register_view
+from embedlens.reports.lens import LensCheck
+from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+from embedlens.views.format import prob, quoted, shown
+
+MARK = " ◀"
+"""After the layer label of the first divergent layer."""
+
+
+def nats(value: float | None) -> str:
+    """A KL or a log-probability change, three significant digits ('-' when there is none)."""
+    return "-" if value is None else f"{value:.3g}"
+
+
+def layer_label(layer: int, num_layers: int, first: int | None) -> str:
+    """'0 emb', '30 out', a number; the first divergent layer marked."""
+    label = {0: f"{layer} emb", num_layers: f"{layer} out"}.get(layer, str(layer))
+    return label + (MARK if layer == first else "")
+
+
+def render(r: LensPairReport) -> RenderableType:
+    """The prompt's tokens, the table of A against B, and both self-checks."""
+    d = r.diff
+    tokens = Text("tokens: ")
+    for i, t in enumerate(r.tokens):
+        piece = quoted(t.token)
+        if i == r.position_index:
+            piece.stylize("bold reverse")
+        tokens.append_text(piece).append(" ")
+    read = r.tokens[r.position_index].token
+    title = (
+        f"Logit lens of {r.display_model} (A) against {d.against} (B) after '{read}' "
+        f"(position {r.position_index}, {r.dtype})"
+    )
+    table = Table(title=shown(title, "table.title"))
+    for name, right in (
+        ("layer", True),
+        ("A top-1", False),
+        ("p", True),
+        ("B top-1", False),
+        ("p", True),
+        ("agree", False),
+        ("KL(A‖B)", True),
+        ("residual KL", True),
+    ):
+        table.add_column(name, justify="right" if right else "left")  # fmt: skip
+    if r.target is not None:
+        table.add_column("Δ log p", justify="right")
+    for mine, theirs in zip(r.layers, d.layers, strict=True):
+        a, b = mine.top[0], theirs.against_top[0]
+        cells: list[Text | str] = [
+            layer_label(mine.layer, r.num_layers, d.first_divergent_layer),
+            quoted(a.token),
+            prob(a.prob, a.logprob),
+            quoted(b.token),
+            prob(b.prob, b.logprob),
+            "yes" if theirs.top1_agree else "NO",
+            nats(theirs.kl),
+            nats(theirs.residual_kl),
+        ]
+        if r.target is not None:
+            cells.append(nats(theirs.target_logprob_delta))
+        table.add_row(*cells, end_section=mine.layer == r.num_layers - 1)
+    delta = None
+    if r.target is not None:
+        delta = f"Δ log p: B's log-probability of '{r.target.token}' minus A's"
+    legend = _legend(d.first_divergent_layer, d.threshold, delta=delta)
+    lines = [legend, _checks(r.check, d.against_check)]
+    return Group(tokens, table, *lines)
+
+
+def render_summary(r: LensPairSummaryReport) -> RenderableType:
+    """The per-layer means of A against B over every prompt and position read."""
+    d = r.diff
+    title = (
+        f"Logit lens of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
+        f"prompts ({r.n_positions} positions, {r.dtype})"
+    )
+    table = Table(title=shown(title, "table.title"))
+    for name in ("layer", "KL(A‖B)", "residual KL", "top-1 agrees"):
+        table.add_column(name, justify="right")
+    targets = any(row.target_logprob_delta is not None for row in d.layers)
+    if targets:
+        table.add_column("Δ log p", justify="right")
+    for row in d.layers:
+        cells = [
+            layer_label(row.layer, r.num_layers, d.first_divergent_layer),
+            nats(row.kl),
+            nats(row.residual_kl),
+            f"{row.top1_agreement:.1%}",
+        ]
+        if targets:
+            cells.append(nats(row.target_logprob_delta))
+        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
+    delta = "Δ log p: B's log-probability of each prompt's target minus A's" if targets else None
+    legend = _legend(d.first_divergent_layer, d.threshold, "mean ", delta)
+    parts: list[RenderableType] = [table, legend]
+    if d.n_against_unfaithful:
+        parts.append(
+            Text(
+                f"✗ B's lens does not reproduce its own logits on {d.n_against_unfaithful} "
+                "prompts: its rows there are not faithful",
+                style="bold red",
+            )
+        )
+    return Group(*parts)
+
+
+def _legend(first: int | None, threshold: float, mean: str = "", delta: str | None = None) -> Text:
+    """What the columns mean, and where the two models part."""
+    where = (
+        f"First divergent layer: {first}{MARK} ({mean}KL > {threshold:.3g} nats)"
+        if first is not None
+        else f"No layer diverges ({mean}KL ≤ {threshold:.3g} nats at every layer)"
+    )
+    more = "" if delta is None else f"; {delta}"
+    return shown(
+        f"KL in nats, each model's lens through its own decoder; residual KL: A's decoder on "
+        f"B's residual stream (0 where the two streams are equal){more}. {where}.",
+        style="dim",
+    )
+
+
+def _checks(a: LensCheck, b: LensCheck) -> Text:
+    """Both self-checks on one line."""
+
+    def one(name: str, c: LensCheck) -> str:
+        sign = "≤" if c.ok else ">"
+        verdict = (
+            "reproduces its logits" if c.ok else f"does NOT reproduce its logits ({c.suspect})"
+        )
+        return f"{name} {verdict} (max |Δ| = {c.max_abs_logit_diff:.2g} {sign} {c.tolerance:.0e})"
+
+    ok = a.ok and b.ok
+    line = Text("✓ " if ok else "✗ NOT FAITHFUL ", style="green" if ok else "bold red")
+    return line.append_text(shown(f"self-check: {one('A', a)}; {one('B', b)}."))
+
+
+register_view(LensPairReport, render)
+register_view(LensPairSummaryReport, render_summary)

@@ -1,0 +1,48 @@
+"""Every command's function takes MODEL as a `pathlib.Path` as well as text, with the same report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import embedlens
+
+CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "params": ((), {}),
+    "tied": ((), {}),
+    "neighbors": ((["king"],), {"top_k": 3}),
+    "addr": (([42],), {}),
+    "vocab": ((), {}),
+    "lens": (("Hello world",), {"top_k": 2}),
+    "lens_prompts": ((["Hello world", "the king"],), {"top_k": 2}),
+}
+
+
+def test_every_command_is_checked():
+    commands = {n for n in embedlens.__all__ if n.islower() and not n.startswith("_")}
+    assert set(CALLS) == commands
+
+
+@pytest.mark.parametrize("command", sorted(CALLS))
+def test_a_path_gives_what_its_text_gives(command, tiny):
+    folder = tiny("llama-tied")
+    assert isinstance(folder, Path)
+    args, options = CALLS[command]
+    fn = getattr(embedlens, command)
+    from_path = fn(folder, *args, **options).to_dict()
+    from_text = fn(str(folder), *args, **options).to_dict()
+    assert from_path == from_text
+    assert from_path["model"] == str(folder)
+
+
+def test_vocab_takes_paths_for_the_other_vocabulary_and_tokenizer(tiny):
+    folder = tiny("llama-tied")
+    as_paths = embedlens.vocab(folder, against=folder, tokenizer=folder / "tokenizer.json")
+    as_text = embedlens.vocab(
+        str(folder), against=str(folder), tokenizer=str(folder / "tokenizer.json")
+    )
+    assert as_paths.to_dict() == as_text.to_dict()
+    assert as_paths.against is not None and as_paths.against.identical
+    assert as_paths.tokenizer == str(folder / "tokenizer.json")

@@ -1,0 +1,90 @@
+"""Every command the CLI has is whole: a library function in `embedlens.__all__`, a working
+`--help`, a `--json` option and a README section. The commands are read from the Typer app, so a
+command added without one of them fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import typer.main
+
+import embedlens
+from embedlens.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def commands(typer_app: typer.Typer) -> dict[str, Any]:
+    """The app's commands by name, as the command line sees them (Click's commands)."""
+    group = typer.main.get_command(typer_app)
+    found: dict[str, Any] = getattr(group, "commands", {})
+    return found
+
+
+def problems(name: str, command: Any, *, readme: str = README) -> list[str]:
+    """What a command lacks of the four (empty: nothing)."""
+    found = []
+    fn = getattr(embedlens, name, None) if name in embedlens.__all__ else None
+    if not callable(fn) or getattr(fn, "__name__", None) != name:
+        found.append(f"{name}: no library function embedlens.{name} in embedlens.__all__")
+    options = {opt for param in command.params for opt in getattr(param, "opts", [])}
+    if "--json" not in options:
+        found.append(f"{name}: no --json option")
+    if not re.search(rf"^## `embedlens {re.escape(name)}`", readme, flags=re.M):
+        found.append(f"{name}: no README section '## `embedlens {name}`'")
+    return found
+
+
+APP_COMMANDS = commands(app)
+
+
+def test_the_app_has_the_commands_it_is_known_for():
+    """The list below is read from the app; this only checks that reading it works."""
+    assert {"params", "tied", "neighbors", "addr", "lens", "vocab"} <= set(APP_COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(APP_COMMANDS))
+def test_every_command_has_a_function_json_and_a_readme_section(name):
+    assert problems(name, APP_COMMANDS[name]) == []
+
+
+@pytest.mark.parametrize("name", sorted(APP_COMMANDS))
+def test_every_command_has_help(name, cli):
+    result = cli(name, "--help")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith(f"Usage: embedlens {name} ")
+    assert "--json" in result.stdout and "Examples:" in result.stdout
+    assert result.stderr == ""
+
+
+def test_every_library_command_is_a_cli_command():
+    """The other way round: no command function in embedlens.__all__ lacks its command
+    (`lens_prompts` is `lens --prompts`)."""
+    functions = {n for n in embedlens.__all__ if n.islower() and not n.startswith("_")}
+    modes = {"lens_prompts": "lens"}
+    assert {modes.get(name, name) for name in functions} == set(APP_COMMANDS)
+
+
+def test_a_command_missing_each_part_is_caught():
+    """A command registered without a library function, --json or a README section is named
+    three times: the checks above would fail on it."""
+    extra = typer.Typer()
+
+    @extra.command()
+    def bogus(model: str) -> None:
+        """A command with none of the parts."""
+
+    @extra.command()
+    def other(model: str) -> None:
+        """A second, so that Typer keeps a group."""
+
+    found = problems("bogus", commands(extra)["bogus"])
+    assert len(found) == 3, found
+    assert problems("params", APP_COMMANDS["params"], readme="") == [
+        "params: no README section '## `embedlens params`'"
+    ]
