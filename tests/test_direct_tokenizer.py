@@ -191,3 +191,37 @@ def test_a_malformed_tokenizer_config_is_left_to_transformers(tiny, tmp_path):
     folder = variant(tiny, tmp_path, {}, {})
     (folder / "tokenizer_config.json").write_text("{not json")
     assert opened(folder) is None
+
+
+def test_tokenizer_json_is_parsed_once_where_tokenizers_settles_embedlens_check(
+    tiny, tmp_path, monkeypatch
+):
+    """A tokenizer.json the `tokenizers` library reads, with added tokens (so its 'added_tokens'
+    list is there), is not parsed again by embedlens' own check; one without any added token
+    still is, and is refused as before when the list is missing."""
+    from embedlens.errors import CheckpointError
+    from embedlens.model import tokenizer
+
+    checked: list[Path] = []
+    check = tokenizer.check_tokenizer_json
+
+    def counted(path: Path) -> None:
+        checked.append(path)
+        check(path)
+
+    monkeypatch.setattr(tokenizer, "check_tokenizer_json", counted)
+    folder = variant(tiny, tmp_path, {}, {})
+    assert isinstance(loading.load_tokenizer(resolve(str(folder))), DirectTokenizer)
+    assert checked == []
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["added_tokens"] = []
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "TokenizersBackend"})
+    )
+    assert isinstance(loading.load_tokenizer(resolve(str(folder))), DirectTokenizer)
+    assert checked == [folder.resolve() / "tokenizer.json"]
+    del data["added_tokens"]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="has no 'added_tokens' list"):
+        loading.load_tokenizer(resolve(str(folder)))

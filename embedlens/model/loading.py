@@ -505,11 +505,11 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
     transformers would read it into its generic class unchanged (`direct_tokenizer`), else
     through transformers (GGUF: rebuilt from the file's metadata)."""
     check_source(source, trust_remote_code=trust_remote_code)
-    check_tokenizer_files(source)
     _quiet_transformers()
     fast = _direct_tokenizer(source, trust_remote_code=trust_remote_code)
     if fast is not None:
-        return fast
+        return fast  # tokenizer.json checked by `tokenizers` and `direct_tokenizer`
+    check_tokenizer_files(source)
     from transformers import AutoTokenizer
 
     try:
