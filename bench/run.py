@@ -56,6 +56,11 @@ class Row:
     """The most bytes the hub sent for one run of the command."""
     times: list[float] = field(default_factory=list)
     base_times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
+    """CPU seconds (user + system, from wait4's rusage) of each timed run of the command."""
+    base_cpu_times: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+    """The 1-minute load average as each timed run of the command started."""
     peak_mb: float = 0.0
     base_peak_mb: float = 0.0
 
@@ -71,6 +76,13 @@ class Row:
     def ratio(self) -> float | None:
         base = self.base_median
         return self.median / base if base else None
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """The CPU-time medians' ratio: steadier than the wall clock on a busy machine."""
+        if not self.cpu_times or not self.base_cpu_times:
+            return None
+        return statistics.median(self.cpu_times) / statistics.median(self.base_cpu_times)
 
     @property
     def mem_ratio(self) -> float | None:
@@ -94,8 +106,9 @@ class Row:
         return "ok" if all(checks) else "MISSED"
 
 
-def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Run a process to the end; return (seconds, peak RSS in MB). It must succeed."""
+def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """Run a process to the end; return (seconds, peak RSS in MB, CPU seconds). It must
+    succeed."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     assert proc.stderr is not None
@@ -105,7 +118,7 @@ def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark command failed ({proc.returncode}): {argv}\n{err.decode()}")
-    return elapsed, usage.ru_maxrss / 1024
+    return elapsed, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def measure(row: Row, runs: int, env: dict[str, str], *, quick: bool = False) -> None:
@@ -116,14 +129,17 @@ def measure(row: Row, runs: int, env: dict[str, str], *, quick: bool = False) ->
         if row.baseline:
             run(row.baseline, env)
     for _ in range(runs):
-        t, m = run(row.command, env)
+        row.loads.append(os.getloadavg()[0])
+        t, m, c = run(row.command, env)
         row.times.append(t)
+        row.cpu_times.append(c)
         row.peak_mb = max(row.peak_mb, m)
         if row.hub:
             row.transferred = max(row.transferred, sum(hub_sent().values()))
         if row.baseline:
-            t, m = run(row.baseline, env)
+            t, m, c = run(row.baseline, env)
             row.base_times.append(t)
+            row.base_cpu_times.append(c)
             row.base_peak_mb = max(row.base_peak_mb, m)
 
 
@@ -152,7 +168,7 @@ def hub_sent() -> dict[str, int]:
     return sent
 
 
-def hub_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+def hub_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
     """run_once online against the bench's hub, with a cold cache (made and removed untimed)."""
     import tempfile
 
@@ -742,7 +758,7 @@ def main() -> None:
             "quick": args.quick,
             "rows": [
                 {**asdict(r), "median": r.median, "base_median": r.base_median, "ratio": r.ratio,
-                 "mem_ratio": r.mem_ratio, "verdict": r.verdict}
+                 "cpu_ratio": r.cpu_ratio, "mem_ratio": r.mem_ratio, "verdict": r.verdict}
                 for r in table
             ],
             "floors": floor,
@@ -795,6 +811,7 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
                 f"{r.name}: the hub sent {r.transferred:,} bytes a run "
                 f"(budget {r.transfer_limit:,})"
             )
+    print_cpu(table)
     print("\nbaselines:")
     for r in table:
         if r.baseline_name:
@@ -802,6 +819,20 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
     print("\nfloors on this machine:")
     for k, v in floor.items():
         print(f"  {k}: {v}")
+
+
+def print_cpu(table: list[Row]) -> None:
+    """Each row's CPU time (user + system, median), its ratio to the baseline's, and the load
+    its runs started under: the wall clock of a shared machine moves with what else runs."""
+    print("\nCPU seconds (user + system, median) and the 1-minute load as the runs started:")
+    for r in table:
+        if not r.cpu_times:
+            continue
+        cpu = statistics.median(r.cpu_times)
+        base = f" against {statistics.median(r.base_cpu_times):.2f}" if r.base_cpu_times else ""
+        ratio = f" ({r.cpu_ratio:.2f}x)" if r.cpu_ratio is not None else ""
+        load = f"load {min(r.loads):.1f} to {max(r.loads):.1f}"
+        print(f"  {r.name}: {cpu:.2f}{base}{ratio}; {load}")
 
 
 if __name__ == "__main__":
