@@ -576,6 +576,50 @@ main()
 """
 
 
+# `embedlens tune` into a folder that must be new: the last run's lens is removed first.
+TUNE_INTO = """
+import shutil, sys
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+from embedlens.cli import main
+sys.argv = ["embedlens", "tune", *sys.argv[2:], "--out", sys.argv[1]]
+main()
+"""
+
+# The model alone, loaded as tune loads it (float32), for the memory tune adds to it.
+LOAD_PLAIN = """
+import sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+path = Path(sys.argv[1])
+if path.suffix == ".gguf":
+    AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+else:
+    AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+"""
+
+
+def write_tune_text(path: Path) -> Path:
+    """English prose to tune on: Python's help topics (`pydoc_data`, shipped with CPython), the
+    same text every time, about 105,000 SmolLM2 tokens."""
+    from pydoc_data.topics import topics
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join(topics[k].strip() for k in sorted(topics))
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+def tuned_lens(model: Path, quick: bool, *, build: bool) -> Path:
+    """A lens folder for `lens --tuned` on `model` (least squares on a few tokens: what it
+    costs to read a lens does not depend on how it was fitted), built on first use."""
+    out = CACHE / ("lens-tiny-qwen3" if quick else "lens-smollm2")
+    if build and not (out / "config.json").exists():
+        args = ["--tokens", "1024", "--eval-tokens", "256", "--method", "affine", "--quiet"]
+        data = str(CACHE / "tune-text.txt")
+        subprocess.run([*py(TUNE_INTO), str(out), str(model), "--data", data, *args], check=True)
+    return out
+
+
 def hub_transfer_limit(folder: Path) -> int | None:
     """What `neighbors` may receive from the hub: 1.05 x the embedding's bytes, plus the
     tokenizer's files and the config (None before the checkpoint is built)."""
@@ -614,6 +658,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     qwen_folder = "tiny Qwen3 folder" if quick else "Qwen3-0.6B folder"
     rounded = rounded_smollm2(quick, build=False)
     other, pair_name = (qwen, "itself") if rounded is None else (rounded, "its Q8_0 rounding")
+    tune_tokens = 4_096 if quick else 40_000
     hub_repo = f"bench/{qwen.name}"
     table = [
         Row("embedlens --help", [*el, "--help"], py("import typer, rich.table"),
@@ -670,6 +715,16 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
              "--json"],
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
             "a single-prompt lens", budget=2.0),
+        Row(f"lens --tuned ({lens_name}, last position)",
+            [*el, "lens", str(lens_model), "The capital of France is", "--tuned",
+             str(tuned_lens(lens_model, quick, build=False)), "--json"],
+            [*el, "lens", str(lens_model), "The capital of France is", "--json"],
+            "the same lens without --tuned", budget=1.1),
+        Row(f"tune, {tune_tokens:,} tokens ({lens_name})",
+            [*py(TUNE_INTO), str(CACHE / "tune-out"), str(lens_model), "--data",
+             str(CACHE / "tune-text.txt"), "--tokens", str(tune_tokens), "--json", "--quiet"],
+            [sys.executable, "-c", LOAD_PLAIN, str(lens_model)],
+            "loading the model in float32 (plain transformers)", abs_budget=600.0),
         Row("lens --prompts, 100 prompts (Qwen3-0.6B checkpoint)",
             [*el, "lens", str(qwen), "--prompts", str(CACHE / "prompts-words.txt"), "--json"],
             [*el, "lens", str(qwen), "king queen man woman", "--json"],
@@ -721,6 +776,9 @@ def main() -> None:
         rounded_smollm2(args.quick, build=True)
         write_prompts(CACHE / "prompts-english.txt", PROMPT_WORDS)
         write_prompts(CACHE / "prompts-words.txt", [*QUERIES, "man", "woman", "dog", "two"])
+        write_tune_text(CACHE / "tune-text.txt")
+        lens_model = qwen_checkpoint(args.quick, build=False) if args.quick else smollm2_path()
+        tuned_lens(lens_model, args.quick, build=True)
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

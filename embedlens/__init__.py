@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
+    from embedlens.analysis.tune import tune
     from embedlens.analysis.vocab import vocab
     from embedlens.errors import (
         CheckpointError,
@@ -51,6 +52,7 @@ _EXPORTS = {
     "lens": "embedlens.analysis.lens",
     "lens_prompts": "embedlens.analysis.lens",
     "vocab": "embedlens.analysis.vocab",
+    "tune": "embedlens.analysis.tune",
     "Report": "embedlens.reports",
     **{
         name: "embedlens.errors"
@@ -88,6 +90,7 @@ __all__ = [
     "neighbors",
     "params",
     "tied",
+    "tune",
     "vocab",
 ]
 

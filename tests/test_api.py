@@ -9,7 +9,7 @@ import pytest
 
 import embedlens
 
-COMMANDS = ("params", "tied", "neighbors", "addr", "lens")
+COMMANDS = ("params", "tied", "neighbors", "addr", "lens", "tune")
 
 
 def test_importing_embedlens_loads_nothing_heavy():

@@ -22,7 +22,23 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
 
 def test_every_command_is_checked():
     commands = {n for n in embedlens.__all__ if n.islower() and not n.startswith("_")}
-    assert set(CALLS) == commands
+    assert {*CALLS, "tune"} == commands  # tune writes a folder: its own test below
+
+
+def test_tune_takes_paths_for_the_model_the_data_and_the_folder(tiny, tmp_path):
+    from tests.test_tune import words_file
+
+    folder = tiny("llama-tied")
+    data = words_file(tmp_path / "words.txt")
+    small = {"tokens": 512, "eval_tokens": 128, "method": "affine"}
+    as_paths = embedlens.tune(folder, data, tmp_path / "a", **small).to_dict()
+    as_text = embedlens.tune(str(folder), str(data), str(tmp_path / "b"), **small).to_dict()
+    assert as_paths.pop("out") == str(tmp_path / "a")
+    assert as_text.pop("out") == str(tmp_path / "b")
+    assert as_paths == as_text
+    assert as_paths["model"] == str(folder)
+    a, b = (tmp_path / x / "params.safetensors" for x in "ab")
+    assert a.read_bytes() == b.read_bytes()
 
 
 @pytest.mark.parametrize("command", sorted(CALLS))

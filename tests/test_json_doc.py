@@ -1,26 +1,36 @@
 """docs/json.md is the JSON contract: it names every field each command's `--json` writes (at any
-depth), and no field the reports do not have."""
+depth), and no field the reports do not have; each report the package defines has its section
+(`lens --against`, `lens --tuned` and their `--prompts` summaries name what they add to `lens`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import json
+import pkgutil
 import re
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import embedlens.reports
 from embedlens.reports import Report
 from embedlens.reports.addr import AddrReport
 from embedlens.reports.lens import LensReport, LensSummaryReport
+from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
 from embedlens.reports.tied import TiedReport
+from embedlens.reports.tune import TunedLensReport, TunedLensSummaryReport, TuneReport
 from embedlens.reports.vocab import VocabReport
+from tests.conftest import Runner
 from tests.test_commands import APP_COMMANDS
+from tests.test_tune import words_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "json.md").read_text(encoding="utf-8")
@@ -33,11 +43,30 @@ REPORTS: dict[str, type[Report]] = {
     "addr": AddrReport,
     "lens": LensReport,
     "lens --prompts": LensSummaryReport,
+    "lens --tuned": TunedLensReport,
+    "lens --prompts --tuned": TunedLensSummaryReport,
+    "lens --against": LensPairReport,
+    "lens --prompts --against": LensPairSummaryReport,
+    "tune": TuneReport,
     "vocab": VocabReport,
 }
+EXTENDS = {
+    "lens --tuned": "lens",
+    "lens --prompts --tuned": "lens --prompts",
+    "lens --against": "lens",
+    "lens --prompts --against": "lens --prompts",
+}
+"""Sections whose report extends another section's (a subclass): they name only what it adds."""
+EACH_LINE = {
+    "lens --prompts": "lens",
+    "lens --prompts --tuned": "lens --tuned",
+    "lens --prompts --against": "lens --against",
+}
+"""JSON Lines runs: the section of each prompt's line (the summary comes last)."""
 PER_PROMPT_LINE = frozenset({"id"})  # added to a --prompts line's lens object when its line has one
 
-# Each command's --json run on a model (MODEL is put first); lens --prompts reads PROMPTS.
+# Each command's --json run on a model (MODEL is put first, and stands for it in the arguments);
+# PROMPTS is a prompts file, DATA a text file, OUT a new folder, TUNED a lens tune fitted to MODEL.
 ARGS: dict[str, list[str]] = {
     "params": ["--per-block"],
     "tied": [],
@@ -45,6 +74,11 @@ ARGS: dict[str, list[str]] = {
     "addr": ["42", "--tokens", "16"],
     "lens": ["the king of France is", "--target", "king", "--position", "all", "-k", "2"],
     "lens --prompts": ["--prompts", "PROMPTS", "-k", "2"],
+    "lens --tuned": ["the king of France is", "--tuned", "TUNED", "--target", "king", "-k", "2"],
+    "lens --prompts --tuned": ["--prompts", "PROMPTS", "--tuned", "TUNED", "--compare-logit"],
+    "lens --against": ["the king of France is", "--against", "MODEL", "--target", "king"],
+    "lens --prompts --against": ["--prompts", "PROMPTS", "--against", "MODEL", "-k", "2"],
+    "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],
 }
 PROMPTS = '{"prompt": "Hello world", "id": "first"}\n{"prompt": "The capital of France is"}\n'
@@ -104,21 +138,60 @@ def json_paths(value: Any, documented: set[str], prefix: str = "") -> set[str]:
     return out
 
 
+def documented(section: str) -> set[str]:
+    """The field paths of a section's object: its own, and those of the section it extends."""
+    base = EXTENDS.get(section)
+    return DOCUMENTED[section] | (documented(base) if base is not None else set())
+
+
+def report_classes() -> set[type]:
+    """Every report the package defines (a `Report` in a module of `embedlens.reports`)."""
+    found = set()
+    for info in pkgutil.iter_modules(embedlens.reports.__path__):
+        module = importlib.import_module(f"embedlens.reports.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, Report) and cls.__module__ == module.__name__:
+                found.add(cls)
+    return found
+
+
 def test_the_document_has_a_section_for_every_command_and_report():
     assert set(REPORTS) <= set(DOCUMENTED)
     assert set(APP_COMMANDS) <= set(REPORTS)
+    assert set(REPORTS.values()) == report_classes()
+    assert {section: REPORTS[section].command for section in REPORTS} == {
+        section: section.split()[0] for section in REPORTS
+    }
     assert set(ARGS) == set(REPORTS)
+    assert all(issubclass(REPORTS[s], REPORTS[base]) for s, base in EXTENDS.items())
+    assert set(EACH_LINE) | set(EACH_LINE.values()) <= set(REPORTS)
     assert DOCUMENTED[COMMON] == {"schema_version", "command", "model"}
+    row = re.search(r"^\| `command` \|.*$", DOC, flags=re.M)
+    assert row is not None and all(f"`{name}`" in row.group() for name in APP_COMMANDS)
 
 
 @pytest.mark.parametrize("section", sorted(REPORTS))
 def test_the_document_names_exactly_the_reports_fields(section):
     fields = field_paths(REPORTS[section]) - {"model"}
+    if section in EXTENDS:  # what the section it extends names is not named again
+        fields -= field_paths(REPORTS[EXTENDS[section]])
     if section == "lens --prompts":
         fields |= PER_PROMPT_LINE
     documented = DOCUMENTED[section]
     assert sorted(fields - documented) == [], "fields docs/json.md does not name"
     assert sorted(documented - fields) == [], "names in docs/json.md that are no field"
+
+
+def filled(value: dict[str, Any], prefix: str = "") -> set[str]:
+    """Where a JSON object holds objects with something in them, at any depth, as the prefix of
+    their fields' paths (`""` for the object itself, `a.` inside `a`, `a[].` in `a`'s items)."""
+    out = {prefix} if value else set()
+    for key, item in value.items():
+        inside = [(x, f"{prefix}{key}[].") for x in item] if isinstance(item, list) else []
+        for inner, sub in [(item, f"{prefix}{key}."), *inside]:
+            if isinstance(inner, dict):
+                out |= filled(inner, sub)
+    return out
 
 
 def test_the_path_reader_sees_nested_and_listed_fields():
@@ -128,43 +201,71 @@ def test_the_path_reader_sees_nested_and_listed_fields():
     sample = {"a": {"b": 1}, "c": [{"d": 2}], "m": {"x": 1}}
     assert json_paths(sample, {"a.b", "c[].d"}) == {"a", "a.b", "c", "c[].d", "m"}
     assert sections("## `x`\n\n| field |\n|---|\n| `y` | integer | z |\n") == {"x": {"y"}}
+    empty = {"n": None, "e": [], "o": {}, "l": [{"i": {"j": 1}}, {"i": None}]}
+    assert filled({**sample, **empty}) == {"", "a.", "c[].", "m.", "l[].", "l[].i."}
 
 
-def _outputs(cli: Any, model: Path, section: str, folder: Path) -> list[dict[str, Any]]:
-    """The JSON objects the command writes on `model` (JSON Lines for lens --prompts)."""
-    (folder / "prompts.jsonl").write_text(PROMPTS, encoding="utf-8")
-    args = [str(folder / "prompts.jsonl") if a == "PROMPTS" else a for a in ARGS[section]]
-    result = cli(section.split()[0], model, *args, "--json")
-    assert result.exit_code == 0, result.stderr
-    return [json.loads(line) for line in result.stdout.splitlines()]
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], list[Any]]:
+    """outputs(model, section) -> the JSON objects the section's run writes on `model` (JSON Lines
+    for --prompts), each run once: TUNED is the lens the `tune` run wrote."""
+    cli = Runner()
+    done: dict[tuple[Path, str], list[Any]] = {}
+
+    def run(model: Path, section: str) -> list[Any]:
+        if (model, section) not in done:
+            folder = tmp_path_factory.mktemp("json-doc")
+            (folder / "prompts.jsonl").write_text(PROMPTS, encoding="utf-8")
+            stands_for = {
+                "PROMPTS": lambda: folder / "prompts.jsonl",
+                "DATA": lambda: words_file(folder / "words.txt"),
+                "OUT": lambda: folder / "lens",
+                "TUNED": lambda: run(model, "tune")[0]["out"],
+                "MODEL": lambda: model,
+            }
+            args = [stands_for[a]() if a in stands_for else a for a in ARGS[section]]
+            result = cli(section.split()[0], model, *args, "--json")
+            assert result.exit_code == 0, result.stderr
+            done[model, section] = [json.loads(line) for line in result.stdout.splitlines()]
+        return done[model, section]
+
+    return run
 
 
 def _check_output(section: str, objects: list[dict[str, Any]]) -> None:
     lens_lines, last = objects[:-1], objects[-1]
-    if section == "lens --prompts":
+    each = EACH_LINE.get(section)
+    if each is not None:
         assert lens_lines and all(o["command"] == "lens" for o in objects)
         assert "id" in lens_lines[0] and last["summary"] is True
         for line in lens_lines:
-            _names_every_field("lens", line, extra=PER_PROMPT_LINE)
+            _names_every_field(each, line, extra=PER_PROMPT_LINE)
     else:
         assert len(objects) == 1
+    assert last["command"] == REPORTS[section].command
     _names_every_field(section, last)
 
 
 def _names_every_field(
     section: str, data: dict[str, Any], extra: frozenset[str] = frozenset()
 ) -> None:
-    documented = DOCUMENTED[section] | DOCUMENTED[COMMON] | extra
+    """Every field the object has is documented, and every field documented is in the object
+    (but those inside a null or an empty list, and a --prompts line's `id`, on some lines only)."""
+    named = documented(section) | DOCUMENTED[COMMON] | extra
     top = set(data)
-    assert sorted(top - documented) == [], f"{section}: top-level fields not in docs/json.md"
-    assert sorted(json_paths(data, documented) - documented) == [], f"{section}: nested fields"
+    assert sorted(top - named) == [], f"{section}: top-level fields not in docs/json.md"
+    written = json_paths(data, named)
+    assert sorted(written - named) == [], f"{section}: nested fields"
+    inside = filled(data)
+    expected = {p for p in named - PER_PROMPT_LINE if p[: p.rfind(".") + 1] in inside}
+    assert sorted(expected - written) == [], f"{section}: documented fields the run did not write"
 
 
 @pytest.mark.parametrize("section", sorted(ARGS))
-def test_every_field_a_command_writes_is_documented(section, cli, tiny, tmp_path):
-    _check_output(section, _outputs(cli, tiny("llama-tied"), section, tmp_path))
+def test_every_field_a_command_writes_is_documented(section, outputs, tiny):
+    _check_output(section, outputs(tiny("llama-tied"), section))
 
 
 @pytest.mark.parametrize("section", sorted(ARGS))
-def test_every_field_written_on_smollm2_is_documented(section, cli, smollm2, tmp_path):
-    _check_output(section, _outputs(cli, smollm2, section, tmp_path))
+def test_every_field_written_on_smollm2_is_documented(section, outputs, smollm2):
+    _check_output(section, outputs(smollm2, section))

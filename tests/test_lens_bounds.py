@@ -161,9 +161,9 @@ def test_summary_alone_decodes_the_top1_whatever_k_is(tiny, cli, tmp_path, monke
     asked: list[int] = []
     init = lens_batch.BatchLens.__init__
 
-    def spy(self: Any, model: Any, layers: Any, k: int, real_vocab: int) -> None:
+    def spy(self: Any, model: Any, layers: Any, k: int, *rest: Any, **named: Any) -> None:
         asked.append(k)
-        init(self, model, layers, k, real_vocab)
+        init(self, model, layers, k, *rest, **named)
 
     monkeypatch.setattr(lens_batch.BatchLens, "__init__", spy)
     folder = tiny("llama-tied")

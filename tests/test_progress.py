@@ -95,3 +95,19 @@ def test_the_count_is_not_hidden_by_a_long_path_on_a_terminal(monkeypatch):
             advance()
         time.sleep(0.3)  # Rich redraws a few times a second
     assert "12 prompts" in buffer.getvalue()
+
+
+def test_tune_off_a_terminal_says_its_phase(cli, tiny, tmp_path, monkeypatch):
+    """`tune` runs for minutes: off a terminal its lines name the phase and how far it got."""
+    from tests.test_tune import SMALL, words_file
+
+    monkeypatch.delenv("EMBEDLENS_PROGRESS_SECONDS")
+    monkeypatch.setattr(_output, "PLAIN_EVERY", 0.01)
+    data = words_file(tmp_path / "words.txt")
+    result = cli("tune", tiny("llama-tied"), "--data", data, "--out", tmp_path / "lens", *SMALL)
+    assert result.exit_code == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if ": Tuning a lens on " in line]
+    assert said, result.stderr
+    phases = {line.split(" ", 1)[0] for line in said}
+    assert phases & {"fitting", "refining", "evaluating"}, said
+    assert all(re.match(r"\w+ [\d,]+/[\d,]+", line) for line in said if line[0] != "l"), said

@@ -15,6 +15,7 @@ try:
     from embedlens.cli import neighbors as _neighbors
     from embedlens.cli import params as _params
     from embedlens.cli import tied as _tied
+    from embedlens.cli import tune as _tune
     from embedlens.cli import vocab as _vocab
     from embedlens.cli._errors import print_error
     from embedlens.cli._output import silence_stdout, write_stdout
@@ -139,6 +140,7 @@ app.command(cls=_Command, epilog=_lens.EXAMPLES)(_lens.lens)
 app.command(cls=_Command, epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
 app.command(cls=_Command, epilog=_addr.EXAMPLES)(_addr.addr)
 app.command(cls=_Command, epilog=_vocab.EXAMPLES)(_vocab.vocab)
+app.command(cls=_Command, epilog=_tune.EXAMPLES)(_tune.tune)
 
 
 def main() -> None:

@@ -196,7 +196,8 @@ def plain_progress(line: Callable[[float], str]) -> Iterator[None]:
         thread.join()
 
 
-def _elapsed(seconds: float) -> str:
+def elapsed(seconds: float) -> str:
+    """Seconds as m:ss."""
     whole = int(seconds)
     return f"{whole // 60}:{whole % 60:02d}"
 
@@ -206,7 +207,7 @@ def progress(message: str) -> Iterator[None]:
     """A spinner on stderr while work runs on a terminal; off one, a plain line every
     PLAIN_EVERY seconds (neither with --quiet)."""
     if _state["quiet"] or not err_console.is_terminal:
-        with plain_progress(lambda t: f"{message}: {_elapsed(t)}"):
+        with plain_progress(lambda t: f"{message}: {elapsed(t)}"):
             yield
         return
     with err_console.status(shown(message), spinner="dots"):
@@ -223,7 +224,7 @@ def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
 
         def line(t: float) -> str:
             rate = f", {done[0] / t:.1f} {unit}/s" if done[0] and t > 0 else ""
-            return f"{done[0]:,} {unit} done{rate}, {_elapsed(t)}: {message}"
+            return f"{done[0]:,} {unit} done{rate}, {elapsed(t)}: {message}"
 
         def one_more() -> None:
             done[0] += 1
@@ -272,7 +273,7 @@ def byte_bar(message: str, total: int) -> Iterator[Callable[[int], None]]:
 
         def line(t: float) -> str:
             share = f" ({100 * got[0] / total:.0f}%)" if total else ""
-            return f"{message}: {binary_size(got[0])} of {binary_size(total)}{share}, {_elapsed(t)}"
+            return f"{message}: {binary_size(got[0])} of {binary_size(total)}{share}, {elapsed(t)}"
 
         def received(n: int) -> None:
             got[0] += n

@@ -24,6 +24,7 @@ from embedlens.cli._options import (
 )
 from embedlens.cli._output import note, warn
 from embedlens.cli._run import run_report, say_notes
+from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
     from embedlens.reports.lens import LensReport
@@ -76,6 +77,23 @@ SkipBadOpt = Annotated[
     bool,
     typer.Option(
         "--skip-bad", help="With --prompts: skip (and count) bad lines instead of stopping."
+    ),
+]
+
+TunedOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tuned",
+        metavar="DIR",
+        help="Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
+        "folder, or one tuned-lens saved), then the model's own decoder.",
+    ),
+]
+CompareLogitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compare-logit",
+        help="With --prompts and --tuned: the logit lens's KL and top-1 beside the tuned lens's.",
     ),
 ]
 
@@ -216,6 +234,8 @@ def lens(
     against: AgainstOpt = None,
     against_revision: AgainstRevisionOpt = None,
     threshold: ThresholdOpt = None,
+    tuned: TunedOpt = None,
+    compare_logit: CompareLogitOpt = False,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -230,11 +250,13 @@ def lens(
                 device_map=device_map,
                 max_memory=max_memory, offload_folder=offload_folder, revision=revision,
                 dtype=dtype, device=device, trust_remote_code=trust_remote_code, against=against,
-                against_revision=against_revision, threshold=threshold)  # fmt: skip
+                against_revision=against_revision, threshold=threshold,
+                tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
         common(quiet=quiet, debug=debug, device=device)
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           options={**opts, "skip_bad": skip_bad})  # fmt: skip
+                           options={**opts, "skip_bad": skip_bad,
+                                    "compare_logit": compare_logit})  # fmt: skip
     run_report(
         model if against is None else f"{model} against {against}",
         lambda: run_lens(model, prompt, grid=plot is not None and against is None, **opts),
@@ -243,13 +265,16 @@ def lens(
         debug=debug,
         device=device,
         doing="Running the lens on",
-        check=lambda: _check_plot(plot),
+        check=lambda: _check_one(plot, compare_logit),
         say=lambda report: _say(report, plot),
     )
 
 
-def _check_plot(plot: Path | None) -> None:
-    """Before any work: --plot names a format the heatmap is drawn in, and matplotlib is there."""
+def _check_one(plot: Path | None, compare_logit: bool) -> None:
+    """Before any work: --compare-logit is for --prompts; --plot names a format the heatmap is
+    drawn in, and matplotlib is there."""
+    if compare_logit:
+        raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 

@@ -21,6 +21,7 @@ def load_views() -> None:
         neighbors,
         params,
         tied,
+        tune,
         vocab,
     )
 

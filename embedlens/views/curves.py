@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import html
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from embedlens.reports.lens import LensSummaryReport
+from embedlens.views.format import lens_name
 from embedlens.views.heatmap import write_plot
 
 PANELS = (
@@ -70,36 +72,42 @@ def figure(report: LensSummaryReport) -> Any:
 def _title(report: LensSummaryReport) -> str:
     where = "last position" if report.position == -1 else f"positions: {report.position}"
     return (
-        f"Logit lens of {report.display_model} over {report.n_prompts} prompts "
+        f"{lens_name(report)} of {report.display_model} over {report.n_prompts} prompts "
         f"({report.n_positions} positions read, {where})"
     )
 
 
-def _drawn(report: LensSummaryReport, fmt: str) -> bytes:
-    import matplotlib
-    import matplotlib.pyplot as plt
-
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig = figure(report)
-        try:
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=150)
-            return buffer.getvalue()
-        finally:
-            plt.close(fig)
-
-
 def save_curves(report: LensSummaryReport, path: Path) -> None:
     """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
+    save_figure(lambda: figure(report), _title(report), path)
+
+
+def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:
+    """Write the matplotlib figure `make()` draws to `path`: .png, .svg, or .html (the SVG inside
+    a page titled `title`); the figure is closed after."""
     suffix = path.suffix.lower()
     if suffix != ".html":
-        write_plot(path, _drawn(report, suffix.lstrip(".")))
+        write_plot(path, _drawn(make, suffix.lstrip(".")))
         return
-    svg = _drawn(report, "svg").decode("utf-8")
-    title = html.escape(_title(report))
+    svg = _drawn(make, "svg").decode("utf-8")
+    title = html.escape(title)
     page = (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
         f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
         f"<h1 style='font-size: 1.2em'>{title}</h1>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
     )
     write_plot(path, page.encode("utf-8"))
+
+
+def _drawn(make: Callable[[], Any], fmt: str) -> bytes:
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        fig = make()
+        try:
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format=fmt, dpi=150)
+            return buffer.getvalue()
+        finally:
+            plt.close(fig)

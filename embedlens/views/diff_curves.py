@@ -8,13 +8,11 @@ inside the functions. PNG and SVG are written by matplotlib; HTML is a page hold
 
 from __future__ import annotations
 
-import html
-import io
 from pathlib import Path
 from typing import Any
 
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
-from embedlens.views.heatmap import write_plot
+from embedlens.views.curves import save_figure
 
 Pair = LensPairReport | LensPairSummaryReport
 
@@ -64,31 +62,6 @@ def _title(report: Pair) -> str:
     return f"{report.display_model} (A) against {report.diff.against} (B), {where}"
 
 
-def _drawn(report: Pair, fmt: str) -> bytes:
-    import matplotlib
-    import matplotlib.pyplot as plt
-
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig = figure(report)
-        try:
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=150)
-            return buffer.getvalue()
-        finally:
-            plt.close(fig)
-
-
 def save_diff_curves(report: Pair, path: Path) -> None:
     """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
-    suffix = path.suffix.lower()
-    if suffix != ".html":
-        write_plot(path, _drawn(report, suffix.lstrip(".")))
-        return
-    svg = _drawn(report, "svg").decode("utf-8")
-    title = html.escape(_title(report))
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
-        f"<h1 style='font-size: 1.2em'>{title}</h1>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
-    )
-    write_plot(path, page.encode("utf-8"))
+    save_figure(lambda: figure(report), _title(report), path)

@@ -168,6 +168,11 @@ def size(n: int | None) -> str:
     return "-" if n is None else binary_size(n)
 
 
+def lens_name(report: object) -> str:
+    """Which lens drew a lens report: 'Tuned lens' (`lens --tuned`) or 'Logit lens'."""
+    return "Tuned lens" if getattr(report, "tuned", None) is not None else "Logit lens"
+
+
 def prob(p: float, logprob: float, digits: int = 3) -> str:
     """A probability as the table shows it; a small one from its log, which never underflows
     (float32 gives 0 below about 1e-45, and a 0 would read as less likely than it is)."""

@@ -31,7 +31,7 @@ from typing import Any
 from embedlens.errors import EmbedlensError, MissingDependencyError, UsageError
 from embedlens.reports.lens import GridRow, LensReport, TargetAt
 from embedlens.text import visible
-from embedlens.views.format import prob
+from embedlens.views.format import lens_name, prob
 
 _PREFERRED_FONTS = (
     "Noto Sans CJK SC",
@@ -292,7 +292,8 @@ def figure(report: LensReport) -> Any:
     if targets:
         _draw_target(axes[1], report, targets, layout)
     title = fig.suptitle(
-        f"Logit lens: {report.display_model} ({report.dtype}): top-1 at every layer and position",
+        f"{lens_name(report)}: {report.display_model} ({report.dtype}): top-1 at every layer "
+        "and position",
         fontsize=10,
     )
     title.set_parse_math(False)
@@ -482,7 +483,7 @@ def write_plot(path: Path, data: bytes) -> None:
 
 def _page(report: LensReport, svg: str) -> str:
     prompt = html.escape(report.prompt)
-    title = html.escape(f"Logit lens: {report.display_model}")
+    title = html.escape(f"{lens_name(report)}: {report.display_model}")
     check = report.check
     verdict = "reproduces" if check.ok else "does NOT reproduce"
     return (

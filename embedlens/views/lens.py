@@ -9,7 +9,7 @@ from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensReport, Prediction
-from embedlens.views.format import Sheet, Words, prob, quoted, shown
+from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 
 NEXT_SHOWN = 100
 """Predictions after the top-1 that a table row shows; the rest are counted."""
@@ -23,7 +23,7 @@ def render(r: LensReport) -> RenderableType:
         tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
     parts.append(tokens)
     read = r.tokens[r.position_index].token
-    title = Words(f"Logit lens of {r.display_model} after ", style="table.title").token(read)
+    title = Words(f"{lens_name(r)} of {r.display_model} after ", style="table.title").token(read)
     title.add(f" (position {r.position_index}, {r.dtype})")
     table = Sheet(title=title)
     table.add_column("layer", justify="right", no_wrap=True)
@@ -51,6 +51,16 @@ def render(r: LensReport) -> RenderableType:
     if r.grid is not None:
         parts.append(_render_grid(r))
     parts.append(_render_check(r))
+    tuned = getattr(r, "tuned", None)
+    if tuned is not None:
+        parts.append(
+            shown(
+                f"Layers 0-{r.num_layers - 1} are read through the tuned lens in '{tuned.path}' "
+                f"(made by {tuned.made_by}): its translator, then the same decode; layer "
+                f"{r.num_layers} is the model's own output.",
+                style="dim",
+            )
+        )
     return Group(*parts)
 
 

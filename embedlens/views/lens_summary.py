@@ -6,8 +6,8 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.lens import LensSummaryReport
-from embedlens.views.format import Sheet, shown
+from embedlens.reports.lens import LensLayerStats, LensSummaryReport
+from embedlens.views.format import Sheet, lens_name, shown
 
 
 def render(r: LensSummaryReport) -> RenderableType:
@@ -16,33 +16,48 @@ def render(r: LensSummaryReport) -> RenderableType:
     if where is None:
         where = "every position" if r.position == "all" else f"positions {_positions(r.position)}"
     title = (
-        f"Logit lens of {r.display_model} over {r.n_prompts} prompts "
+        f"{lens_name(r)} of {r.display_model} over {r.n_prompts} prompts "
         f"({r.n_positions} positions, {r.dtype})"
     )
     table = Sheet(title=shown(title, "table.title"))
-    # Headers wrap at their spaces on a narrow terminal; the figures never do.
-    table.add_column("layer", justify="right", no_wrap=True)
-    for name in ("KL (nats)", "entropy", "top-1 agrees"):
-        table.add_column(name, justify="right")
+    logit = {row.layer: row for row in getattr(r, "logit_layers", None) or []}
+    names = ["KL (nats)", "entropy", "top-1 agrees"]
+    if logit:  # --compare-logit: the logit lens beside the tuned lens
+        names += ["logit KL", "logit top-1"]
     targets = r.n_targets > 0
     if targets:
-        for name in ("p(target)", "log p(target)", "median rank"):
-            table.add_column(name, justify="right")
+        names += ["p(target)", "log p(target)", "median rank"]
+    # Headers wrap at their spaces on a narrow terminal; the figures never do.
+    table.add_column("layer", justify="right", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right")
     for row in r.layers:
-        label = f"{row.layer} emb" if row.layer == 0 else str(row.layer)
-        if row.layer == r.num_layers:
-            label = f"{row.layer} out"
-        cells = [label, f"{row.kl:.3f}", f"{row.entropy:.3f}", f"{row.top1_agreement:.1%}"]
-        if targets:
-            cells += [_num(row.target_prob, ".3g"), _num(row.target_logprob, ".3f")]
-            cells.append(_num(row.target_rank_median, "g"))
-        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
+        other = logit.get(row.layer)
+        table.add_row(*_cells(r, row, other, targets), end_section=row.layer == r.num_layers - 1)
     line = f"KL(model's output ‖ lens) and the lens's entropy in nats, at {where} of each prompt"
     if targets:
         line += f"; target statistics over the {r.n_targets} prompts with a target"
+    if logit:
+        line += "; logit KL and logit top-1: the logit lens on the same prompts"
     if r.n_skipped:
         line += f"; {r.n_skipped} bad lines skipped"
     return Group(table, Text(line + ".", style="dim"))
+
+
+def _cells(
+    r: LensSummaryReport, row: LensLayerStats, logit: LensLayerStats | None, targets: bool
+) -> list[str]:
+    """One layer's row: its label and statistics (the logit lens's beside, when compared)."""
+    label = f"{row.layer} emb" if row.layer == 0 else str(row.layer)
+    if row.layer == r.num_layers:
+        label = f"{row.layer} out"
+    cells = [label, f"{row.kl:.3f}", f"{row.entropy:.3f}", f"{row.top1_agreement:.1%}"]
+    if logit is not None:
+        cells += [f"{logit.kl:.3f}", f"{logit.top1_agreement:.1%}"]
+    if targets:
+        cells += [_num(row.target_prob, ".3g"), _num(row.target_logprob, ".3f")]
+        cells.append(_num(row.target_rank_median, "g"))
+    return cells
 
 
 def _positions(value: int | str | list[int]) -> str:

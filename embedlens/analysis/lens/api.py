@@ -12,7 +12,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from embedlens.analysis.lens import options
 from embedlens.analysis.lens.many import EachFn
@@ -25,9 +25,16 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
+    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.opening import Check, Opened
     from embedlens.analysis.lens.pairing import Pair
+    from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.tune.folder import LensFolder
+    from embedlens.analysis.tune.use import Through
     from embedlens.model.prompts import PromptSource
     from embedlens.reports.lens import LensReport, LensSummaryReport
+
+T = TypeVar("T")
 
 
 @overload
@@ -72,6 +79,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     against_tokenizer: PreTrainedTokenizerBase | None = None,
     against_revision: str | None = None,
     threshold: float | None = None,
+    tuned: str | os.PathLike[str] | None = None,
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -88,6 +96,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
     against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
+    tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
 
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
@@ -98,14 +107,22 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
+    _not_both(tuned, against)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
         return lens_pair(pair, ask)
     own_template = ask.chat is not None and ask.template is None
-    check = functools.partial(prepare, ask)
+    check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(prepare, ask))
     with ready(model, tokenizer, loading, check, own_template, target) as (opened, run):
-        return one_report(opened, ask, run, run_one(opened, ask, run))
+        through = _ready(lens_dir, opened)
+        decoder = _tuned_decoder(through, opened, run)
+        report = one_report(opened, ask, run, run_one(opened, ask, run, decoder=decoder))
+        if through is None:
+            return report
+        from embedlens.reports.tune import tuned_report
+
+        return tuned_report(report, through[1])
 
 
 def lens_prompts(
@@ -132,6 +149,8 @@ def lens_prompts(
     against_tokenizer: PreTrainedTokenizerBase | None = None,
     against_revision: str | None = None,
     threshold: float | None = None,
+    tuned: str | os.PathLike[str] | None = None,
+    compare_logit: bool = False,
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -144,6 +163,8 @@ def lens_prompts(
     skip_bad: skip (and count) bad prompts instead of stopping at the first.
     against: B (`against_tokenizer`: a loaded B's own, else A's is used); then a
         `LensPairSummaryReport`, with `each` given each prompt's `LensPairReport`.
+    compare_logit: with `tuned`, the logit lens's statistics over the same prompts too (the
+        summary's `logit_layers`); the prompts run through both lenses.
     The other options are `lens`'s.
     """
     from embedlens.analysis.lens import many
@@ -151,6 +172,12 @@ def lens_prompts(
 
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
+    if compare_logit and tuned is None:
+        raise UsageError(
+            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
+        )
+    _not_both(tuned, against)
+    lens_dir = _tuned_folder(tuned)
     source = PromptSource.of(prompts)
     loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
     asked = (against, against_tokenizer, against_revision, threshold)
@@ -162,11 +189,14 @@ def lens_prompts(
 
         return lens_pair_prompts(pair, ask, source, each)
 
-    def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
+    def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
 
+    check = _checked_with(lens_dir, check_lines)
     with ready(model, tokenizer, loading, check) as (opened, (n_bad, bad)):
-        return many.ManyRun(opened, ask, each).all(source, n_bad, bad)
+        through = _ready(lens_dir, opened)
+        run = many.ManyRun(opened, ask, each, through, compare_logit=compare_logit)
+        return run.all(source, n_bad, bad)
 
 
 def _deprecated_many(
@@ -231,6 +261,59 @@ def _models(
         )
     a, b = Side(model, tokenizer, loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]
     return loading, Pair(a, b, limit)
+
+
+def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:
+    """The lens folder given, checked without torch (None without one)."""
+    if tuned is None:
+        return None
+    from embedlens.analysis.tune.use import open_tuned
+
+    return open_tuned(tuned)
+
+
+def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
+    """`check`, after the tuned lens's size is checked against the model's config."""
+    if lens_dir is None:
+        return check
+
+    def both(tok: Any, config: Any, template: str) -> T:
+        from embedlens.analysis.tune.use import before_load
+
+        before_load(lens_dir, config)
+        return check(tok, config, template)
+
+    return both
+
+
+def _ready(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
+    """The tuned lens checked against the loaded model, as a decoder maker (None without one)."""
+    if lens_dir is None:
+        return None
+    from embedlens.analysis.tune.use import ready
+
+    return ready(lens_dir, opened.model, opened.tokenizer)
+
+
+def _not_both(tuned: object, against: object) -> None:
+    """--tuned and --against together are refused: a pair is compared through each model's own
+    decoder, and one lens folder fits one model."""
+    if tuned is not None and against is not None:
+        raise UsageError(
+            "--tuned and --against do not combine: --against compares two models through their "
+            "own decoders (the logit lens); run --tuned on each model alone"
+        )
+
+
+def _tuned_decoder(through: Through | None, opened: Opened, run: Prompt) -> Decoder | None:
+    """The tuned lens's decoder for one prompt, built on the model's own (None without one)."""
+    if through is None:
+        return None
+    from embedlens.analysis.lens.blocks import find_blocks
+    from embedlens.analysis.lens.decoder import ModelDecoder
+
+    model = opened.model
+    return through[0](ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0]))
 
 
 def _loading(

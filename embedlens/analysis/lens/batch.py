@@ -9,7 +9,7 @@ run again on its own (`run_lens`), which retries with the full tail and names th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +90,18 @@ class BatchLens:
     work (`threads.threads_for`)."""
 
     def __init__(
-        self, model: nn.Module, layers: Sequence[int], k: int, real_vocab: int, keep: bool = False
+        self,
+        model: nn.Module,
+        layers: Sequence[int],
+        k: int,
+        real_vocab: int,
+        keep: bool = False,
+        wrap: Callable[[Decoder], Decoder] | None = None,
     ) -> None:
+        """`keep`: what a comparison needs is kept (`engine.Kept`); `wrap`: builds the decoder
+        on the model's own (a tuned lens); None: the model's."""
         self.model = model
+        self.wrap = wrap
         self.blocks = find_blocks(model)
         self.n_layers = len(self.blocks.modules)
         self.layers = sorted(set(layers))
@@ -138,6 +147,7 @@ class BatchLens:
             full_at=None if item.read is None else [item.read],
             keep=self.keep,
             other=item.other,
+            decoder=None if self.wrap is None else self._new_decoder(item.ids[0]),
         )
         with torch.inference_mode():
             decoded = self._decode([item])
@@ -155,13 +165,18 @@ class BatchLens:
         if not bool(torch.isfinite(real).all()):
             return None
         if self.decoder is None:
-            self.decoder = ModelDecoder(model, self.blocks, dummy_id=items[0].ids[0])
+            self.decoder = self._new_decoder(items[0].ids[0])
         decoder = self.decoder
         device = input_device(model)
         job = _Decode(self, items, real, cap.residual)
         job.run(decoder, device)
         steps = decoder.steps(cap.residual[self.n_layers][0].to(device), job.tol)
         return [job.result(b, steps, decoder.full) for b in range(len(items))]
+
+    def _new_decoder(self, dummy_id: int) -> Decoder:
+        """The model's own decoder, or the one `wrap` builds on it."""
+        own = ModelDecoder(self.model, self.blocks, dummy_id=dummy_id)
+        return own if self.wrap is None else self.wrap(own)
 
 
 class _Decode:

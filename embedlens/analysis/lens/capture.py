@@ -63,10 +63,12 @@ def capture(
     watch: Watch | None = None,
     *,
     masked: bool = True,
+    logits: bool = True,
 ) -> Capture:
     """Run the model once on `prompts`, keeping the residual at each of `layers` and the logits
     at the positions `reads[b]` of each prompt b, in that order. `masked`: pass an attention mask
-    (a batch); a single prompt may run without one (`masked=False`), as a plain call does."""
+    (a batch); a single prompt may run without one (`masked=False`), as a plain call does.
+    `logits=False`: the residual stream only (the head runs on one position; `logits` is None)."""
     device = input_device(model)
     ids, mask = padded(prompts, masked)
     bi = torch.tensor([b for b, read in enumerate(reads) for _ in read], dtype=torch.long)
@@ -95,13 +97,17 @@ def capture(
         handles.append(blocks.modules[layer - 1].register_forward_hook(keep(layer)))
     if watch is not None:
         handles += watch(cap)
-    kept = torch.unique(pi)
+    kept = torch.unique(pi) if logits else torch.unique(pi)[-1:]
     with hooked(handles):
-        logits = forward(model, ids.to(device), kept, None if mask is None else mask.to(device))
+        out = forward(model, ids.to(device), kept, None if mask is None else mask.to(device))
     for name in ("head_in", "head_out"):
         t = getattr(cap, name)
         if t is not None and t.shape[0] != len(kept):  # the model ignored logits_to_keep
             setattr(cap, name, t[kept.to(t.device)])
-    at = torch.searchsorted(kept, pi)
-    cap.logits = logits[bi.to(logits.device), at.to(logits.device)].float()
+    if logits:
+        at = torch.searchsorted(kept, pi)
+        whole = len(prompts) == 1 and bool(torch.equal(at, torch.arange(out.shape[1])))
+        # one prompt read at every position it kept, in order: its rows as they are (no copy)
+        cap.logits = out[0] if whole else out[bi.to(out.device), at.to(out.device)]
+        cap.logits = cap.logits.float()
     return cap

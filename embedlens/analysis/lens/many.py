@@ -17,10 +17,12 @@ from embedlens.analysis.lens.report import dtype_name, lens_report
 from embedlens.errors import UsageError
 from embedlens.model.prompts import BadLine, PromptLine, PromptSource
 from embedlens.reports.lens import LensReport, LensSummaryReport
+from embedlens.reports.tune import tuned_report, tuned_summary
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.tune.use import Through
 
 EachFn = Callable[[LensReport, PromptLine], None]
 """Called with each prompt's report (what a single run returns) and the prompt's line."""
@@ -161,7 +163,14 @@ class ManyRun:
     """The second reading: prompts run a window at a time, reports handed on, statistics kept."""
 
     def __init__(
-        self, opened: Opened, ask: ManyAsk, each: EachFn | None, *, keep: bool = False
+        self,
+        opened: Opened,
+        ask: ManyAsk,
+        each: EachFn | None,
+        through: Through | None = None,
+        *,
+        keep: bool = False,
+        compare_logit: bool = False,
     ) -> None:
         from embedlens.analysis.lens.batch import BatchLens
         from embedlens.analysis.lens.blocks import find_blocks
@@ -169,11 +178,16 @@ class ManyRun:
 
         model = opened.model
         layers = resolve_layers(ask.layers, len(find_blocks(model).modules))
-        self.opened, self.ask, self.each = opened, ask, each
+        self.opened, self.ask, self.each, self.through = opened, ask, each, through
         # the statistics read the top-1 alone; reports (`each`, a comparison's) the top-k
         k = ask.top_k if each is not None or keep else 1
-        self.batch = BatchLens(model, layers, k, len(opened.tokenizer), keep)
+        wrap = None if through is None else through[0]
+        self.batch = BatchLens(model, layers, k, len(opened.tokenizer), keep, wrap=wrap)
         self.stats = LensStats()
+        self.logit: tuple[BatchLens, LensStats] | None = None
+        """With compare_logit: the logit lens over the same prompts, for its statistics."""
+        if compare_logit and through is not None:
+            self.logit = BatchLens(model, layers, 1, len(opened.tokenizer)), LensStats()
 
     def all(self, source: PromptSource, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         """Every prompt run, freed memory kept in the process meanwhile (`runtime.heap_kept`: the
@@ -201,6 +215,9 @@ class ManyRun:
             other = None if others is None else others[i]
             items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index, other))
         outs = self.batch.run(items)
+        if self.logit is not None:
+            for out in self.logit[0].run(items):
+                self.logit[1].add(out.result, out.kl, out.model_top1)
         for (line, (ask, prompt, _)), out in zip(window, outs, strict=True):
             self.stats.add(out.result, out.kl, out.model_top1)
             if self.each is not None:
@@ -211,13 +228,14 @@ class ManyRun:
         """The report a single run on this prompt gives (notes too)."""
         o = self.opened
         around = (o.before, o.after)
-        return lens_report(o.name, o.tokenizer, o.model, out.result, ask, prompt, around)
+        report = lens_report(o.name, o.tokenizer, o.model, out.result, ask, prompt, around)
+        return report if self.through is None else tuned_report(report, self.through[1])
 
     def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         """The per-layer statistics of every prompt run so far."""
         stats, o = self.stats, self.opened
         pos = self.ask.position
-        return LensSummaryReport(
+        summary = LensSummaryReport(
             model=o.name,
             n_prompts=stats.n_prompts,
             n_positions=stats.n_positions,
@@ -229,3 +247,7 @@ class ManyRun:
             layers=stats.summary(),
             notes=[*o.before, *bad_notes(n_bad, bad), *o.after],
         )
+        if self.through is None:
+            return summary
+        logit = None if self.logit is None else self.logit[1].summary()
+        return tuned_summary(summary, self.through[1], logit)

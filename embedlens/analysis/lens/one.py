@@ -10,6 +10,7 @@ from embedlens.analysis.lens.prompt import Prompt
 if TYPE_CHECKING:
     import torch
 
+    from embedlens.analysis.lens.decoder import Decoder
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.opening import Opened
     from embedlens.reports.lens import LensReport
@@ -22,9 +23,11 @@ def run_one(
     *,
     keep: bool = False,
     other: dict[int, torch.Tensor] | None = None,
+    decoder: Decoder | None = None,
 ) -> LensResult:
     """The engine on one prompt: the layers asked for at the position read (every position for
-    the grid); `keep` and `other` as `engine.run_lens` takes them (a comparison)."""
+    the grid); `keep` and `other` as `engine.run_lens` takes them (a comparison); `decoder`: the
+    model's own by default (a tuned lens's otherwise)."""
     from embedlens.analysis.lens.blocks import find_blocks
     from embedlens.analysis.lens.engine import run_lens
 
@@ -40,6 +43,7 @@ def run_one(
         full_at=[run.index],
         keep=keep,
         other=other,
+        decoder=decoder,
     )
 
 

@@ -1,0 +1,23 @@
+"""Learned lenses: fit a tuned lens to any model, evaluate it, write it for `lens --tuned`.
+
+One idea per module, read top-down from `api` (the function users call):
+
+- `options`: what users ask for (files, token counts, the method, the refinement), checked
+  before any model file is read;
+- `data`: the data file's documents, streamed, tokenised into sequences of equal length;
+- `run`: one run on a model made ready: the self-check, then `fit`, `refine`, `evaluate`;
+- `fit`: the closed-form least-squares translators from streamed sufficient statistics;
+- `refine`: tuned-lens's KL refinement (SGD with Nesterov momentum, weight decay toward the
+  identity, linear decay);
+- `evaluate`: the held-out table, logit lens against tuned lens, layer by layer;
+- `folder`: the lens folder (tuned-lens's config keys and state-dict keys), written whole or
+  not at all, and read back (tuned-lens's own `params.pt` only through torch's weights-only
+  unpickler);
+- `match`: what a lens records of its model, and the checks that refuse it on another.
+
+The tuned lens itself, a decoder the lens engine runs, is `embedlens.analysis.lens.tuned`.
+"""
+
+from embedlens.analysis.tune.api import tune
+
+__all__ = ["tune"]

@@ -1,0 +1,215 @@
+"""The refinement: every translator trained to minimise KL(model's output ‖ translated lens),
+with tuned-lens's recipe.
+
+tuned-lens's `train_loop` and `ingredients.Optimizer`: SGD with Nesterov momentum 0.9 and a
+learning rate of lr × (1 - momentum) (PyTorch's momentum scales steps by 1 / (1 - momentum), so
+lr 1 is a step of one gradient), weight decay 1e-3 on W and b (which, as the translator is added
+to h, pulls it toward the identity), the learning rate decayed linearly to 0 over the steps,
+gradients clipped to norm 1 before each step (each translator's on its own: see `_clip`). The loss of a step is the sum
+over layers of the mean KL over its rows; each layer's backward pass runs on its own, so one
+layer's graph (rows x vocabulary) is held at a time. Rows are drawn in a seeded order: the same
+data and seed give the same translators.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from embedlens.analysis.lens.blocks import Blocks, input_device
+from embedlens.analysis.lens.capture import capture
+from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.threads import one_thread
+from embedlens.analysis.lens.tuned import Translators
+from embedlens.analysis.tune.data import Sequences
+from embedlens.errors import NumericError
+
+Threads = Callable[[int], AbstractContextManager[None]]
+"""The CPU threads for work on n tokens (a context manager)."""
+StepFn = Callable[[int, int, list[float]], None]
+GRAPH_ROWS = 64
+"""Rows one backward pass runs on (a step's rows are split into such parts)."""
+"""Called after each step with (step, steps, the step's KL per layer)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """tuned-lens's optimiser settings (`ingredients.Optimizer`), with the steps to take."""
+
+    rows: int
+    """Rows (tokens) the refinement reads in all."""
+    steps: int
+    lr: float = 1.0
+    """tuned-lens's `lr_scale`: SGD's learning rate is lr × (1 - momentum)."""
+    momentum: float = 0.9
+    weight_decay: float = 1e-3
+    clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows of the residual stream at layers 0..L-1, and the model's log-probabilities there."""
+
+    residual: list[torch.Tensor]
+    target: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+    def take(self, n: int) -> tuple[_Rows, _Rows]:
+        """The first n rows, and the rest."""
+        head = _Rows([r[:n] for r in self.residual], self.target[:n])
+        return head, _Rows([r[n:] for r in self.residual], self.target[n:])
+
+    def join(self, other: _Rows) -> _Rows:
+        if len(self) == 0:
+            return other
+        residual = [torch.cat([a, b]) for a, b in zip(self.residual, other.residual, strict=True)]
+        return _Rows(residual, torch.cat([self.target, other.target]))
+
+
+def refine(
+    model: nn.Module,
+    blocks: Blocks,
+    own: ModelDecoder,
+    start: Translators,
+    data: Sequences,
+    recipe: Recipe,
+    seed: int,
+    *,
+    on_step: StepFn | None = None,
+    threads: Threads = lambda n: nullcontext(),
+) -> Translators:
+    """The translators after `recipe.steps` steps over `recipe.rows` rows of `data`, from
+    `start`."""
+    device = input_device(model)
+    weight = nn.Parameter(start.weight.clone().to(device))
+    bias = nn.Parameter(start.bias.clone().to(device))
+    opt = _Nesterov([weight, bias], recipe)
+    steps = recipe.steps
+    sizes = [recipe.rows * (k + 1) // steps - recipe.rows * k // steps for k in range(steps)]
+    for step, rows in enumerate(_batches(model, blocks, data, sizes, seed, threads), 1):
+        with threads(len(rows)):
+            kls = _step(own, weight, bias, rows)
+        if not all(math.isfinite(k) for k in kls):
+            raise NumericError(
+                f"the refinement diverged at step {step} (the KL is not finite)",
+                hint="try a smaller --lr, or --method affine",
+            )
+        _clip(weight, bias, recipe.clip)
+        opt.step(max(0.0, 1 - (step - 1) / steps))
+        if on_step is not None:
+            on_step(step, steps, kls)
+    return Translators(weight.detach().float().cpu(), bias.detach().float().cpu())
+
+
+class _Nesterov:
+    """torch.optim.SGD's update with Nesterov momentum and weight decay (dampening 0), done in
+    place on each parameter and its gradient: SGD's own allocates a parameter-sized array or
+    two per step, as large as all translators."""
+
+    def __init__(self, params: list[nn.Parameter], recipe: Recipe) -> None:
+        self.params = params
+        self.recipe = recipe
+        self.momentum = [torch.zeros_like(p) for p in params]
+
+    def step(self, scale: float) -> None:
+        """One step at the learning rate lr × (1 - momentum) × scale; gradients zeroed after."""
+        r = self.recipe
+        lr = r.lr * (1 - r.momentum) * scale
+        with torch.no_grad():
+            for p, buf in zip(self.params, self.momentum, strict=True):
+                assert p.grad is not None
+                g = p.grad.add_(p, alpha=r.weight_decay)
+                buf.mul_(r.momentum).add_(g)
+                p.add_(g.add_(buf, alpha=r.momentum), alpha=-lr)
+                p.grad.zero_()
+
+
+def _clip(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> None:
+    """Each layer's gradient (its W and b together) scaled down to norm `limit` when above it.
+
+    tuned-lens clips all translators' gradient as one, which is right for its hundreds of steps
+    from the identity; from the least-squares start, the large gradients of a few layers would
+    set every layer's step. Norms are taken on one thread (a sum to one value would otherwise
+    depend on the number of threads in its last bits)."""
+    assert weight.grad is not None and bias.grad is not None
+    with one_thread():
+        for layer in range(weight.shape[0]):
+            w, b = weight.grad[layer], bias.grad[layer]
+            norm = math.hypot(float(w.double().norm()), float(b.double().norm()))
+            if norm > limit:
+                scale = limit / (norm + 1e-6)
+                w.mul_(scale)
+                b.mul_(scale)
+
+
+def _step(own: ModelDecoder, weight: torch.Tensor, bias: torch.Tensor, rows: _Rows) -> list[float]:
+    """Every layer's mean KL on the rows, its gradient added to the translators': one layer's
+    graph at a time, over GRAPH_ROWS rows at a time (a graph holds a few [rows, V] arrays)."""
+    n = len(rows)
+    kls = [0.0] * len(rows.residual)
+    for start in range(0, n, GRAPH_ROWS):
+        target = rows.target[start : start + GRAPH_ROWS]
+        p = target.exp()
+        for layer, h in enumerate(rows.residual):
+            x = h[start : start + GRAPH_ROWS].float()
+            translated = x + torch.addmm(bias[layer], x, weight[layer].T)
+            lq = torch.log_softmax(own.logits(translated.to(h.dtype)).float(), dim=-1)
+            loss = (p * (target - lq)).sum(-1).sum() / n
+            loss.backward()  # type: ignore[no-untyped-call]
+            kls[layer] += float(loss.detach())
+    return kls
+
+
+def _batches(
+    model: nn.Module,
+    blocks: Blocks,
+    data: Sequences,
+    sizes: list[int],
+    seed: int,
+    threads: Threads,
+) -> Iterator[_Rows]:
+    """Batches of rows of the given sizes, each sequence's rows in a seeded order (a batch may
+    take rows from two sequences); only the sequences needed are run."""
+    n_layers = len(blocks.modules)
+    generator = torch.Generator().manual_seed(seed)
+    pending: _Rows | None = None
+    wanted = iter(sizes)
+    size = next(wanted, None)
+    for ids in data.ids:
+        if size is None:
+            return
+        with threads(len(ids)):
+            rows = _sequence_rows(model, blocks, ids, n_layers, generator)
+        pending = rows if pending is None else pending.join(rows)
+        while size is not None and len(pending) >= size:
+            batch, pending = pending.take(size)
+            yield batch
+            size = next(wanted, None)
+    if size is not None and pending is not None and len(pending) > 0:
+        yield pending
+
+
+def _sequence_rows(
+    model: nn.Module, blocks: Blocks, ids: list[int], n_layers: int, generator: torch.Generator
+) -> _Rows:
+    """One sequence's residual rows (layers 0..L-1) and the model's log-probabilities, in a
+    seeded order (without inference mode, whose tensors could not enter the refinement's
+    graph; the model's parameters are frozen, so no graph is built here). One [tokens, V] array
+    of log-probabilities is kept; at most two exist at once."""
+    with torch.no_grad():
+        cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
+        assert cap.logits is not None
+        order = torch.randperm(len(ids), generator=generator)
+        logits, cap.logits = cap.logits, None
+        target = torch.log_softmax(logits, dim=-1)
+        del logits
+        target = target[order.to(target.device)]
+        residual = [cap.residual[i][order.to(cap.residual[i].device)] for i in range(n_layers)]
+    return _Rows(residual, target)

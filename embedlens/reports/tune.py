@@ -1,0 +1,117 @@
+"""The `tune` report (a lens fitted, and its held-out evaluation), and the lens reports of a run
+through a tuned lens (`lens --tuned`): the logit lens's reports with the lens that drew them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from embedlens.reports import Report
+from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
+
+
+@dataclass(frozen=True)
+class TuneLayer:
+    """One layer of the held-out evaluation: the logit lens against the tuned lens.
+
+    KL(model's output ‖ lens) over every position read, and the cross-entropy of the next token,
+    in nats per token; the same in bits per byte of the held-out text (tuned-lens's unit)."""
+
+    layer: int
+    logit_kl: float
+    tuned_kl: float
+    logit_ce: float
+    tuned_ce: float
+    logit_kl_bpb: float
+    tuned_kl_bpb: float
+    logit_ce_bpb: float
+    tuned_ce_bpb: float
+
+
+@dataclass(frozen=True)
+class TuneReport(Report):
+    """A tuned lens fitted and written to `out`, with its held-out evaluation."""
+
+    command: ClassVar[str] = "tune"
+    model: str
+    out: str
+    """The lens folder written (config.json, params.safetensors)."""
+    method: str
+    """'kl' (least squares, then the KL refinement) or 'affine' (least squares alone)."""
+    data: str
+    seq_len: int
+    fit_tokens: int
+    """Tokens the least-squares statistics were taken over."""
+    refine_tokens: int
+    """Tokens the refinement read (0 with --method affine)."""
+    steps: int
+    lr: float
+    seed: int
+    refined_layers: list[int] | None
+    """The layers whose refined translator was kept: it lowered the KL on a fitted sequence the
+    refinement did not read (the others keep the least-squares one); None with 'affine'."""
+    eval: str
+    """The held-out text: a file, or the data's tail after the tokens fitted."""
+    eval_tokens: int
+    eval_bytes: float
+    """UTF-8 bytes of text behind the held-out tokens (bits per byte divide by these)."""
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    layers: list[TuneLayer]
+    """Layers 0..L (the last is the model's own output: KL 0 for both lenses)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def display_model(self) -> str:
+        """The model as titles show it: a local path by its last part, a repo id whole."""
+        path = Path(self.model)
+        return path.name if path.exists() else self.model
+
+
+@dataclass(frozen=True)
+class TunedLens:
+    """The tuned lens a lens report was drawn through."""
+
+    path: str
+    made_by: str
+    """'embedlens' (`embedlens tune`) or 'tuned-lens' (a lens tuned-lens saved)."""
+    base_model: str
+    """The model it was tuned on, as its config.json names it."""
+    num_layers: int
+    """Layers with a translator: 0..num_layers-1 (the model's output has none)."""
+
+
+@dataclass(frozen=True)
+class TunedLensReport(LensReport):
+    """`lens --tuned`: the lens report of one prompt, every layer but the last decoded through
+    the tuned lens's translator, then the model's own decoder."""
+
+    tuned: TunedLens | None = None
+
+
+@dataclass(frozen=True)
+class TunedLensSummaryReport(LensSummaryReport):
+    """`lens --prompts --tuned`: the summary over many prompts through the tuned lens; with
+    `--compare-logit`, the logit lens's statistics over the same prompts beside it."""
+
+    tuned: TunedLens | None = None
+    logit_layers: list[LensLayerStats] | None = None
+
+
+def tuned_report(report: LensReport, tuned: TunedLens) -> TunedLensReport:
+    """One prompt's lens report as drawn through the tuned lens `tuned`."""
+    return TunedLensReport(**_values(report), tuned=tuned)
+
+
+def tuned_summary(
+    report: LensSummaryReport, tuned: TunedLens, logit_layers: list[LensLayerStats] | None
+) -> TunedLensSummaryReport:
+    """The summary over many prompts as drawn through `tuned`, with the logit lens's beside."""
+    return TunedLensSummaryReport(**_values(report), tuned=tuned, logit_layers=logit_layers)
+
+
+def _values(report: Report) -> dict[str, Any]:
+    return {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}  # type: ignore[arg-type]

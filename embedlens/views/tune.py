@@ -1,0 +1,70 @@
+"""How the `tune` report is shown: the held-out table, logit lens against tuned lens per layer;
+and the lens reports drawn through a tuned lens (`lens --tuned`)."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from embedlens.reports import register_view
+from embedlens.reports.tune import TunedLensReport, TunedLensSummaryReport, TuneReport
+from embedlens.views import lens, lens_summary
+from embedlens.views.format import shown
+
+
+def render(r: TuneReport) -> RenderableType:
+    """The held-out table and a line on how the lens was fitted."""
+    title = (
+        f"Held-out evaluation of the tuned lens of {r.display_model} "
+        f"({r.eval_tokens:,} tokens, {r.dtype})"
+    )
+    table = Table(title=shown(title, "table.title"))
+    table.add_column("layer", justify="right")
+    for name in ("logit KL", "tuned KL", "logit CE", "tuned CE", "logit bpb", "tuned bpb"):
+        table.add_column(name, justify="right")
+    for row in r.layers:
+        label = f"{row.layer} emb" if row.layer == 0 else str(row.layer)
+        if row.layer == r.num_layers:
+            label = f"{row.layer} out"
+        table.add_row(
+            label,
+            f"{row.logit_kl:.3f}",
+            f"{row.tuned_kl:.3f}",
+            f"{row.logit_ce:.3f}",
+            f"{row.tuned_ce:.3f}",
+            f"{row.logit_kl_bpb:.3f}",
+            f"{row.tuned_kl_bpb:.3f}",
+            end_section=row.layer == r.num_layers - 1,
+        )
+    how = "least squares, then the KL refinement" if r.method == "kl" else "least squares"
+    refined = ""
+    if r.refined_layers is not None:
+        kept = _ranges(r.refined_layers) or "none"
+        refined = (
+            f", refined on {r.refine_tokens:,} of them in {r.steps:,} steps (lr {r.lr:g}; the "
+            f"refined translator kept where it did better on a fitted sequence it did not read: "
+            f"layers {kept})"
+        )
+    line = (
+        f"KL(model's output ‖ lens) and the next token's cross-entropy (CE) in nats per token; "
+        f"bpb: the KL in bits per byte of the held-out text ({r.eval}). Fitted by {how} on "
+        f"{r.fit_tokens:,} tokens of {r.data} in sequences of {r.seq_len:,}{refined}; "
+        f"written to {r.out}."
+    )
+    return Group(table, shown(line, style="dim"))
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+register_view(TuneReport, render)
+register_view(TunedLensReport, lens.render)
+register_view(TunedLensSummaryReport, lens_summary.render)
