@@ -49,7 +49,9 @@ def _cases(model: str, prompts: Path, words: bool) -> dict[str, list[str]]:
 
 
 def _run(model: str, args: list[str]) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", PYTHONPATH=str(ROOT))
+    # no plain progress lines: a run past 10 s on a busy machine would print one
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", PYTHONPATH=str(ROOT),
+               EMBEDLENS_PROGRESS_SECONDS="0")  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "embedlens", "lens", model, *args],
         capture_output=True,

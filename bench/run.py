@@ -57,6 +57,11 @@ class Row:
     """The most bytes the hub sent for one run of the command."""
     times: list[float] = field(default_factory=list)
     base_times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
+    """CPU seconds (user + system, from wait4's rusage) of each timed run of the command."""
+    base_cpu_times: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+    """The 1-minute load average as each timed run of the command started."""
     peak_mb: float = 0.0
     base_peak_mb: float = 0.0
 
@@ -72,6 +77,13 @@ class Row:
     def ratio(self) -> float | None:
         base = self.base_median
         return self.median / base if base else None
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """The CPU-time medians' ratio: steadier than the wall clock on a busy machine."""
+        if not self.cpu_times or not self.base_cpu_times:
+            return None
+        return statistics.median(self.cpu_times) / statistics.median(self.base_cpu_times)
 
     @property
     def mem_ratio(self) -> float | None:
@@ -95,8 +107,9 @@ class Row:
         return "ok" if all(checks) else "MISSED"
 
 
-def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Run a process to the end; return (seconds, peak RSS in MB). It must succeed."""
+def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """Run a process to the end; return (seconds, peak RSS in MB, CPU seconds). It must
+    succeed."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     assert proc.stderr is not None
@@ -106,7 +119,7 @@ def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark command failed ({proc.returncode}): {argv}\n{err.decode()}")
-    return elapsed, usage.ru_maxrss / 1024
+    return elapsed, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def measure(row: Row, runs: int, env: dict[str, str], *, quick: bool = False) -> None:
@@ -117,14 +130,17 @@ def measure(row: Row, runs: int, env: dict[str, str], *, quick: bool = False) ->
         if row.baseline:
             run(row.baseline, env)
     for _ in range(runs):
-        t, m = run(row.command, env)
+        row.loads.append(os.getloadavg()[0])
+        t, m, c = run(row.command, env)
         row.times.append(t)
+        row.cpu_times.append(c)
         row.peak_mb = max(row.peak_mb, m)
         if row.hub:
             row.transferred = max(row.transferred, sum(hub_sent().values()))
         if row.baseline:
-            t, m = run(row.baseline, env)
+            t, m, c = run(row.baseline, env)
             row.base_times.append(t)
+            row.base_cpu_times.append(c)
             row.base_peak_mb = max(row.base_peak_mb, m)
 
 
@@ -153,7 +169,7 @@ def hub_sent() -> dict[str, int]:
     return sent
 
 
-def hub_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+def hub_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
     """run_once online against the bench's hub, with a cold cache (made and removed untimed)."""
     import tempfile
 
@@ -230,6 +246,43 @@ def make_checkpoint(folder: Path, config: dict, n_tokens: int) -> Path:
                 fh.write((chunk.view(np.uint32) >> 16).astype(np.uint16).tobytes())
     tmp.rename(folder / "model.safetensors")
     write_word_tokenizer(folder, n_tokens)
+    return folder
+
+
+def make_smollm2_folder(folder: Path, gguf_path: Path) -> Path:
+    """SmolLM2 as a hub download lays it out, from its GGUF: model.safetensors in bfloat16 (as the
+    hub holds it; the head is tied to the embedding, so there is none), config.json and the
+    tokenizer's files as transformers saves them."""
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from embedlens.model.gguf_patches import sharing_gguf_reads
+
+    kwargs = {"gguf_file": gguf_path.name}
+    with sharing_gguf_reads():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, dtype=torch.float32, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    # save_pretrained refuses a model loaded from GGUF: its weights and config are written here
+    state = {
+        k: v.to(torch.bfloat16).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.update(architectures=[type(model).__name__], dtype="bfloat16")
+    config.pop("_name_or_path", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tmp = folder / "model.safetensors.partial"
+    save_file(state, tmp, metadata={"format": "pt"})
+    tmp.rename(folder / "model.safetensors")
     return folder
 
 
@@ -508,6 +561,14 @@ def qwen_checkpoint(quick: bool, *, build: bool) -> Path:
     return folder
 
 
+def smollm2_folder(*, build: bool) -> Path:
+    """SmolLM2 as a safetensors folder (what a hub download holds), built on first use."""
+    folder = CACHE / "smollm2-135m"
+    if build:
+        make_smollm2_folder(folder, smollm2_path())
+    return folder
+
+
 def large_vocab_gguf(quick: bool, *, build: bool, qtype: str = "Q8_0") -> Path:
     """The 262k-token GGUF (4,000 tokens in quick mode), built on first use: Q8_0 rows of 896
     (Gemma 3 1B's width is 1,152; 270M's 640 fills no K-quant block), Q6_K rows of 1,024."""
@@ -623,6 +684,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     # SmolLM2's GGUF takes transformers a minute to load: the quick check runs the lens rows on
     # the tiny Qwen3 checkpoint instead.
     lens_model, lens_name = (qwen, "tiny Qwen3 checkpoint") if quick else (smol, "SmolLM2")
+    qwen_folder = "tiny Qwen3 folder" if quick else "Qwen3-0.6B folder"
     rounded = rounded_smollm2(quick, build=False)
     other, pair_name = (qwen, "itself") if rounded is None else (rounded, "its Q8_0 rounding")
     tune_tokens = 4_096 if quick else 40_000
@@ -678,6 +740,9 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
             [sys.executable, str(LENS_PLAIN), "The capital of France is", str(lens_model)],
             "plain transformers lens", budget=0.6, mem_budget=1.0),
+        *([] if quick else folder_lens_rows(el, smollm2_folder(build=False), "SmolLM2 folder",
+                                            "The capital of France is")),
+        *folder_lens_rows(el, qwen, qwen_folder, "king queen man woman"),
         Row(f"lens --prompts, 100 prompts ({lens_name})",
             [*el, "lens", str(lens_model), "--prompts", str(CACHE / "prompts-english.txt"),
              "--json"],
@@ -712,6 +777,20 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     return table, qwen, smol
 
 
+def folder_lens_rows(el: list[str], folder: Path, name: str, prompt: str) -> list[Row]:
+    """The lens on a safetensors folder (what a hub download holds) against the plain
+    transformers lens on it, and against importing torch, transformers and the model's class."""
+    command = [*el, "lens", str(folder), prompt, "--json"]
+    return [
+        Row(f"lens ({name}, last position)", command,
+            [sys.executable, str(LENS_PLAIN), prompt, str(folder)], "plain transformers lens",
+            budget=0.6),
+        Row(f"lens ({name}) over the import floor", command,
+            [sys.executable, "-c", IMPORT_MODEL_CLASSES, str(folder)],
+            "importing torch, transformers and the model's classes", over_budget=1.5),
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: CI's check")
@@ -724,6 +803,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.build_only:
         qwen_checkpoint(args.quick, build=True)
+        if not args.quick:
+            smollm2_folder(build=True)
         large_vocab_gguf(args.quick, build=True)
         large_vocab_gguf(args.quick, build=True, qtype="Q6_K")
         rounded_smollm2(args.quick, build=True)
@@ -770,7 +851,7 @@ def main() -> None:
             "quick": args.quick,
             "rows": [
                 {**asdict(r), "median": r.median, "base_median": r.base_median, "ratio": r.ratio,
-                 "mem_ratio": r.mem_ratio, "verdict": r.verdict}
+                 "cpu_ratio": r.cpu_ratio, "mem_ratio": r.mem_ratio, "verdict": r.verdict}
                 for r in table
             ],
             "floors": floor,
@@ -823,6 +904,7 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
                 f"{r.name}: the hub sent {r.transferred:,} bytes a run "
                 f"(budget {r.transfer_limit:,})"
             )
+    print_cpu(table)
     print("\nbaselines:")
     for r in table:
         if r.baseline_name:
@@ -830,6 +912,20 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
     print("\nfloors on this machine:")
     for k, v in floor.items():
         print(f"  {k}: {v}")
+
+
+def print_cpu(table: list[Row]) -> None:
+    """Each row's CPU time (user + system, median), its ratio to the baseline's, and the load
+    its runs started under: the wall clock of a shared machine moves with what else runs."""
+    print("\nCPU seconds (user + system, median) and the 1-minute load as the runs started:")
+    for r in table:
+        if not r.cpu_times:
+            continue
+        cpu = statistics.median(r.cpu_times)
+        base = f" against {statistics.median(r.base_cpu_times):.2f}" if r.base_cpu_times else ""
+        ratio = f" ({r.cpu_ratio:.2f}x)" if r.cpu_ratio is not None else ""
+        load = f"load {min(r.loads):.1f} to {max(r.loads):.1f}"
+        print(f"  {r.name}: {cpu:.2f}{base}{ratio}; {load}")
 
 
 if __name__ == "__main__":

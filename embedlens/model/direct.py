@@ -1,0 +1,330 @@
+"""A safetensors folder loaded the way transformers loads it, without its auto machinery.
+
+The config class and the causal-LM class come from transformers' own name tables
+(`CONFIG_MAPPING_NAMES`, `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: which class a model type means,
+without importing every model), and the weights of a frozen float32 model are assigned from the
+memory-mapped files with transformers' own steps (its init context, renaming rules and
+finalisation) but without its per-tensor conversion machinery, which costs more than the copy
+itself. Every function returns None where transformers would do something more (remote code, a
+quantised or converted checkpoint, a class the tables do not settle): the caller then goes
+through transformers' `from_pretrained`, as before.
+
+Like `loading`, nothing here imports torch or transformers at module level.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def read_config(folder: Path) -> Any | None:
+    """What `AutoConfig.from_pretrained(folder)` returns for a built-in model type, from the
+    config class the model type names; None for repository code or a type transformers lacks."""
+    from transformers import PretrainedConfig
+
+    where = str(folder)
+    raw, unused = PretrainedConfig.get_config_dict(where, _from_auto=True, name_or_path=where)
+    auto_map = raw.get("auto_map")
+    if isinstance(auto_map, dict) and "AutoConfig" in auto_map:
+        return None
+    model_type = raw.get("model_type")
+    if model_type == "mistral" and "layer_types" in raw:
+        raw["model_type"] = model_type = "ministral"  # as AutoConfig does
+    config_class = _config_class(model_type)
+    if config_class is None:
+        return None
+    return config_class.from_dict(raw, **unused)
+
+
+def _config_class(model_type: object) -> Any | None:
+    """The config class transformers maps a model type to (None if it maps none)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    return _from_model_module(model_type, CONFIG_MAPPING_NAMES[model_type])
+
+
+def _from_model_module(model_type: str, name: str) -> Any:
+    """A class by name from the model type's package (or transformers' top level), as the auto
+    mappings find it."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = importlib.import_module(
+        f".{model_type_to_module_name(model_type)}", "transformers.models"
+    )
+    if hasattr(module, name):
+        return getattr(module, name)
+    return getattr(importlib.import_module("transformers"), name)
+
+
+def causal_lm_class(config: Any) -> tuple[Any, Any] | None:
+    """The class `AutoModelForCausalLM` builds for a built-in config, and the config it is given
+    (a multimodal config's text part when the class takes that); None where the auto class would
+    look further (repository code, classes registered at run time, no causal LM)."""
+    from transformers.models.auto import modeling_auto
+
+    auto_map = getattr(config, "auto_map", None)
+    if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
+        return None
+    if getattr(modeling_auto.AutoModelForCausalLM._model_mapping, "_extra_content", None):
+        return None
+    kind = type(config)
+    found = _causal_names(kind.__name__) if kind.__module__.startswith("transformers.") else None
+    if found is None:
+        return None
+    model_class = _chosen(config, *found)
+    text_class = config.sub_configs.get("text_config", None)
+    if text_class is not None and getattr(model_class, "config_class", None) == text_class:
+        if getattr(config, "quantization_config", None) is not None:
+            return None
+        config = config.get_text_config()
+    return model_class, config
+
+
+def _causal_names(config_name: str) -> tuple[str, str | tuple[str, ...]] | None:
+    """(model type, causal-LM class name or names) for a config class, found as the auto
+    mapping finds it: the last model type of that config class first, then the others."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = [t for t, name in CONFIG_MAPPING_NAMES.items() if name == config_name]
+    for model_type in types[-1:] + types:
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    return None
+
+
+def _chosen(config: Any, model_type: str, names: str | tuple[str, ...]) -> Any:
+    """One class of a model type's entry: the one `architectures` names, else the first."""
+    if isinstance(names, str):
+        return _from_model_module(model_type, names)
+    classes = [_from_model_module(model_type, name) for name in names]
+    by_name = {c.__name__: c for c in classes}
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in by_name:
+            return by_name[arch]
+    return classes[0]
+
+
+def build_on_meta(config: Any) -> Any | None:
+    """`AutoModelForCausalLM.from_config(config)` on the meta device (no memory, no weights);
+    None where the auto class would look further."""
+    found = causal_lm_class(config)
+    if found is None:
+        return None
+    import torch
+
+    model_class, config = found
+    with torch.device("meta"):
+        return model_class._from_config(config)
+
+
+def weight_files(folder: Path, config: Any) -> list[Path] | None:
+    """The safetensors files `from_pretrained(folder)` reads, when it reads them plainly: one
+    file or the shards of an index; None for anything else (an adapter, a distributed or
+    explicitly named checkpoint, extra files, pickles)."""
+    if (folder / "adapter_config.json").exists() or _distributed(folder):
+        return None
+    if getattr(config, "transformers_weights", None) or type(config).extra_files:
+        return None
+    if (folder / WEIGHTS).is_file():
+        return [folder / WEIGHTS]
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    if not isinstance(weight_map, dict):
+        return None
+    return [folder / name for name in sorted(set(weight_map.values()))]
+
+
+def _distributed(folder: Path) -> bool:
+    """Whether transformers would read the folder as a distributed (DCP) checkpoint."""
+    try:
+        from transformers.distributed.checkpoint import is_sharded_checkpoint
+    except ImportError:  # a transformers without distributed checkpoints
+        return False
+    return bool(is_sharded_checkpoint(str(folder)))
+
+
+def load_float32(folder: Path, config: Any, files: list[Path]) -> tuple[Any, dict[str, Any]] | None:
+    """`AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
+    output_loading_info=True, ignore_mismatched_sizes=True)`, the same model and loading info,
+    its tensors read from the memory-mapped files and assigned in place; None (nothing loaded)
+    when transformers would convert a tensor on the way (merge, split, transpose), quantise, or
+    keep some modules in another dtype. The generation config is not read: the lens never
+    generates."""
+    if not _supported() or getattr(config, "quantization_config", None) is not None:
+        return None
+    found = causal_lm_class(config)
+    if found is None:
+        return None
+    model_class, config = found
+    where = str(folder)
+    model, dtype = _built(model_class, config, where)
+    if model._get_dtype_plan(dtype):
+        return None
+    plan = _plan(model, files)
+    if plan is None:
+        return None
+    info = _assign(model, plan, dtype)
+    return model, _finalised(model_class, model, info, where, dtype, plan.conversions)
+
+
+# What the direct load takes from transformers beyond its public API: where one is missing (another
+# transformers version), from_pretrained loads the model.
+_USED = {
+    "transformers.modeling_utils": ("_get_dtype", "LoadStateDictConfig", "PreTrainedModel"),
+    "transformers.core_model_loading": (
+        "WeightConverter", "WeightRenaming", "rename_source_key", "set_param_for_module",
+    ),
+    "transformers.conversion_mapping": ("get_model_conversion_mapping",),
+    "transformers.utils.loading_report": ("LoadStateDictInfo",),
+    "transformers.monkey_patching": ("patch_output_recorders",),
+    "transformers.utils.generic": ("ContextManagers",),
+}  # fmt: skip
+_METHODS = ("get_init_context", "_get_dtype_plan", "_finalize_model_loading", "set_use_kernels")
+
+
+def _supported() -> bool:
+    """Whether this transformers has every function the direct load uses."""
+    try:
+        modules = {name: importlib.import_module(name) for name in _USED}
+    except ImportError:
+        return False
+    if not all(hasattr(modules[m], a) for m, names in _USED.items() for a in names):
+        return False
+    base = modules["transformers.modeling_utils"].PreTrainedModel
+    return all(hasattr(base, name) for name in _METHODS)
+
+
+def _built(model_class: Any, config: Any, where: str) -> tuple[Any, Any]:
+    """The model on the meta device, under the init context from_pretrained uses."""
+    import torch
+    from transformers import modeling_utils
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils.generic import ContextManagers
+
+    config = copy.deepcopy(config)
+    config, dtype = modeling_utils._get_dtype(torch.float32, None, config, None, None, True, None)
+    config.name_or_path = where
+    config = copy.deepcopy(config)
+    with ContextManagers(model_class.get_init_context(dtype, False, False, False)):
+        model = model_class(config)
+        patch_output_recorders(model)
+    return model, dtype
+
+
+class _Plan:
+    """Which checkpoint tensor goes to which model tensor, and what the checkpoint holds beyond."""
+
+    def __init__(self, conversions: list[Any]) -> None:
+        self.conversions = conversions
+        self.targets: dict[str, tuple[Path, str]] = {}
+        self.unexpected: set[str] = set()
+
+
+def _plan(model: Any, files: list[Path]) -> _Plan | None:
+    """Each checkpoint tensor's target as transformers renames it; None when a conversion (not
+    just a new name) applies, or two tensors go to one place."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model, None, None)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta = model.state_dict()
+    prefix = model.base_model_prefix
+    plan = _Plan(conversions)
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = list(handle.keys())
+        for key in keys:
+            target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+            if target not in meta and key in meta:
+                target, pattern = rename_source_key(key, [], [], prefix, meta)
+            if pattern is not None or target in plan.targets:
+                return None
+            if target in meta:
+                plan.targets[target] = (path, key)
+            else:
+                plan.unexpected.add(target)
+    return plan
+
+
+def _assign(model: Any, plan: _Plan, dtype: Any) -> Any:
+    """Read each planned tensor (as float32, or its own dtype for integer buffers) into its
+    place, as transformers' set_param_for_module does; the loading info of what was not."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import set_param_for_module
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    meta = model.state_dict()
+    info = LoadStateDictInfo(
+        missing_keys=set(meta),
+        unexpected_keys=set(plan.unexpected),
+        mismatched_keys=set(),
+        conversion_errors={},
+        error_msgs=[],
+        skipped_pp_keys=set(),
+    )
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for target, (path, key) in plan.targets.items():
+        by_file.setdefault(path, []).append((target, key))
+    with _one_thread():
+        for path, pairs in by_file.items():
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for target, key in pairs:
+                    # float32 (the model's dtype), or a buffer's own (an integer buffer stays one)
+                    wanted = meta[target].dtype
+                    value = handle.get_slice(key)[...].to(device="cpu", dtype=wanted)
+                    set_param_for_module(model, target, value, info, None)  # type: ignore[arg-type]
+    return info
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread while tensors are copied (elementwise: the values do not depend on
+    it). A copy is bound by the fresh pages it touches, and threads splitting it only contend:
+    measured on 2 busy cores, SmolLM2's tensors to float32 in 0.6 s on one thread, 2 to 3.5 s on
+    two (transformers' own loader, copying in a pool of worker threads, took 0.6 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _finalised(
+    model_class: Any, model: Any, info: Any, where: str, dtype: Any, conversions: list[Any]
+) -> dict[str, Any]:
+    """from_pretrained's last steps: buffers and tied weights set, keys the class ignores
+    dropped, eval mode; the loading info as `output_loading_info` gives it."""
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    model._weight_conversions = [c for c in conversions if c.was_used()]
+    load_config = LoadStateDictConfig(
+        pretrained_model_name_or_path=where,
+        ignore_mismatched_sizes=True,
+        dtype=dtype,
+        weight_mapping=conversions,
+    )
+    info = model_class._finalize_model_loading(model, load_config, info)
+    model.eval()
+    model.set_use_kernels(False, None)
+    result: dict[str, Any] = info.to_dict()
+    return result

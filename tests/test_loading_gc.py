@@ -1,0 +1,74 @@
+"""Loading runs Python's garbage collector less often (embedlens.model.loading's
+`_fewer_collections`): its youngest generation holds YOUNG_OBJECTS while a tokenizer, config or
+model is loaded, and the caller's thresholds are back afterwards, after an error too."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from embedlens.errors import EmbedlensError
+from embedlens.io.source import resolve
+from embedlens.model import direct, loading, preflight
+
+
+@pytest.fixture(autouse=True)
+def thresholds_kept() -> Iterator[None]:
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+
+
+def watch(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, seen: list[Any]) -> None:
+    """`module.name` notes the collector's thresholds each time it runs."""
+    original = getattr(module, name)
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        seen.append((name, gc.get_threshold()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, noted)
+
+
+def test_tokenizer_config_and_weights_load_with_a_larger_young_generation(tiny, monkeypatch):
+    seen: list[Any] = []
+    watch(monkeypatch, loading, "_direct_tokenizer", seen)
+    watch(monkeypatch, direct, "read_config", seen)
+    watch(monkeypatch, direct, "build_on_meta", seen)
+    watch(monkeypatch, preflight, "check_load", seen)
+    source = resolve(str(tiny("llama-tied")))
+    gc.set_threshold(700, 10, 10)
+    loading.load_tokenizer(source)
+    config = loading.hf_config(source)
+    loading.build_meta_model(source)
+    loading.load_model(source, dtype="float32", config=config)
+    assert gc.get_threshold() == (700, 10, 10)
+    young = (loading.YOUNG_OBJECTS, 10, 10)
+    assert seen == [
+        ("_direct_tokenizer", young),
+        ("read_config", young),
+        ("read_config", young),  # build_meta_model reads the config
+        ("build_on_meta", young),
+        ("check_load", young),
+    ]
+
+
+def test_thresholds_are_set_back_after_an_error_and_left_alone_when_collection_is_off(
+    tiny, tmp_path, monkeypatch
+):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    gc.set_threshold(500, 7, 9)
+    with pytest.raises(EmbedlensError):
+        loading.hf_config(resolve(str(folder)))
+    assert gc.get_threshold() == (500, 7, 9)
+    seen: list[Any] = []
+    watch(monkeypatch, direct, "read_config", seen)
+    gc.set_threshold(0, 10, 10)
+    loading.hf_config(resolve(str(tiny("llama-tied"))))
+    assert seen == [("read_config", (0, 10, 10))]
+    assert gc.get_threshold() == (0, 10, 10)
