@@ -1,6 +1,8 @@
 """Loading runs Python's garbage collector less often (embedlens.model.loading's
 `_fewer_collections`): its youngest generation holds YOUNG_OBJECTS while a tokenizer, config or
-model is loaded, and the caller's thresholds are back afterwards, after an error too."""
+model is loaded and only it is collected, what survives the load goes to the oldest generation
+(unless the caller froze objects of its own), and the caller's thresholds are back afterwards,
+after an error too."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def test_tokenizer_config_and_weights_load_with_a_larger_young_generation(tiny, 
     loading.build_meta_model(source)
     loading.load_model(source, dtype="float32", config=config)
     assert gc.get_threshold() == (700, 10, 10)
-    young = (loading.YOUNG_OBJECTS, 10, 10)
+    young = (loading.YOUNG_OBJECTS, loading.OLDER_COLLECTIONS, 10)
     assert seen == [
         ("_direct_tokenizer", young),
         ("read_config", young),
@@ -72,3 +74,27 @@ def test_thresholds_are_set_back_after_an_error_and_left_alone_when_collection_i
     loading.hf_config(resolve(str(tiny("llama-tied"))))
     assert seen == [("read_config", (0, 10, 10))]
     assert gc.get_threshold() == (0, 10, 10)
+
+
+def in_generation(obj: object, generation: int) -> bool:
+    return any(o is obj for o in gc.get_objects(generation=generation))
+
+
+def test_what_a_load_leaves_is_in_the_oldest_generation_not_gone_through_again(tiny):
+    source = resolve(str(tiny("llama-tied")))
+    gc.set_threshold(700, 10, 10)
+    model = loading.build_meta_model(source)
+    assert in_generation(model, 2)
+    assert not in_generation(model, 1)
+    assert gc.get_freeze_count() == 0
+
+
+def test_objects_the_caller_froze_stay_frozen(tiny):
+    source = resolve(str(tiny("llama-tied")))
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        loading.build_meta_model(source)
+        assert gc.get_freeze_count() == frozen  # not unfrozen by the load
+    finally:
+        gc.unfreeze()
