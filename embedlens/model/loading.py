@@ -30,7 +30,7 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import direct, preflight
+from embedlens.model import direct, import_scan, preflight
 from embedlens.model.gguf_patches import gguf_reads_shared
 from embedlens.text import error_line, first_line
 
@@ -89,6 +89,9 @@ def _survivors_to_oldest() -> None:
 
 
 def _quiet_transformers() -> None:
+    """transformers imported (its model table scanned once: `import_scan`), its warnings and
+    progress bars off."""
+    import_scan.scan_once()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers.utils import logging
 
