@@ -76,6 +76,26 @@ def _fewer_collections(func: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def _no_collections(func: Callable[P, R]) -> Callable[P, R]:
+    """`func` with no automatic collection: for a build on the meta device, whose tensors hold no
+    memory for garbage to keep. Every object left after goes to the oldest generation
+    (`_survivors_to_oldest`), the garbage of the imports with it, collected with that
+    generation; collection is on again after where it was on before."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+            _survivors_to_oldest()
+
+    return wrapper
+
+
 def _survivors_to_oldest() -> None:
     """Move every object the collector tracks to its oldest generation, as `gc.freeze()` then
     `gc.unfreeze()` do (two list splices: nothing is gone through). The oldest generation is
@@ -292,7 +312,7 @@ def check_rope(source: ModelSource, config: Any) -> None:
             )
 
 
-@_fewer_collections
+@_no_collections
 def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     """Build the model from its config on the meta device: no weights read, no memory used."""
     config = hf_config(source, trust_remote_code=trust_remote_code)
