@@ -24,9 +24,9 @@ from embedlens.io.checkpoint import (
 )
 from embedlens.io.hub import hub_offline
 from embedlens.io.source import WEIGHT_SINGLE, ModelSource
+from embedlens.model import q6_k
 from embedlens.model.config import ModelConfig
 from embedlens.model.headers import check_integer_weights, read_config
-from embedlens.model import q6_k
 from embedlens.model.inventory import from_checkpoint
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ def _dequantize_q8_0(
     return result
 
 
-def _dequantizer(dtype: str, block: tuple[int, int]) -> Dequantize:
+def _dequantizer(dtype: str, block: tuple[int, int] | None) -> Dequantize:
     """The `gguf` package's formula for a ggml type, taking rows of its blocks: Q6_K's in numpy
     here (`q6_k.py`, the same values, unpacked faster), else the type's own class called on the
     rows given (gguf's dequantize() splits them into calls of 16 rows each, a fixed cost a
@@ -276,7 +276,6 @@ def _dequantizer(dtype: str, block: tuple[int, int]) -> Dequantize:
     if dtype == "Q6_K" and block == q6_k.BLOCK:
         return q6_k.dequantize_q6_k
     import gguf
-    import numpy as np
     from gguf import quants
 
     try:
