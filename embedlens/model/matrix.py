@@ -161,10 +161,11 @@ class Rows:
         v, d = self.shape
         self._gguf = fmt == "gguf"
         self._dequantize: Dequantize | None = None
+        mapped: np.memmap[Any, Any]
         if self._gguf:
             if not self._q8_0:  # Q8_0 and Q6_K are read here, without importing gguf (0.1 s)
                 self._dequantize = _dequantizer(entry.dtype, entry.block)
-            self._map = np.memmap(
+            mapped = np.memmap(
                 entry.path,
                 np.uint8,
                 "r",
@@ -178,13 +179,17 @@ class Rows:
                     f"'{entry.name}' is stored as {entry.dtype}; embedlens reads F32, F16, BF16 "
                     "and F64 tables"
                 )
-            self._map = np.memmap(
+            mapped = np.memmap(
                 entry.path,
                 np.dtype(np_dtype),
                 "r",
                 offset=entry.file_offset - entry.base,
                 shape=(v, d),
             )
+        # The map read as a plain array: each block sliced from a np.memmap runs its Python
+        # hooks through every view the conversion takes (a tenth of a Q8_0 pass); the array
+        # keeps the map open.
+        self._map: npt.NDArray[Any] = np.asarray(mapped)
         block_bytes = _GGUF_BLOCK_BYTES if fmt == "gguf" else _BLOCK_BYTES
         self.block_rows = max(1, block_bytes // (4 * d))
         self._buffer: npt.NDArray[np.uint32] | None = None
