@@ -3,9 +3,9 @@
 A Q6_K block holds 256 values: the low four bits of each (`ql`, 128 bytes), the high two (`qh`,
 64 bytes), sixteen int8 scales and a float16 `d`. gguf's `dequantize_blocks` unpacks the bits
 one byte a value, through a dozen temporaries; here they are unpacked eight bytes at a time (as
-uint64 words, masked so that no bit crosses a byte) in two small word arrays, then converted straight
-into the caller's float32 block. Each value is `(d * scale) * (q - 32)` in float32, as gguf
-computes it, so the results are the same to the bit (NaN and infinite `d` included).
+uint64 words, masked so that no bit crosses a byte) in two small word arrays, then converted
+straight into the caller's float32 block. Each value is `(d * scale) * (q - 32)` in float32, as
+gguf computes it, so the results are the same to the bit (NaN and infinite `d` included).
 """
 
 from __future__ import annotations
