@@ -162,5 +162,98 @@ def test_gguf_typed_rows_are_ggufs_in_few_calls(tmp_path, monkeypatch, qtype):
     assert np.array_equal(np.concatenate(blocks).view(np.uint32), whole.view(np.uint32))
     ids = [2999, 7, 1500, 7, 42]
     assert np.array_equal(rows.take(ids).view(np.uint32), whole[ids].view(np.uint32))
-    if own is not None:  # 1 MiB of float32 at a call: 512 rows of 512
+    if qtype == "Q6_K":  # unpacked here (model/q6_k.py): gguf's formula is never called
+        assert calls == []
+    elif own is not None:  # 1 MiB of float32 at a call: 512 rows of 512
         assert calls and max(calls) == 512 and len(calls) <= n // 512 + 3
+
+
+def test_q6_k_rows_are_ggufs_to_the_bit():
+    """Q6_K unpacked eight bytes at a time gives gguf's values bit for bit, whatever the bytes:
+    every 6-bit value, every int8 scale, any float16 `d` (NaN, infinities, subnormals)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from embedlens.model.q6_k import dequantize_q6_k
+
+    rng = np.random.default_rng(7)
+    n, width = 40, 1024
+    raw = rng.integers(0, 256, (n, width // 256 * 210), dtype=np.uint8)
+    blocks = raw.reshape(-1, 210)
+    specials = np.array([np.nan, np.inf, -np.inf, 6e-8, -0.0, 65504.0], dtype=np.float16)
+    blocks[: len(specials), 208:] = specials.view(np.uint8).reshape(-1, 2)
+    blocks[10, :192] = 0xFF  # every value 63 (31 once 32 is taken off)
+    blocks[11, :192] = 0x00  # every value 0 (-32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = quants.dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float32)
+        got = dequantize_q6_k(raw, width)
+        out = np.full((n, width), 7, np.uint32)
+        into = dequantize_q6_k(raw, width, out)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(out.view(np.float32).view(np.uint32), want.view(np.uint32))
+    assert np.shares_memory(into, out)
+
+
+def test_q6_k_rows_are_read_without_gguf(tmp_path):
+    """Reading a Q6_K table imports neither gguf (0.1 s) nor torch."""
+    import subprocess
+    import sys
+
+    import gguf
+
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, (300, 210), dtype=np.uint8)
+    data[:, -2:] = np.full((300, 1), 1e-3, np.float16).view(np.uint8)
+    path = tmp_path / "table.Q6_K.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(256)
+    writer.add_tensor("token_embd.weight", data, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code = (
+        "import sys\n"
+        "from embedlens.io.source import resolve\n"
+        "from embedlens.model.matrix import locate, open_rows\n"
+        f"source = resolve({str(path)!r})\n"
+        "rows = open_rows(source, locate(source, 'input'))\n"
+        "print(float(abs(rows.block(0, 300)).sum() > 0), 'gguf' in sys.modules, "
+        "'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1.0", "False", "False"]
+
+
+def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch):
+    """With more reference rows than are taken one by one, the pass that sums them also copies
+    the component's sample: every row is converted twice (that pass, then the products'), and
+    no sample is read apart; the figures are those of the sample taken with `rows.take`."""
+    from embedlens.analysis import undertrained
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import Rows, locate, open_rows
+
+    source = resolve(str(smollm2))
+    rows = open_rows(source, locate(source, "output"))
+    reference = list(range(1, 40_000, 2))
+    assert len(reference) > undertrained.SAMPLE_ROWS
+    converted: list[int] = []
+    convert = Rows._convert
+
+    def counted(self: Rows, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        converted.append(raw.shape[0])
+        return convert(self, raw, out)
+
+    monkeypatch.setattr(Rows, "_convert", counted)
+    stats = undertrained.row_stats(rows, reference)
+    assert sum(converted) == 2 * rows.shape[0]
+
+    def apart(rows: Rows, reference: list[int]) -> tuple:
+        return (*undertrained.component(rows), undertrained.reference_mean(rows, reference))
+
+    monkeypatch.setattr(undertrained, "_component_and_reference", apart)
+    taken = undertrained.row_stats(rows, reference)
+    assert stats.component == taken.component
+    for name in ("indicator", "norms", "signature", "mean_distance"):
+        a, b = getattr(stats, name), getattr(taken, name)
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name

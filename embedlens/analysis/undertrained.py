@@ -106,12 +106,24 @@ def first_component(rows: Rows) -> tuple[npt.NDArray[np.float64], str]:
 def component(rows: Rows) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]:
     """The unit first principal component of the rows, how it was found, and the rows' mean.
 
-    Estimated from at most SAMPLE_ROWS evenly spaced rows: the direction all rows share is
-    dominant, and the full [d, V] x [V, d] product would cost seconds on a large vocabulary.
-    A narrow covariance is decomposed exactly (eigh); a wider one by Lanczos (top_eigenvector),
-    which needs a few dozen [d, d] products where eigh costs seconds at d = 896."""
+    Estimated from at most SAMPLE_ROWS evenly spaced rows (`sample_stride`): the direction all
+    rows share is dominant, and the full [d, V] x [V, d] product would cost seconds on a large
+    vocabulary."""
     v = rows.shape[0]
-    sample = rows.take(list(range(0, v, max(1, -(-v // SAMPLE_ROWS)))))
+    return component_of(rows.take(list(range(0, v, sample_stride(v)))), v)
+
+
+def sample_stride(v: int) -> int:
+    """Every how many rows the component's sample takes one (from row 0): SAMPLE_ROWS at most."""
+    return max(1, -(-v // SAMPLE_ROWS))
+
+
+def component_of(
+    sample: npt.NDArray[np.float32], v: int
+) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]:
+    """`component` from the sampled rows (of v). A narrow covariance is decomposed exactly
+    (eigh); a wider one by Lanczos (top_eigenvector), which needs a few dozen [d, d] products
+    where eigh costs seconds at d = 896."""
     mean = sample.mean(axis=0, dtype=np.float64)
     gram = (sample.T @ sample).astype(np.float64) / sample.shape[0]
     covariance = gram - np.outer(mean, mean)
@@ -213,14 +225,27 @@ def reference_mean(
     """The mean of the reference rows: taken one by one when they are few, else summed block by
     block (a vocabulary whose every token is a reference row is not copied whole), the blocks'
     sums added in order whatever the threads (the same figure on any machine)."""
-    v, d = rows.shape
+    d = rows.shape[1]
     if len(reference) == 0:
         return np.zeros(d)
     if len(reference) <= SAMPLE_ROWS:
         return np.asarray(rows.take(list(reference)).mean(axis=0, dtype=np.float64))
+    return _reference_pass(rows, reference, None)
+
+
+def _reference_pass(
+    rows: Rows,
+    reference: list[int] | npt.NDArray[np.int64],
+    sample: npt.NDArray[np.float32] | None,
+) -> npt.NDArray[np.float64]:
+    """The reference rows' mean summed block by block (`reference_mean`), in the same pass
+    copying every `sample_stride`-th row into `sample` when given: the component's sample,
+    the same values as `rows.take` gives (a row is converted on its own), without reading it
+    apart."""
+    v, d = rows.shape
     weights = np.zeros(v, dtype=np.float32)
     weights[reference] = 1.0
-    step = rows.pass_rows
+    step, stride = rows.pass_rows, sample_stride(v)
     sums = np.empty((-(-v // step), d), dtype=np.float32)
 
     def share(own: Rows, first: int, last: int) -> None:
@@ -228,6 +253,9 @@ def reference_mean(
             stop = min(last, start + step)
             block = own.block(start, stop)  # no BLAS call: its threads would spin beside ours
             np.einsum("i,ij->j", weights[start:stop], block, out=sums[start // step])
+            if sample is not None:
+                at = -(-start // stride)  # the first sampled row at or after start
+                sample[at : -(-stop // stride)] = block[at * stride - start :: stride]
 
     in_shares(rows, step, share)
     total = np.zeros(d)
@@ -242,8 +270,7 @@ def row_stats(rows: Rows, reference: list[int] | npt.NDArray[np.int64]) -> RowSt
     removed, from |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to
     u); the distance to the mean m from |x - m|^2 = |x|^2 - 2 x.m + |m|^2, in float64."""
     v, d = rows.shape
-    u, how, centre = component(rows)
-    ref = reference_mean(rows, reference)
+    u, how, centre, ref = _component_and_reference(rows, reference)
     ref = ref - float(ref @ u) * u
     ref_norm = float(np.linalg.norm(ref))
     probe = np.random.default_rng(0).standard_normal(d)
@@ -278,6 +305,20 @@ def row_stats(rows: Rows, reference: list[int] | npt.NDArray[np.int64]) -> RowSt
     apart = squares.astype(np.float64) - 2.0 * to_mean + float(m @ m)
     distance = np.sqrt(np.maximum(apart, 0.0))
     return RowStats(values.astype(np.float32), norms, products[:, 2].copy(), how, distance)
+
+
+def _component_and_reference(
+    rows: Rows, reference: list[int] | npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """`component` and `reference_mean`: when the reference rows are too many to take, the pass
+    that sums them also copies the component's sample (the matrix read once, not once and a
+    sixteenth)."""
+    v, d = rows.shape
+    if len(reference) <= SAMPLE_ROWS:
+        return (*component(rows), reference_mean(rows, reference))
+    sample = np.empty((len(range(0, v, sample_stride(v))), d), dtype=np.float32)
+    ref = _reference_pass(rows, reference, sample)
+    return (*component_of(sample, v), ref)
 
 
 def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -> list[list[int]]:

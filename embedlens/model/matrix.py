@@ -24,6 +24,7 @@ from embedlens.io.checkpoint import (
 )
 from embedlens.io.hub import hub_offline
 from embedlens.io.source import WEIGHT_SINGLE, ModelSource
+from embedlens.model import q6_k
 from embedlens.model.config import ModelConfig
 from embedlens.model.headers import check_integer_weights, read_config
 from embedlens.model.inventory import from_checkpoint
@@ -45,6 +46,8 @@ _GGUF_BLOCK_BYTES = 16 << 20
 _PASS_BYTES = 1 << 20
 _PIECE_BYTES = 1 << 20  # float32 bytes of a K-quant (or other gguf-read type) dequantised at a call
 _Q8_0 = (32, 34)  # elements and bytes of a Q8_0 block: a float16 scale and 32 int8 values
+Dequantize = Callable[..., "npt.NDArray[np.float32]"]
+"""(raw rows, width, out buffer or None) -> float32 rows: a ggml type's formula."""
 
 
 @dataclass(frozen=True)
@@ -157,11 +160,12 @@ class Rows:
         self.shape = (entry.shape[0], entry.shape[-1])
         v, d = self.shape
         self._gguf = fmt == "gguf"
-        self._dequantize: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]] | None = None
+        self._dequantize: Dequantize | None = None
+        mapped: np.memmap[Any, Any]
         if self._gguf:
-            if not self._q8_0:  # Q8_0 is read here, without importing gguf (0.1 s)
-                self._dequantize = _dequantizer(entry.dtype)
-            self._map = np.memmap(
+            if not self._q8_0:  # Q8_0 and Q6_K are read here, without importing gguf (0.1 s)
+                self._dequantize = _dequantizer(entry.dtype, entry.block)
+            mapped = np.memmap(
                 entry.path,
                 np.uint8,
                 "r",
@@ -175,13 +179,17 @@ class Rows:
                     f"'{entry.name}' is stored as {entry.dtype}; embedlens reads F32, F16, BF16 "
                     "and F64 tables"
                 )
-            self._map = np.memmap(
+            mapped = np.memmap(
                 entry.path,
                 np.dtype(np_dtype),
                 "r",
                 offset=entry.file_offset - entry.base,
                 shape=(v, d),
             )
+        # The map read as a plain array: each block sliced from a np.memmap runs its Python
+        # hooks through every view the conversion takes (a tenth of a Q8_0 pass); the array
+        # keeps the map open.
+        self._map: npt.NDArray[Any] = np.asarray(mapped)
         block_bytes = _GGUF_BLOCK_BYTES if fmt == "gguf" else _BLOCK_BYTES
         self.block_rows = max(1, block_bytes // (4 * d))
         self._buffer: npt.NDArray[np.uint32] | None = None
@@ -265,12 +273,14 @@ def _dequantize_q8_0(
     return result
 
 
-def _dequantizer(dtype: str) -> Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]]:
-    """The `gguf` package's formula for a ggml type, taking rows of its blocks: the type's
-    own class called on the rows given (gguf's dequantize() splits them into calls of 16 rows
-    each, a fixed cost a call)."""
+def _dequantizer(dtype: str, block: tuple[int, int] | None) -> Dequantize:
+    """The `gguf` package's formula for a ggml type, taking rows of its blocks: Q6_K's in numpy
+    here (`q6_k.py`, the same values, unpacked faster), else the type's own class called on the
+    rows given (gguf's dequantize() splits them into calls of 16 rows each, a fixed cost a
+    call)."""
+    if dtype == "Q6_K" and block == q6_k.BLOCK:
+        return q6_k.dequantize_q6_k
     import gguf
-    import numpy as np
     from gguf import quants
 
     try:
@@ -280,12 +290,26 @@ def _dequantizer(dtype: str) -> Callable[[npt.NDArray[np.uint8]], npt.NDArray[np
     own: Any = getattr(quants, dtype, None)
     if getattr(own, "qtype", None) == qtype and hasattr(own, "dequantize_rows"):
         own.init_grid()  # what dequantize() does first (the grid types' lookup tables)
-        return lambda raw: np.asarray(own.dequantize_rows(raw), dtype=np.float32)
-    return lambda raw: np.asarray(quants.dequantize(raw, qtype), dtype=np.float32)
+        return lambda raw, width, out: _into(own.dequantize_rows(raw), width, out)
+    return lambda raw, width, out: _into(quants.dequantize(raw, qtype), width, out)
+
+
+def _into(
+    values: npt.NDArray[np.generic], width: int, out: npt.NDArray[np.uint32] | None
+) -> npt.NDArray[np.float32]:
+    """gguf's values as float32 rows of `width`, copied into `out` when given."""
+    import numpy as np
+
+    rows = np.asarray(values, dtype=np.float32).reshape(-1, width)
+    if out is None:
+        return rows
+    result = out.view(np.float32)
+    result[...] = rows
+    return result
 
 
 def _in_pieces(
-    dequantize: Callable[[npt.NDArray[np.uint8]], npt.NDArray[np.float32]],
+    dequantize: Dequantize,
     raw: npt.NDArray[np.generic],
     width: int,
     out: npt.NDArray[np.uint32] | None,
@@ -300,7 +324,7 @@ def _in_pieces(
     step = max(1, _PIECE_BYTES // (4 * width))
     for start in range(0, n, step):
         piece = np.ascontiguousarray(raw[start : start + step]).view(np.uint8)
-        result[start : start + step] = dequantize(piece).reshape(piece.shape[0], width)
+        dequantize(piece, width, result[start : start + step])
     return result
 
 
