@@ -29,6 +29,11 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # stderr line by line (tests/test_progress.py turns them back on)
 os.environ["EMBEDLENS_PROGRESS_SECONDS"] = "0"
 os.environ.pop("HF_TOKEN", None)
+# pytest-xdist gives its workers COLUMNS and LINES (its own terminal's size); Rich fixes a
+# console's width from COLUMNS when the console is made, at import, and each test's run sets
+# its own width: no width is fixed for the whole session
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 @pytest.fixture(autouse=True)
