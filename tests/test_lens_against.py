@@ -445,3 +445,30 @@ def test_a_quantised_copy_gives_a_small_nonzero_kl(smollm2, smol_q8):
     assert all(0 <= row.kl < 0.05 for row in summary.diff.layers)
     assert summary.diff.layers[0].kl == 0.0 and summary.diff.first_divergent_layer == 1
     assert not math.isnan(summary.diff.layers[-1].kl)
+
+
+# --- targets refused from A's GGUF ---------------------------------------------------------
+
+
+def test_a_bad_target_is_refused_from_a_gguf_before_transformers_loads(
+    smollm2, tmp_path, monkeypatch
+):
+    """lens A.gguf ... --against B: a --target (or a prompts line's) that is not one token of A's
+    GGUF vocabulary is refused as without --against, from embedlens' own reading of the file,
+    before torch or transformers is imported; with many prompts on both memory paths."""
+    from tests.test_chat_template import _imports_of, _targets_file
+
+    prompts = _targets_file(tmp_path / "p.jsonl", "北京")
+    alone = _imports_of("lens", smollm2, "--prompts", prompts)[2]
+    assert alone[0].startswith("error: line 3: --target '北京' is not a single token")
+    one = _imports_of("lens", smollm2, PROMPT, "--target", "北京")[2]
+    for limit in (None, "1"):  # both models at once; one after the other
+        if limit is not None:
+            monkeypatch.setenv("EMBEDLENS_MEMORY_LIMIT", limit)
+        for args, said_alone in (
+            (["--prompts", prompts], alone),
+            ([PROMPT, "--target", "北京"], one),
+        ):
+            result, imported, said = _imports_of("lens", smollm2, *args, "--against", smollm2)
+            assert (result.returncode, result.stdout, said) == (2, "", said_alone), args
+            assert not imported & {"torch", "transformers"}, args
