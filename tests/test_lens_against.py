@@ -155,6 +155,77 @@ def test_many_prompts_give_the_same_zeros(pairs, family):
     assert [row.residual_kl for row in norm.layers] == [0.0] * 4
 
 
+# --- less work for the same figures ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_the_residual_kl_is_taken_again_only_where_rows_differ(pairs, monkeypatch, many):
+    """KL is taken again only for the layers whose rows differ in some bit from the lens
+    pair's: B's residual through A's decoder is B's lens where the tails match (a block
+    changed), so at most the last layer is taken again (A's decoding of its last block beside
+    its own output); where the final norm changed, every layer is. The figures are those of
+    taking every layer again."""
+    from embedlens.analysis.lens import pair
+
+    real = pair.kl_rows
+    rows: list[int] = []
+
+    def counted(p: torch.Tensor, q: torch.Tensor) -> list[float]:
+        rows.append(len(p))
+        return real(p, q)
+
+    monkeypatch.setattr(pair, "kl_rows", counted)
+    p = pairs("llama-untied")
+    for b, again in ((p["block"], (0, 1)), (p["norm"], (4,))):
+        rows.clear()
+        got = _residual_of(p["a"], b, many)
+        assert rows[0] == 4 and sum(rows[1:]) in again, rows
+        with monkeypatch.context() as m:
+            m.setattr(pair, "same_bits", lambda x, y: False)
+            rows.clear()
+            assert _residual_of(p["a"], b, many) == got and rows == [4, 4]
+
+
+def _residual_of(a: Path, b: Path, many: bool) -> list[float]:
+    """The residual KL of each layer: of one prompt, or the means over one line of many."""
+    if not many:
+        return _residual_kls(lens(a, PROMPT, against=b))
+    return [row.residual_kl for row in lens_prompts(a, PROMPTS[:1], against=b).diff.layers]
+
+
+def test_kept_rows_are_the_chunk_itself_when_every_row_is_kept():
+    """A chunk whose rows are all kept is kept as it is (no copy of its logits); some rows of
+    it are copied, so that the chunk is let go."""
+    from embedlens.analysis.lens.engine import kept_rows
+
+    out = torch.randn(3, 5)
+    part = [(0, 0), (0, 1), (0, 2)]
+    own, _ = kept_rows(None, part, out, ["a", "b", "c"], None, torch.device("cpu"))  # type: ignore[arg-type]
+    assert [k for k, _ in own] == ["a", "b", "c"]
+    assert all(row.data_ptr() == out[i].data_ptr() for i, (_, row) in enumerate(own))
+    some, _ = kept_rows(None, part, out, ["a", None, "c"], None, torch.device("cpu"))  # type: ignore[arg-type]
+    assert [k for k, _ in some] == ["a", "c"]
+    assert torch.equal(torch.stack([row for _, row in some]), out[[0, 2]])
+    assert all(
+        row.untyped_storage().data_ptr() != out.untyped_storage().data_ptr() for _, row in some
+    )
+
+
+def test_kl_rows_keeps_0_log_0_and_same_bits_tells_signed_zeros():
+    from embedlens.analysis.lens.pair import kl_rows, same_bits
+
+    p = torch.tensor([[0.0, -math.inf, 1.0], [0.5, 0.25, 1.0]])
+    q = torch.tensor([[0.0, 3.0, 1.0], [0.5, 0.25, 1.0]])
+    lp, lq = torch.log_softmax(p.double(), -1), torch.log_softmax(q.double(), -1)
+    terms = torch.where(torch.isneginf(lp), 0.0, lp.exp() * (lp - lq))
+    assert kl_rows(p, q) == terms.sum(-1).clamp_min(0.0).tolist()
+    assert not math.isnan(kl_rows(p, q)[0]) and kl_rows(p, q)[1] == 0.0
+    row = torch.tensor([0.0, 1.0])
+    assert same_bits(row, row.clone()) and not same_bits(row, torch.tensor([-0.0, 1.0]))
+    nan = torch.tensor([math.nan, 1.0])
+    assert same_bits(nan, nan.clone()) and not same_bits(row, row.double())
+
+
 # --- the figures against plain transformers ----------------------------------------------------
 
 
@@ -445,3 +516,30 @@ def test_a_quantised_copy_gives_a_small_nonzero_kl(smollm2, smol_q8):
     assert all(0 <= row.kl < 0.05 for row in summary.diff.layers)
     assert summary.diff.layers[0].kl == 0.0 and summary.diff.first_divergent_layer == 1
     assert not math.isnan(summary.diff.layers[-1].kl)
+
+
+# --- targets refused from A's GGUF ---------------------------------------------------------
+
+
+def test_a_bad_target_is_refused_from_a_gguf_before_transformers_loads(
+    smollm2, tmp_path, monkeypatch
+):
+    """lens A.gguf ... --against B: a --target (or a prompts line's) that is not one token of A's
+    GGUF vocabulary is refused as without --against, from embedlens' own reading of the file,
+    before torch or transformers is imported; with many prompts on both memory paths."""
+    from tests.test_chat_template import _imports_of, _targets_file
+
+    prompts = _targets_file(tmp_path / "p.jsonl", "北京")
+    alone = _imports_of("lens", smollm2, "--prompts", prompts)[2]
+    assert alone[0].startswith("error: line 3: --target '北京' is not a single token")
+    one = _imports_of("lens", smollm2, PROMPT, "--target", "北京")[2]
+    for limit in (None, "1"):  # both models at once; one after the other
+        if limit is not None:
+            monkeypatch.setenv("EMBEDLENS_MEMORY_LIMIT", limit)
+        for args, said_alone in (
+            (["--prompts", prompts], alone),
+            ([PROMPT, "--target", "北京"], one),
+        ):
+            result, imported, said = _imports_of("lens", smollm2, *args, "--against", smollm2)
+            assert (result.returncode, result.stdout, said) == (2, "", said_alone), args
+            assert not imported & {"torch", "transformers"}, args

@@ -28,10 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens import many
 from embedlens.analysis.lens.one import one_report, run_one
-from embedlens.analysis.lens.opening import Check, Opened, ready
+from embedlens.analysis.lens.opening import Check, Opened, Targets, ready
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
-from embedlens.analysis.lens.pair import PairStats, compare
-from embedlens.analysis.lens.pair_report import pair_report, pair_summary
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
 from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, prepare
 from embedlens.errors import UsageError
@@ -39,6 +37,7 @@ from embedlens.errors import UsageError
 if TYPE_CHECKING:
     from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.pair import PairStats
     from embedlens.model.prompts import BadLine, PromptSource
     from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 
@@ -68,7 +67,11 @@ def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
         gc.collect()  # B's weights go before A's are read
         return run, result, named
 
-    with ready(a.model, a.tokenizer, a.loading, b_first) as (oa, (run, rb, named)):
+    with ready(a.model, a.tokenizer, a.loading, b_first, target=ask.target) as (oa, ran):
+        from embedlens.analysis.lens.pair import compare
+        from embedlens.analysis.lens.pair_report import pair_report
+
+        run, rb, named = ran
         assert rb.kept is not None
         ra = run_one(oa, ask, run, keep=True, other=rb.kept.residual)
         report = one_report(oa, ask, run, ra)
@@ -111,7 +114,8 @@ def apart_note(a: Side, b: Side) -> str | None:
         preflight.estimate(a.source, load.dtype),
         preflight.estimate(b.source, load.dtype),
     )
-    free, label = preflight.available(resolve_device(load.device))
+    device = "cpu" if load.device == "cpu" else resolve_device(load.device)  # cpu: no torch yet
+    free, label = preflight.available(device)
     if est_a is None or est_b is None or free is None:
         return f"the memory two models need together cannot be told here: {after}"
     need = est_a.weights + est_b.needed
@@ -131,7 +135,8 @@ def _together(
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine]]:
         return many.check_all(source, ask, tok, config, template)
 
-    with ready(a.model, a.tokenizer, a.loading, check) as (oa, (n_bad, bad)):
+    targets = _targets(source, ask)
+    with ready(a.model, a.tokenizer, a.loading, check, targets=targets) as (oa, (n_bad, bad)):
         lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
         with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config)) as ob:
             run_b = many.ManyRun(ob, ask, None, keep=True)
@@ -150,8 +155,6 @@ def _apart(
     note: str,
 ) -> LensPairSummaryReport:
     """B on every prompt, its rows kept in a temporary folder, B freed; then A."""
-    import torch
-
     with tempfile.TemporaryDirectory(prefix="embedlens-against-") as tmp:
         folder = Path(tmp)
 
@@ -161,21 +164,36 @@ def _apart(
             with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config)) as ob:
                 run_b = many.ManyRun(ob, ask, None, keep=True)
                 for i, window in enumerate(lines(rows=_rows(config, ask))):
-                    torch.save(run_b.run_window(window), folder / f"{i}.pt")
+                    _save(run_b.run_window(window), folder / f"{i}.pt")
                 named = _named(ob)
             gc.collect()  # B's weights go before A's are read
             return n_bad, bad, named
 
-        with ready(a.model, a.tokenizer, a.loading, b_first) as (oa, (n_bad, bad, named)):
+        targets = _targets(source, ask)
+        with ready(a.model, a.tokenizer, a.loading, b_first, targets=targets) as (oa, ran):
+            n_bad, bad, named = ran
             run = pair(oa, named)
             lines = many.windows(
                 source, ask, oa.tokenizer, oa.config, oa.template, rows=_rows(oa.config, ask)
             )
             for i, window in enumerate(lines):
-                outs_b = torch.load(folder / f"{i}.pt", weights_only=False)
-                (folder / f"{i}.pt").unlink()
-                run.window(window, outs_b)
+                run.window(window, _load(folder / f"{i}.pt"))
             return run.summary(n_bad, bad, [note])
+
+
+def _save(outs: list[BatchOut], path: Path) -> None:
+    import torch
+
+    torch.save(outs, path)
+
+
+def _load(path: Path) -> list[BatchOut]:
+    """A window of B's rows read back, its file removed."""
+    import torch
+
+    outs: list[BatchOut] = torch.load(path, weights_only=False)
+    path.unlink()
+    return outs
 
 
 class _PairRun:
@@ -189,9 +207,11 @@ class _PairRun:
         each: many.EachFn | None,
         threshold: float,
     ) -> None:
+        from embedlens.analysis.lens.pair import PairStats
+
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
         self.run = many.ManyRun(opened, ask, None, keep=True)
-        self.stats = PairStats()
+        self.stats: PairStats = PairStats()
 
     @staticmethod
     def factory(
@@ -201,6 +221,8 @@ class _PairRun:
         return lambda opened, named: _PairRun(opened, named, ask, each, threshold)
 
     def window(self, window: many.Window, outs_b: list[BatchOut]) -> None:
+        from embedlens.analysis.lens.pair_report import pair_report
+
         others = [_residual(out.result) for out in outs_b]
         outs_a = self.run.run_window(window, others)
         for (line, (ask, prompt, _)), out_a, out_b in zip(window, outs_a, outs_b, strict=True):
@@ -214,9 +236,17 @@ class _PairRun:
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
         """A's summary with the means of B against it; `notes` after B's."""
+        from embedlens.analysis.lens.pair_report import pair_summary
+
         summary = self.run.summary(n_bad, bad)
         named = self.named
         return pair_summary(summary, self.stats, named.name, self.threshold, [*named.notes, *notes])
+
+
+def _targets(source: PromptSource, ask: ManyAsk) -> Targets:
+    """The lines' targets checked from A's files before its tokenizer is built (a GGUF's: the
+    check `lens --prompts` makes); B reads A's ids, tokenized by A's tokenizer alone."""
+    return functools.partial(many.check_targets, source, ask)
 
 
 def _residual(result: LensResult) -> dict[int, Any]:

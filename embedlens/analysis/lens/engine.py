@@ -231,17 +231,20 @@ def kept_rows(
     other: dict[int, torch.Tensor] | None,
     device: torch.device,
 ) -> tuple[list[tuple[K, torch.Tensor]], list[tuple[K, torch.Tensor]]]:
-    """A decoded chunk's rows whose key is not None (copied: the chunk itself is let go), and
-    the other model's residual at the same rows through the same decoder in the same chunk."""
+    """A decoded chunk's rows whose key is not None (copied unless every row is kept: the chunk
+    itself is let go), and the other model's residual at the same rows through the same decoder
+    in the same chunk."""
     at = [(i, k) for i, k in enumerate(keys) if k is not None]
     if not at:
         return [], []
     index = [i for i, _ in at]
-    mine = out[index]
+    every = len(index) == len(out)  # `at` is in order: every row is row j
+    mine = out if every else out[index]
     own = [(k, mine[j]) for j, (_, k) in enumerate(at)]
     if not other:
         return own, []
-    theirs = decode_rows(decoder, other, part, device)[index]
+    theirs = decode_rows(decoder, other, part, device)
+    theirs = theirs if every else theirs[index]
     return own, [(k, theirs[j]) for j, (_, k) in enumerate(at)]
 
 

@@ -35,12 +35,25 @@ class LayerDiff:
 
 def kl_rows(p: torch.Tensor, q: torch.Tensor) -> list[float]:
     """KL(softmax p ‖ softmax q) of each pair of rows of logits [n, V], in nats (float64); q is
-    moved to p's device (two models may sit on different devices)."""
+    moved to p's device (two models may sit on different devices). Each row's figure depends on
+    that row's logits alone (one thread): a row gives the same bits in any stack of rows."""
     with one_thread():
         lp = torch.log_softmax(p.double(), dim=-1)
         lq = torch.log_softmax(q.to(p.device).double(), dim=-1)
-        terms = torch.where(torch.isneginf(lp), 0.0, lp.exp() * (lp - lq))  # 0 log 0 = 0
+        terms = lp.exp().mul_(lp - lq)
+        if bool(torch.isinf(p).any()):  # logits without an infinity have no log p of -inf
+            terms = torch.where(torch.isneginf(lp), 0.0, terms)  # 0 log 0 = 0
         return terms.sum(dim=-1).clamp_min(0.0).tolist()
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two rows hold the same bits (then any computation on them gives the same)."""
+    if x is y:
+        return True
+    alike = x.dtype == y.dtype and x.shape == y.shape and x.device == y.device
+    if not alike or not (x.is_contiguous() and y.is_contiguous()):
+        return False
+    return bool(torch.equal(x.view(torch.uint8), y.view(torch.uint8)))
 
 
 def compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
@@ -58,19 +71,14 @@ def _compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
             f"the two models' outputs differ in size ({a.vocab_size:,} and {b.vocab_size:,} "
             "rows): their predictions cannot be compared token by token"
         )
-    n = a.num_layers
-    layers = a.layers
-
-    def lens_rows(r: LensResult) -> torch.Tensor:
-        assert r.kept is not None
-        out = r.output_at(position)
-        assert out is not None
-        return torch.stack([out if x == n else r.kept.logits[(x, position)] for x in layers])
-
-    kl = kl_rows(lens_rows(a), lens_rows(b))
-    own = torch.stack([a.kept.logits[(x, position)] for x in layers])
-    theirs = torch.stack([a.kept.other[(x, position)] for x in layers])
-    residual_kl = kl_rows(own, theirs)
+    n, layers = a.num_layers, a.layers
+    lens_a, lens_b = (_lens_rows(r, layers, n, position) for r in (a, b))
+    kl = kl_rows(torch.stack(lens_a), torch.stack(lens_b))
+    own = [a.kept.logits[(x, position)] for x in layers]
+    theirs = [a.kept.other[(x, position)] for x in layers]
+    residual_kl = _again(
+        kl, list(zip(lens_a, lens_b, strict=True)), list(zip(own, theirs, strict=True))
+    )
     out = []
     for i, x in enumerate(layers):
         top_a, top_b = a.rows[(x, position)], b.rows[(x, position)]
@@ -79,6 +87,32 @@ def _compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
             delta = top_b.target_logprob - top_a.target_logprob
         agree = top_a.ids[0] == top_b.ids[0]
         out.append(LayerDiff(x, kl[i], residual_kl[i], agree, delta, top_b))
+    return out
+
+
+def _lens_rows(r: LensResult, layers: list[int], n: int, position: int) -> list[torch.Tensor]:
+    """The lens row of each layer at a position: its kept logits, the model's own at layer n."""
+    assert r.kept is not None
+    out = r.output_at(position)
+    assert out is not None
+    return [out if x == n else r.kept.logits[(x, position)] for x in layers]
+
+
+Rows = list[tuple[torch.Tensor, torch.Tensor]]
+"""(p, q) rows of logits, one pair per layer."""
+
+
+def _again(kl: list[float], done: Rows, rows: Rows) -> list[float]:
+    """`kl_rows` of the pairs `rows`, taking the figure of `done`'s pair at the same layer
+    where both rows hold the same bits as that pair's (A's own rows are its lens rows below
+    the last layer; B's residual through A's decoder is B's lens where their tails match)."""
+    out = list(kl)
+    todo = [i for i, ((p, q), (p0, q0)) in enumerate(zip(rows, done, strict=True))
+            if not (same_bits(p, p0) and same_bits(q, q0))]  # fmt: skip
+    if todo:
+        p, q = (torch.stack([rows[i][j] for i in todo]) for j in (0, 1))
+        for i, value in zip(todo, kl_rows(p, q), strict=True):
+            out[i] = value
     return out
 
 
