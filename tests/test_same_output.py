@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,11 +54,6 @@ _STORY = (
 )
 
 
-def _readme_prompts() -> str:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    return re.findall(r"```jsonl\n(.*?)```", readme, flags=re.S)[0]
-
-
 def _run(argv: list[str], threads: int = 0) -> bytes:
     result = subprocess.run(
         [sys.executable, "-c", _FORCED, str(threads), *argv], capture_output=True, cwd=ROOT
@@ -69,13 +63,13 @@ def _run(argv: list[str], threads: int = 0) -> bytes:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prompts", ["readme", "forty", "one"])
+@pytest.mark.parametrize("prompts", ["forty", "one"])
 def test_lens_json_is_the_same_whatever_the_load_and_threads(prompts, smollm2, tmp_path):
     if prompts == "one":  # 55 tokens, every position: large work, one row's sums on its own
         argv = ["lens", str(smollm2), _STORY, "--position", "all", "--json"]
     else:
-        text = _readme_prompts() if prompts == "readme" else _forty_prompts()
-        assert len(text.splitlines()) == (6 if prompts == "readme" else 40)
+        text = _forty_prompts()
+        assert len(text.splitlines()) == 40
         (tmp_path / "prompts.jsonl").write_text(text, encoding="utf-8")
         argv = ["lens", str(smollm2), "--prompts", str(tmp_path / "prompts.jsonl"), "--json"]
     argv.append("--quiet")

@@ -446,9 +446,9 @@ def test_smollm2_tuned_lens_beats_the_logit_lens_at_every_layer(smollm2, cli, tm
     data = python_docs(tmp_path / "train.txt", held_out=False)
     held = python_docs(tmp_path / "eval.txt", held_out=True)
     out = tmp_path / "lens"
-    # 20,480 tokens fitted by least squares (the refinement, a full softmax per layer and token,
+    # 8,192 tokens fitted by least squares (the refinement, a full softmax per layer and token,
     # is tested on the tiny models), 512 held out
-    args = ["--tokens", "20480", "--eval-tokens", "512", "--method", "affine"]
+    args = ["--tokens", "8192", "--eval-tokens", "512", "--method", "affine"]
     report = cli.json("tune", smollm2, "--data", data, "--eval", held, "--out", out, *args)
     layers = report["layers"]
     assert len(layers) == 31
