@@ -63,6 +63,20 @@ def _run(model: str, args: list[str]) -> str:
     return f"exit {out.returncode}\n--- stdout\n{out.stdout}--- stderr\n{out.stderr}"
 
 
+def compare(out: Path, against: Path | None) -> int:
+    """Print which saved outputs in `out` differ from (or are missing in) `against`'s; the exit
+    code: 1 where any does, 0 where none does or there is nothing to compare with."""
+    if against is None:
+        return 0
+    differ = [
+        p.name
+        for p in sorted(out.glob("*.txt"))
+        if not (against / p.name).exists() or (against / p.name).read_bytes() != p.read_bytes()
+    ]
+    print(f"{len(differ)} of {len(list(out.glob('*.txt')))} outputs differ: {differ}")
+    return 1 if differ else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -88,16 +102,7 @@ def main() -> int:
                 text = _run(model, args).replace(model, "MODEL").replace(str(prompts), "FILE")
                 (opts.out / f"{name}.{case}.txt").write_text(text)
                 print(name, case, text.splitlines()[0], flush=True)
-    if opts.against is None:
-        return 0
-    differ = [
-        p.name
-        for p in sorted(opts.out.glob("*.txt"))
-        if not (opts.against / p.name).exists()
-        or (opts.against / p.name).read_bytes() != p.read_bytes()
-    ]
-    print(f"{len(differ)} of {len(list(opts.out.glob('*.txt')))} outputs differ: {differ}")
-    return 1 if differ else 0
+    return compare(opts.out, opts.against)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.lens_outputs import compare  # noqa: E402
 from tests.models import build  # noqa: E402
 
 CACHE = ROOT / "bench" / ".cache"
@@ -136,16 +137,7 @@ def main() -> int:
                     text = text.replace(str(path), label)
                 (opts.out / f"{name}.{case}.txt").write_text(text)
                 print(name, case, text.splitlines()[0], flush=True)
-    if opts.against is None:
-        return 0
-    differ = [
-        p.name
-        for p in sorted(opts.out.glob("*.txt"))
-        if not (opts.against / p.name).exists()
-        or (opts.against / p.name).read_bytes() != p.read_bytes()
-    ]
-    print(f"{len(differ)} of {len(list(opts.out.glob('*.txt')))} outputs differ: {differ}")
-    return 1 if differ else 0
+    return compare(opts.out, opts.against)
 
 
 if __name__ == "__main__":
