@@ -20,7 +20,10 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from embedlens.model.prefetch import Prefetch
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -137,6 +140,28 @@ def weight_files(folder: Path, config: Any) -> list[Path] | None:
         return None
     if getattr(config, "transformers_weights", None) or type(config).extra_files:
         return None
+    return _safetensors_files(folder)
+
+
+def early_files(folder: Path | None, trust_remote_code: bool) -> list[Path] | None:
+    """`weight_files` as far as config.json read as JSON tells, before transformers is imported:
+    None also where the direct load surely does not apply (a quantised checkpoint, repository
+    code the caller trusts)."""
+    if folder is None or (folder / "adapter_config.json").exists():
+        return None
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("quantization_config") is not None:
+        return None
+    if trust_remote_code and raw.get("auto_map"):
+        return None
+    return _safetensors_files(folder)
+
+
+def _safetensors_files(folder: Path) -> list[Path] | None:
+    """The folder's one safetensors file, or the shards its index names; None otherwise."""
     if (folder / WEIGHTS).is_file():
         return [folder / WEIGHTS]
     index = folder / WEIGHTS_INDEX
@@ -157,13 +182,15 @@ def _distributed(folder: Path) -> bool:
     return bool(is_sharded_checkpoint(str(folder)))
 
 
-def load_float32(folder: Path, config: Any, files: list[Path]) -> tuple[Any, dict[str, Any]] | None:
+def load_float32(
+    folder: Path, config: Any, files: list[Path], early: Prefetch | None = None
+) -> tuple[Any, dict[str, Any]] | None:
     """`AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
     output_loading_info=True, ignore_mismatched_sizes=True)`, the same model and loading info,
     its tensors read from the memory-mapped files and assigned in place; None (nothing loaded)
     when transformers would convert a tensor on the way (merge, split, transpose), quantise, or
     keep some modules in another dtype. The generation config is not read: the lens never
-    generates."""
+    generates. `early`: float32 copies of the tensors already begun (`prefetch`)."""
     if not _supported() or getattr(config, "quantization_config", None) is not None:
         return None
     found = causal_lm_class(config)
@@ -177,7 +204,7 @@ def load_float32(folder: Path, config: Any, files: list[Path]) -> tuple[Any, dic
     plan = _plan(model, files)
     if plan is None:
         return None
-    info = _assign(model, plan, dtype)
+    info = _assign(model, plan, dtype, early)
     return model, _finalised(model_class, model, info, where, dtype, plan.conversions)
 
 
@@ -263,9 +290,10 @@ def _plan(model: Any, files: list[Path]) -> _Plan | None:
     return plan
 
 
-def _assign(model: Any, plan: _Plan, dtype: Any) -> Any:
+def _assign(model: Any, plan: _Plan, dtype: Any, early: Prefetch | None) -> Any:
     """Read each planned tensor (as float32, or its own dtype for integer buffers) into its
-    place, as transformers' set_param_for_module does; the loading info of what was not."""
+    place, as transformers' set_param_for_module does, taking the copies `early` made; the
+    loading info of what was not."""
     from safetensors import safe_open
     from transformers.core_model_loading import set_param_for_module
     from transformers.utils.loading_report import LoadStateDictInfo
@@ -288,7 +316,9 @@ def _assign(model: Any, plan: _Plan, dtype: Any) -> Any:
                 for target, key in pairs:
                     # float32 (the model's dtype), or a buffer's own (an integer buffer stays one)
                     wanted = meta[target].dtype
-                    value = handle.get_slice(key)[...].to(device="cpu", dtype=wanted)
+                    value = None if early is None else early.take(path, key, wanted)
+                    if value is None:
+                        value = handle.get_slice(key)[...].to(device="cpu", dtype=wanted)
                     set_param_for_module(model, target, value, info, None)  # type: ignore[arg-type]
     return info
 

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from embedlens.errors import (
     CheckpointError,
@@ -33,6 +33,9 @@ from embedlens.io.source import ModelSource
 from embedlens.model import direct, import_scan, preflight
 from embedlens.model.gguf_patches import gguf_reads_shared
 from embedlens.text import error_line, first_line
+
+if TYPE_CHECKING:
+    from embedlens.model.prefetch import Prefetch
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
@@ -401,14 +404,17 @@ def load_model(
     _quiet_transformers()
     options = _load_options(dtype, config, device_map, max_memory, offload_folder)
     preflight.check_load(source, dtype=dtype, device=None if device_map else resolve_device(device))
+    direct_ok = dtype == "float32" and not device_map
     with (
+        _prefetched(source, trust_remote_code, direct_ok) as early,
         _where(source) as (where, kwargs),
         _translated(source, "loading the model"),
         gguf_reads_shared(source),
         _conversion_errors_named(source),
     ):
-        direct_ok = dtype == "float32" and not device_map
-        loaded: Any = _load_direct(source, options, trust_remote_code) if direct_ok else None
+        loaded: Any = _load_direct(source, options, trust_remote_code, early) if direct_ok else None
+        if early is not None:
+            early.close()  # the copies not taken let go (all of them, before from_pretrained)
         if loaded is None:
             from transformers import AutoModelForCausalLM
 
@@ -455,17 +461,41 @@ def _load_options(
 
 
 def _load_direct(
-    source: ModelSource, options: dict[str, Any], trust_remote_code: bool
+    source: ModelSource, options: dict[str, Any], trust_remote_code: bool, early: Prefetch | None
 ) -> tuple[Any, Any] | None:
     """(model, loading info) of a folder's safetensors loaded directly, or None where
-    transformers' from_pretrained is needed (see `direct.load_float32`)."""
+    transformers' from_pretrained is needed (see `direct.load_float32`); `early`: the copies
+    `_prefetched` began."""
     if source.kind != "dir" or source.path is None:
         return None
     config = options.get("config")
     if config is None:
         config = hf_config(source, trust_remote_code=trust_remote_code)
     files = direct.weight_files(source.path, config)
-    return None if files is None else direct.load_float32(source.path, config, files)
+    return None if files is None else direct.load_float32(source.path, config, files, early)
+
+
+@contextmanager
+def _prefetched(
+    source: ModelSource, trust_remote_code: bool, direct_ok: bool
+) -> Iterator[Prefetch | None]:
+    """The float32 copies of a folder's half-precision weights, begun on a second thread
+    (`prefetch.Prefetch`) where the load is likely direct: None elsewhere, and where the files
+    cannot be opened (the load then says why). Waited for and let go of on the way out."""
+    files = direct.early_files(source.path, trust_remote_code) if direct_ok else None
+    early = None
+    if files is not None and source.kind == "dir":
+        from embedlens.model.prefetch import Prefetch
+
+        try:
+            early = Prefetch(files)
+        except Exception:  # a broken file: the load reports it as it does without this
+            early = None
+    try:
+        yield early
+    finally:
+        if early is not None:
+            early.close()
 
 
 def _refuse_gguf_on_disk(source: ModelSource, model: Any) -> None:

@@ -1,0 +1,98 @@
+"""A folder's half-precision weights copied to float32 on a thread of their own, while the main
+thread imports transformers and builds the model on the meta device.
+
+The direct load (`direct.load_float32`) converts each bfloat16 or float16 tensor of the
+checkpoint to float32 as it assigns it: on SmolLM2 and Qwen3-0.6B the copies are a third of the
+load, and the imports and the build before them leave the second core idle. The copies are the
+same elementwise conversions `Tensor.to(torch.float32)` makes (exact: every bfloat16 and float16
+value is a float32 value), so the weights are the same bits whichever thread made them. The
+thread runs torch's batched copy (`_foreach_copy_`), which holds no GIL, a few tensors a call so
+that a load that ends early (`close`) waits for one call at most.
+
+Like `loading`, nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+CONVERTED = ("BF16", "F16")
+"""safetensors dtypes that the load converts to float32 (a float32 tensor is used as it is read)."""
+PER_CALL = 16
+"""Tensors copied by one call of the thread: a stop is seen between calls."""
+
+
+class Prefetch:
+    """float32 copies of the files' bfloat16 and float16 tensors, made on a second thread from
+    the moment it is built; `take` waits for them."""
+
+    def __init__(self, files: list[Path]) -> None:
+        import torch
+        from safetensors import safe_open
+
+        self._handles: list[Any] = []
+        self._copies: dict[tuple[Path, str], Any] = {}
+        pairs: list[tuple[Any, Any]] = []
+        for path in files:
+            handle: Any = safe_open(str(path), framework="pt", device="cpu")
+            self._handles.append(handle)
+            keys = list(handle.keys())
+            for key in keys:
+                part = handle.get_slice(key)
+                if part.get_dtype() not in CONVERTED:
+                    continue
+                source = part[...]  # the memory-mapped bytes, not read yet
+                copy = torch.empty(source.shape, dtype=torch.float32)
+                pairs.append((source, copy))
+                self._copies[(path, key)] = copy
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(pairs,), name="embedlens-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Copy the pairs, PER_CALL at a time, on one torch thread (a copy is bound by the fresh
+        pages it touches: see `direct._one_thread`)."""
+        import torch
+
+        batched = getattr(torch, "_foreach_copy_", None)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for start in range(0, len(pairs), PER_CALL):
+                if self._stop.is_set():
+                    return
+                chunk = pairs[start : start + PER_CALL]
+                if batched is not None:
+                    batched([copy for _, copy in chunk], [source for source, _ in chunk])
+                else:  # pragma: no cover - a torch without the batched copy
+                    for source, copy in chunk:
+                        copy.copy_(source)
+        except BaseException as e:  # the load then reads the tensors itself
+            self._error = e
+        finally:
+            torch.set_num_threads(before)
+
+    def take(self, path: Path, key: str, dtype: Any) -> Any | None:
+        """The float32 copy of `key` in `path` once it is made (None when the load should read
+        it itself: not converted here, another dtype wanted, or the copies failed)."""
+        self._thread.join()
+        if self._error is not None:
+            self._copies.clear()
+        import torch
+
+        if dtype != torch.float32:
+            return None
+        return self._copies.pop((path, key), None)
+
+    def close(self) -> None:
+        """Stop copying (after the current call), wait for the thread and let go of every copy
+        not taken."""
+        self._stop.set()
+        self._thread.join()
+        self._copies.clear()
+        self._handles.clear()
