@@ -14,7 +14,7 @@ import pytest
 
 from embedlens.errors import CheckpointError
 from embedlens.io.source import resolve
-from embedlens.model import direct, loading
+from embedlens.model import direct, loading, prefetch
 from embedlens.model.prefetch import Prefetch
 from tests.test_direct_load import assert_same_model, reference
 
@@ -44,8 +44,10 @@ def prefetch_threads() -> list[threading.Thread]:
 
 @pytest.fixture
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The keys whose float32 copy the load took from the prefetch."""
+    """The keys whose float32 copy the load took from the prefetch (on a machine of two cores
+    or more, as the one that runs the tests may not be)."""
     keys: list[str] = []
+    monkeypatch.setattr(prefetch, "worth_it", lambda: True)
     original = Prefetch.take
 
     def counted(self: Prefetch, path: Path, key: str, dtype: Any) -> Any:
@@ -160,3 +162,21 @@ def test_a_broken_file_is_reported_as_without_the_prefetch(tiny, tmp_path):
         loading.load_model(resolve(str(folder)), dtype="float32")
     assert "model.safetensors" in caught.value.message or str(folder) in caught.value.message
     assert not prefetch_threads()
+
+
+def test_on_one_core_the_load_reads_the_tensors_itself(tiny, tmp_path, taken, monkeypatch):
+    """One core: no second thread (the copies would only take turns with the imports)."""
+    monkeypatch.setattr(prefetch, "worth_it", lambda: False)
+    folder = halved(tiny, tmp_path, "llama-tied", "bfloat16")
+    model = loading.load_model(resolve(str(folder)), dtype="float32")
+    assert taken == []
+    assert_same_model(model, reference(folder, direct.read_config(folder))[0])
+
+
+def test_worth_it_follows_the_cores_this_process_may_use(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert not prefetch.worth_it()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert prefetch.worth_it()

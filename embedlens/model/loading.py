@@ -480,15 +480,16 @@ def _prefetched(
     source: ModelSource, trust_remote_code: bool, direct_ok: bool
 ) -> Iterator[Prefetch | None]:
     """The float32 copies of a folder's half-precision weights, begun on a second thread
-    (`prefetch.Prefetch`) where the load is likely direct: None elsewhere, and where the files
-    cannot be opened (the load then says why). Waited for and let go of on the way out."""
+    (`prefetch.Prefetch`) where the load is likely direct and the process may use two cores:
+    None elsewhere, and where the files cannot be opened (the load then says why). Waited for
+    and let go of on the way out."""
     files = direct.early_files(source.path, trust_remote_code) if direct_ok else None
     early = None
     if files is not None and source.kind == "dir":
-        from embedlens.model.prefetch import Prefetch
+        from embedlens.model import prefetch
 
         try:
-            early = Prefetch(files)
+            early = prefetch.Prefetch(files) if prefetch.worth_it() else None
         except Exception:  # a broken file: the load reports it as it does without this
             early = None
     try:

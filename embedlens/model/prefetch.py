@@ -14,6 +14,7 @@ Like `loading`, nothing here imports torch at module level.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,16 @@ CONVERTED = ("BF16", "F16")
 """safetensors dtypes that the load converts to float32 (a float32 tensor is used as it is read)."""
 PER_CALL = 16
 """Tensors copied by one call of the thread: a stop is seen between calls."""
+
+
+def worth_it() -> bool:
+    """Whether a second thread can run beside the main one: this process may use more than one
+    core (a fact of the machine, not of its load; on one core the copies would only take turns
+    with the imports)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):
+        return (os.cpu_count() or 1) > 1
 
 
 class Prefetch:
