@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from embedlens.reports.floats import LONG, dumps_floats
+
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
@@ -59,11 +61,11 @@ class Report:
         """`to_dict()` as JSON text (non-finite numbers are null, as in `--json`); text that is not
         UTF-8 (a MODEL path's raw bytes) is escaped, so the result always encodes."""
         data = self.to_dict()
-        text = json.dumps(data, ensure_ascii=False, allow_nan=False, indent=indent)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=indent)
+        lists: dict[str, str] = {}
+        text = _dumps(_marked(data, lists) if indent is None else data, indent)
+        if lists:  # the long lists of floats written apart, in their marks' places
+            spliced = _spliced(text, lists)
+            text = spliced if spliced is not None else _dumps(data, indent)
         return text
 
     def __rich__(self) -> RenderableType:
@@ -124,3 +126,43 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     raise TypeError(f"not JSON-native: {type(value).__name__}")
+
+
+_MARK = "\0embedlens-floats-{}\0"
+"""Stands in a report's JSON for a long list of floats written apart (`floats.dumps_floats`)."""
+
+
+def _marked(value: Any, lists: dict[str, str]) -> Any:
+    """`value` (JSON-native) with each long list of floats that `floats.dumps_floats` writes
+    replaced by a mark, its JSON text kept in `lists` under the mark's own JSON text."""
+    if isinstance(value, dict):
+        return {k: _marked(v, lists) for k, v in value.items()}
+    if type(value) is list and len(value) >= LONG:
+        text = dumps_floats(value)
+        if text is not None:
+            mark = _MARK.format(len(lists))
+            lists[json.dumps(mark)] = text
+            return mark
+    if isinstance(value, list):
+        return [_marked(v, lists) for v in value]
+    return value
+
+
+def _spliced(text: str, lists: dict[str, str]) -> str | None:
+    """The JSON text with each mark replaced by its list's text; None when a mark is not found
+    exactly once (a string of the report that reads as a mark)."""
+    if any(text.count(mark) != 1 for mark in lists):
+        return None
+    for mark, listed in lists.items():
+        text = text.replace(mark, listed, 1)
+    return text
+
+
+def _dumps(data: Any, indent: int | None) -> str:
+    """JSON text (non-finite numbers are null); text that is not UTF-8 escaped."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, indent=indent)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=indent)
+    return text
