@@ -74,6 +74,31 @@ def test_q8_0_rows_are_ggufs():
     assert np.array_equal(_dequantize_q8_0(raw, 128, out), dequantize(raw, q8))
 
 
+def test_q8_0_rows_are_ggufs_to_the_bit_for_any_scale():
+    """Every int8 value against every kind of float16 scale (subnormal, largest, zero of
+    either sign, infinite, NaN): gguf's float32 values, bit for bit, with the row read in place
+    (a strided view of the file's blocks) or from a copy."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from embedlens.model.matrix import _dequantize_q8_0
+
+    rng = np.random.default_rng(4)
+    specials = [6e-8, 6.1e-5, 65504.0, 0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -0.5, 0.0123]
+    scales = np.concatenate([specials, rng.standard_normal(117 - len(specials))])
+    blocks = np.empty((117 * 4, 34), np.uint8)
+    blocks[:, :2] = np.repeat(scales.astype(np.float16), 4).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (117 * 4, 32), dtype=np.uint8)
+    blocks[0, 2:] = np.arange(-128, 128, 8, dtype=np.int8).view(np.uint8)
+    raw = blocks.reshape(117, 4 * 34)
+    want = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).astype(np.float32).view(np.uint32)
+    assert np.array_equal(_dequantize_q8_0(raw, 128, None).view(np.uint32), want)
+    wide = np.zeros((117, 4 * 34 + 6), np.uint8)
+    wide[:, 3 : 3 + 4 * 34] = raw  # rows that are not contiguous
+    got = _dequantize_q8_0(wide[:, 3 : 3 + 4 * 34], 128, np.empty((117, 128), np.uint32))
+    assert np.array_equal(got.view(np.uint32), want)
+
+
 def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypatch):
     """The passes split the rows between threads (one per core); the reference rows' mean adds
     the blocks' sums in order, so a machine with more cores prints the same figures. On the
