@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -282,3 +284,32 @@ def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch)
     for name in ("indicator", "norms", "signature", "mean_distance"):
         a, b = getattr(stats, name), getattr(taken, name)
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+
+
+class _Table:
+    """Rows held in memory (what identical_rows takes from a matrix)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    def take(self, ids: list[int]) -> np.ndarray:
+        return self.table[ids]
+
+
+def test_identical_rows_by_signature():
+    """Equal signatures are compared in full (a zero of either sign is one signature); NaN
+    signatures are never equal; rows past the limit are left out."""
+    from embedlens.analysis.undertrained import identical_rows
+
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    table[7] = table[2]
+    table[9] = table[2]
+    sig = np.arange(10, dtype=np.float32)
+    sig[[3, 5]] = np.nan
+    rows: Any = _Table(table)
+    assert identical_rows(rows, sig, 10) == []
+    sig[2], sig[7], sig[9] = 0.0, -0.0, 0.0
+    assert identical_rows(rows, sig, 10) == [[2, 7, 9]]
+    assert identical_rows(rows, sig, 9) == [[2, 7]]
+    sig[4] = sig[6] = 1.5  # equal signatures, different rows
+    assert identical_rows(rows, sig, 10) == [[2, 7, 9]]
