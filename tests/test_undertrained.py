@@ -313,3 +313,36 @@ def test_identical_rows_by_signature():
     assert identical_rows(rows, sig, 9) == [[2, 7]]
     sig[4] = sig[6] = 1.5  # equal signatures, different rows
     assert identical_rows(rows, sig, 10) == [[2, 7, 9]]
+
+
+def _pairs_in_stable_order(signature: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Neighbours with equal signatures when every row is put in stable order."""
+    order = np.argsort(signature[:limit], kind="stable")
+    sig = signature[order]
+    return [(int(order[k]), int(order[k + 1])) for k in np.flatnonzero(sig[1:] == sig[:-1])]
+
+
+def test_identical_rows_match_a_stable_order_of_every_row(monkeypatch):
+    """Only the rows whose signature another row shares are put in order: the pairs compared
+    are those a stable sort of every row gives, in the same order."""
+    from embedlens.analysis import undertrained
+
+    rng = np.random.default_rng(5)
+    compared: list[tuple[int, int]] = []
+
+    def equal(a: np.ndarray, b: np.ndarray) -> bool:
+        compared.append((int(a[0]), int(b[0])))
+        return True
+
+    for _ in range(200):
+        n = int(rng.integers(2, 300))
+        sig = rng.integers(0, max(2, n // 3), n).astype(np.float32) * rng.choice([1, -1], n)
+        sig[rng.random(n) < 0.1] = np.nan
+        sig[rng.random(n) < 0.05] = -0.0
+        limit = int(rng.integers(1, n + 1))
+        compared.clear()
+        monkeypatch.setattr(undertrained.np, "array_equal", equal)
+        rows: Any = _Table(np.arange(n, dtype=np.float32)[:, None])
+        undertrained.identical_rows(rows, sig, limit)
+        monkeypatch.undo()
+        assert compared == _pairs_in_stable_order(sig, limit)
