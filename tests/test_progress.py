@@ -131,3 +131,16 @@ def test_json_off_a_terminal_imports_no_rich(smollm2):
     assert "rich.console" in imported
     result, imported, said = _imports_of("vocab", smollm2.parent / "missing.gguf", "--json")
     assert result.returncode != 0 and said[0].startswith("error: ")
+
+
+def test_consoles_made_late_take_their_sizes_from_import(monkeypatch):
+    """The consoles are made when first asked for, yet as if at import: COLUMNS unset then, the
+    width follows COLUMNS at every use (a test's run sets its own); set then, it stays."""
+    monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", (None, None))
+    monkeypatch.setenv("COLUMNS", "77")
+    made = _output._consoles()
+    monkeypatch.setenv("COLUMNS", "123")
+    assert made["console"].width == 123 and made["err_console"].width == 123
+    monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", ("90", "30"))
+    made = _output._consoles()
+    assert made["console"].width == 90 and made["console"].height == 30

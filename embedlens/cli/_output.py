@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
 
+_SIZE_AT_IMPORT = (os.environ.get("COLUMNS"), os.environ.get("LINES"))
+"""COLUMNS and LINES as this module was imported. Rich fixes a console's width and height from
+them when the console is made; the consoles were once made at import, and made later they take
+the sizes this module was imported with (unset: read again at every use, as before)."""
+
+
 def _consoles() -> dict[str, Console]:
     """The stdout and stderr consoles. No string printed is read as markup or emoji codes: what
     is shown is text, never instructions."""
@@ -36,10 +42,16 @@ def _consoles() -> dict[str, Console]:
             exit 1."""
             raise BrokenPipeError
 
-    return {
+    made = {
         "console": _Console(highlight=False, soft_wrap=False, markup=False, emoji=False),
         "err_console": Console(stderr=True, highlight=False, markup=False, emoji=False),
     }
+    width, height = (int(v) if v is not None and v.isdigit() else None for v in _SIZE_AT_IMPORT)
+    for console in made.values():
+        if not console.is_jupyter:  # Jupyter's sizes come from its own variables
+            console._width = None if width is None else width - console.legacy_windows
+            console._height = height
+    return made
 
 
 def __getattr__(name: str) -> Any:
