@@ -2,7 +2,7 @@
 
 Rich is imported when something is shown through it: the consoles (`console`, `err_console`)
 are made when first asked for, so a command that writes JSON and finds stderr plainly no
-terminal (`_err_terminal`) never imports it (a thirtieth of `vocab --json`'s time)."""
+terminal (`_err_terminal`) never imports it (about 30 ms of a process's start)."""
 
 from __future__ import annotations
 
@@ -194,9 +194,9 @@ def rendered(renderable: RenderableType) -> str:
     Nothing is cut to the width: a word longer than a line (a fingerprint, a path) stands whole on
     its line, and a table too wide for the terminal keeps its figures and tokens whole and prints
     wider (views.format.Sheet), rather than ending in '…'."""
-    buffer = io.StringIO()
     from rich.console import Console
 
+    buffer = io.StringIO()
     console = _out()
     Console(
         file=buffer,
