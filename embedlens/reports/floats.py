@@ -30,11 +30,14 @@ _SCALE = 10**6
 _LIMIT = 1e6
 
 
-def dumps_floats(values: list[float]) -> str | None:
+def dumps_floats(values: list[float], *, checked: bool = False) -> str | None:
     """`json.dumps(values)` (its default separators) for a list of floats that are each a whole
     number of millionths below 10^6 in size; None when the list holds anything else (another
-    type, a non-finite float, a float with more decimals or as large) or is empty."""
-    if not values or sys.float_repr_style != "short" or set(map(type, values)) != {float}:
+    type, a non-finite float, a float with more decimals or as large) or is empty. `checked`:
+    the caller has seen that every item is a float."""
+    if not values or sys.float_repr_style != "short":
+        return None
+    if not checked and set(map(type, values)) != {float}:
         return None
     import numpy as np
 
