@@ -464,6 +464,14 @@ def _claim(*fields: bytes) -> bytes:
             _claim(struct.pack("<QQQ", 0, 1, 1), b"k", struct.pack("<IIQQ", 9, 8, 300, 300 << 20)),
             id="string-array-spanning-300-MiB",
         ),
+        pytest.param(
+            _claim(struct.pack("<QQQ", 0, 1, 1), b"k", struct.pack("<IIQQ", 9, 8, 300, 2**64 - 1)),
+            id="string-of-2^64-1-bytes-in-an-array",
+        ),
+        pytest.param(
+            _claim(struct.pack("<QQQ", 0, 1, 1), b"k", struct.pack("<IIQQ", 9, 8, 300, 2**62)),
+            id="string-of-2^62-bytes-in-an-array",
+        ),
     ],
 )
 def test_gguf_claims_are_bounded_whatever_the_file_size(header):

@@ -111,3 +111,36 @@ def test_tune_off_a_terminal_says_its_phase(cli, tiny, tmp_path, monkeypatch):
     phases = {line.split(" ", 1)[0] for line in said}
     assert phases & {"fitting", "refining", "evaluating"}, said
     assert all(re.match(r"\w+ [\d,]+/[\d,]+", line) for line in said if line[0] != "l"), said
+
+
+def test_json_off_a_terminal_imports_no_rich(smollm2):
+    """`vocab --json` with stderr no terminal shows nothing through Rich, so never imports it
+    (a thirtieth of its time on a 262k vocabulary); the tables and an error line still do."""
+    import json
+
+    from tests.test_chat_template import _imports_of
+
+    def rich(imported: set[str]) -> set[str]:
+        return {m for m in imported if m == "rich" or m.startswith("rich.")}
+
+    result, imported, _ = _imports_of("vocab", smollm2, "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["command"] == "vocab"
+    assert not rich(imported)
+    result, imported, _ = _imports_of("vocab", smollm2)
+    assert result.returncode == 0 and "Vocabulary" in result.stdout
+    assert "rich.console" in imported
+    result, imported, said = _imports_of("vocab", smollm2.parent / "missing.gguf", "--json")
+    assert result.returncode != 0 and said[0].startswith("error: ")
+
+
+def test_consoles_made_late_take_their_sizes_from_import(monkeypatch):
+    """The consoles are made when first asked for, yet as if at import: COLUMNS unset then, the
+    width follows COLUMNS at every use (a test's run sets its own); set then, it stays."""
+    monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", (None, None))
+    monkeypatch.setenv("COLUMNS", "77")
+    made = _output._consoles()
+    monkeypatch.setenv("COLUMNS", "123")
+    assert made["console"].width == 123 and made["err_console"].width == 123
+    monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", ("90", "30"))
+    made = _output._consoles()
+    assert made["console"].width == 90 and made["console"].height == 30

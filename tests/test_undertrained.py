@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,31 @@ def test_q8_0_rows_are_ggufs():
     assert np.array_equal(_dequantize_q8_0(raw, 128, None), dequantize(raw, q8))
     out = np.empty((70, 128), np.uint32)
     assert np.array_equal(_dequantize_q8_0(raw, 128, out), dequantize(raw, q8))
+
+
+def test_q8_0_rows_are_ggufs_to_the_bit_for_any_scale():
+    """Every int8 value against every kind of float16 scale (subnormal, largest, zero of
+    either sign, infinite, NaN): gguf's float32 values, bit for bit, with the row read in place
+    (a strided view of the file's blocks) or from a copy."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from embedlens.model.matrix import _dequantize_q8_0
+
+    rng = np.random.default_rng(4)
+    specials = [6e-8, 6.1e-5, 65504.0, 0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -0.5, 0.0123]
+    scales = np.concatenate([specials, rng.standard_normal(117 - len(specials))])
+    blocks = np.empty((117 * 4, 34), np.uint8)
+    blocks[:, :2] = np.repeat(scales.astype(np.float16), 4).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (117 * 4, 32), dtype=np.uint8)
+    blocks[0, 2:] = np.arange(-128, 128, 8, dtype=np.int8).view(np.uint8)
+    raw = blocks.reshape(117, 4 * 34)
+    want = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).astype(np.float32).view(np.uint32)
+    assert np.array_equal(_dequantize_q8_0(raw, 128, None).view(np.uint32), want)
+    wide = np.zeros((117, 4 * 34 + 6), np.uint8)
+    wide[:, 3 : 3 + 4 * 34] = raw  # rows that are not contiguous
+    got = _dequantize_q8_0(wide[:, 3 : 3 + 4 * 34], 128, np.empty((117, 128), np.uint32))
+    assert np.array_equal(got.view(np.uint32), want)
 
 
 def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypatch):
@@ -257,3 +284,65 @@ def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch)
     for name in ("indicator", "norms", "signature", "mean_distance"):
         a, b = getattr(stats, name), getattr(taken, name)
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+
+
+class _Table:
+    """Rows held in memory (what identical_rows takes from a matrix)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    def take(self, ids: list[int]) -> np.ndarray:
+        return self.table[ids]
+
+
+def test_identical_rows_by_signature():
+    """Equal signatures are compared in full (a zero of either sign is one signature); NaN
+    signatures are never equal; rows past the limit are left out."""
+    from embedlens.analysis.undertrained import identical_rows
+
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    table[7] = table[2]
+    table[9] = table[2]
+    sig = np.arange(10, dtype=np.float32)
+    sig[[3, 5]] = np.nan
+    rows: Any = _Table(table)
+    assert identical_rows(rows, sig, 10) == []
+    sig[2], sig[7], sig[9] = 0.0, -0.0, 0.0
+    assert identical_rows(rows, sig, 10) == [[2, 7, 9]]
+    assert identical_rows(rows, sig, 9) == [[2, 7]]
+    sig[4] = sig[6] = 1.5  # equal signatures, different rows
+    assert identical_rows(rows, sig, 10) == [[2, 7, 9]]
+
+
+def _pairs_in_stable_order(signature: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Neighbours with equal signatures when every row is put in stable order."""
+    order = np.argsort(signature[:limit], kind="stable")
+    sig = signature[order]
+    return [(int(order[k]), int(order[k + 1])) for k in np.flatnonzero(sig[1:] == sig[:-1])]
+
+
+def test_identical_rows_match_a_stable_order_of_every_row(monkeypatch):
+    """Only the rows whose signature another row shares are put in order: the pairs compared
+    are those a stable sort of every row gives, in the same order."""
+    from embedlens.analysis import undertrained
+
+    rng = np.random.default_rng(5)
+    compared: list[tuple[int, int]] = []
+
+    def equal(a: np.ndarray, b: np.ndarray) -> bool:
+        compared.append((int(a[0]), int(b[0])))
+        return True
+
+    for _ in range(200):
+        n = int(rng.integers(2, 300))
+        sig = rng.integers(0, max(2, n // 3), n).astype(np.float32) * rng.choice([1, -1], n)
+        sig[rng.random(n) < 0.1] = np.nan
+        sig[rng.random(n) < 0.05] = -0.0
+        limit = int(rng.integers(1, n + 1))
+        compared.clear()
+        monkeypatch.setattr(undertrained.np, "array_equal", equal)
+        rows: Any = _Table(np.arange(n, dtype=np.float32)[:, None])
+        undertrained.identical_rows(rows, sig, limit)
+        monkeypatch.undo()
+        assert compared == _pairs_in_stable_order(sig, limit)

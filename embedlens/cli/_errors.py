@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import typer
 
-from embedlens.cli._output import err_console, silence_stdout
+from embedlens.cli import _output
+from embedlens.cli._output import silence_stdout
 from embedlens.cli._scratch import TERMINATED, remove_made
 from embedlens.errors import EmbedlensError, RankFailed, UsageError
 from embedlens.runtime import world
@@ -21,7 +22,6 @@ from embedlens.text import debug_enabled, one_line
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
-from embedlens.views.format import shown
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -29,6 +29,9 @@ R = TypeVar("R")
 
 def print_error(message: str, hint: str | None = None) -> None:
     """Print `error: ...` (and `hint: ...`) on stderr, one line each, control characters escaped."""
+    from embedlens.views.format import shown
+
+    err_console = _output.err_console
     err_console.print(shown("error: " + one_line(message), style="red"), soft_wrap=True)
     if hint:
         err_console.print(shown("hint: " + one_line(hint), style="dim"), soft_wrap=True)

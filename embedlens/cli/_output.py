@@ -1,4 +1,8 @@
-"""Output conventions: Rich tables on stdout, one JSON object with --json, notes on stderr."""
+"""Output conventions: Rich tables on stdout, one JSON object with --json, notes on stderr.
+
+Rich is imported when something is shown through it: the consoles (`console`, `err_console`)
+are made when first asked for, so a command that writes JSON and finds stderr plainly no
+terminal (`_err_terminal`) never imports it (about 30 ms of a process's start)."""
 
 from __future__ import annotations
 
@@ -10,27 +14,87 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-
-from rich.console import Console, RenderableType
-from rich.table import Column
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import OutputError
 from embedlens.io import ranges
 from embedlens.reports import Report
 from embedlens.text import binary_size
-from embedlens.views.format import shown
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
 
 
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        """A closed pipe ends a table as it ends JSON (quietly, exit 0), not with Rich's exit 1."""
-        raise BrokenPipeError
+_SIZE_AT_IMPORT = (os.environ.get("COLUMNS"), os.environ.get("LINES"))
+"""COLUMNS and LINES as this module was imported. Rich fixes a console's width and height from
+them when the console is made; the consoles were once made at import, and made later they take
+the sizes this module was imported with (unset: read again at every use, as before)."""
 
 
-# No string printed is read as markup or emoji codes: what is shown is text, never instructions.
-console = _Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
-err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+def _consoles() -> dict[str, Console]:
+    """The stdout and stderr consoles. No string printed is read as markup or emoji codes: what
+    is shown is text, never instructions."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            """A closed pipe ends a table as it ends JSON (quietly, exit 0), not with Rich's
+            exit 1."""
+            raise BrokenPipeError
+
+    made = {
+        "console": _Console(highlight=False, soft_wrap=False, markup=False, emoji=False),
+        "err_console": Console(stderr=True, highlight=False, markup=False, emoji=False),
+    }
+    width, height = (int(v) if v is not None and v.isdigit() else None for v in _SIZE_AT_IMPORT)
+    for console in made.values():
+        if not console.is_jupyter:  # Jupyter's sizes come from its own variables
+            console._width = None if width is None else width - console.legacy_windows
+            console._height = height
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    """`console` and `err_console`, made when first asked for (one set in their place, as a
+    test does, is kept)."""
+    if name not in ("console", "err_console"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for key, made in _consoles().items():
+        globals().setdefault(key, made)
+    return globals()[name]
+
+
+def _out() -> Console:
+    return globals().get("console") or __getattr__("console")  # type: ignore[no-any-return]
+
+
+def _err() -> Console:
+    return globals().get("err_console") or __getattr__("err_console")  # type: ignore[no-any-return]
+
+
+def _err_terminal() -> bool:
+    """`err_console.is_terminal`, without making the console when stderr is plainly no terminal:
+    no tty, TTY_COMPATIBLE not 1 and FORCE_COLOR unset (Rich then finds none either)."""
+    if "err_console" not in globals() and not _may_be_terminal():
+        return False
+    return bool(_err().is_terminal)
+
+
+def _may_be_terminal() -> bool:
+    if os.environ.get("TTY_COMPATIBLE", "") == "1" or "FORCE_COLOR" in os.environ:
+        return True
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return bool(isatty is not None and isatty())
+    except ValueError:
+        return False
+
+
+def _shown(text: str, style: str = "") -> Any:
+    from embedlens.views.format import shown
+
+    return shown(text, style=style)
+
 
 _state = {"quiet": False}
 
@@ -130,7 +194,10 @@ def rendered(renderable: RenderableType) -> str:
     Nothing is cut to the width: a word longer than a line (a fingerprint, a path) stands whole on
     its line, and a table too wide for the terminal keeps its figures and tokens whole and prints
     wider (views.format.Sheet), rather than ending in '…'."""
+    from rich.console import Console
+
     buffer = io.StringIO()
+    console = _out()
     Console(
         file=buffer,
         width=console.width,
@@ -148,12 +215,12 @@ def rendered(renderable: RenderableType) -> str:
 def note(message: str, *, style: str = "yellow") -> None:
     """A note on stderr (silenced by --quiet)."""
     if not _state["quiet"]:
-        err_console.print(shown(message, style=style), soft_wrap=True)
+        _err().print(_shown(message, style=style), soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """A warning on stderr that --quiet does not silence: something the user must know."""
-    err_console.print(shown("warning: " + message, style="bold red"), soft_wrap=True)
+    _err().print(_shown("warning: " + message, style="bold red"), soft_wrap=True)
 
 
 PLAIN_EVERY = 10.0
@@ -175,7 +242,7 @@ def plain_progress(line: Callable[[float], str]) -> Iterator[None]:
     """Off a terminal and without --quiet: every PLAIN_EVERY seconds while the block runs, the
     line `line(seconds elapsed)` on stderr; nothing else (no line for work done sooner)."""
     every = _plain_every()
-    if _state["quiet"] or err_console.is_terminal or every <= 0:
+    if _state["quiet"] or _err_terminal() or every <= 0:
         yield
         return
     stop = threading.Event()
@@ -185,7 +252,7 @@ def plain_progress(line: Callable[[float], str]) -> Iterator[None]:
         while not stop.wait(every):
             text = line(time.monotonic() - start)
             with suppress(Exception):  # stderr closed or full: progress is not worth an error
-                err_console.print(shown(text), soft_wrap=True, highlight=False)
+                _err().print(_shown(text), soft_wrap=True, highlight=False)
 
     thread = threading.Thread(target=tick, name="embedlens-progress", daemon=True)
     thread.start()
@@ -206,11 +273,11 @@ def elapsed(seconds: float) -> str:
 def progress(message: str) -> Iterator[None]:
     """A spinner on stderr while work runs on a terminal; off one, a plain line every
     PLAIN_EVERY seconds (neither with --quiet)."""
-    if _state["quiet"] or not err_console.is_terminal:
+    if _state["quiet"] or not _err_terminal():
         with plain_progress(lambda t: f"{message}: {elapsed(t)}"):
             yield
         return
-    with err_console.status(shown(message), spinner="dots"):
+    with _err().status(_shown(message), spinner="dots"):
         yield
 
 
@@ -219,7 +286,7 @@ def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
     """A progress line on stderr counting items done and their rate (on a terminal; off one, a
     plain line every PLAIN_EVERY seconds; neither with --quiet); yields the function that counts
     one more. The count comes first, so a long message never hides it."""
-    if _state["quiet"] or not err_console.is_terminal:
+    if _state["quiet"] or not _err_terminal():
         done = [0]
 
         def line(t: float) -> str:
@@ -240,6 +307,8 @@ def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
         TextColumn,
         TimeElapsedColumn,
     )
+    from rich.table import Column
+    from rich.text import Text
 
     class Rate(ProgressColumn):
         def render(self, task: Task) -> Text:
@@ -258,8 +327,8 @@ def counter(message: str, unit: str) -> Iterator[Callable[[], None]]:
             table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"),
         ),
     )
-    with Progress(*columns, console=err_console, transient=True, expand=True) as bar:
-        task = bar.add_task(shown(message).plain, total=None)
+    with Progress(*columns, console=_err(), transient=True, expand=True) as bar:
+        task = bar.add_task(_shown(message).plain, total=None)
         yield lambda: bar.advance(task)
 
 
@@ -268,7 +337,7 @@ def byte_bar(message: str, total: int) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr for a large download (on a terminal, as huggingface_hub shows one;
     off one, a plain line every PLAIN_EVERY seconds; neither with --quiet); yields the function
     that counts bytes received."""
-    if _state["quiet"] or not err_console.is_terminal:
+    if _state["quiet"] or not _err_terminal():
         got = [0]
 
         def line(t: float) -> str:
@@ -297,8 +366,8 @@ def byte_bar(message: str, total: int) -> Iterator[Callable[[int], None]]:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        task = bar.add_task(shown(message).plain, total=total)
+    with Progress(*columns, console=_err(), transient=True) as bar:
+        task = bar.add_task(_shown(message).plain, total=total)
         yield lambda n: bar.advance(task, n)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from embedlens.cli import _output
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
@@ -21,7 +22,7 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import elapsed, emit, err_console, note, plain_progress
+from embedlens.cli._output import elapsed, emit, note, plain_progress
 from embedlens.runtime import world
 from embedlens.text import model_title
 
@@ -164,7 +165,7 @@ def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
     if quiet:
         yield None
         return
-    if not err_console.is_terminal:
+    if not _output.err_console.is_terminal:
         latest = ["loading the model and reading the data"]
         what = f"Tuning a lens on {model_title(model)}"
 
@@ -183,7 +184,7 @@ def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
         TimeElapsedColumn(),
         TextColumn("{task.fields[detail]}", markup=False),
     )
-    with Progress(*columns, console=err_console, transient=True) as bar:
+    with Progress(*columns, console=_output.err_console, transient=True) as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(phase: str, done: int, total: int, detail: str) -> None:

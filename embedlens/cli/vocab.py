@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from embedlens.cli import _output
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._options import (
     DebugOpt,
@@ -15,7 +16,7 @@ from embedlens.cli._options import (
     QuietOpt,
     RevisionOpt,
 )
-from embedlens.cli._output import err_console, plain_progress
+from embedlens.cli._output import plain_progress
 from embedlens.cli._run import run_report
 
 if TYPE_CHECKING:
@@ -184,12 +185,12 @@ class _Bar:
 
     def update(self, done: int, total: int) -> None:
         self._done = (done, total)
-        if self._quiet or not err_console.is_terminal:
+        if self._quiet or not _output.err_console.is_terminal:
             return
         from rich.progress import Progress
 
         if self._progress is None or self._task is None:
-            self._progress = Progress(console=err_console, transient=True)
+            self._progress = Progress(console=_output.err_console, transient=True)
             self._progress.start()
             self._task = self._progress.add_task("Verifying", total=total)
         self._progress.update(self._task, completed=done)

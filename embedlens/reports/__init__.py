@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from embedlens.reports.floats import LONG, dumps_floats
+
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
@@ -44,7 +46,11 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object `--json` prints: schema_version, command, model, then the fields."""
-        body = _plain(self)
+        return self._json_object(None)
+
+    def _json_object(self, lists: dict[str, str] | None) -> dict[str, Any]:
+        """`to_dict()`; given `lists`, with each long list of floats written apart (`_plain`)."""
+        body = _plain(self, lists)
         out: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "command": self.command,
@@ -58,12 +64,11 @@ class Report:
     def to_json(self, *, indent: int | None = None) -> str:
         """`to_dict()` as JSON text (non-finite numbers are null, as in `--json`); text that is not
         UTF-8 (a MODEL path's raw bytes) is escaped, so the result always encodes."""
-        data = self.to_dict()
-        text = json.dumps(data, ensure_ascii=False, allow_nan=False, indent=indent)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=indent)
+        lists: dict[str, str] | None = {} if indent is None else None
+        text = _dumps(self._json_object(lists), indent)
+        if lists:  # the long lists of floats written apart, in their marks' places
+            spliced = _spliced(text, lists)
+            text = spliced if spliced is not None else _dumps(self.to_dict(), indent)
         return text
 
     def __rich__(self) -> RenderableType:
@@ -106,21 +111,57 @@ def _registered(table: dict[type, Callable[[Any], T]], kind: type) -> Callable[[
     )
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, lists: dict[str, str] | None = None) -> Any:
     """A report as JSON-native values (what dataclasses.asdict gives, non-finite floats as None),
-    in one pass: a list of floats (every row's value) is converted without a call per item."""
+    in one pass: a list of floats (every row's value) is converted without a call per item, and
+    given `lists`, a long one is written apart (`_apart`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name), lists) for f in dataclasses.fields(value)}
     if type(value) is list and value and set(map(type, value)) == {float}:
         if math.isfinite(sum(value)):  # a NaN or an infinity would make the sum one
-            return list(value)
+            return list(value) if lists is None or len(value) < LONG else _apart(value, lists)
         return [v if math.isfinite(v) else None for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, lists) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, lists) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     raise TypeError(f"not JSON-native: {type(value).__name__}")
+
+
+_MARK = "\0embedlens-floats-{}\0"
+"""Stands in a report's JSON for a long list of floats written apart (`floats.dumps_floats`)."""
+
+
+def _apart(values: list[float], lists: dict[str, str]) -> Any:
+    """A mark in place of a long list of finite floats whose JSON text `floats.dumps_floats`
+    writes (kept in `lists` under the mark's own JSON text); else the list itself."""
+    text = dumps_floats(values, checked=True)
+    if text is None:
+        return list(values)
+    mark = _MARK.format(len(lists))
+    lists[json.dumps(mark)] = text
+    return mark
+
+
+def _spliced(text: str, lists: dict[str, str]) -> str | None:
+    """The JSON text with each mark replaced by its list's text; None when a mark is not found
+    exactly once (a string of the report that reads as a mark)."""
+    if any(text.count(mark) != 1 for mark in lists):
+        return None
+    for mark, listed in lists.items():
+        text = text.replace(mark, listed, 1)
+    return text
+
+
+def _dumps(data: Any, indent: int | None) -> str:
+    """JSON text (non-finite numbers are null); text that is not UTF-8 escaped."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, indent=indent)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=indent)
+    return text
