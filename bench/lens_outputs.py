@@ -52,8 +52,13 @@ def _run(model: str, args: list[str]) -> str:
     # no plain progress lines: a run past 10 s on a busy machine would print one
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", PYTHONPATH=str(ROOT),
                EMBEDLENS_PROGRESS_SECONDS="0")  # fmt: skip
+    return run_lens([model, *args], env)
+
+
+def run_lens(argv: list[str], env: dict[str, str]) -> str:
+    """`embedlens lens ARGV` of this tree, in `env`: its exit code, stdout and stderr as text."""
     out = subprocess.run(
-        [sys.executable, "-m", "embedlens", "lens", model, *args],
+        [sys.executable, "-m", "embedlens", "lens", *argv],
         capture_output=True,
         text=True,
         env=env,

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.lens_outputs import compare  # noqa: E402
+from bench.lens_outputs import compare, run_lens  # noqa: E402
 from tests.models import build  # noqa: E402
 
 CACHE = ROOT / "bench" / ".cache"
@@ -84,15 +83,7 @@ def _run(a: str, b: str, args: list[str], limit: str | None) -> str:
     env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(ROOT), EMBEDLENS_PROGRESS_SECONDS="0")
     if limit is not None:
         env["EMBEDLENS_MEMORY_LIMIT"] = limit
-    out = subprocess.run(
-        [sys.executable, "-m", "embedlens", "lens", a, *args, "--against", b],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,  # `python -m` puts the working folder first on sys.path: run this tree's code
-        check=False,
-    )
-    return f"exit {out.returncode}\n--- stdout\n{out.stdout}--- stderr\n{out.stderr}"
+    return run_lens([a, *args, "--against", b], env)
 
 
 def _pairs(tmp: Path, families: list[str]) -> dict[str, tuple[Path, Path, bool]]:
