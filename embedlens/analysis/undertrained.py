@@ -23,9 +23,12 @@ flagged it. Rows that are exactly equal to each other are listed too: training w
 them apart. Groups of rows added at the end of the table (added tokens past the last ordinary id,
 rows past the tokenizer) get a verdict of their own.
 
-The matrix is read once, block by block (a float32 block at a time, never the whole matrix), by
-one thread per core, each over its own share of the rows (numpy's products release the
-interpreter's lock); everything else is a vector of V or a [d, d] matrix.
+The first principal component comes from a sample of the rows, read apart (`Component`: on a
+thread of its own, begun while the caller reads the tokenizer). The matrix is then read block by
+block (a float32 piece at a time, never the whole matrix), by one thread per core, each over its
+own share of the rows (numpy's products release the interpreter's lock): once for the reference
+rows' mean when they are too many to take one by one, once for the products. Everything else is a
+vector of V or a [d, d] matrix.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ CHECK_EVERY = 8  # Lanczos steps between residual checks
 THRESHOLD_RULE = "at or above the 99th percentile of the reference rows' indicator"
 MAX_WORKERS = 8
 SHARE_ROWS = 16384  # rows a thread takes at least (fewer go on one thread)
+PIECE_VALUES = 1 << 19
+"""Float32 values (2 MiB) in a piece of a pass's block, at least: a larger block (the 16 MiB of a
+type read through gguf's formulas) is read and multiplied a piece at a time, while it is in
+cache. Pieces this large keep the block's figures: OpenBLAS's small-matrix kernels, which it
+takes below 10^6 multiply-adds on AVX-512, sum in another order, and a piece's product by three
+vectors is above that."""
 NORM_Z = 6.0
 """Robust deviations of the log norm that flag a row. On SmolLM2 the trained rows lie within
 -3.2 and +4.9, a row at initialisation scale (norm 0.48 against a median of 3.15) at -10.5."""
@@ -111,6 +120,38 @@ def component(rows: Rows) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.
     vocabulary."""
     v = rows.shape[0]
     return component_of(rows.take(list(range(0, v, sample_stride(v)))), v)
+
+
+class Component:
+    """`component(rows)` found on a thread of its own, begun before the caller needs it: its
+    sample (every `sample_stride`-th row) asks nothing of the vocabulary, so the covariance's
+    product (numpy's BLAS, without the interpreter's lock) runs while the tokenizer is read."""
+
+    def __init__(self, rows: Rows) -> None:
+        self._found: tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._find, args=(rows,), name="embedlens-component", daemon=True
+        )
+        self._thread.start()
+
+    def _find(self, rows: Rows) -> None:
+        try:
+            self._found = component(rows)
+        except BaseException as e:  # raised by result()
+            self._error = e
+
+    def result(self) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]:
+        """What `component` gives, once the thread has ended (its error, if it raised one)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._found is not None
+        return self._found
+
+    def wait(self) -> None:
+        """End the thread, whatever it found (a call that failed elsewhere leaves none)."""
+        self._thread.join()
 
 
 def sample_stride(v: int) -> int:
@@ -230,32 +271,26 @@ def reference_mean(
         return np.zeros(d)
     if len(reference) <= SAMPLE_ROWS:
         return np.asarray(rows.take(list(reference)).mean(axis=0, dtype=np.float64))
-    return _reference_pass(rows, reference, None)
+    return _reference_pass(rows, reference)
 
 
 def _reference_pass(
-    rows: Rows,
-    reference: list[int] | npt.NDArray[np.int64],
-    sample: npt.NDArray[np.float32] | None,
+    rows: Rows, reference: list[int] | npt.NDArray[np.int64]
 ) -> npt.NDArray[np.float64]:
-    """The reference rows' mean summed block by block (`reference_mean`), in the same pass
-    copying every `sample_stride`-th row into `sample` when given: the component's sample,
-    the same values as `rows.take` gives (a row is converted on its own), without reading it
-    apart."""
+    """The reference rows' mean summed block by block (`reference_mean`)."""
     v, d = rows.shape
     weights = np.zeros(v, dtype=np.float32)
     weights[reference] = 1.0
-    step, stride = rows.pass_rows, sample_stride(v)
+    step = rows.pass_rows
     sums = np.empty((-(-v // step), d), dtype=np.float32)
 
     def share(own: Rows, first: int, last: int) -> None:
+        carried = _Carried(d)
         for start in range(first, last, step):
-            stop = min(last, start + step)
-            block = own.block(start, stop)  # no BLAS call: its threads would spin beside ours
-            np.einsum("i,ij->j", weights[start:stop], block, out=sums[start // step])
-            if sample is not None:
-                at = -(-start // stride)  # the first sampled row at or after start
-                sample[at : -(-stop // stride)] = block[at * stride - start :: stride]
+            total = sums[start // step]
+            total[...] = 0.0
+            for a, b in pieces(start, min(last, start + step), d):
+                carried.add(own, weights, a, b, total)
 
     in_shares(rows, step, share)
     total = np.zeros(d)
@@ -264,13 +299,59 @@ def _reference_pass(
     return total / len(reference)
 
 
-def row_stats(rows: Rows, reference: list[int] | npt.NDArray[np.int64]) -> RowStats:
+def pieces(start: int, stop: int, d: int) -> list[tuple[int, int]]:
+    """Rows start..stop of width d as pieces of PIECE_VALUES values or more, the last taking the
+    rest; a block too small for two pieces is one."""
+    least = -(-PIECE_VALUES // d)
+    n = (stop - start) // least
+    if n < 2:
+        return [(start, stop)]
+    bounds = [start + k * least for k in range(n)]
+    return list(zip(bounds, [*bounds[1:], stop], strict=True))
+
+
+class _Carried:
+    """A block's weighted sum taken a piece at a time, to the bit the sum over the whole block:
+    einsum adds the rows one after another into its output, which starts at zero, so each piece
+    is summed behind a first row holding the sum so far, with weight 1 (zero plus that sum is
+    that sum: a sum that starts at +0.0 is never -0.0)."""
+
+    def __init__(self, d: int) -> None:
+        self.buffer = np.empty((0, d), dtype=np.float32)
+        self.weights = np.empty(0, dtype=np.float32)
+
+    def add(
+        self,
+        rows: Rows,
+        weights: npt.NDArray[np.float32],
+        start: int,
+        stop: int,
+        total: npt.NDArray[np.float32],
+    ) -> None:
+        """Add rows start..stop-1, weighted, to `total`."""
+        n = stop - start + 1
+        if self.buffer.shape[0] < n:
+            self.buffer = np.empty((n, self.buffer.shape[1]), dtype=np.float32)
+            self.weights = np.empty(n, dtype=np.float32)
+            self.weights[0] = 1.0
+        buffer, w = self.buffer[:n], self.weights[:n]
+        buffer[0] = total
+        w[1:] = weights[start:stop]
+        rows.block_into(start, stop, buffer[1:])  # no BLAS call: its threads would spin
+        np.einsum("i,ij->j", w, buffer, out=total)
+
+
+def row_stats(
+    rows: Rows, reference: list[int] | npt.NDArray[np.int64], early: Component | None = None
+) -> RowStats:
     """Indicator, norm, signature and distance to the mean of every row, reading the matrix once,
-    block by block: cosine to the reference rows' mean with the first principal component u
+    block by block (after the reference rows' pass, when they are many), with the component
+    `early` found (else found now): cosine to the reference rows' mean with the first principal component u
     removed, from |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to
     u); the distance to the mean m from |x - m|^2 = |x|^2 - 2 x.m + |m|^2, in float64."""
     v, d = rows.shape
-    u, how, centre, ref = _component_and_reference(rows, reference)
+    ref = reference_mean(rows, reference)  # while `early` is still being found
+    u, how, centre = early.result() if early is not None else component(rows)
     ref = ref - float(ref @ u) * u
     ref_norm = float(np.linalg.norm(ref))
     probe = np.random.default_rng(0).standard_normal(d)
@@ -286,11 +367,11 @@ def row_stats(rows: Rows, reference: list[int] | npt.NDArray[np.int64]) -> RowSt
 
     def share(own: Rows, first: int, last: int) -> None:
         for start in range(first, last, step):
-            stop = min(last, start + step)
-            block = own.block(start, stop)
-            np.matmul(block, weights, out=products[start:stop])
-            np.matmul(block, mean, out=to_mean[start:stop])
-            np.einsum("ij,ij->i", block, block, out=squares[start:stop])
+            for a, b in pieces(start, min(last, start + step), d):
+                block = own.block(a, b)
+                np.matmul(block, weights, out=products[a:b])
+                np.matmul(block, mean, out=to_mean[a:b])
+                np.einsum("ij,ij->i", block, block, out=squares[a:b])
 
     in_shares(rows, step, share)
     norms = np.sqrt(squares)
@@ -305,20 +386,6 @@ def row_stats(rows: Rows, reference: list[int] | npt.NDArray[np.int64]) -> RowSt
     apart = squares.astype(np.float64) - 2.0 * to_mean + float(m @ m)
     distance = np.sqrt(np.maximum(apart, 0.0))
     return RowStats(values.astype(np.float32), norms, products[:, 2].copy(), how, distance)
-
-
-def _component_and_reference(
-    rows: Rows, reference: list[int] | npt.NDArray[np.int64]
-) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """`component` and `reference_mean`: when the reference rows are too many to take, the pass
-    that sums them also copies the component's sample (the matrix read once, not once and a
-    sixteenth)."""
-    v, d = rows.shape
-    if len(reference) <= SAMPLE_ROWS:
-        return (*component(rows), reference_mean(rows, reference))
-    sample = np.empty((len(range(0, v, sample_stride(v))), d), dtype=np.float32)
-    ref = _reference_pass(rows, reference, sample)
-    return (*component_of(sample, v), ref)
 
 
 def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -> list[list[int]]:
@@ -355,11 +422,18 @@ def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -
 
 @dataclass(frozen=True)
 class Matrix:
-    """One matrix to scan: its rows, its tensor's name, and 'input' or 'output'."""
+    """One matrix to scan: its rows, its tensor's name, and 'input' or 'output'; `early`, its
+    component when begun before the scan (`Matrix.begun`)."""
 
     rows: Rows
     tensor: str
     which: str
+    early: Component | None = None
+
+    @classmethod
+    def begun(cls, rows: Rows, tensor: str, which: str) -> Matrix:
+        """The matrix, its component begun on a thread of its own (`Component`)."""
+        return cls(rows, tensor, which, Component(rows))
 
 
 @dataclass(frozen=True)
@@ -409,7 +483,7 @@ def scan_matrix(
     rows = matrix.rows
     v = rows.shape[0]
     ref_ids = reference[: np.searchsorted(reference, v)]
-    stats = row_stats(rows, ref_ids)
+    stats = row_stats(rows, ref_ids, matrix.early)
     values, norms = stats.indicator, stats.norms
     real = min(vocab.size, v)
     is_ref = np.zeros(v, dtype=bool)

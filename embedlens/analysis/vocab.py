@@ -87,14 +87,20 @@ def vocab(
     model, against, tokenizer = os.fspath(model), _text(against), _text(tokenizer)
     source = resolve(model, revision)
     table = locate(source, "output")
-    if tokenizer is None:
-        vocab_used, facts = model_vocab(source, table.checkpoint.gguf)
-        origin = vocab_used.origin
-    else:
-        (vocab_used, merged), origin = _load_other(tokenizer), tokenizer
-        facts = facts_of(vocab_used, merged)
-    other = load_other(against) if against is not None else None
-    report = _static(model, origin, vocab_used, facts, source, table, shows_all=all)
+    matrices = _matrices(source, table)
+    try:
+        if tokenizer is None:
+            vocab_used, facts = model_vocab(source, table.checkpoint.gguf)
+            origin = vocab_used.origin
+        else:
+            (vocab_used, merged), origin = _load_other(tokenizer), tokenizer
+            facts = facts_of(vocab_used, merged)
+        other = load_other(against) if against is not None else None
+        report = _static(model, origin, vocab_used, facts, matrices, table, shows_all=all)
+    finally:
+        for m in matrices:  # their threads end with the scan; on an error, here
+            if m.early is not None:
+                m.early.wait()
     scanned, fit = report.undertrained, None
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
@@ -126,7 +132,7 @@ def _static(
     origin: str,
     vocab: Vocab,
     facts: VocabFacts,
-    source: ModelSource,
+    matrices: list[Matrix],
     table: Table,
     *,
     shows_all: bool,
@@ -145,7 +151,7 @@ def _static(
         )
     reference = reference_rows(vocab.size, kinds, table.rows, facts.named_unused)
     tokens = _tokens(vocab, reference, kinds, table.rows)
-    scanned = scan(_matrices(source, table), vocab, tokens, all_tokens=True)
+    scanned = scan(matrices, vocab, tokens, all_tokens=True)
     problems.extend(_untrained_added(scanned))
     notes = [] if table.tied else list(table.notes)
     if vocab.size > table.rows:
@@ -187,11 +193,14 @@ def _untrained_added(scanned: Undertrained) -> list[str]:
 
 
 def _matrices(source: ModelSource, table: Table) -> list[Matrix]:
-    """The head (the embedding when tied), then an untied model's embedding."""
-    out = [Matrix(open_rows(source, table), table.name, "input" if table.tied else "output")]
-    if not table.tied:
-        embedding = locate(source, "input")
-        out.append(Matrix(open_rows(source, embedding), embedding.name, "input"))
+    """The head (the embedding when tied), then an untied model's embedding, each with its
+    component begun (`Matrix.begun`: found while the tokenizer is read)."""
+    head = open_rows(source, table)
+    embedding = None if table.tied else locate(source, "input")
+    rows = None if embedding is None else open_rows(source, embedding)
+    out = [Matrix.begun(head, table.name, "input" if table.tied else "output")]
+    if embedding is not None and rows is not None:
+        out.append(Matrix.begun(rows, embedding.name, "input"))
     return out
 
 

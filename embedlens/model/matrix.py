@@ -238,6 +238,18 @@ class Rows:
             self._buffer = np.empty((max(raw.shape[0], self.block_rows), self.shape[1]), np.uint32)
         return self._convert(raw, self._buffer[: raw.shape[0]])
 
+    def block_into(
+        self, start: int, stop: int, out: npt.NDArray[np.float32]
+    ) -> npt.NDArray[np.float32]:
+        """Rows start..stop-1 as float32, written into `out` (C-contiguous, [stop - start, d]);
+        returns `out`."""
+        import numpy as np
+
+        got = self._convert(self._map[start:stop], out.view(np.uint32))
+        if not np.shares_memory(got, out):  # float32 rows are read where they lie
+            out[...] = got
+        return out
+
     def twin(self) -> Rows:
         """The same rows with a block buffer of their own (one per thread reading them)."""
         import copy
