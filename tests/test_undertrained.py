@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -253,9 +255,12 @@ def test_q6_k_rows_are_read_without_gguf(tmp_path):
 
 
 def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch):
-    """With more reference rows than are taken one by one, the pass that sums them also copies
-    the component's sample: every row is converted twice (that pass, then the products'), and
-    no sample is read apart; the figures are those of the sample taken with `rows.take`."""
+    """With more reference rows than are taken one by one, every row is converted twice (the
+    pass that sums them, then the products') and the component's sample once more, apart;
+    the figures are the same whether the component was begun early, on its own thread
+    (`Matrix.begun`), or found when the products need it."""
+    import threading
+
     from embedlens.analysis import undertrained
     from embedlens.io.source import resolve
     from embedlens.model.matrix import Rows, locate, open_rows
@@ -272,17 +277,169 @@ def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch)
         return convert(self, raw, out)
 
     monkeypatch.setattr(Rows, "_convert", counted)
-    stats = undertrained.row_stats(rows, reference)
-    assert sum(converted) == 2 * rows.shape[0]
-
-    def apart(rows: Rows, reference: list[int]) -> tuple:
-        return (*undertrained.component(rows), undertrained.reference_mean(rows, reference))
-
-    monkeypatch.setattr(undertrained, "_component_and_reference", apart)
-    taken = undertrained.row_stats(rows, reference)
-    assert stats.component == taken.component
+    v = rows.shape[0]
+    sample = len(range(0, v, undertrained.sample_stride(v)))
+    now = undertrained.row_stats(rows, reference)
+    assert sum(converted) == 2 * v + sample
+    matrix = undertrained.Matrix.begun(rows, "token_embd.weight", "input")
+    assert matrix.early is not None
+    early = undertrained.row_stats(rows, reference, matrix.early)
+    assert not any(t.name == "embedlens-component" for t in threading.enumerate())
+    assert early.component == now.component
     for name in ("indicator", "norms", "signature", "mean_distance"):
-        a, b = getattr(stats, name), getattr(taken, name)
+        a, b = getattr(early, name), getattr(now, name)
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+
+
+def test_a_component_thread_raises_its_error_where_its_result_is_asked():
+    """A component that fails on its thread fails the scan that asks for it, with its own
+    error, and leaves no thread."""
+    import threading
+
+    from embedlens.analysis import undertrained
+    from embedlens.errors import CheckpointError
+
+    class Broken:
+        shape = (100, 8)
+
+        def take(self, ids: list[int]) -> np.ndarray:
+            raise CheckpointError("the rows could not be read")
+
+    component = undertrained.Component(Broken())  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="could not be read"):
+        component.result()
+    component.wait()
+    assert not any(t.name == "embedlens-component" for t in threading.enumerate())
+
+
+def test_pieces_cover_a_block_and_keep_large_products_large():
+    """A block is cut into pieces of at least PIECE_VALUES values (the last taking the rest),
+    in order and without gaps; a block too small for two pieces stays whole."""
+    from embedlens.analysis.undertrained import PIECE_VALUES, pieces
+
+    for start, stop, d in [
+        (0, 4096, 1024),
+        (8192, 12288, 1024),
+        (0, 5461, 768),
+        (0, 1000, 1024),
+        (40960, 41733, 768),
+        (0, 7281, 576),
+        (0, 292, 896),
+        (5, 6, 64),
+    ]:
+        got = pieces(start, stop, d)
+        assert got[0][0] == start and got[-1][1] == stop
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
+        if len(got) > 1:
+            assert all((b - a) * d >= PIECE_VALUES for a, b in got)
+            assert all((b - a) * d < 2 * PIECE_VALUES + d for a, b in got)
+        else:
+            assert (stop - start) * d < 2 * PIECE_VALUES + 2 * d
+    assert len(pieces(0, 4096, 1024)) == 8
+
+
+def test_a_sum_carried_from_piece_to_piece_is_the_blocks_sum_to_the_bit():
+    """The reference pass sums a K-quant's 16 MiB block a piece at a time, each piece behind a
+    row holding the sum so far: the bits einsum gives over the whole block, whatever the
+    values (zeros of both signs, NaN, infinities, cancelling rows) and weights."""
+    from embedlens.analysis.undertrained import _Carried
+
+    class Held:
+        def __init__(self, table: np.ndarray) -> None:
+            self.table = table
+
+        def block_into(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+            out[...] = self.table[start:stop]
+            return out
+
+    rng = np.random.default_rng(11)
+    n, d = 3000, 48
+    scales = 10.0 ** rng.integers(-6, 6, (n, 1))
+    table = (rng.standard_normal((n, d)) * scales).astype(np.float32)
+    table[5] = -0.0
+    table[6, :3] = [np.nan, np.inf, -np.inf]
+    table[7] = -table[8]
+    for fraction in (1.0, 0.5, 0.01, 0.0):
+        weights = (rng.random(n) < fraction).astype(np.float32)
+        weights[6] = 0.0 if fraction < 1 else 1.0
+        whole = np.einsum("i,ij->j", weights, table)
+        for size in (1, 7, 500, 2999):
+            total = np.zeros(d, dtype=np.float32)
+            carried = _Carried(d)
+            for a in range(0, n, size):
+                carried.add(Held(table), weights, a, min(n, a + size), total)  # type: ignore[arg-type]
+            assert np.array_equal(total.view(np.uint32), whole.view(np.uint32)), (fraction, size)
+
+
+def _q6_k_table(path: Path, n: int, width: int) -> Path:
+    """A GGUF holding an [n, width] Q6_K embedding of random blocks, each block's float16 scale
+    small and finite."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, (n, width // 256, 210), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 1e-3, (n, width // 256)).astype(np.float16)
+    data[:, :, -2:] = scales.view(np.uint8).reshape(n, width // 256, 2)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(width)
+    writer.add_tensor(
+        "token_embd.weight", data.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_refused_vocabulary_leaves_no_component_thread(tmp_path, monkeypatch):
+    """`vocab` begins each matrix's component before it reads the tokenizer; when the tokenizer
+    is refused, the call raises that error and no thread is left running."""
+    import threading
+    import time
+
+    import embedlens
+    from embedlens.analysis import undertrained
+    from embedlens.errors import UnsupportedError
+
+    begun: list[int] = []
+    real = undertrained.component
+
+    def slow(rows: Any) -> Any:  # still running when the tokenizer is refused
+        begun.append(rows.shape[0])
+        time.sleep(0.5)
+        return real(rows)
+
+    monkeypatch.setattr(undertrained, "component", slow)
+    path = _q6_k_table(tmp_path / "table.Q6_K.gguf", 20_000, 512)  # no tokenizer in it
+    with pytest.raises(UnsupportedError, match="no tokenizer"):
+        embedlens.vocab(path)
+    assert begun == [20_000]
+    assert not any(t.name == "embedlens-component" for t in threading.enumerate())
+
+
+def test_pieces_give_the_whole_blocks_figures(tmp_path, monkeypatch):
+    """On a Q6_K table (16 MiB blocks of 8,192 rows of 512, read in 2 MiB pieces, the last
+    block shorter): the reference rows' mean and every row's figures are those whole blocks
+    give, to the bit."""
+    from embedlens.analysis import undertrained
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate, open_rows
+
+    source = resolve(str(_q6_k_table(tmp_path / "table.Q6_K.gguf", 20_000, 512)))
+    rows = open_rows(source, locate(source, "input"))
+    assert rows.pass_rows == 8192
+    assert len(undertrained.pieces(16384, 20_000, 512)) == 3
+    reference = list(range(0, 20_000, 3))
+    assert len(reference) > undertrained.SAMPLE_ROWS // 4
+    pieced = undertrained._reference_pass(rows, reference), undertrained.row_stats(rows, reference)
+    monkeypatch.setattr(undertrained, "PIECE_VALUES", 1 << 40)
+    assert len(undertrained.pieces(0, rows.pass_rows, rows.shape[1])) == 1
+    whole = undertrained._reference_pass(rows, reference), undertrained.row_stats(rows, reference)
+    assert np.array_equal(pieced[0], whole[0])
+    for name in ("indicator", "norms", "signature", "mean_distance"):
+        a, b = getattr(pieced[1], name), getattr(whole[1], name)
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
 
 
