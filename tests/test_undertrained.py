@@ -305,7 +305,7 @@ def test_a_component_thread_raises_its_error_where_its_result_is_asked():
         def take(self, ids: list[int]) -> np.ndarray:
             raise CheckpointError("the rows could not be read")
 
-    component = undertrained.Component(Broken())  # type: ignore[arg-type]
+    component = undertrained.begin_component(Broken())  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match="could not be read"):
         component.result()
     component.wait()

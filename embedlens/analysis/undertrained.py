@@ -23,7 +23,7 @@ flagged it. Rows that are exactly equal to each other are listed too: training w
 them apart. Groups of rows added at the end of the table (added tokens past the last ordinary id,
 rows past the tokenizer) get a verdict of their own.
 
-The first principal component comes from a sample of the rows, read apart (`Component`: on a
+The first principal component comes from a sample of the rows, read apart (`begin_component`: on a
 thread of its own, begun while the caller reads the tokenizer). The matrix is then read block by
 block (a float32 piece at a time, never the whole matrix), by one thread per core, each over its
 own share of the rows (numpy's products release the interpreter's lock): once for the reference
@@ -39,6 +39,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +78,9 @@ MEAN_RATIO = 0.1
 """A row this close to the rows' mean (over the ordinary rows' median distance) is flagged. On
 SmolLM2 the closest trained row is at 0.73; a mean-resized row at about 1/sqrt(rows sampled)."""
 SIGNALS = ("indicator", "norm", "mean")
+T = TypeVar("T")
+Found = tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]
+"""A first principal component, how it was found, and the rows' mean (`component`)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ def first_component(rows: Rows) -> tuple[npt.NDArray[np.float64], str]:
     return u, how
 
 
-def component(rows: Rows) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]:
+def component(rows: Rows) -> Found:
     """The unit first principal component of the rows, how it was found, and the rows' mean.
 
     Estimated from at most SAMPLE_ROWS evenly spaced rows (`sample_stride`): the direction all
@@ -122,36 +126,41 @@ def component(rows: Rows) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.
     return component_of(rows.take(list(range(0, v, sample_stride(v)))), v)
 
 
-class Component:
-    """`component(rows)` found on a thread of its own, begun before the caller needs it: its
-    sample (every `sample_stride`-th row) asks nothing of the vocabulary, so the covariance's
-    product (numpy's BLAS, without the interpreter's lock) runs while the tokenizer is read."""
+class Aside(Generic[T]):
+    """`work(*args)` on a thread of its own, begun now, while the caller goes on: numpy's and
+    BLAS's loops release the interpreter's lock, so the two overlap."""
 
-    def __init__(self, rows: Rows) -> None:
-        self._found: tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]] | None = None
-        self._error: BaseException | None = None
+    def __init__(self, name: str, work: Callable[..., T], *args: Any) -> None:
+        self._done: list[T] = []
+        self._error: list[BaseException] = []
         self._thread = threading.Thread(
-            target=self._find, args=(rows,), name="embedlens-component", daemon=True
+            target=self._run, args=(work, args), name=f"embedlens-{name}", daemon=True
         )
         self._thread.start()
 
-    def _find(self, rows: Rows) -> None:
+    def _run(self, work: Callable[..., T], args: tuple[Any, ...]) -> None:
         try:
-            self._found = component(rows)
+            self._done.append(work(*args))
         except BaseException as e:  # raised by result()
-            self._error = e
+            self._error.append(e)
 
-    def result(self) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]:
-        """What `component` gives, once the thread has ended (its error, if it raised one)."""
+    def result(self) -> T:
+        """What `work` returned, once the thread has ended (what it raised, if it raised)."""
         self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._found is not None
-        return self._found
+        if self._error:
+            raise self._error[0]
+        return self._done[0]
 
     def wait(self) -> None:
-        """End the thread, whatever it found (a call that failed elsewhere leaves none)."""
+        """End the thread, whatever it gave (a call that failed elsewhere leaves none)."""
         self._thread.join()
+
+
+def begin_component(rows: Rows) -> Aside[Found]:
+    """`component(rows)` begun on a thread of its own, before the caller needs it: its sample
+    (every `sample_stride`-th row) asks nothing of the vocabulary, so the covariance's product
+    runs while the tokenizer is read."""
+    return Aside("component", component, rows)
 
 
 def sample_stride(v: int) -> int:
@@ -159,9 +168,7 @@ def sample_stride(v: int) -> int:
     return max(1, -(-v // SAMPLE_ROWS))
 
 
-def component_of(
-    sample: npt.NDArray[np.float32], v: int
-) -> tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]:
+def component_of(sample: npt.NDArray[np.float32], v: int) -> Found:
     """`component` from the sampled rows (of v). A narrow covariance is decomposed exactly
     (eigh); a wider one by Lanczos (top_eigenvector), which needs a few dozen [d, d] products
     where eigh costs seconds at d = 896."""
@@ -342,7 +349,7 @@ class _Carried:
 
 
 def row_stats(
-    rows: Rows, reference: list[int] | npt.NDArray[np.int64], early: Component | None = None
+    rows: Rows, reference: list[int] | npt.NDArray[np.int64], early: Aside[Found] | None = None
 ) -> RowStats:
     """Indicator, norm, signature and distance to the mean of every row, reading the matrix once,
     block by block (after the reference rows' pass, when they are many), with the component
@@ -428,12 +435,12 @@ class Matrix:
     rows: Rows
     tensor: str
     which: str
-    early: Component | None = None
+    early: Aside[Found] | None = None
 
     @classmethod
     def begun(cls, rows: Rows, tensor: str, which: str) -> Matrix:
-        """The matrix, its component begun on a thread of its own (`Component`)."""
-        return cls(rows, tensor, which, Component(rows))
+        """The matrix, its component begun on a thread of its own (`begin_component`)."""
+        return cls(rows, tensor, which, begin_component(rows))
 
 
 @dataclass(frozen=True)
@@ -479,13 +486,34 @@ def scan_matrix(
     *,
     all_tokens: bool,
 ) -> _Scanned:
-    """The three signals over one matrix's rows (`reference` sorted, as Tokens.arrays gives)."""
+    """The three signals over one matrix's rows (`reference` sorted, as Tokens.arrays gives).
+    The identical rows and the long lists are found on threads of their own meanwhile."""
     rows = matrix.rows
     v = rows.shape[0]
     ref_ids = reference[: np.searchsorted(reference, v)]
     stats = row_stats(rows, ref_ids, matrix.early)
-    values, norms = stats.indicator, stats.norms
     real = min(vocab.size, v)
+    same = Aside("identical-rows", identical_rows, rows, stats.signature, real)
+    lists = Aside("lists", _lists, stats) if all_tokens else None
+    try:
+        return _signals(matrix, stats, ref_ids, not_ordinary, real, (same, lists))
+    finally:
+        same.wait()
+        if lists is not None:
+            lists.wait()
+
+
+def _signals(
+    matrix: Matrix,
+    stats: RowStats,
+    ref_ids: npt.NDArray[np.int64],
+    not_ordinary: npt.NDArray[np.int64],
+    real: int,
+    aside: tuple[Aside[list[list[int]]], Aside[tuple[list[float], list[float]]] | None],
+) -> _Scanned:
+    """`scan_matrix` once the rows' figures are in (`aside`: the identical rows, the lists)."""
+    values, norms = stats.indicator, stats.norms
+    v = values.shape[0]
     is_ref = np.zeros(v, dtype=bool)
     is_ref[ref_ids] = True
     ordinary = ~is_ref
@@ -505,6 +533,7 @@ def scan_matrix(
     flags["norm"], flags["mean"] = norm.flags, mean.flags
     candidate = ~is_ref
     candidate[real:] = False
+    indicators, listed_norms = aside[1].result() if aside[1] is not None else (None, None)
     report = MatrixScan(
         matrix=matrix.which,
         tensor=matrix.tensor,
@@ -513,7 +542,7 @@ def scan_matrix(
         component=stats.component,
         norm_median=float(np.median(norms[:real])) if real else 0.0,
         reference_norm_median=float(np.median(norms[ref_ids])) if ref_ids.size else None,
-        identical_rows=identical_rows(rows, stats.signature, real),
+        identical_rows=aside[0].result(),
         norm_rule=norm.rule,
         norm_low=norm.low,
         norm_high=norm.high,
@@ -522,8 +551,8 @@ def scan_matrix(
         mean_rule=mean.rule,
         mean_distance_median=mean.median,
         flagged={k: int((f & candidate).sum()) for k, f in flags.items()},
-        indicators=_listed(values) if all_tokens else None,
-        norms=_listed(norms) if all_tokens else None,
+        indicators=indicators,
+        norms=listed_norms,
     )
     return _Scanned(report, stats, norm.score, mean.score, flags)
 
@@ -783,6 +812,11 @@ def _detail(p: GroupMatrix, n: int, *, inner: bool = False) -> str:
     )
     norms = f"norm {p.norm_median:.3g} against {against}"
     return f"{norms}, {flagged}" if inner else f"{norms} ({flagged})"
+
+
+def _lists(stats: RowStats) -> tuple[list[float], list[float]]:
+    """Every row's indicator and norm as lists (`_listed`)."""
+    return _listed(stats.indicator), _listed(stats.norms)
 
 
 def _listed(values: npt.NDArray[np.float32]) -> list[float]:
