@@ -95,6 +95,28 @@ def test_a_damaged_entry_is_found_again(tmp_path, cache, monkeypatch):
     assert done == []
 
 
+def test_kept_kinds_out_of_order_are_found_again(tmp_path, cache, monkeypatch):
+    """An entry whose token kinds are not in ascending id order (or name no kind) is damaged:
+    the facts are found again, and the report is the same."""
+    import json
+
+    path = _sentencepiece(tmp_path / "sp.gguf")
+    whole = embedlens.vocab(path).to_dict()
+    (entry,) = cache.glob("*.vocab*")
+    data = bytearray(entry.read_bytes())
+    at = len(vocab_facts._MAGIC) + 8
+    end = at + int.from_bytes(data[at - 8 : at], "little")
+    counts = json.loads(data[at:end])["counts"]
+    assert counts["kind_ids"] >= 2
+    first = data[end : end + 4]
+    data[end : end + 4] = data[end + 4 : end + 8]  # the first two ids swapped
+    data[end + 4 : end + 8] = first
+    entry.write_bytes(bytes(data))
+    done = _tokenizer_work(monkeypatch)
+    assert embedlens.vocab(path).to_dict() == whole
+    assert "searched" in done
+
+
 def test_a_changed_tokenizer_gets_facts_of_its_own(tmp_path, cache, monkeypatch):
     tokens, scores, types = gemma_like_vocab(3000)
     path = _write_gguf(tmp_path / "sp.gguf", tokens, model="llama", scores=scores, types=types)

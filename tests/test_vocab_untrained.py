@@ -231,6 +231,7 @@ def test_verify_asks_about_candidates_of_either_signal(cli, planted_and_reset):
 
 def test_a_row_at_the_mean_of_the_others_is_flagged(tmp_path):
     """The mean signal on a table written directly: one row set to the mean of the rows."""
+    from embedlens.analysis.token_kinds import TokenKinds
     from embedlens.analysis.undertrained import Matrix, ReferenceRows, Tokens, scan
     from embedlens.io.source import resolve
     from embedlens.model.matrix import locate, open_rows
@@ -244,7 +245,7 @@ def test_a_row_at_the_mean_of_the_others_is_flagged(tmp_path):
     source = resolve(str(path))
     located = locate(source, "output")
     vocab = load_vocab(source, located.checkpoint.gguf)
-    tokens = Tokens(ReferenceRows({}), [], frozenset(), [])
+    tokens = Tokens(ReferenceRows(TokenKinds.of({})), [], frozenset(), [])
     rows = open_rows(source, located)
     got = scan([Matrix(rows, located.name, "input")], vocab, tokens, all_tokens=False)
     (c,) = got.candidates

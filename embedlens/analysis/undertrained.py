@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -44,6 +43,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from embedlens.analysis.token_kinds import TokenKinds
 from embedlens.model.matrix import Rows
 from embedlens.model.tokenizer import Vocab
 from embedlens.reports.vocab import (
@@ -87,12 +87,12 @@ Found = tuple[npt.NDArray[np.float64], str, npt.NDArray[np.float64]]
 class ReferenceRows:
     """Rows known unused, with why: 'padding', 'single_byte', 'shadowed', 'named_unused', ..."""
 
-    kinds: dict[int, str]
+    kinds: TokenKinds
 
     @property
     def ids(self) -> list[int]:
         """The rows, sorted."""
-        return sorted(self.kinds)
+        return [int(i) for i in self.kinds.ids]
 
 
 @dataclass(frozen=True)
@@ -449,21 +449,20 @@ class Tokens:
     ordinary (special, added or unreachable), and groups of rows added at the end."""
 
     reference: ReferenceRows
-    unreachable: Collection[int]
+    unreachable: Collection[int] | npt.NDArray[np.int64]
     special_or_added: frozenset[int]
     groups: list[tuple[str, list[int]]]
     """('added_tokens' or 'past_tokenizer', ids)."""
 
     def arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """The reference rows, sorted, and the tokens that are not ordinary, as arrays (made
-        once: Python lists of 262k ids cost tens of milliseconds at every use)."""
-        kinds = self.reference.kinds
-        ref = np.sort(np.fromiter(kinds, dtype=np.int64, count=len(kinds)))
+        """The reference rows, sorted, and the tokens that are not ordinary, as arrays."""
         others = [
-            np.fromiter(ids, dtype=np.int64, count=len(ids))
+            np.asarray(ids, dtype=np.int64)
+            if isinstance(ids, np.ndarray)
+            else np.fromiter(ids, dtype=np.int64, count=len(ids))
             for ids in (self.unreachable, self.special_or_added)
         ]
-        return ref, np.concatenate(others)
+        return self.reference.kinds.ids, np.concatenate(others)
 
 
 @dataclass(frozen=True)
@@ -621,9 +620,7 @@ def scan(matrices: list[Matrix], vocab: Vocab, tokens: Tokens, *, all_tokens: bo
     is_ref[ref_ids[ref_ids < real]] = True
     order = _taking_turns(scanned, real, is_ref)
     candidates = [_candidate(i, vocab, scanned) for i in order]
-    kinds = tokens.reference.kinds
-    every = ref_ids.size == len(kinds)  # all of them (the usual case): no walk over the ids
-    by_kind = Counter(kinds.values()) if every else Counter(kinds[int(i)] for i in ref_ids)
+    by_kind = tokens.reference.kinds.below(main.flags["norm"].shape[0]).counts()
     counts = {
         "reference": len(ref_ids),
         "candidate": len(candidates),

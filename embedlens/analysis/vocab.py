@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from embedlens.analysis.token_kinds import TokenKinds
 from embedlens.analysis.undertrained import Matrix, ReferenceRows, Tokens, scan
 from embedlens.analysis.vocab_diff import compare
 from embedlens.analysis.vocab_facts import VocabFacts, facts_of, model_vocab
@@ -142,7 +145,7 @@ def _static(
     the scan reads the rows there are."""
     layout = read_layout(vocab, table)
     problems = layout_problems(layout)
-    kinds = _below(facts.kinds, table.rows)
+    kinds = facts.kinds.below(table.rows)
     prints = read_fingerprint(facts.fingerprint, table)
     if prints.matches is False:
         problems.append(
@@ -171,13 +174,6 @@ def _static(
     )
 
 
-def _below(kinds: dict[int, str], rows: int) -> dict[int, str]:
-    """The ids below `rows` (kinds are by id, in order: all of them when the last is)."""
-    if not kinds or next(reversed(kinds)) < rows:
-        return kinds
-    return {i: kind for i, kind in kinds.items() if i < rows}
-
-
 def _untrained_added(scanned: Undertrained) -> list[str]:
     """A problem for added tokens whose rows look untrained: the model has not learnt them."""
     out = []
@@ -204,7 +200,7 @@ def _matrices(source: ModelSource, table: Table) -> list[Matrix]:
     return out
 
 
-def _tokens(vocab: Vocab, reference: ReferenceRows, kinds: dict[int, str], rows: int) -> Tokens:
+def _tokens(vocab: Vocab, reference: ReferenceRows, kinds: TokenKinds, rows: int) -> Tokens:
     """The rows known unused, the tokens that are not ordinary, and the groups of rows added at
     the end: added tokens past the last ordinary id (not named unused), rows past the tokenizer."""
     added = added_ids(vocab)
@@ -212,9 +208,10 @@ def _tokens(vocab: Vocab, reference: ReferenceRows, kinds: dict[int, str], rows:
     base = vocab.size
     while base > 0 and base - 1 in taken:
         base -= 1
-    late = [i for i in range(base, vocab.size) if i not in reference.kinds] if base else []
+    known = set(reference.kinds.ids[np.searchsorted(reference.kinds.ids, base) :].tolist())
+    late = [i for i in range(base, vocab.size) if i not in known] if base else []
     groups = [("added_tokens", late), ("past_tokenizer", list(range(vocab.size, rows)))]
-    return Tokens(reference, kinds.keys(), frozenset(taken | vocab.special_ids), groups)
+    return Tokens(reference, kinds.ids, frozenset(taken | vocab.special_ids), groups)
 
 
 def _loaded(

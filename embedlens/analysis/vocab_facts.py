@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
+
+from embedlens.analysis.token_kinds import TokenKinds
 from embedlens.analysis.vocab_fingerprint import entries, fingerprint, pieces_by_id
 from embedlens.analysis.vocab_layout import find_unreachable, named_unused
 from embedlens.io.gguf import GGUFHeader
@@ -43,7 +46,7 @@ class VocabFacts:
 
     fingerprint: str
     unreachable: Unreachable
-    kinds: dict[int, str]
+    kinds: TokenKinds
     named_unused: list[int]
 
 
@@ -52,7 +55,9 @@ def facts_of(vocab: Vocab, merged: frozenset[str] | None) -> VocabFacts:
     pieces = pieces_by_id(vocab)
     raw = entries(vocab, pieces)
     unreachable, kinds = find_unreachable(vocab, vocab.size, pieces, raw, merged)
-    return VocabFacts(fingerprint(vocab, raw), unreachable, kinds, named_unused(pieces))
+    return VocabFacts(
+        fingerprint(vocab, raw), unreachable, TokenKinds.of(kinds), named_unused(pieces)
+    )
 
 
 def model_vocab(source: ModelSource, gguf: GGUFHeader | None) -> tuple[Vocab, VocabFacts]:
@@ -79,12 +84,12 @@ _ARRAYS = (("kind_ids", "I"), ("kind_codes", "B"), ("text_ends", "I"))
 
 def _written(vocab: Vocab, facts: VocabFacts) -> bytes:
     """The entry's bytes: the small facts as JSON, every id's text packed (PackedTexts)."""
-    names = sorted(set(facts.kinds.values()))
-    code = {k: n for n, k in enumerate(names)}
+    kinds = facts.kinds
+    names = list(kinds.names)
     texts = [vocab.text(i).encode("utf-8", "surrogatepass") for i in range(vocab.size)]
     arrays = {
-        "kind_ids": array("I", facts.kinds),
-        "kind_codes": array("B", [code[k] for k in facts.kinds.values()]),
+        "kind_ids": array("I", kinds.ids.tolist()),
+        "kind_codes": array("B", kinds.codes.tolist()),
         "text_ends": array("I", accumulate(map(len, texts))),
     }
     header = {
@@ -164,7 +169,10 @@ def _facts(header: dict[str, Any], arrays: dict[str, memoryview]) -> VocabFacts:
     listed = header["unreachable"]
     tokens = [UnreachableToken(int(i), str(t), str(k), list(e)) for i, t, k, e in listed["tokens"]]
     unreachable = Unreachable(int(listed["count"]), dict(listed["by_kind"]), tokens)
-    names = header["kind_names"]
-    codes = map(names.__getitem__, arrays["kind_codes"])
-    kinds = dict(zip(arrays["kind_ids"].tolist(), codes, strict=True))
+    names = tuple(str(n) for n in header["kind_names"])
+    ids = np.frombuffer(arrays["kind_ids"], dtype=np.uint32).astype(np.int64)
+    codes = np.frombuffer(arrays["kind_codes"], dtype=np.uint8)
+    if ids.size != codes.size or np.any(ids[1:] <= ids[:-1]) or np.any(codes >= len(names)):
+        raise ValueError("damaged kinds")  # read as no entry: the facts are found again
+    kinds = TokenKinds(ids, codes, names)
     return VocabFacts(str(header["fingerprint"]), unreachable, kinds, list(header["named_unused"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from embedlens.analysis.token_kinds import TokenKinds
 from embedlens.analysis.undertrained import ReferenceRows
 from embedlens.analysis.vocab_fingerprint import byte_level
 from embedlens.model.matrix import Table
@@ -238,14 +239,11 @@ def named_unused(pieces: list[str | None]) -> list[int]:
 
 
 def reference_rows(
-    size: int, unreachable: dict[int, str], rows: int, named: list[int]
+    size: int, unreachable: TokenKinds, rows: int, named: list[int]
 ) -> ReferenceRows:
     """Rows known unused: padding (rows from the tokenizer's `size` on), tokens never produced
-    as themselves, tokens named unused (`named`, from named_unused)."""
-    ids: dict[int, str] = dict.fromkeys(range(size, rows), "padding")
-    if set(unreachable.values()) <= _NEVER_PRODUCED:  # every one (no partial_utf8): at C speed
-        ids.update(unreachable)
-    else:
-        ids.update({i: kind for i, kind in unreachable.items() if kind in _NEVER_PRODUCED})
-    ids.update(dict.fromkeys((i for i in named if i < rows), "named_unused"))
-    return ReferenceRows(ids)
+    as themselves, tokens named unused (`named`, from named_unused); a row's kind is the last
+    of these that names it."""
+    padding = TokenKinds.one(range(size, rows), "padding")  # after every token's id
+    unused = TokenKinds.one(sorted({i for i in named if i < rows}), "named_unused")
+    return ReferenceRows(unreachable.only(_NEVER_PRODUCED).then(padding, unused))
