@@ -47,7 +47,7 @@ _PASS_BYTES = 1 << 20
 _PIECE_BYTES = 1 << 20  # float32 bytes of a K-quant (or other gguf-read type) dequantised at a call
 _Q6_K_PIECE_BYTES = 2 << 20
 """Q6_K's (unpacked here): a pass's piece (`undertrained.PIECE_VALUES`) in one call. On two
-busy cores a pass over the 262k x 1024 bench table took 0.21 s so, 0.24 to 0.32 s in 1 MiB."""
+cores a pass over the 262k x 1024 bench table took 0.21 s so, 0.24 to 0.32 s in 1 MiB."""
 _Q8_0 = (32, 34)  # elements and bytes of a Q8_0 block: a float16 scale and 32 int8 values
 Dequantize = Callable[..., "npt.NDArray[np.float32]"]
 """(raw rows, width, out buffer or None) -> float32 rows: a ggml type's formula."""
