@@ -353,8 +353,8 @@ def row_stats(
 ) -> RowStats:
     """Indicator, norm, signature and distance to the mean of every row, reading the matrix once,
     block by block (after the reference rows' pass, when they are many), with the component
-    `early` found (else found now): cosine to the reference rows' mean with the first principal component u
-    removed, from |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to
+    `early` found (else found now): cosine to the reference rows' mean with the first principal
+    component u removed, from |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to
     u); the distance to the mean m from |x - m|^2 = |x|^2 - 2 x.m + |m|^2, in float64."""
     v, d = rows.shape
     ref = reference_mean(rows, reference)  # while `early` is still being found
