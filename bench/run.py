@@ -259,7 +259,7 @@ def make_smollm2_folder(folder: Path, gguf_path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedlens.model.gguf_patches import sharing_gguf_reads
+    from embedlens.compat.transformers.gguf_patches import sharing_gguf_reads
 
     kwargs = {"gguf_file": gguf_path.name}
     with sharing_gguf_reads():

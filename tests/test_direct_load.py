@@ -1,7 +1,7 @@
 """A folder loaded without transformers' auto machinery is the model transformers loads.
 
 The config and causal-LM class come from transformers' name tables, and a float32 model's weights
-are assigned from the memory-mapped files (embedlens.model.direct): on every family the config,
+are assigned from the memory-mapped files (embedlens.compat.transformers.direct): on every family the config,
 the class, every tensor and buffer, the tied weights, the loading info and the logits are
 transformers' own; where transformers converts a tensor on the way (Qwen3-MoE's experts are
 merged), from_pretrained loads it.
@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from embedlens.compat.transformers import direct
 from embedlens.io.source import resolve
-from embedlens.model import direct, loading
+from embedlens.model import loading
 from tests.models import FAMILIES
 
 CONVERTED = {"qwen3-moe"}  # transformers merges the experts' tensors as it loads them

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from embedlens.compat.transformers.direct_tokenizer import DirectTokenizer, open_tokenizer
 from embedlens.io.source import resolve
 from embedlens.model import loading
-from embedlens.model.direct_tokenizer import DirectTokenizer, open_tokenizer
 from tests.models import FAMILIES
 
 TEXTS = [

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from embedlens.model import gguf_patches
+from embedlens.compat.transformers import gguf_patches
 
 
 def test_the_installed_transformers_and_gguf_can_be_patched():

@@ -1,4 +1,4 @@
-"""transformers' model table is scanned once (embedlens.model.import_scan): importing
+"""transformers' model table is scanned once (embedlens.compat.transformers.import_scan): importing
 `transformers.models` after `scan_once()` finds every folder's scan cached, and the import
 tables it builds are the ones a plain import builds."""
 
@@ -11,14 +11,14 @@ import sys
 import types
 from pathlib import Path
 
-from embedlens.model import import_scan
+from embedlens.compat.transformers import import_scan
 
 ROOT = Path(__file__).resolve().parent.parent
 
 TABLES = """
 import json, sys
 if sys.argv[1] == "once":
-    from embedlens.model.import_scan import scan_once
+    from embedlens.compat.transformers.import_scan import scan_once
     scan_once()
 import transformers, transformers.models
 from transformers.utils import import_utils

@@ -221,7 +221,7 @@ def smollm2_plain(smollm2: Path) -> tuple[Any, Any]:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedlens.model.gguf_patches import sharing_gguf_reads
+    from embedlens.compat.transformers.gguf_patches import sharing_gguf_reads
 
     where, name = str(smollm2.parent), str(smollm2)
     with sharing_gguf_reads():

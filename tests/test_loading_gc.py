@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from embedlens.compat.transformers import direct
 from embedlens.errors import EmbedlensError
 from embedlens.io.source import resolve
-from embedlens.model import direct, loading, preflight
+from embedlens.model import loading, preflight
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from embedlens.compat.transformers import direct
 from embedlens.errors import CheckpointError
 from embedlens.io.source import resolve
-from embedlens.model import direct, loading, prefetch
+from embedlens.model import loading, prefetch
 from embedlens.model.prefetch import Prefetch
 from tests.test_direct_load import assert_same_model, reference
 

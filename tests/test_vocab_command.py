@@ -301,7 +301,7 @@ def smol_folder(smollm2, tmp_path_factory) -> Path:
     kwargs = {"gguf_file": smollm2.name}
     from safetensors.torch import save_file
 
-    from embedlens.model.gguf_patches import sharing_gguf_reads
+    from embedlens.compat.transformers.gguf_patches import sharing_gguf_reads
 
     # The patched load gives transformers' own tensors (test_gguf_patches.py) in a fifth of the time.
     with sharing_gguf_reads():

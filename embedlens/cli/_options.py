@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from embedlens.cli._output import check_stdout, set_quiet
+from embedlens.cli._output import check_stdout, note, set_quiet
+from embedlens.compat import report_to
 from embedlens.errors import UsageError
 from embedlens.runtime import world
 
@@ -66,6 +67,7 @@ def common(*, quiet: bool, debug: bool, device: str | None = None, split: bool =
     from embedlens.model.preflight import memory_limit_override
 
     set_quiet(quiet)
+    report_to(lambda text: note("note: " + text))  # a shortcut not taken: one line on stderr
     if debug:
         os.environ["EMBEDLENS_DEBUG"] = "1"
     check_stdout()

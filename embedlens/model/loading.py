@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from embedlens.compat.transformers import direct, fast, import_scan
+from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -30,8 +32,7 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import direct, import_scan, preflight
-from embedlens.model.gguf_patches import gguf_reads_shared
+from embedlens.model import preflight
 from embedlens.text import error_line, first_line
 
 if TYPE_CHECKING:
@@ -167,6 +168,22 @@ def _gguf_named(path: Path) -> Iterator[Path]:
         yield named
 
 
+def _newer_release_hint(source: ModelSource) -> str | None:
+    """For a GGUF file read by a transformers older than the newest CI runs: that release, which
+    builds GGUF tokenizers without sentencepiece (older ones convert some through it)."""
+    from embedlens.compat import release, release_text
+    from embedlens.compat.transformers import NEWEST_TESTED
+
+    newest = tuple(int(part) for part in NEWEST_TESTED.split("."))
+    found = release("transformers")
+    if not source.is_gguf or found is None or found >= newest:
+        return None
+    return (
+        f"or a transformers that builds GGUF tokenizers without it (transformers "
+        f"{release_text('transformers')} is installed): pip install 'transformers>={NEWEST_TESTED}'"
+    )
+
+
 @contextmanager
 def _translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
     """Turn the exceptions transformers raises into one clear embedlens error."""
@@ -179,7 +196,9 @@ def _translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
             raise MissingDependencyError(
                 "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
             ) from e
-        raise MissingDependencyError(f"{what} needs a missing package: {e}") from e
+        raise MissingDependencyError(
+            f"{what} needs a missing package: {e}", hint=_newer_release_hint(source)
+        ) from e
     except MemoryError as e:
         from embedlens.errors import ResourceError
 
@@ -580,6 +599,9 @@ def _conversion_errors_named(source: ModelSource) -> Iterator[None]:
     it logs, and embedlens keeps transformers' logs quiet)."""
     from transformers import modeling_utils
 
+    if not fast():  # the report's function is private: transformers' own error stands
+        yield
+        return
     original = modeling_utils.log_state_dict_report
     seen: list[Any] = []
 
@@ -644,7 +666,7 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> A
 
 def _direct_tokenizer(source: ModelSource, *, trust_remote_code: bool) -> Any:
     """A folder's tokenizer read directly, or None (then transformers reads it)."""
-    from embedlens.model.direct_tokenizer import open_tokenizer
+    from embedlens.compat.transformers.direct_tokenizer import open_tokenizer
 
     folder = source.path
     if source.kind != "dir" or folder is None:

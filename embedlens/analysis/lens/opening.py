@@ -95,10 +95,10 @@ def from_files(
     `target`, a --target that is not one token of a GGUF file's vocabulary; `targets` is given
     the same check for the targets of many prompts."""
     from embedlens.analysis.lens.prompt import no_chat_template
+    from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
     from embedlens.model import loading
     from embedlens.model.chat import stored_template
-    from embedlens.model.gguf_patches import gguf_reads_shared
 
     trust = load.trust_remote_code
     with load.offload_dir() as folder:

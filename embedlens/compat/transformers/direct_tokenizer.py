@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from embedlens.compat.transformers import fast
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -149,7 +151,10 @@ class DirectTokenizer:
 
 def open_tokenizer(folder: Path, config: dict[str, Any]) -> DirectTokenizer | None:
     """The folder's tokenizer read directly, when transformers would read it into its generic
-    class and add nothing to it (`config`: config.json's contents); None otherwise."""
+    class and add nothing to it (`config`: config.json's contents); None otherwise, and where
+    the gate in `embedlens.compat.transformers` closes the shortcut."""
+    if not fast("tokenizer"):
+        return None
     settings = _json(folder / "tokenizer_config.json")
     path = folder / "tokenizer.json"
     if not isinstance(settings, dict) or not path.is_file() or not _generic(settings, config):

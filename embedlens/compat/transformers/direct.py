@@ -6,8 +6,9 @@ without importing every model), and the weights of a frozen float32 model are as
 memory-mapped files with transformers' own steps (its init context, renaming rules and
 finalisation) but without its per-tensor conversion machinery, which costs more than the copy
 itself. Every function returns None where transformers would do something more (remote code, a
-quantised or converted checkpoint, a class the tables do not settle): the caller then goes
-through transformers' `from_pretrained`, as before.
+quantised or converted checkpoint, a class the tables do not settle), and where the gate in
+`embedlens.compat.transformers` closes the shortcuts (another release, EMBEDLENS_PLAIN=1): the
+caller then goes through transformers' public API (`AutoConfig`, `AutoModelForCausalLM`).
 
 Like `loading`, nothing here imports torch or transformers at module level.
 """
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from embedlens.compat.transformers import fast, release_fits
+
 if TYPE_CHECKING:
     from embedlens.model.prefetch import Prefetch
 
@@ -34,6 +37,8 @@ def read_config(folder: Path) -> Any | None:
     config class the model type names; None for repository code or a type transformers lacks."""
     from transformers import PretrainedConfig
 
+    if not fast():
+        return None
     where = str(folder)
     raw, unused = PretrainedConfig.get_config_dict(where, _from_auto=True, name_or_path=where)
     auto_map = raw.get("auto_map")
@@ -76,6 +81,8 @@ def causal_lm_class(config: Any) -> tuple[Any, Any] | None:
     look further (repository code, classes registered at run time, no causal LM)."""
     from transformers.models.auto import modeling_auto
 
+    if not fast():
+        return None
     auto_map = getattr(config, "auto_map", None)
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
         return None
@@ -136,7 +143,7 @@ def weight_files(folder: Path, config: Any) -> list[Path] | None:
     """The safetensors files `from_pretrained(folder)` reads, when it reads them plainly: one
     file or the shards of an index; None for anything else (an adapter, a distributed or
     explicitly named checkpoint, extra files, pickles)."""
-    if (folder / "adapter_config.json").exists() or _distributed(folder):
+    if not fast() or (folder / "adapter_config.json").exists() or _distributed(folder):
         return None
     if getattr(config, "transformers_weights", None) or type(config).extra_files:
         return None
@@ -147,7 +154,7 @@ def early_files(folder: Path | None, trust_remote_code: bool) -> list[Path] | No
     """`weight_files` as far as config.json read as JSON tells, before transformers is imported:
     None also where the direct load surely does not apply (a quantised checkpoint, repository
     code the caller trusts)."""
-    if folder is None or (folder / "adapter_config.json").exists():
+    if not release_fits() or folder is None or (folder / "adapter_config.json").exists():
         return None
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -191,7 +198,7 @@ def load_float32(
     when transformers would convert a tensor on the way (merge, split, transpose), quantise, or
     keep some modules in another dtype. The generation config is not read: the lens never
     generates. `early`: float32 copies of the tensors already begun (`prefetch`)."""
-    if not _supported() or getattr(config, "quantization_config", None) is not None:
+    if not fast() or getattr(config, "quantization_config", None) is not None:
         return None
     found = causal_lm_class(config)
     if found is None:
@@ -206,33 +213,6 @@ def load_float32(
         return None
     info = _assign(model, plan, dtype, early)
     return model, _finalised(model_class, model, info, where, dtype, plan.conversions)
-
-
-# What the direct load takes from transformers beyond its public API: where one is missing (another
-# transformers version), from_pretrained loads the model.
-_USED = {
-    "transformers.modeling_utils": ("_get_dtype", "LoadStateDictConfig", "PreTrainedModel"),
-    "transformers.core_model_loading": (
-        "WeightConverter", "WeightRenaming", "rename_source_key", "set_param_for_module",
-    ),
-    "transformers.conversion_mapping": ("get_model_conversion_mapping",),
-    "transformers.utils.loading_report": ("LoadStateDictInfo",),
-    "transformers.monkey_patching": ("patch_output_recorders",),
-    "transformers.utils.generic": ("ContextManagers",),
-}  # fmt: skip
-_METHODS = ("get_init_context", "_get_dtype_plan", "_finalize_model_loading", "set_use_kernels")
-
-
-def _supported() -> bool:
-    """Whether this transformers has every function the direct load uses."""
-    try:
-        modules = {name: importlib.import_module(name) for name in _USED}
-    except ImportError:
-        return False
-    if not all(hasattr(modules[m], a) for m, names in _USED.items() for a in names):
-        return False
-    base = modules["transformers.modeling_utils"].PreTrainedModel
-    return all(hasattr(base, name) for name in _METHODS)
 
 
 def _built(model_class: Any, config: Any, where: str) -> tuple[Any, Any]:

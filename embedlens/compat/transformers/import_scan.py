@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from embedlens.compat.transformers import release_fits
+
 MODULE = "transformers.utils.import_utils"
 SCAN = "create_import_structure_from_path"
 
@@ -30,6 +32,8 @@ def scan_once() -> None:
     """Before transformers is first imported: its scan of the model folders will be cached
     whole (see the module's docstring). Does nothing once transformers is imported."""
     if "transformers" in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    if not release_fits():  # another release, or EMBEDLENS_PLAIN=1: transformers as it is
         return
     sys.meta_path.insert(0, _Finder())
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+from embedlens.compat.transformers import fast
 from embedlens.io.source import ModelSource
 
 EXPECTED = {
@@ -43,7 +44,10 @@ def _leading(fn: Any, n: int) -> list[str]:
 
 
 def patchable() -> bool:
-    """Whether gguf and transformers still have what the patches replace, as written here."""
+    """Whether gguf and transformers still have what the patches replace, as written here (and
+    the gate in `embedlens.compat.transformers` lets them be taken)."""
+    if not fast("gguf"):
+        return False
     try:
         import gguf
         from transformers import modeling_gguf_pytorch_utils as hf_gguf
