@@ -788,6 +788,11 @@ def folder_lens_rows(el: list[str], folder: Path, name: str, prompt: str) -> lis
         Row(f"lens ({name}) over the import floor", command,
             [sys.executable, "-c", IMPORT_MODEL_CLASSES, str(folder)],
             "importing torch, transformers and the model's classes", over_budget=1.5),
+        # transformers' public API only (AutoConfig, AutoModelForCausalLM, AutoTokenizer), as on
+        # a transformers release the shortcuts are not checked on: what the shortcuts save
+        Row(f"lens ({name}) on the public path (EMBEDLENS_PLAIN=1)",
+            ["env", "EMBEDLENS_PLAIN=1", *command],
+            [sys.executable, str(LENS_PLAIN), prompt, str(folder)], "plain transformers lens"),
     ]  # fmt: skip
 
 

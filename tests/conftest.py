@@ -148,13 +148,25 @@ _SLOW_TESTS = {
     "test_each_prompt_equals_its_single_run",  # these two run every prompt again alone
     "test_every_position_equals_the_single_run",
 }
+_FAITHFUL_MODULES = {
+    "test_plain_path.py",  # the public path's bytes against the shortcuts'
+    "test_prompt_tokens.py",  # a GGUF prompt read as the file's tokens, or refused
+    "test_lens.py",  # the lens on every family against plain transformers
+    "test_lens_against.py",
+    "test_api_lens.py",
+    "test_params.py",  # counts and ties from configs, headers, meta and loaded models
+    "test_tied.py",
+    "test_tune.py",  # tune and lens --tuned
+}
+"""The faithfulness tests: CI runs them again on the lowest releases pyproject.toml admits."""
 _QUICK_FAMILIES = 1  # a sweep over model families keeps its first in the quick run
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `slow` what reads the real SmolLM2 file, runs whole processes, draws, fuzzes or
     builds models of its own, and each sweep over model families past its first, so that
-    `pytest -m "not slow"` is a quick check while editing (the whole suite runs in CI)."""
+    `pytest -m "not slow"` is a quick check while editing (the whole suite runs in CI); mark
+    `faithful` the tests CI runs again on the lowest releases pyproject.toml admits."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         callspec = getattr(item, "callspec", None)
@@ -162,3 +174,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         named = getattr(item, "originalname", item.name) in _SLOW_TESTS
         if fixtures & _SLOW_FIXTURES or item.path.name in _SLOW_MODULES or named or sweep:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in _FAITHFUL_MODULES:
+            item.add_marker(pytest.mark.faithful)
