@@ -36,14 +36,14 @@ def _ids(folder: Path, text: str = PROMPT) -> list[int]:
 def reference_tail(model: Any, family: str, h: torch.Tensor) -> torch.Tensor:
     """Each family's tail written out by hand: what runs after the last block."""
     if family == "opt":  # no final norm (do_layer_norm_before=False), then project_out
-        return model.lm_head(model.model.decoder.project_out(h))
+        return model.get_output_embeddings()(model.model.decoder.project_out(h))
     if family == "gpt2":
-        return model.lm_head(model.transformer.ln_f(h))
+        return model.get_output_embeddings()(model.transformer.ln_f(h))
     if family == "gpt-neox":
-        return model.lm_head(model.gpt_neox.final_layer_norm(h))
+        return model.get_output_embeddings()(model.gpt_neox.final_layer_norm(h))
     if family == "phi":  # the head has a bias
-        return model.lm_head(model.model.final_layernorm(h))
-    logits = model.lm_head(model.model.norm(h))
+        return model.get_output_embeddings()(model.model.final_layernorm(h))
+    logits = model.get_output_embeddings()(model.model.norm(h))
     if family == "gemma2":
         cap = model.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap
@@ -122,7 +122,7 @@ def test_softcapping_applied_once(tiny, cli, tmp_path):
     for row in data["layers"]:
         assert_top(row["top"], probs[row["layer"]][-1], TOKENIZER_LEN, 1e-5)
     with torch.no_grad():
-        raw = model.lm_head(
+        raw = model.get_output_embeddings()(
             model.model.norm(
                 model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0, -1]
             )
@@ -260,7 +260,7 @@ def test_smollm2_paris_and_every_layer_as_plain_transformers(
         for row in data["layers"]:
             layer = row["layer"]
             if layer < len(states) - 1:
-                logits = model.lm_head(model.model.norm(states[layer][0, -1]))
+                logits = model.get_output_embeddings()(model.model.norm(states[layer][0, -1]))
             else:
                 logits = out.logits[0, -1]
             probs = logits.softmax(-1)
@@ -446,7 +446,7 @@ def test_tail_that_counts_its_blocks_runs_them_all(tiny):
     assert result.full_tail and result.check.ok
     with torch.no_grad():
         h = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[0][0, -1]
-        probs = model.lm_head(model.model.norm(h) * 3).softmax(-1)
+        probs = model.get_output_embeddings()(model.model.norm(h) * 3).softmax(-1)
     assert result.rows[(0, 4)].probs == pytest.approx(
         probs[:TOKENIZER_LEN].topk(3).values.tolist(), abs=1e-6
     )
