@@ -342,12 +342,17 @@ def build_meta_model(source: ModelSource, *, trust_remote_code: bool = False) ->
 
     with _translated(source, "building the model from its config"):
         built = direct.build_on_meta(config)
-        if built is not None:
-            return built
-        from transformers import AutoModelForCausalLM
+        if built is None:
+            from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                built = AutoModelForCausalLM.from_config(
+                    config, trust_remote_code=trust_remote_code
+                )
+        # tied as from_pretrained ties them: transformers before 5.24 builds a config's tied
+        # head as a matrix of its own on the meta device
+        built.tie_weights()
+        return built
 
 
 def check_device(device: str) -> None:
