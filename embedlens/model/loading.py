@@ -661,13 +661,13 @@ def _direct_tokenizer(source: ModelSource, *, trust_remote_code: bool) -> Any:
 def check_tokenizer_files(source: ModelSource) -> None:
     """embedlens' own checks of the tokenizer before transformers reads it: a GGUF file's
     tokenizer arrays, a tokenizer.json's top-level keys."""
-    from embedlens.model.tokenizer import check_tokenizer_json, vocab_from_gguf
+    from embedlens.model.tokenizer import check_tokenizer_json
 
     if source.is_gguf:
-        from embedlens.io.gguf import read_gguf_header
+        from embedlens.model.file_tokens import file_vocab
 
         assert source.path is not None
-        vocab_from_gguf(read_gguf_header(source.path))
+        file_vocab(source.path)  # kept: the prompt's ids are checked against it (file_tokens)
         return
     path = source.find("tokenizer.json")
     if path is not None:
