@@ -100,23 +100,15 @@ def from_files(
     the same check for the targets of many prompts. Every text `check` tokenises is checked
     against the GGUF tokenizer of the model's file, if it is one, and of `others`
     (`file_tokens`)."""
-    from embedlens.analysis.lens.prompt import no_chat_template
     from embedlens.io.source import resolve
     from embedlens.model import file_tokens, loading
-    from embedlens.model.chat import stored_template
     from embedlens.model.gguf_patches import gguf_reads_shared
 
     trust = load.trust_remote_code
     with load.offload_dir() as folder:
         source = resolve(name, load.revision)
-        if own_template and tokenizer is None and stored_template(source) is False:
-            raise no_chat_template()
-        if (target is not None or targets is not None) and tokenizer is None and source.is_gguf:
-            one = _target_check(source)
-            if target is not None:
-                one(target)
-            if targets is not None:
-                targets(one)
+        if tokenizer is None:
+            _from_the_files(source, own_template, target, targets)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loading.check_source(source, trust_remote_code=trust)
@@ -143,6 +135,23 @@ def from_files(
         built_in = _builtin_code_note(config, trust_remote_code=trust)
         after = [] if built_in is None else [built_in]
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
+
+
+def _from_the_files(
+    source: ModelSource, own_template: bool, target: str | None, targets: Targets | None
+) -> None:
+    """What `from_files` refuses from the files before a tokenizer is built (see there)."""
+    from embedlens.analysis.lens.prompt import no_chat_template
+    from embedlens.model.chat import stored_template
+
+    if own_template and stored_template(source) is False:
+        raise no_chat_template()
+    if (target is not None or targets is not None) and source.is_gguf:
+        one = _target_check(source)
+        if target is not None:
+            one(target)
+        if targets is not None:
+            targets(one)
 
 
 def _target_check(source: ModelSource) -> Callable[[str], None]:
