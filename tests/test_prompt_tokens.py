@@ -239,6 +239,22 @@ def test_a_tokenizer_given_is_checked_against_the_file(ggufs, no_load):
     assert refused.value.hint == "leave the tokenizer out to read the prompt as the file does"
 
 
+def test_a_tokenizer_given_for_a_vocabulary_embedlens_does_not_rebuild_runs(ggufs, tmp_path):
+    """A file whose kind of tokenizer embedlens does not rebuild: with a tokenizer given, the
+    lens runs as it did (nothing to check it against); without one it is refused, as before."""
+    from transformers import AutoTokenizer
+
+    vocab = byte_level_vocabulary()
+    vocab.model = "rwkv"
+    path = write_tiny_gguf(tmp_path / "rwkv.gguf", "llama", vocab)
+    smol = ggufs["smol"]
+    tok = AutoTokenizer.from_pretrained(str(smol.parent), gguf_file=smol.name)
+    report = embedlens.lens(path, PROMPT, tokenizer=tok)
+    assert [t.id for t in report.tokens] == _file_ids(smol, PROMPT) and report.check.ok
+    with pytest.raises(UnsupportedError, match="has a 'rwkv' tokenizer"):
+        embedlens.lens(path, PROMPT)
+
+
 @pytest.mark.parametrize("installed", ["5.0.0", TESTED_TRANSFORMERS, "99.0.0"])
 def test_which_release_reads_the_file_right(ggufs, monkeypatch, no_load, installed):
     """Older or newer than the newest tested: that one reads it right; the newest tested
