@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, CONTEXT = 32, 4, 2, 8, 64, 256
 
@@ -56,7 +57,7 @@ def write_tiny_gguf(path: Path, arch: str, vocab: Vocabulary, *, seed: int = 0) 
     _add_vocabulary(writer, vocab)
     rng = np.random.default_rng(seed)
 
-    def matrix(rows: int, cols: int) -> object:
+    def matrix(rows: int, cols: int) -> Any:
         return (rng.normal(size=(rows, cols)) * 0.2).astype(np.float32)
 
     writer.add_tensor("token_embd.weight", matrix(len(vocab.tokens), HIDDEN))
@@ -82,17 +83,17 @@ def write_tiny_gguf(path: Path, arch: str, vocab: Vocabulary, *, seed: int = 0) 
     return path
 
 
-def _add_vocabulary(writer: object, vocab: Vocabulary) -> None:
-    w = writer
-    w.add_tokenizer_model(vocab.model)  # type: ignore[attr-defined]
+def _add_vocabulary(w: Any, vocab: Vocabulary) -> None:
+    """The tokenizer's metadata, as llama.cpp's converter writes it."""
+    w.add_tokenizer_model(vocab.model)
     if vocab.pre is not None:
-        w.add_tokenizer_pre(vocab.pre)  # type: ignore[attr-defined]
-    w.add_token_list(vocab.tokens)  # type: ignore[attr-defined]
-    w.add_token_types(vocab.types)  # type: ignore[attr-defined]
+        w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
     if vocab.scores is not None:
-        w.add_token_scores(vocab.scores)  # type: ignore[attr-defined]
+        w.add_token_scores(vocab.scores)
     if vocab.merges is not None:
-        w.add_token_merges(vocab.merges)  # type: ignore[attr-defined]
+        w.add_token_merges(vocab.merges)
     for name, value in (("bos", vocab.bos), ("eos", vocab.eos), ("unk", vocab.unk)):
         if value is not None:
             getattr(w, f"add_{name}_token_id")(value)
@@ -139,8 +140,8 @@ def byte_level_vocabulary() -> Vocabulary:
     )  # fmt: skip
 
 
-def _merges(tok: object) -> list[tuple[str, str]]:
+def _merges(tok: Any) -> list[tuple[str, str]]:
     import json
 
-    model = json.loads(tok.to_str())["model"]  # type: ignore[attr-defined]
+    model = json.loads(tok.to_str())["model"]
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
