@@ -171,12 +171,11 @@ def _gguf_named(path: Path) -> Iterator[Path]:
 def _newer_release_hint(source: ModelSource) -> str | None:
     """For a GGUF file read by a transformers older than the newest CI runs: that release, which
     builds GGUF tokenizers without sentencepiece (older ones convert some through it)."""
-    from embedlens.compat import release, release_text
-    from embedlens.compat.transformers import NEWEST_TESTED
+    from embedlens.compat import release_text
+    from embedlens.compat.transformers import NEWEST_TESTED, installed_transformers, release_key
 
-    newest = tuple(int(part) for part in NEWEST_TESTED.split("."))
-    found = release("transformers")
-    if not source.is_gguf or found is None or found >= newest:
+    found = installed_transformers()
+    if not source.is_gguf or found is None or release_key(found) >= release_key(NEWEST_TESTED):
         return None
     return (
         f"or a transformers that builds GGUF tokenizers without it (transformers "
@@ -688,13 +687,13 @@ def _direct_tokenizer(source: ModelSource, *, trust_remote_code: bool) -> Any:
 def check_tokenizer_files(source: ModelSource) -> None:
     """embedlens' own checks of the tokenizer before transformers reads it: a GGUF file's
     tokenizer arrays, a tokenizer.json's top-level keys."""
-    from embedlens.model.tokenizer import check_tokenizer_json, vocab_from_gguf
+    from embedlens.model.tokenizer import check_tokenizer_json
 
     if source.is_gguf:
-        from embedlens.io.gguf import read_gguf_header
+        from embedlens.model.file_tokens import file_vocab
 
         assert source.path is not None
-        vocab_from_gguf(read_gguf_header(source.path))
+        file_vocab(source.path)  # kept: the prompt's ids are checked against it (file_tokens)
         return
     path = source.find("tokenizer.json")
     if path is not None:

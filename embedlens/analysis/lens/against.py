@@ -21,10 +21,10 @@ import functools
 import gc
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
 from embedlens.analysis.lens.one import one_report, run_one
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.pair import PairStats
     from embedlens.model.prompts import BadLine, PromptSource
     from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+
+T = TypeVar("T")
 
 KEEP_BYTES = 256 * 2**20
 """Logits kept for a window of prompts (float32 bytes: B's rows, A's, and A's decoding of B's):
@@ -67,7 +69,7 @@ def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
         gc.collect()  # B's weights go before A's are read
         return run, result, named
 
-    with ready(a.model, a.tokenizer, a.loading, b_first, target=ask.target) as (oa, ran):
+    with _ready_a(a, b, b_first, target=ask.target) as (oa, ran):
         from embedlens.analysis.lens.pair import compare
         from embedlens.analysis.lens.pair_report import pair_report
 
@@ -136,7 +138,7 @@ def _together(
         return many.check_all(source, ask, tok, config, template)
 
     targets = _targets(source, ask)
-    with ready(a.model, a.tokenizer, a.loading, check, targets=targets) as (oa, (n_bad, bad)):
+    with _ready_a(a, b, check, targets=targets) as (oa, (n_bad, bad)):
         lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
         with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config)) as ob:
             run_b = many.ManyRun(ob, ask, None, keep=True)
@@ -170,7 +172,7 @@ def _apart(
             return n_bad, bad, named
 
         targets = _targets(source, ask)
-        with ready(a.model, a.tokenizer, a.loading, b_first, targets=targets) as (oa, ran):
+        with _ready_a(a, b, b_first, targets=targets) as (oa, ran):
             n_bad, bad, named = ran
             run = pair(oa, named)
             lines = many.windows(
@@ -247,6 +249,16 @@ def _targets(source: PromptSource, ask: ManyAsk) -> Targets:
     """The lines' targets checked from A's files before its tokenizer is built (a GGUF's: the
     check `lens --prompts` makes); B reads A's ids, tokenized by A's tokenizer alone."""
     return functools.partial(many.check_targets, source, ask)
+
+
+def _ready_a(
+    a: Side, b: Side, check: Check[T], **asked: Any
+) -> AbstractContextManager[tuple[Opened, T]]:
+    """A ready (`opening.ready`, `asked` its options) after `check`, which tokenises the prompts
+    with A's tokenizer: B runs on those ids, so they are checked against B's GGUF tokenizer
+    too when B is read from a GGUF file (`file_tokens`)."""
+    others = () if b.source is None else (b.source,)
+    return ready(a.model, a.tokenizer, a.loading, check, others=others, **asked)
 
 
 def _residual(result: LensResult) -> dict[int, Any]:

@@ -55,11 +55,13 @@ def ready(
     own_template: bool = False,
     target: str | None = None,
     targets: Targets | None = None,
+    others: tuple[ModelSource, ...] = (),
 ) -> Iterator[tuple[Opened, T]]:
     """The model ready for the run (loaded from its files, or as the caller loaded it), with
     what `check` returned before any weight was read; `loading`: a `Load` for a model named by
     its files, else the loading options given for a loaded one (refused). `own_template`,
-    `target` and `targets`: as `from_files` takes them."""
+    `target` and `targets`: as `from_files` takes them; `others`: the files of other models run
+    on the same ids (the ids `check` tokenises are checked against their GGUF tokenizers)."""
     if isinstance(loading, Load):
         assert isinstance(model, (str, os.PathLike))
         name = os.fspath(model)
@@ -71,10 +73,11 @@ def ready(
             own_template=own_template,
             target=target,
             targets=targets,
+            others=others,
         ) as opened:
             yield opened
     else:
-        with from_loaded(model, tokenizer, loading, check) as opened:
+        with from_loaded(model, tokenizer, loading, check, others) as opened:
             yield opened
 
 
@@ -88,37 +91,35 @@ def from_files(
     own_template: bool = False,
     target: str | None = None,
     targets: Targets | None = None,
+    others: tuple[ModelSource, ...] = (),
 ) -> Iterator[tuple[Opened, T]]:
     """The model named `name` loaded from its files (hub, folder or GGUF), after `check`.
     What the files alone can tell is refused before a tokenizer is built: `own_template`, the run
     needs the model's chat template (--chat without --chat-template) and they hold none;
     `target`, a --target that is not one token of a GGUF file's vocabulary; `targets` is given
-    the same check for the targets of many prompts."""
-    from embedlens.analysis.lens.prompt import no_chat_template
+    the same check for the targets of many prompts. Every text `check` tokenises is checked
+    against the GGUF tokenizer of the model's file, if it is one, and of `others`
+    (`file_tokens`)."""
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
-    from embedlens.model import loading
-    from embedlens.model.chat import stored_template
+    from embedlens.model import file_tokens, loading
 
     trust = load.trust_remote_code
     with load.offload_dir() as folder:
         source = resolve(name, load.revision)
-        if own_template and tokenizer is None and stored_template(source) is False:
-            raise no_chat_template()
-        if (target is not None or targets is not None) and tokenizer is None and source.is_gguf:
-            one = _target_check(source)
-            if target is not None:
-                one(target)
-            if targets is not None:
-                targets(one)
+        if tokenizer is None:
+            _from_the_files(source, own_template, target, targets)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loading.check_source(source, trust_remote_code=trust)
+            loaded = tokenizer is None
             if tokenizer is None:
                 tokenizer = loading.load_tokenizer(source, trust_remote_code=trust)
             config = loading.hf_config(source, trust_remote_code=trust)
             template = _template_name(source)
-            checked = check(tokenizer, config, template)
+            guard = file_tokens.guard_for(source, loaded=loaded, others=others, model=name)
+            with file_tokens.watching(guard):
+                checked = check(tokenizer, config, template)
             notes: list[str] = []
             model = loading.load_model(
                 source,
@@ -136,13 +137,29 @@ def from_files(
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
 
 
+def _from_the_files(
+    source: ModelSource, own_template: bool, target: str | None, targets: Targets | None
+) -> None:
+    """What `from_files` refuses from the files before a tokenizer is built (see there)."""
+    from embedlens.analysis.lens.prompt import no_chat_template
+    from embedlens.model.chat import stored_template
+
+    if own_template and stored_template(source) is False:
+        raise no_chat_template()
+    if (target is not None or targets is not None) and source.is_gguf:
+        one = _target_check(source)
+        if target is not None:
+            one(target)
+        if targets is not None:
+            targets(one)
+
+
 def _target_check(source: ModelSource) -> Callable[[str], None]:
     """A --target check with embedlens' own reading of a GGUF file's tokenizer (built from the
     header, kept in the tokenizer cache), which encodes to the ids of the one transformers builds
     (tests/test_tokenizer_cache.py): a target that is not one token is refused before that."""
     from embedlens.analysis.lens.prompt import single_token
-    from embedlens.io.gguf import read_gguf_header
-    from embedlens.model.tokenizer import vocab_from_gguf
+    from embedlens.model.file_tokens import file_vocab
 
     assert source.path is not None
     path = source.path
@@ -150,7 +167,7 @@ def _target_check(source: ModelSource) -> Callable[[str], None]:
 
     def check(target: str) -> None:  # the tokenizer is built for the first target asked about
         if not built:
-            built.append(vocab_from_gguf(read_gguf_header(path)))
+            built.append(file_vocab(path))
         vocab = built[0]
         unk = vocab.unk_id
         unk_token = None if unk is None else vocab.piece(unk)
@@ -161,10 +178,15 @@ def _target_check(source: ModelSource) -> Callable[[str], None]:
 
 @contextmanager
 def from_loaded(
-    model: object, tokenizer: Any, given: dict[str, bool], check: Check[T]
+    model: object,
+    tokenizer: Any,
+    given: dict[str, bool],
+    check: Check[T],
+    others: tuple[ModelSource, ...] = (),
 ) -> Iterator[tuple[Opened, T]]:
     """A model the caller loaded, after `check`; `given` names the loading options the caller
-    set (refused: a loaded model runs as it is)."""
+    set (refused: a loaded model runs as it is); `others` as `from_files` takes them."""
+    from embedlens.model import file_tokens
     from embedlens.model.loaded import check_loaded, loaded_name
 
     built = check_loaded(model, **given)
@@ -176,7 +198,9 @@ def from_loaded(
     name = loaded_name(built)
     config = getattr(built, "config", None)
     template = f"the chat template of '{name}'"
-    checked = check(tokenizer, config, template)
+    guard = file_tokens.guard_for(None, loaded=False, others=others, model=name)
+    with file_tokens.watching(guard):
+        checked = check(tokenizer, config, template)
     with _eval_mode(built):
         yield Opened(name, built, tokenizer, config, template, [], []), checked
 

@@ -117,11 +117,15 @@ def facts(side: Side) -> Facts:
 
 
 def _file_vocab(source: ModelSource, gguf: Any, trust: bool) -> Vocab | dict[str, int]:
-    """The vocabulary from the model's files: tokenizer.json or GGUF metadata, else through
-    transformers (a slow tokenizer)."""
+    """The vocabulary from the model's files: tokenizer.json or GGUF metadata (built once for
+    the run: `file_tokens.file_vocab`), else through transformers (a slow tokenizer)."""
     from embedlens.model.tokenizer import load_vocab
 
     try:
+        if source.is_gguf and source.path is not None:
+            from embedlens.model.file_tokens import file_vocab
+
+            return file_vocab(source.path, gguf)
         return load_vocab(source, gguf)
     except UnsupportedError:
         from embedlens.model.loading import load_tokenizer

@@ -62,15 +62,26 @@ def prompt_ids(
     `chat_template` (Jinja text) is used instead of the tokenizer's own.
     """
     if chat is None:
-        ids = list(tokenizer(prompt)["input_ids"])
+        ids = encoded(tokenizer, prompt)
         text = prompt
     else:
         context = context_length(config)
         text = _render_chat(tokenizer, chat, switches, template, context, chat_template) + prompt
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = encoded(tokenizer, text, add_special_tokens=False)
     if not ids:
         raise UsageError("the prompt is empty: it encodes to no tokens")
-    return text, [int(i) for i in ids]
+    return text, ids
+
+
+def encoded(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The ids the tokenizer gives `text`, checked against a GGUF file's own reading while a
+    run's prompts are checked (`file_tokens.watching`)."""
+    from embedlens.model.file_tokens import check_ids
+
+    asked = {} if add_special_tokens else {"add_special_tokens": False}
+    ids = [int(i) for i in tokenizer(text, **asked)["input_ids"]]
+    check_ids(text, add_special_tokens, ids)
+    return ids
 
 
 def _render_chat(
@@ -132,7 +143,7 @@ def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
     single token (which of the two the model means is its own to say: see `target_note`)."""
 
     def encode(text: str) -> list[int]:
-        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        return encoded(tokenizer, text, add_special_tokens=False)
 
     def text_of(token_id: int) -> str:
         return token_text(tokenizer, token_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from typing import Any
 
 from embedlens.compat import forget_said, plain, release, release_text, say_once
@@ -90,6 +91,24 @@ TOKENIZER_NAMES: dict[str, tuple[str, ...]] = {
 """Tables the tokenizer shortcut reads by name."""
 
 _verdicts: dict[str, bool] = {}
+
+
+def installed_transformers() -> str | None:
+    """The installed transformers release as it names itself (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def release_key(text: str) -> tuple[int, ...]:
+    """A release's leading numbers ('5.24.0' -> (5, 24, 0); '5.25.0.dev0' -> (5, 25, 0)), for
+    comparing releases: at least three ('5.24' is '5.24.0')."""
+    found = re.match(r"\d+(?:\.\d+)*", text.strip())
+    numbers = tuple(int(part) for part in found.group(0).split(".")) if found else ()
+    return numbers + (0,) * (3 - len(numbers))
 
 
 def release_fits() -> bool:

@@ -1,0 +1,249 @@
+"""The prompt is the file's tokens: the ids a GGUF model is run on, checked against the file's
+own tokenizer before the forward pass.
+
+A GGUF file carries its tokenizer as metadata, and transformers rebuilds it; releases before the
+newest tested read some files otherwise than the file says (a BOS added where
+`tokenizer.ggml.add_bos_token` is false, none where it is true, pieces merged in another order),
+and the lens then runs, and checks itself, on other tokens. embedlens rebuilds the same tokenizer
+itself (`tokenizer.vocab_from_gguf`) and adds what the file's metadata asks: BOS when
+`add_bos_token` says so (a SentencePiece vocabulary that does not say adds it, as llama.cpp and
+transformers read it), EOS when `add_eos_token` does. While a run's prompts are tokenised
+(`watching`), every text `analysis.lens.prompt` encodes (the prompt, a chat-rendered prompt, a
+--target, each line of --prompts) is encoded that way too; a difference refuses the run
+(UnsupportedError) with both id lists. With --against, B's GGUF file is asked as well: B runs on
+A's ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from embedlens.compat.transformers import NEWEST_TESTED as TESTED_TRANSFORMERS
+from embedlens.compat.transformers import installed_transformers, release_key
+from embedlens.errors import UnsupportedError
+from embedlens.io.gguf import GGUFHeader, read_gguf_header
+from embedlens.text import visible
+
+if TYPE_CHECKING:
+    from embedlens.io.source import ModelSource
+    from embedlens.model.tokenizer import Vocab
+
+_KEEP = 2
+"""GGUF vocabularies kept built in this process (a run reads one, or two with --against)."""
+_KEPT: OrderedDict[tuple[str, int, int], tuple[Vocab, GGUFHeader]] = OrderedDict()
+_SHOWN_IDS = 16
+"""Ids shown of a longer list: those around the first difference."""
+_SHOWN_CHARS = 60
+
+
+def file_vocab(path: Path, header: GGUFHeader | None = None) -> Vocab:
+    """The file's tokenizer as embedlens rebuilds it (`vocab_from_gguf`), built once for the
+    run: the tokenizer check, the --target check and the prompt check read the same one."""
+    return _read(path, header)[0]
+
+
+def _read(path: Path, header: GGUFHeader | None = None) -> tuple[Vocab, GGUFHeader]:
+    from embedlens.model import tokenizer
+
+    try:
+        stat = path.stat()
+        key: tuple[str, int, int] | None = (str(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        key = None  # reading the file says what is wrong
+    kept = None if key is None else _KEPT.get(key)
+    if kept is not None:
+        assert key is not None
+        _KEPT.move_to_end(key)
+        return kept
+    header = header or read_gguf_header(path)
+    read = tokenizer.vocab_from_gguf(header), header
+    if key is not None:
+        _KEPT[key] = read
+        while len(_KEPT) > _KEEP:
+            _KEPT.popitem(last=False)
+    return read
+
+
+@dataclass
+class FileTokens:
+    """How a GGUF file reads text: its own tokenizer, BOS and EOS as its metadata asks (read
+    when first asked)."""
+
+    path: Path
+    name: str
+    """The file as messages name it."""
+    _ends: tuple[list[int], list[int]] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, source: ModelSource) -> FileTokens:
+        assert source.is_gguf and source.path is not None
+        return cls(source.path, source.hub_file or source.path.name)
+
+    def ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of `text`, with the file's BOS and EOS when special tokens are added."""
+        vocab, header = _read(self.path)
+        body = vocab.encode(text)
+        if not add_special_tokens:
+            return body
+        if self._ends is None:
+            self._ends = special_ends(header)
+        first, last = self._ends
+        return [*first, *body, *last]
+
+
+def special_ends(header: GGUFHeader) -> tuple[list[int], list[int]]:
+    """The ids a GGUF file's tokenizer puts before and after a text: BOS when
+    `tokenizer.ggml.add_bos_token` is true (when absent: for a SentencePiece vocabulary,
+    'llama'), EOS when `add_eos_token` is."""
+    add_bos = header.meta("tokenizer.ggml.add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = header.meta("tokenizer.ggml.model") == "llama"
+    add_eos = header.meta("tokenizer.ggml.add_eos_token") is True
+    bos = header.meta("tokenizer.ggml.bos_token_id")
+    eos = header.meta("tokenizer.ggml.eos_token_id")
+    first = [bos] if add_bos and isinstance(bos, int) else []
+    last = [eos] if add_eos and isinstance(eos, int) else []
+    return first, last
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The files a run's prompt ids are checked against, and whose tokenizer gives them."""
+
+    own: FileTokens | None
+    """The model's own GGUF file (None: the model is not one)."""
+    loaded: bool
+    """The tokenizer is transformers' reading of `own` (else one given by the caller)."""
+    others: tuple[FileTokens, ...] = ()
+    """Other models' GGUF files that run on the same ids (--against's B)."""
+    model: str = ""
+    """The model whose tokenizer gives the ids, as messages name it."""
+
+    def check(self, text: str, add_special_tokens: bool, ids: list[int]) -> None:
+        """UnsupportedError when a file reads `text` as other ids than `ids`."""
+        if self.own is not None:
+            want = self._own_ids(self.own, text, add_special_tokens)
+            if want is not None and want != ids:
+                raise self._own_refusal(text, ids, want)
+        for other in self.others:
+            want = other.ids(text, add_special_tokens)
+            if want != ids:
+                raise UnsupportedError(
+                    f"'{other.name}' reads {_quoted(text)} as {_compared(want, ids)}, where "
+                    f"the tokenizer of '{self.model}' gives {_second(want, ids)}",
+                    hint=f"lens --against runs '{other.name}' on the ids of '{self.model}': "
+                    "compare models that read the prompt alike",
+                )
+
+    def _own_ids(self, own: FileTokens, text: str, add_special_tokens: bool) -> list[int] | None:
+        """How the model's file reads `text`; None for a file whose kind of vocabulary embedlens
+        does not rebuild, read with a tokenizer given (transformers' own reading of such a file
+        is refused before: `loading.check_tokenizer_files`)."""
+        try:
+            return own.ids(text, add_special_tokens)
+        except UnsupportedError:
+            if self.loaded:
+                raise
+            return None
+
+    def _own_refusal(self, text: str, got: list[int], want: list[int]) -> UnsupportedError:
+        assert self.own is not None
+        name, shown = self.own.name, _quoted(text)
+        if not self.loaded:
+            return UnsupportedError(
+                f"the tokenizer given reads {shown} as {_compared(got, want)}, where '{name}' "
+                f"itself reads {_second(got, want)}",
+                hint="leave the tokenizer out to read the prompt as the file does",
+            )
+        installed = installed_transformers() or "(unknown)"
+        said = (
+            f"transformers {installed} reads {shown} as {_compared(got, want)}, where '{name}' "
+            f"itself reads {_second(got, want)}"
+        )
+        if release_key(installed) == release_key(TESTED_TRANSFORMERS):
+            return UnsupportedError(
+                f"{said}; {installed} is the newest transformers release tested, and no release "
+                "is known to read this file as it says",
+                hint="report it, with the file's name: embedlens cannot tell which reading the "
+                "model was trained on",
+            )
+        return UnsupportedError(
+            f"{said}; transformers {TESTED_TRANSFORMERS}, the newest release tested, reads this "
+            "file as it says",
+            hint=f"pip install 'transformers=={TESTED_TRANSFORMERS}', and run again",
+        )
+
+
+_GUARD: ContextVar[Guard | None] = ContextVar("embedlens_file_tokens", default=None)
+
+
+@contextmanager
+def watching(guard: Guard | None) -> Iterator[None]:
+    """Check every text encoded by `check_ids` in this block against `guard`'s files."""
+    token = _GUARD.set(guard)
+    try:
+        yield
+    finally:
+        _GUARD.reset(token)
+
+
+def check_ids(text: str, add_special_tokens: bool, ids: list[int]) -> None:
+    """The ids a tokenizer gave `text`, checked against the files being watched (nothing to
+    check outside `watching`)."""
+    guard = _GUARD.get()
+    if guard is not None:
+        guard.check(text, add_special_tokens, ids)
+
+
+def guard_for(
+    source: ModelSource | None, *, loaded: bool, others: tuple[ModelSource, ...], model: str
+) -> Guard | None:
+    """The check of a run's prompt ids: against the model's own GGUF file (`source`, None for a
+    model given loaded) and `others`' (None when no file is a GGUF)."""
+    own = FileTokens.of(source) if source is not None and source.is_gguf else None
+    files = tuple(FileTokens.of(s) for s in others if s.is_gguf)
+    if own is None and not files:
+        return None
+    return Guard(own, loaded, files, model)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def _compared(first: list[int], second: list[int]) -> str:
+    """The first list as a message shows it, around where it parts from the second."""
+    return _listed(first, _first_difference(first, second))
+
+
+def _second(first: list[int], second: list[int]) -> str:
+    """The second list as a message shows it, and where the two part."""
+    at = _first_difference(first, second)
+    counts = f"{len(first)} ids against {len(second)}"
+    return f"{_listed(second, at)} ({counts}, the first difference at position {at})"
+
+
+def _listed(ids: list[int], at: int) -> str:
+    """The ids in brackets; of a long list, those around `at` and how many are left out."""
+    if len(ids) <= _SHOWN_IDS:
+        return "[" + ", ".join(map(str, ids)) + "]"
+    start = max(0, min(at - 4, len(ids) - _SHOWN_IDS))
+    end = start + _SHOWN_IDS
+    parts = [f"…{start} before" if start else "", *map(str, ids[start:end])]
+    parts.append(f"{len(ids) - end} more…" if end < len(ids) else "")
+    return "[" + ", ".join(p for p in parts if p) + "]"
+
+
+def _quoted(text: str) -> str:
+    """The text quoted, control characters escaped, cut to a few dozen characters."""
+    shown = visible(text)
+    if len(shown) > _SHOWN_CHARS:
+        shown = shown[: _SHOWN_CHARS - 1] + "…"
+    return f"'{shown}'"
