@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -71,7 +71,7 @@ def _tables() -> dict[str, npt.NDArray[np.uint64]]:
         "lead": [n >= 100, n >= 10, n >= 1],
         "trail": [n > 0, n % 100 > 0, n % 10 > 0],
     }
-    out = {}
+    out: dict[str, Any] = {}
     for name, keep in shown.items():
         out[name] = sum(
             np.where(k, d + np.uint64(ord("0")), np.uint64(0)) << np.uint64(8 * i)
