@@ -350,21 +350,41 @@ def _old_python() -> str:
     return version
 
 
-def test_an_older_transformers_is_refused_on_smollm2(smollm2):
-    """With an older transformers (5.0.0 puts '<|im_start|>' before SmolLM2's prompt) the lens
-    is refused in one error line naming that release and the newest tested."""
+_IDS = """
+import sys
+from transformers import AutoTokenizer
+path = sys.argv[1]
+folder, name = path.rsplit("/", 1)
+print(list(AutoTokenizer.from_pretrained(folder, gguf_file=name)(sys.argv[2])["input_ids"]))
+"""
+
+
+def test_an_older_transformers_reads_smollm2_right_or_is_refused(smollm2):
+    """With an older transformers the lens runs where that release gives SmolLM2's prompt the
+    file's own ids, and is refused in one error line naming that release and the newest tested
+    where it does not (5.0.0 puts '<|im_start|>' in front)."""
     version = _old_python()
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    probe = subprocess.run(
+        [OLD_PYTHON, "-c", _IDS, str(smollm2), PROMPT], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    ids = json.loads(probe.stdout.strip().splitlines()[-1])
     result = subprocess.run(
-        [OLD_PYTHON, "-m", "embedlens", "lens", str(smollm2), PROMPT],
+        [OLD_PYTHON, "-m", "embedlens", "lens", str(smollm2), PROMPT, "--json"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
+    if ids == [504, 3575, 282, 4649, 314]:  # read as the file says: the lens runs
+        assert result.returncode == 0, result.stderr
+        assert [t["id"] for t in json.loads(result.stdout)["tokens"]] == ids
+        return
     lines = [
         line for line in result.stderr.splitlines() if not line.startswith(("Running", "note: "))
     ]
     assert (result.returncode, result.stdout) == (1, ""), result.stderr
-    assert lines[0].startswith(f"error: transformers {version} reads '{PROMPT}' as [1, 504, ")
+    assert lines[0].startswith(f"error: transformers {version} reads '{PROMPT}' as {ids}"[:-1])
     assert "itself reads [504, 3575, 282, 4649, 314]" in lines[0]
     assert f"transformers {TESTED_TRANSFORMERS}, the newest release tested" in lines[0]
     assert len(lines) == 2 and lines[1].startswith("hint: ")
