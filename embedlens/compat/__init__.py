@@ -1,0 +1,1 @@
+"""Where embedlens leans on another library's private parts, and the switch to its public path."""
