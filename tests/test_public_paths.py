@@ -1,0 +1,158 @@
+"""Shortcuts through other libraries' private parts take the public path, with the same output,
+where what they rely on is not there (a release or a signature they were not written against:
+one `note:` says so) and wherever EMBEDLENS_PLAIN=1 is set (no note)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from embedlens.compat import plain as compat
+from embedlens.compat.jinja import _jinja_fits as jinja_fits
+
+WORKING = (
+    "{% set tools = [{'name': 'f', 'parameters': {'type': 'object'}}] %}"
+    "{{ tools|tojson(indent=2) }}{{ '%s-%d' % ('a', 3) }}{{ '{}:{:>4}'.format('a', 'b') }}"
+    "{{ 'x'|center(5) }}{{ 'a\\nb'|indent(2) }}{{ ['p', 'q']|join(', ') }}"
+    "{% for m in messages %}<s> {{ m['role'] ~ ' ' + m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> {% endif %}"
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Notes said afresh; no EMBEDLENS_PLAIN from outside; Jinja's fit found again."""
+
+    monkeypatch.setattr(compat, "_said", set())
+    monkeypatch.delenv("EMBEDLENS_PLAIN", raising=False)
+    jinja_fits.cache_clear()
+    yield
+    jinja_fits.cache_clear()
+
+
+def _notes(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("note: ")]
+
+
+def _render(template: str = WORKING) -> str:
+    """The template rendered within embedlens' bounds, in a sandbox made as transformers makes
+    its own (a fresh one: nothing compiled under other checks)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from embedlens.model import chat
+
+    def render() -> str:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        messages = [{"role": "user", "content": "hello"}]
+        return str(env.from_string(template).render(messages=messages, add_generation_prompt=True))
+
+    return chat.render(render, limit=4096, what="t")
+
+
+def test_the_plain_switch(monkeypatch):
+    for value, expected in [("", False), ("0", False), (" 0 ", False), ("1", True), ("yes", True)]:
+        monkeypatch.setenv("EMBEDLENS_PLAIN", value)
+        assert compat.plain() is expected
+    assert compat.release("jinja2") is not None and compat.release("no-such-dist-xyz") is None
+    assert compat.within("jinja2", (3, 1), (3, 2))
+    assert not compat.within("jinja2", (3, 2), (9, 0))
+
+
+# --- chat templates: the checks inside Jinja's sandbox -------------------------------------
+
+
+def test_a_changed_jinja_renders_the_template_as_transformers_does_with_a_note(capsys, monkeypatch):
+    from jinja2.sandbox import SandboxedEnvironment
+
+    from embedlens.errors import ConfigError
+
+    checked = _render()
+    with pytest.raises(ConfigError, match="computes a value of about"):
+        _render("{{ 'x' * 10**6 }}")
+    assert _notes(capsys.readouterr().err) == []
+    original = SandboxedEnvironment.wrap_str_format
+
+    def other_signature(self: Any, value: Any, *, extra: bool = False) -> Any:
+        return original(self, value)
+
+    monkeypatch.setattr(SandboxedEnvironment, "wrap_str_format", other_signature)
+    jinja_fits.cache_clear()
+    assert _render() == checked
+    assert _notes(capsys.readouterr().err) == [
+        "note: the chat template renders without embedlens' checks inside Jinja: jinja2's "
+        "SandboxedEnvironment.wrap_str_format is not as in 3.1"
+    ]
+    assert _render() == checked
+    assert _notes(capsys.readouterr().err) == []  # one note a process
+    with pytest.raises(ConfigError, match="renders more than 4,096 characters"):
+        _render("{{ 'x' * 10**6 }}")  # the size is checked once rendered
+
+
+def test_a_jinja_release_not_checked_renders_plainly_with_a_note(capsys, monkeypatch):
+
+    checked = _render()
+    real = compat.release
+    monkeypatch.setattr(compat, "release", lambda d: (3, 2, 0) if d == "jinja2" else real(d))
+    jinja_fits.cache_clear()
+    assert _render() == checked
+    notes = _notes(capsys.readouterr().err)
+    assert len(notes) == 1 and "jinja2 " in notes[0] and "is not a 3.1 release" in notes[0]
+
+
+def test_plain_renders_with_no_hook_in_jinja_and_says_nothing(capsys, monkeypatch):
+    import jinja2
+    import jinja2.runtime
+    from jinja2.sandbox import SandboxedEnvironment
+
+    from embedlens.model import chat
+
+    checked = _render()
+    monkeypatch.setenv("EMBEDLENS_PLAIN", "1")
+    assert _render() == checked
+    assert _notes(capsys.readouterr().err) == []
+    before = {
+        "sandbox": dict(vars(SandboxedEnvironment)),
+        "concat": jinja2.Environment.__dict__["concat"],
+        "joins": (jinja2.runtime.str_join, jinja2.runtime.markup_join),
+    }
+
+    def render() -> str:
+        now = {
+            "sandbox": dict(vars(SandboxedEnvironment)),
+            "concat": jinja2.Environment.__dict__["concat"],
+            "joins": (jinja2.runtime.str_join, jinja2.runtime.markup_join),
+        }
+        assert now == before
+        env = SandboxedEnvironment()
+        return str(env.from_string("{{ 'ab' * 3 }}").render())
+
+    assert chat.render(render, limit=100, what="t") == "ababab"
+    monkeypatch.delenv("EMBEDLENS_PLAIN")
+    with pytest.raises(AssertionError):  # the checks do hook Jinja (the test can fail)
+        chat.render(render, limit=100, what="t")
+
+
+def test_the_output_bound_leaves_a_render_outside_it_alone():
+    """The join that bounds the output acts inside `render` only: a render elsewhere, while
+    one is under way (another thread), joins as Jinja does."""
+    import threading
+
+    import jinja2
+
+    from embedlens.model import chat
+
+    seen: list[str] = []
+
+    def elsewhere() -> None:
+        seen.append(jinja2.Environment().from_string("{{ 'x' * 50 }}").render())
+
+    def render() -> str:
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        return "ok"
+
+    assert chat.render(render, limit=10, what="t") == "ok"
+    assert seen == ["x" * 50]
