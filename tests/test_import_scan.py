@@ -52,7 +52,7 @@ def tables(mode: str, **more: str) -> dict:
 def test_the_second_scan_is_cached_and_the_tables_are_the_same():
     plain, once = tables("plain"), tables("once")
     assert plain["hits"] == 0  # transformers' own 128-entry cache: every folder read again
-    assert once["hits"] > 500  # the model folders, read once
+    assert once["hits"] > 300  # the model folders, read once (412 on transformers 5.0)
     assert "_Finder" not in once["finders"]  # it left sys.meta_path once used
     for key in ("top", "models", "missing"):
         assert once[key] == plain[key]
