@@ -156,3 +156,54 @@ def test_the_output_bound_leaves_a_render_outside_it_alone():
 
     assert chat.render(render, limit=10, what="t") == "ok"
     assert seen == ["x" * 50]
+
+
+# --- gguf's reader, as addr checks a GGUF's rows against it ----------------------------------
+
+
+def _reader_rows(smollm2: Any) -> list[bytes]:
+    from embedlens.io.reference import gguf_reader_rows
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate
+
+    table = locate(resolve(str(smollm2), None), "input")
+    assert table.checkpoint.gguf is not None
+    return gguf_reader_rows(table.checkpoint.gguf, table.entry.name, [0, 42, 4197])
+
+
+def test_gguf_reader_changed_reads_the_whole_header_with_a_note(smollm2, capsys, monkeypatch):
+    from gguf import GGUFReader
+
+    quick = _reader_rows(smollm2)
+    assert _notes(capsys.readouterr().err) == []
+    real = GGUFReader._get
+
+    def other_signature(self: Any, offset: int, dtype: Any, count: int = 1, **more: Any) -> Any:
+        return real(self, offset, dtype, count, more.get("override_order"))
+
+    monkeypatch.setattr(GGUFReader, "_get", other_signature)
+    assert _reader_rows(smollm2) == quick
+    assert _notes(capsys.readouterr().err) == [
+        "note: gguf's reader reads the whole header to check the rows (slower): gguf's "
+        "GGUFReader._get is not as embedlens knows it"
+    ]
+
+
+def test_gguf_release_not_checked_and_plain_read_the_whole_header(smollm2, capsys, monkeypatch):
+    from embedlens.io import reference
+
+    quick = _reader_rows(smollm2)
+    whole: list[Any] = []
+    plain_reader = reference._plain_reader
+    monkeypatch.setattr(reference, "_plain_reader", lambda h: whole.append(h) or plain_reader(h))
+    real = compat.release
+    monkeypatch.setattr(compat, "release", lambda d: (0, 20) if d == "gguf" else real(d))
+    assert _reader_rows(smollm2) == quick and len(whole) == 1
+    notes = _notes(capsys.readouterr().err)
+    assert len(notes) == 1 and "gguf's release is not one from 0.10 to 0.19" in notes[0]
+    monkeypatch.setattr(compat, "release", real)
+    monkeypatch.setenv("EMBEDLENS_PLAIN", "1")
+    assert _reader_rows(smollm2) == quick and len(whole) == 2
+    assert _notes(capsys.readouterr().err) == []
+    monkeypatch.delenv("EMBEDLENS_PLAIN")
+    assert _reader_rows(smollm2) == quick and len(whole) == 2  # the quick reader again
