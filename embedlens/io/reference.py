@@ -15,7 +15,7 @@ from typing import Any
 
 from embedlens.errors import CheckpointError
 from embedlens.io.checkpoint import TensorEntry
-from embedlens.io.gguf import GGUFHeader, LazyArray
+from embedlens.io.gguf import GGUF_CHECKED, GGUFHeader, LazyArray
 
 # Safetensors' numpy loader names these dtypes, which numpy itself lacks; their raw bits are
 # compared instead, read as unsigned integers of the same width.
@@ -59,8 +59,6 @@ def safetensors_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, l
         raise CheckpointError(f"safetensors cannot read '{name}' from '{path.name}': {e}") from e
 
 
-GGUF_CHECKED = ((0, 10), (0, 20))
-"""The gguf releases whose reader `_header_reader` was checked against: 0.10 to 0.19."""
 _READER_SHAPES = {
     "_get_field_parts": ("self", "orig_offs", "raw_type"),
     "_get": ("self", "offset", "dtype", "count", "override_order"),
