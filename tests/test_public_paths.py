@@ -245,3 +245,103 @@ def test_gguf_constants_alone_or_from_the_package_give_the_same_table(capsys, mo
         "note: gguf's table of types comes from `import gguf` (slower): gguf's release is not "
         "one from 0.10 to 0.19"
     ]
+
+
+# --- no other library's private name outside the fenced places ---------------------------------
+
+LIBRARIES = {
+    "torch",
+    "transformers",
+    "huggingface_hub",
+    "rich",
+    "typer",
+    "gguf",
+    "numpy",
+    "tokenizers",
+    "safetensors",
+    "accelerate",
+    "jinja2",
+    "httpx",
+    "httpx2",
+}
+FENCED = {
+    "embedlens/model/direct.py",  # transformers' loading, being fenced into embedlens/compat
+    "embedlens/model/gguf_patches.py",
+    "embedlens/model/prefetch.py",
+}
+"""Files whose private names are fenced by their own checks (embedlens/compat/ is fenced too)."""
+
+
+def private_names(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each import of a private module or name of LIBRARIES, each private
+    attribute of a name bound by such an import, and each getattr-like call with a private
+    name (embedlens' own `_embedlens...` marks apart). A private attribute of an object a
+    library made (`console._width`) is not seen: no type is known here."""
+    import ast
+
+    tree = ast.parse(source)
+    bound: set[str] = set()
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in LIBRARIES:
+                    bound.add(alias.asname or parts[0])
+                    if any(p.startswith("_") for p in parts):
+                        found.append((node.lineno, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIBRARIES:
+            module = node.module or ""
+            if any(p.startswith("_") for p in module.split(".")):
+                found.append((node.lineno, f"from {module}"))
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if alias.name.startswith("_"):
+                    found.append((node.lineno, f"from {module} import {alias.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append((node.lineno, ast.unparse(node)))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and not node.args[1].value.startswith("_embedlens")
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_the_scan_finds_private_names():
+    source = (
+        "import torch\nfrom torch._C import x\nfrom rich.console import Console\n"
+        "import huggingface_hub.utils._http as h\n"
+        "Console()._width = 1\ntorch._C.y\ngetattr(m, '_extra', None)\nz._private\n"
+        "getattr(f, '_embedlens_checked', None)\ntorch.__version__\n"
+    )
+    assert sorted(line for line, _ in private_names(source)) == [2, 4, 6, 7]
+
+
+def test_no_private_name_of_another_library_outside_the_fenced_files():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = [
+        f"{path.relative_to(root)}:{line}: {text}"
+        for path in sorted((root / "embedlens").rglob("*.py"))
+        if path.relative_to(root).as_posix() not in FENCED
+        and "compat" not in path.relative_to(root).parts
+        for line, text in private_names(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
