@@ -13,7 +13,12 @@ and reads the hub's headers: X-Repo-Commit, ETag, Content-Length, and, on failur
 - "flaky:NAME": the first download of NAME is cut so; the resumed one is answered;
 - "norange:NAME": a GET of NAME ignores its Range header and answers 200 with the whole file;
 - "cutrange:NAME": every GET of a closed range of NAME (`bytes=A-B`) sends half of it, then the
-  connection is closed.
+  connection is closed;
+- "cdn:NAME": NAME is redirected (302, with the hub's X-Linked-Etag and X-Linked-Size) to
+  `http://localhost:PORT/_cdn/REPO/NAME`, another origin, as the hub sends an LFS file to its CDN;
+  there it is served (ranges too).
+
+`auth` holds (path, Authorization header or "") for every request.
 
 `sent` counts the body bytes written for each `repo/file` (a body the client stops reading is
 counted up to where the connection broke); `GET /_sent` answers it as JSON and starts it afresh.
@@ -57,6 +62,8 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.log: list[tuple[str, str, str]] = []
         """(method, path, Range header) of every request."""
+        self.auth: list[tuple[str, str]] = []
+        """(path, Authorization header or "") of every request."""
         self.sent: dict[str, int] = {}
         """Body bytes written, by 'repo/file'."""
         self._lock = threading.Lock()
@@ -108,6 +115,7 @@ class FakeHub:
 
     def _answer(self, h: BaseHTTPRequestHandler, *, body: bool) -> None:
         self.log.append((h.command, h.path, h.headers.get("Range", "")))
+        self.auth.append((h.path, h.headers.get("Authorization", "")))
         if len(self.log) > self.max_requests:
             return self._send(h, 503, {}, b"", body=body)
         if h.path == "/_sent":  # the counts so far, then counted afresh (for bench/run.py)
@@ -117,6 +125,12 @@ class FakeHub:
         parts = unquote(h.path.split("?", 1)[0]).strip("/").split("/")
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             return self._api(h, "/".join(parts[2:4]), parts[4:], body=body)
+        if parts[0] == "_cdn" and len(parts) >= 4:  # the CDN's copy of a "cdn:NAME" file
+            parts = [*parts[1:3], "resolve", COMMIT, *parts[3:]]
+        elif len(parts) >= 5 and parts[2] == "resolve":
+            repo = self.repos.get("/".join(parts[:2]))
+            if repo is not None and repo.behaviour == "cdn:" + "/".join(parts[4:]):
+                return self._redirect(h, "/".join(parts[:2]), "/".join(parts[4:]), body=body)
         if len(parts) < 5 or parts[2] != "resolve":
             return self._send(h, 404, {"X-Error-Code": "RepoNotFound"}, b"", body=body)
         repo_id, revision, filename = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
@@ -167,6 +181,21 @@ class FakeHub:
         if body:
             return self._stream(h, key, 200, headers, data)
         return self._send(h, 200, headers, data, body=body)
+
+    def _redirect(self, h: BaseHTTPRequestHandler, repo_id: str, name: str, *, body: bool) -> None:
+        """The hub's answer for an LFS file kept on a CDN: 302 to another origin."""
+        data = self.repos[repo_id].files.get(name)
+        if data is None:
+            return self._send(h, 404, {"X-Error-Code": "EntryNotFound"}, b"", body=body)
+        port = self.server.server_address[1]
+        headers = {
+            "X-Repo-Commit": COMMIT,
+            "X-Linked-Etag": self._etag(data),
+            "X-Linked-Size": str(len(data)),
+            "ETag": '"pointer"',
+            "Location": f"http://localhost:{port}/_cdn/{repo_id}/{name}",
+        }
+        return self._send(h, 302, headers, b"", body=body)
 
     def _etag(self, data: bytes) -> str:
         """The file's ETag (its sha256, as the hub gives for LFS files), hashed once a file."""

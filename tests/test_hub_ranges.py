@@ -144,6 +144,31 @@ def test_a_large_range_is_asked_in_one_request(hub, wide, tmp_path):
     assert all("," not in g for g in gets)
 
 
+def test_a_file_on_another_origin_is_read_there_without_the_token(hub, wide, tmp_path):
+    """The hub sends the weights to a CDN (302 to another origin): the ranges are read there,
+    without the token the hub itself is sent, and the answer is the folder's."""
+    repo = "org/wide-cdn"
+    hub.add(repo, wide, behaviour=f"cdn:{WEIGHTS}")
+    token = {"HF_TOKEN": "hf_embedlens_test_token"}
+    args = ["neighbors", repo, *ARGS["neighbors"], "--json"]
+    online = run(hub.url, tmp_path, *args, env_more=token)
+    assert online.returncode == 0, online.stderr
+    cdn = [a for path, a in hub.auth if path.startswith(f"/_cdn/{repo}/")]
+    hub_side = [a for path, a in hub.auth if path.startswith(f"/{repo}/resolve/")]
+    assert cdn and not any(cdn), hub.auth  # ranges read at the CDN, no token sent there
+    assert hub_side and all(a == "Bearer " + token["HF_TOKEN"] for a in hub_side)
+    assert hub.sent.get(f"{repo}/{WEIGHTS}", 0) > 0
+    same_report(json.loads(online.stdout), json.loads(run(hub.url, tmp_path, *args).stdout))
+    from embedlens.io.ranges import same_or_hub_host
+
+    here = "http://127.0.0.1:8000/x"
+    assert same_or_hub_host(here, "http://127.0.0.1:8000/y")
+    assert not same_or_hub_host(here, "http://localhost:8000/y")
+    assert not same_or_hub_host(here, "http://127.0.0.1:8001/y")
+    assert same_or_hub_host("https://hf.co/a", "https://huggingface.co:443/b")
+    assert not same_or_hub_host("https://huggingface.co/a", "https://cdn-lfs.hf.co/b")
+
+
 def test_params_tied_and_vocab_layout_need_no_weight_bytes(hub, wide, tmp_path):
     repo = "org/wide-headers"
     hub.add(repo, wide)

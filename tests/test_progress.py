@@ -136,11 +136,20 @@ def test_json_off_a_terminal_imports_no_rich(smollm2):
 def test_consoles_made_late_take_their_sizes_from_import(monkeypatch):
     """The consoles are made when first asked for, yet as if at import: COLUMNS unset then, the
     width follows COLUMNS at every use (a test's run sets its own); set then, it stays."""
+    monkeypatch.setattr(_output, "_made", {})
     monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", (None, None))
     monkeypatch.setenv("COLUMNS", "77")
-    made = _output._consoles()
+    assert _output.console.width == 77 and _output.err_console.width == 77
     monkeypatch.setenv("COLUMNS", "123")
-    assert made["console"].width == 123 and made["err_console"].width == 123
+    assert _output.console.width == 123 and _output.err_console.width == 123
     monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", ("90", "30"))
-    made = _output._consoles()
-    assert made["console"].width == 90 and made["console"].height == 30
+    assert _output.console.width == 90 and _output.console.height == 30
+    monkeypatch.setenv("COLUMNS", "55")
+    monkeypatch.setenv("LINES", "12")
+    assert _output.err_console.width == 90 and _output.err_console.height == 30
+    made = _output.console
+    assert _output.console is made  # the same sizes: the same consoles
+    monkeypatch.delenv("COLUMNS")
+    monkeypatch.delenv("LINES")
+    monkeypatch.setattr(_output, "_SIZE_AT_IMPORT", (None, None))
+    assert _output.console.width == Console().width  # neither set: what Rich finds itself

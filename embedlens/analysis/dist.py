@@ -7,7 +7,10 @@ A `Session` holds three things: the store torchrun's rendezvous serves (MASTER_A
 through which a failing process tells the others; a watchdog thread that polls it; and the
 process group (gloo; with NCCL, CUDA tensors go through NCCL and the rest through gloo). Every
 collective call waits polled, so that a process never sits in one while another has failed, and
-gives up after EMBEDLENS_DIST_TIMEOUT seconds (600 by default) without an answer.
+gives up after EMBEDLENS_DIST_TIMEOUT seconds (600 by default) without an answer. So an object
+a call carries is pickled into a byte tensor sent by the collectives' `async_op=True` form, not
+by torch's object collectives (`all_gather_object`, `gather_object`, `broadcast_object_list`):
+those block, and a process inside one could neither take up another's failure nor give up.
 
 The failure protocol: the run's first failure is recorded in the store (`fail`: its rank,
 message, hint and exit status). Rank 0 says it, on one `error:` line, then marks the store
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore  # torch.distributed's own
+from torch.distributed import PrefixStore, Store, TCPStore
 
 from embedlens.errors import (
     EmbedlensError,

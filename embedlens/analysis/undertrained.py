@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -127,33 +127,22 @@ def component(rows: Rows) -> Found:
 
 
 class Aside(Generic[T]):
-    """`work(*args)` on a thread of its own, begun now, while the caller goes on: numpy's and
-    BLAS's loops release the interpreter's lock, so the two overlap."""
+    """`work(*args)` on a thread of its own (a pool of one, `concurrent.futures`), begun now,
+    while the caller goes on: numpy's and BLAS's loops release the interpreter's lock, so the two
+    overlap."""
 
     def __init__(self, name: str, work: Callable[..., T], *args: Any) -> None:
-        self._done: list[T] = []
-        self._error: list[BaseException] = []
-        self._thread = threading.Thread(
-            target=self._run, args=(work, args), name=f"embedlens-{name}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, work: Callable[..., T], args: tuple[Any, ...]) -> None:
-        try:
-            self._done.append(work(*args))
-        except BaseException as e:  # raised by result()
-            self._error.append(e)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embedlens-{name}")
+        self._future = self._pool.submit(work, *args)
 
     def result(self) -> T:
         """What `work` returned, once the thread has ended (what it raised, if it raised)."""
-        self._thread.join()
-        if self._error:
-            raise self._error[0]
-        return self._done[0]
+        self._pool.shutdown(wait=True)
+        return self._future.result()
 
     def wait(self) -> None:
         """End the thread, whatever it gave (a call that failed elsewhere leaves none)."""
-        self._thread.join()
+        self._pool.shutdown(wait=True)
 
 
 def begin_component(rows: Rows) -> Aside[Found]:
@@ -248,21 +237,15 @@ def in_shares(rows: Rows, step: int, work: Callable[[Rows, int, int], None]) -> 
     n = workers(v)
     bounds = [min(v, -(-(v * k // n) // step) * step) for k in range(n + 1)]
     errors: list[BaseException] = []
-
-    def run(k: int, own: Rows) -> None:
+    with ThreadPoolExecutor(
+        max_workers=max(1, n - 1), thread_name_prefix="embedlens-share"
+    ) as pool:
+        shares = [pool.submit(work, rows.twin(), bounds[k], bounds[k + 1]) for k in range(1, n)]
         try:
-            work(own, bounds[k], bounds[k + 1])
-        except BaseException as e:  # raised by the caller's thread below
+            work(rows, bounds[0], bounds[1])
+        except BaseException as e:  # raised below, once every share has ended
             errors.append(e)
-
-    threads = [
-        threading.Thread(target=run, args=(k, rows.twin()), daemon=True) for k in range(1, n)
-    ]
-    for t in threads:
-        t.start()
-    run(0, rows)
-    for t in threads:
-        t.join()
+    errors += [e for e in (share.exception() for share in shares) if e is not None]
     if errors:
         raise errors[0]
 

@@ -28,12 +28,33 @@ if TYPE_CHECKING:
 _SIZE_AT_IMPORT = (os.environ.get("COLUMNS"), os.environ.get("LINES"))
 """COLUMNS and LINES as this module was imported. Rich fixes a console's width and height from
 them when the console is made; the consoles were once made at import, and made later they take
-the sizes this module was imported with (unset: read again at every use, as before)."""
+the sizes this module was imported with (unset: as they are at each use, as before)."""
+
+_made: dict[tuple[str | None, ...], dict[str, Console]] = {}
+"""The consoles, under the sizes they were made for (`_sizes`): the last ones made."""
+
+
+def _sizes() -> tuple[str | None, ...]:
+    """What the consoles' sizes come from now: COLUMNS and LINES as imported, and as they are."""
+    return (*_SIZE_AT_IMPORT, os.environ.get("COLUMNS"), os.environ.get("LINES"))
 
 
 def _consoles() -> dict[str, Console]:
-    """The stdout and stderr consoles. No string printed is read as markup or emoji codes: what
-    is shown is text, never instructions."""
+    """The stdout and stderr consoles, made for the sizes that hold now (Rich's public
+    `Console(width=, height=)` and its `width` and `height` setters): a size set at import is
+    kept; one unset then is the one Rich finds when the console is made, and consoles made
+    again when COLUMNS or LINES change. No string printed is read as markup or emoji codes:
+    what is shown is text, never instructions."""
+    key = _sizes()
+    made = _made.get(key)
+    if made is None:
+        made = _make()
+        _made.clear()
+        _made[key] = made
+    return made
+
+
+def _make() -> dict[str, Console]:
     from rich.console import Console
 
     class _Console(Console):
@@ -48,20 +69,21 @@ def _consoles() -> dict[str, Console]:
     }
     width, height = (int(v) if v is not None and v.isdigit() else None for v in _SIZE_AT_IMPORT)
     for console in made.values():
-        if not console.is_jupyter:  # Jupyter's sizes come from its own variables
-            console._width = None if width is None else width - console.legacy_windows
-            console._height = height
+        if console.is_jupyter:  # Jupyter's sizes come from its own variables
+            continue
+        if width is not None:
+            console.width = width - console.legacy_windows
+        if height is not None:
+            console.height = height
     return made
 
 
 def __getattr__(name: str) -> Any:
     """`console` and `err_console`, made when first asked for (one set in their place, as a
-    test does, is kept)."""
+    test does, is used instead)."""
     if name not in ("console", "err_console"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for key, made in _consoles().items():
-        globals().setdefault(key, made)
-    return globals()[name]
+    return _consoles()[name]
 
 
 def _out() -> Console:
@@ -75,7 +97,7 @@ def _err() -> Console:
 def _err_terminal() -> bool:
     """`err_console.is_terminal`, without making the console when stderr is plainly no terminal:
     no tty, TTY_COMPATIBLE not 1 and FORCE_COLOR unset (Rich then finds none either)."""
-    if "err_console" not in globals() and not _may_be_terminal():
+    if "err_console" not in globals() and not _made and not _may_be_terminal():
         return False
     return bool(_err().is_terminal)
 

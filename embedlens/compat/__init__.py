@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
+import sys
 from collections.abc import Callable
 from importlib import metadata
 
 PLAIN_ENV = "EMBEDLENS_PLAIN"
-
-
-class PublicPathNote(UserWarning):
-    """A shortcut was not taken: the library's public path is used instead."""
 
 
 _said: set[str] = set()
@@ -31,7 +27,8 @@ def plain() -> bool:
 
 
 def report_to(reporter: Callable[[str], None] | None) -> None:
-    """Where notes go: the CLI's `note:` lines; None: Python warnings (`PublicPathNote`)."""
+    """Where notes go: the CLI's `note:` lines (silenced by --quiet); None: a `note:` line
+    printed on stderr."""
     _reporter.clear()
     if reporter is not None:
         _reporter.append(reporter)
@@ -45,7 +42,7 @@ def say_once(text: str) -> None:
     if _reporter:
         _reporter[0](text)
     else:
-        warnings.warn(text, PublicPathNote, stacklevel=3)
+        print("note: " + text, file=sys.stderr)
 
 
 def forget_said() -> None:

@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ParamSpec, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from embedlens.errors import SourceError
 from embedlens.io.hub import hub_error, hub_offline, quiet_hub
@@ -219,13 +219,36 @@ def _described_online(repo_id: str, filename: str, revision: str | None) -> HubF
     _remember_commit(repo_id, revision, meta.commit_hash)
     headers = build_hf_headers()
     location = meta.location or url
-    from huggingface_hub.utils._http import _is_same_or_hub_host
-
-    if location != url and not _is_same_or_hub_host(url, location):
+    if location != url and not same_or_hub_host(url, location):
         headers.pop("authorization", None)  # a signed CDN URL, as hf_hub_download does
     return HubFile(
         repo_id, filename, revision, meta.commit_hash, meta.etag, meta.size, location, headers
     )
+
+
+_HUB_ORIGINS = ("https://huggingface.co", "https://hub-ci.huggingface.co", "https://hf.co")
+"""The hub's own origins, besides HF_ENDPOINT's: the token may be sent there."""
+
+
+def same_or_hub_host(url: str, target: str) -> bool:
+    """Whether `target` is served by the origin of `url` (scheme, host, port) or by the hub
+    (HF_ENDPOINT, huggingface.co, hf.co): a redirect elsewhere (a CDN's signed URL) is sent no
+    token. The rule huggingface_hub's downloads follow, written here from public names."""
+    from huggingface_hub import constants
+
+    hub = {_origin(o) for o in (*_HUB_ORIGINS, constants.ENDPOINT)}
+    return _origin(target) in {_origin(url), *hub}
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parsed = urlsplit(url)
+    scheme = parsed.scheme.lower()
+    try:
+        port = parsed.port
+    except ValueError:  # a port out of range: no origin of the hub's
+        port = -1
+    default = {"http": 80, "https": 443}.get(scheme, 0)
+    return scheme, (parsed.hostname or "").lower(), default if port is None else port
 
 
 def _commit_offline(repo_id: str, revision: str | None) -> str | None:

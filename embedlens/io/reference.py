@@ -6,6 +6,7 @@ numpy, gguf and safetensors are imported inside the functions.
 
 from __future__ import annotations
 
+import inspect
 import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from typing import Any
 
 from embedlens.errors import CheckpointError
 from embedlens.io.checkpoint import TensorEntry
-from embedlens.io.gguf import GGUFHeader, LazyArray
+from embedlens.io.gguf import GGUF_CHECKED, GGUFHeader, LazyArray
 
 # Safetensors' numpy loader names these dtypes, which numpy itself lacks; their raw bits are
 # compared instead, read as unsigned integers of the same width.
@@ -58,22 +59,66 @@ def safetensors_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, l
         raise CheckpointError(f"safetensors cannot read '{name}' from '{path.name}': {e}") from e
 
 
+_READER_SHAPES = {
+    "_get_field_parts": ("self", "orig_offs", "raw_type"),
+    "_get": ("self", "offset", "dtype", "count", "override_order"),
+}
+"""The parameters of the reader's own methods `_header_reader` uses, as those releases have
+them."""
+
+
 def gguf_reader_rows(header: GGUFHeader, name: str, rows: Sequence[int]) -> list[bytes]:
     """The rows' bytes of tensor `name` as gguf's GGUFReader lays the file out. The reader walks
     the header itself (keys, values, tensor infos, alignment, data offset), except that it steps
     over each long string array (the vocabulary, the merges) by the span embedlens measured:
     decoding them is what makes it take seconds (a wrong span would derail its walk, not pass
-    it), and takes each numeric array whole."""
+    it), and takes each numeric array whole. That step leans on the reader's own methods: with
+    EMBEDLENS_PLAIN=1, or (one note) on a gguf release or signature it was not checked against,
+    the plain GGUFReader reads the whole header (seconds on a large vocabulary)."""
     import numpy as np
 
     try:
-        reader = _header_reader(header)
+        reader = _header_reader(header) if _reader_fits() else _plain_reader(header)
         tensor = next(t for t in reader.tensors if t.name == name)
         return [np.asarray(tensor.data[r]).tobytes() for r in rows]
     except (ValueError, KeyError, IndexError, StopIteration, struct.error) as e:
         raise CheckpointError(
             f"gguf's reader disagrees with embedlens on '{header.path.name}': {e}"
         ) from e
+
+
+def _reader_fits() -> bool:
+    """Whether `_header_reader` may be used (see `gguf_reader_rows`)."""
+    from embedlens.compat.plain import plain, public_path, within
+
+    if plain():
+        return False
+    why = None
+    if not within("gguf", *GGUF_CHECKED):
+        why = "gguf's release is not one from 0.10 to 0.19"
+    else:
+        from gguf import GGUFReader
+
+        for method, shape in _READER_SHAPES.items():
+            try:
+                params = tuple(inspect.signature(getattr(GGUFReader, method)).parameters)
+            except (AttributeError, TypeError, ValueError):
+                params = None
+            if params != shape:
+                why = f"gguf's GGUFReader.{method} is not as embedlens knows it"
+                break
+        if why is None and not isinstance(getattr(GGUFReader, "gguf_scalar_to_np", None), dict):
+            why = "gguf's GGUFReader.gguf_scalar_to_np is not as embedlens knows it"
+    if why is not None:
+        public_path(f"gguf's reader reads the whole header to check the rows (slower): {why}")
+    return why is None
+
+
+def _plain_reader(header: GGUFHeader) -> Any:
+    """gguf's GGUFReader on the header's file, as gguf has it."""
+    from gguf import GGUFReader
+
+    return GGUFReader(header.path)
 
 
 def _header_reader(header: GGUFHeader) -> Any:

@@ -12,10 +12,11 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from embedlens.compat.jinja import sandbox_checks
 from embedlens.errors import ConfigError, UsageError
 from embedlens.model.chat_sizes import (
     FILTERS_CHECKED,
@@ -55,9 +56,10 @@ def render(render_fn: Callable[[], Any], *, limit: int, what: str) -> str:
         f"{what} renders more than {limit:,} characters, more than the model's context can hold",
         hint="the template is broken; fix it, or run without --chat",
     )
+    checked = sandbox_checks()  # else transformers' render alone, bounded in time and size
     with (
-        _output_bound(limit, too_long),
-        _bounded_sandbox(limit, what),
+        _output_bound(limit, too_long) if checked else nullcontext(),
+        _bounded_sandbox(limit, what) if checked else nullcontext(),
         _time_bound(SECONDS, what),
     ):
         try:
@@ -73,10 +75,13 @@ def render(render_fn: Callable[[], Any], *, limit: int, what: str) -> str:
 
 @contextmanager
 def _output_bound(limit: int, error: ConfigError) -> Iterator[None]:
-    """Make Jinja stop joining a template's output once it passes `limit` characters."""
+    """Make Jinja stop joining a template's output once it passes `limit` characters (a
+    render under way elsewhere, outside `render`, joins as Jinja does)."""
     import jinja2
 
     def join(pieces: Iterable[str]) -> str:
+        if _BOUND.get() is None:
+            return "".join(pieces)
         kept: list[str] = []
         size = 0
         for piece in pieces:

@@ -19,7 +19,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from embedlens.io.gguf import GGUFHeader, LazyArray
 
@@ -59,7 +59,13 @@ def tokenizer_key(header: GGUFHeader) -> str:
     return digest.hexdigest()
 
 
-def _hash_span(digest: hashlib._Hash, array: LazyArray) -> None:
+class _Digest(Protocol):
+    """What `_hash_span` asks of a hashlib object (typeshed's name for it is private)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+
+def _hash_span(digest: _Digest, array: LazyArray) -> None:
     with open(array.path, "rb") as fh:
         fh.seek(array.start)
         left = array.end - array.start

@@ -6,8 +6,13 @@ every model class is in, reads them all again: the scan of a folder is cached
 (`functools.lru_cache`), for the last 128 folders only. `scan_once()`, called before transformers
 is imported, has that cache keep every folder's result, so the second scan finds them all (0.84 s
 down to 0.05 s at a load of 5); the scan is the same function, so the import tables are the same.
-Nothing is done where transformers is imported already, or where its scan is not the cached
-function this expects (another transformers version).
+Nothing is done where transformers is imported already, with EMBEDLENS_PLAIN=1, or (with one
+note) on a transformers release outside CHECKED or whose scan is not the function this expects (one
+`module_path` argument, cached for 128 folders).
+
+The hook is a finder on `sys.meta_path`, Python's public way to act on a module as it is
+imported: the scan runs while `import transformers` runs, so nothing done before or after the
+import could change the cache it uses.
 
 Like `loading`, nothing here imports transformers at module level.
 """
@@ -17,36 +22,61 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from embedlens.compat.transformers import release_fits
-
 MODULE = "transformers.utils.import_utils"
 SCAN = "create_import_structure_from_path"
 
 
+CHECKED = ((5, 0), (5, 25))
+"""The transformers releases whose scan this was checked against: 5.0 to 5.24."""
+_PUBLIC = "transformers' model table is scanned as transformers scans it (slower to import)"
+
+
 def scan_once() -> None:
     """Before transformers is first imported: its scan of the model folders will be cached
-    whole (see the module's docstring). Does nothing once transformers is imported."""
+    whole (see the module's docstring). Does nothing once transformers is imported, with
+    EMBEDLENS_PLAIN=1, or (one note) on a release outside CHECKED."""
+    from embedlens.compat.plain import plain, public_path, release, within
+
     if "transformers" in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
-    if not release_fits():  # another release, or EMBEDLENS_PLAIN=1: transformers as it is
+    if plain():
+        return
+    if not within("transformers", *CHECKED):
+        got = ".".join(map(str, release("transformers") or ())) or "not installed"
+        public_path(f"{_PUBLIC}: transformers {got} is not a release from 5.0 to 5.24")
         return
     sys.meta_path.insert(0, _Finder())
 
 
 def cache_every_folder(module: ModuleType) -> bool:
-    """Replace `module`'s folder scan (an `lru_cache` of 128 entries) with the same function
-    cached without a limit; False (nothing changed) where the scan is not such a function."""
+    """Replace `module`'s folder scan (an `lru_cache` of 128 entries of a function of one
+    `module_path`) with the same function cached without a limit; False (nothing changed, one
+    note) where the scan is not such a function."""
     scan = getattr(module, SCAN, None)
-    plain = getattr(scan, "__wrapped__", None)
-    if not callable(plain) or not hasattr(scan, "cache_info"):
+    plain: Any = getattr(scan, "__wrapped__", None)
+    if not _is_the_scan(scan, plain):
+        from embedlens.compat.plain import public_path
+
+        public_path(f"{_PUBLIC}: its {SCAN} is not the one embedlens knows")
         return False
     setattr(module, SCAN, functools.lru_cache(maxsize=None)(plain))
     return True
+
+
+def _is_the_scan(scan: Any, plain: Any) -> bool:
+    """`scan` is `functools.lru_cache(maxsize=128)` around `plain(module_path)`."""
+    try:
+        params = list(inspect.signature(plain).parameters)
+        cached = scan.cache_parameters()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return params == ["module_path"] and cached == {"maxsize": 128, "typed": False}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
