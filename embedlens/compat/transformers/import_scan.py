@@ -41,7 +41,7 @@ def scan_once() -> None:
     """Before transformers is first imported: its scan of the model folders will be cached
     whole (see the module's docstring). Does nothing once transformers is imported, with
     EMBEDLENS_PLAIN=1, or (one note) on a release outside CHECKED."""
-    from embedlens.compat.plain import plain, public_path, release, within
+    from embedlens.compat.paths import plain, public_path, release, within
 
     if "transformers" in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
@@ -61,7 +61,7 @@ def cache_every_folder(module: ModuleType) -> bool:
     scan = getattr(module, SCAN, None)
     plain: Any = getattr(scan, "__wrapped__", None)
     if not _is_the_scan(scan, plain):
-        from embedlens.compat.plain import public_path
+        from embedlens.compat.paths import public_path
 
         public_path(f"{_PUBLIC}: its {SCAN} is not the one embedlens knows")
         return False
