@@ -79,7 +79,8 @@ def differences(a: Any, b: Any, where: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
         return [d for k in a for d in differences(a[k], b[k], f"{where}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in differences(x, y, f"{where}[{i}]")]
     return [] if type(a) is type(b) and a == b else [f"{where}: {a!r} != {b!r}"]
 
 
