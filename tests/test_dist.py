@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -235,6 +236,22 @@ FAILING = {
 }
 
 
+def own_frames(stderr: str) -> list[str]:
+    """The traceback lines of stderr that name a file of the embedlens package: the one imported
+    here (its `__file__`) or the one the processes import (ROOT's), by where the file is, not by
+    a path's text (the folder the project sits in, and a venv inside it that torchrun's own
+    traceback names, may be called embedlens too)."""
+    import embedlens
+
+    packages = {Path(embedlens.__file__).resolve().parent, (ROOT / "embedlens").resolve()}
+    found = []
+    for line in stderr.splitlines():
+        named = re.match(r'\s*File "([^"]+)"', line)
+        if named is not None and packages & set(Path(named.group(1)).resolve().parents):
+            found.append(line)
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(FAILING))
 def test_a_process_that_fails_ends_the_run_with_one_error_from_rank_0(tiny, tmp_path, command):
@@ -258,9 +275,22 @@ def test_a_process_that_fails_ends_the_run_with_one_error_from_rank_0(tiny, tmp_
     assert len(errors) == 1 and errors[0].startswith("error: rank 1: "), result.stderr
     assert "-not-here" in errors[0]
     assert result.stdout == "" and not (tmp_path / "lens").exists()
-    assert "embedlens/" not in "".join(
-        line for line in result.stderr.splitlines() if line.lstrip().startswith("File ")
-    ), result.stderr
+    assert not own_frames(result.stderr), result.stderr
+
+
+def test_own_frames_are_the_packages_files_whatever_the_folders_name(tmp_path):
+    import embedlens
+
+    package = Path(embedlens.__file__).resolve().parent
+    venv = tmp_path / "embedlens" / ".venv" / "lib" / "torch" / "distributed" / "run.py"
+    stderr = (
+        "Traceback (most recent call last):\n"
+        f'  File "{venv}", line 9, in <module>\n'
+        f'  File "{package.parent / "tests" / "test_dist.py"}", line 1, in f\n'
+        f'  File "{package / "cli" / "__init__.py"}", line 151, in main\n'
+        "error: rank 1: embedlens/ is not a model\n"
+    )
+    assert own_frames(stderr) == [stderr.splitlines()[3]]
 
 
 def test_commands_that_do_not_split_are_refused_under_torchrun(tiny, cli, tmp_path):

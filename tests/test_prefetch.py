@@ -113,6 +113,41 @@ def test_a_copy_is_the_conversion_itself(tmp_path):
     assert not prefetch_threads()
 
 
+def test_the_thread_copies_in_pieces_and_never_sets_torchs_thread_count(tmp_path, monkeypatch):
+    """torch's thread count is process-wide, the main thread's to set: the copies run in pieces
+    torch keeps on the calling thread, and nothing on the prefetch thread sets it. A tensor of
+    several calls and a tail, and one smaller than a piece: the bits of Tensor.to."""
+    import torch
+    from safetensors.torch import save_file
+
+    setting: list[str] = []
+    original = torch.set_num_threads
+
+    def recorded(n: int) -> None:
+        setting.append(threading.current_thread().name)
+        original(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", recorded)
+    n = prefetch.PIECE * prefetch.PER_CALL * 2 + 12345
+    seed = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**15), 2**15, (n,), generator=seed, dtype=torch.int32).to(torch.int16)
+    tensors = {"b": bits.view(torch.bfloat16), "h": bits[:777].clone().view(torch.float16)}
+    tensors["h"] = tensors["h"].reshape(7, 111)
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    early = Prefetch([path])
+    try:
+        for key in ("b", "h"):
+            got = early.take(path, key, torch.float32)
+            want = tensors[key].to(torch.float32)
+            assert got.shape == want.shape
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), key
+    finally:
+        early.close()
+    assert setting == []
+    assert not prefetch_threads()
+
+
 def test_a_refused_load_leaves_no_thread_and_no_copy(tiny, tmp_path, taken):
     """A checkpoint that lacks a weight is refused with the copies begun: the thread has ended and
     nothing was taken."""

@@ -6,8 +6,10 @@ checkpoint to float32 as it assigns it: on SmolLM2 and Qwen3-0.6B the copies are
 load, and the imports and the build before them leave the second core idle. The copies are the
 same elementwise conversions `Tensor.to(torch.float32)` makes (exact: every bfloat16 and float16
 value is a float32 value), so the weights are the same bits whichever thread made them. The
-thread runs torch's batched copy (`_foreach_copy_`), which holds no GIL, a few tensors a call so
-that a load that ends early (`close`) waits for one call at most.
+thread runs torch's batched copy (`_foreach_copy_`), which holds no GIL, on pieces of torch's
+grain size, which torch never splits between threads: the copies take one core without the
+thread setting torch's thread count (process-wide state, the main thread's to set). A call copies
+a few pieces, so that a load that ends early (`close`) waits for one call at most.
 
 Like `loading`, nothing here imports torch at module level.
 """
@@ -21,8 +23,12 @@ from typing import Any
 
 CONVERTED = ("BF16", "F16")
 """safetensors dtypes that the load converts to float32 (a float32 tensor is used as it is read)."""
-PER_CALL = 16
-"""Tensors copied by one call of the thread: a stop is seen between calls."""
+PIECE = 2**15
+"""Elements a copy converts at once: torch's grain size (`at::internal::GRAIN_SIZE`), up to which
+an elementwise op runs on the calling thread alone (were it smaller in another torch release, a
+piece would be split between threads: the same bits, at another speed)."""
+PER_CALL = 64
+"""Pieces copied by one call of the thread (2 Mi elements): a stop is seen between calls."""
 
 
 def worth_it() -> bool:
@@ -66,27 +72,27 @@ class Prefetch:
         self._thread.start()
 
     def _run(self, pairs: list[tuple[Any, Any]]) -> None:
-        """Copy the pairs, PER_CALL at a time, on one torch thread (a copy is bound by the fresh
-        pages it touches: see `direct._one_thread`)."""
+        """Copy the pairs, PER_CALL pieces at a time, each piece on this thread alone (a copy is
+        bound by the fresh pages it touches: see `direct._one_thread`)."""
         import torch
 
         batched = getattr(torch, "_foreach_copy_", None)
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
+        step = PIECE * PER_CALL
         try:
-            for start in range(0, len(pairs), PER_CALL):
-                if self._stop.is_set():
-                    return
-                chunk = pairs[start : start + PER_CALL]
-                if batched is not None:
-                    batched([copy for _, copy in chunk], [source for source, _ in chunk])
-                else:  # pragma: no cover - a torch without the batched copy
-                    for source, copy in chunk:
-                        copy.copy_(source)
+            for source, copy in pairs:
+                whole, into = source.reshape(-1), copy.view(-1)
+                for start in range(0, whole.numel(), step):
+                    if self._stop.is_set():
+                        return
+                    sources = whole[start : start + step].split(PIECE)
+                    copies = into[start : start + step].split(PIECE)
+                    if batched is not None:
+                        batched(list(copies), list(sources))
+                    else:  # pragma: no cover - a torch without the batched copy
+                        for piece, target in zip(sources, copies, strict=True):
+                            target.copy_(piece)
         except BaseException as e:  # the load then reads the tensors itself
             self._error = e
-        finally:
-            torch.set_num_threads(before)
 
     def take(self, path: Path, key: str, dtype: Any) -> Any | None:
         """The float32 copy of `key` in `path` once it is made (None when the load should read
