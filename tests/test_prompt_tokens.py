@@ -389,3 +389,29 @@ def test_an_older_transformers_reads_smollm2_right_or_is_refused(smollm2):
     assert f"transformers {TESTED_TRANSFORMERS}, the newest release tested" in lines[0]
     assert len(lines) == 2 and lines[1].startswith("hint: ")
     assert "Traceback" not in result.stderr
+
+
+def _every_text_misread(tok: Any) -> None:
+    """Every text read with one more id, 0, at its end (however asked)."""
+    base = type(tok)
+
+    class Misreading(base):  # type: ignore[valid-type,misc]
+        def __call__(self, given: Any, *args: Any, **kwargs: Any) -> Any:
+            out = base.__call__(self, given, *args, **kwargs)
+            out["input_ids"] = [*out["input_ids"], 0]
+            return out
+
+    tok.__class__ = Misreading
+
+
+@newest_only
+def test_tune_checks_its_first_texts_against_the_file(ggufs, monkeypatch, no_load, tmp_path):
+    """tune on a GGUF whose transformers reading differs from the file's own is refused before
+    any weight is read, as the lens is."""
+    data = tmp_path / "data.txt"
+    data.write_text("The king and the queen live in the capital city.\n" * 64, encoding="utf-8")
+    _transformers_reads(monkeypatch, _every_text_misread)
+    monkeypatch.setattr(file_tokens, "installed_transformers", lambda: "5.0.0")
+    with pytest.raises(UnsupportedError) as refused:
+        embedlens.tune(ggufs["smol"], data=data, out=tmp_path / "out", tokens=256, eval_tokens=64)
+    assert refused.value.message.startswith("transformers 5.0.0 reads 'The king and the queen")

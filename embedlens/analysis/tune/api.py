@@ -115,15 +115,29 @@ def _joined(backend: str, device: str) -> Session | None:
     return dist.join(backend, device)
 
 
+CHECKED_TEXTS = 8
+"""How many of the data's texts are checked against a GGUF file's own tokenizer: a release that
+converts the file's tokenizer otherwise reads ordinary text otherwise from the first line."""
+
+
 def plan(ask: options.TuneAsk, tokenizer: Any, config: Any) -> Plan:
-    """Tokenise the data into the sequences the run needs (before the weights load)."""
+    """Tokenise the data into the sequences the run needs (before the weights load); on a GGUF,
+    the first texts' ids are checked against the file's own tokenizer."""
+    from embedlens.model import file_tokens
+
     asked = ask.seq_len
     context = _context(config)
     seq_len, note = options.resolve_seq_len(asked, context, min(ask.tokens, ask.eval_tokens))
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
 
+    checked = [0]
+
     def tokenize(text: str) -> list[int]:
-        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if checked[0] < CHECKED_TEXTS:  # a GGUF's own reading of the first texts (file_tokens)
+            checked[0] += 1
+            file_tokens.check_ids(text, False, ids)
+        return ids
 
     n_fit, n_eval = ask.tokens // seq_len, ask.eval_tokens // seq_len
     notes = [] if note is None else [note]
