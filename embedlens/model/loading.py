@@ -561,6 +561,20 @@ def _shape(shape: Any) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
+def _older_release_hint(hint: str) -> str:
+    """`hint`, and on a transformers older than the newest CI runs, that release (a checkpoint
+    a newer transformers wrote may be laid out as older releases do not read it)."""
+    from embedlens.compat.transformers import NEWEST_TESTED, installed_transformers, release_key
+
+    found = installed_transformers()
+    if found is None or release_key(found) >= release_key(NEWEST_TESTED):
+        return hint
+    return (
+        f"{hint}; or transformers {found} reads this checkpoint's layout otherwise than newer "
+        f"releases: pip install 'transformers>={NEWEST_TESTED}'"
+    )
+
+
 def check_loading_info(source: ModelSource, model: Any, info: dict[str, Any]) -> list[str]:
     """Refuse a model that transformers completed with random values; return notes on tensors
     the checkpoint holds that the model does not use.
@@ -579,13 +593,17 @@ def check_loading_info(source: ModelSource, model: Any, info: dict[str, Any]) ->
             f"'{source.spec}' does not fit its config: {name} is {_shape(stored)} in the "
             f"checkpoint but {_shape(expected)} in the model the config describes"
             + (more if len(mismatched) > 1 else ""),
-            hint="the config and the weights come from different models, or one was edited",
+            hint=_older_release_hint(
+                "the config and the weights come from different models, or one was edited"
+            ),
         )
     if missing:
         raise CheckpointError(
             f"'{source.spec}' lacks {len(missing)} of the model's weights ({_some(missing)}): "
             "transformers would fill the gap with random values",
-            hint="the checkpoint is incomplete, or its config describes a larger model",
+            hint=_older_release_hint(
+                "the checkpoint is incomplete, or its config describes a larger model"
+            ),
         )
     unexpected = sorted(info.get("unexpected_keys", ()), key=_natural)
     if not unexpected:
