@@ -244,7 +244,8 @@ def test_check_fit_on_a_random_model_does_not_pass(cli, tiny):
     for x in fit["languages"]:
         assert x["tokens"] > 0
         assert x["uniform_loss"] == pytest.approx(np.log(VOCAB))
-        assert x["fits"] is (x["shifted_loss"] - x["loss"] >= fit["margin"])
+        contrast = x["shifted_loss"] - x["loss"] >= fit["margin"]
+        assert x["fits"] is (contrast and x["rise"] <= x["threshold"])
     assert fit["fits"] is False  # random weights fit no tokenizer
     assert any("do not fit" in p for p in data["problems"])
 

@@ -104,15 +104,15 @@ def vocab(
         for m in matrices:  # their threads end with the scan; on an error, here
             if m.early is not None:
                 m.early.wait()
-    scanned, fit = report.undertrained, None
+    scanned, fit, notes = report.undertrained, None, list[str]()
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
         asked = _Asked(check_fit, verify, max_verify, tokenizer)
-        scanned, fit = _loaded(source, how, asked, vocab_used, scanned, table, on_progress)
+        scanned, fit, notes = _loaded(source, how, asked, vocab_used, scanned, table, on_progress)
     diff = None
     if other is not None and against is not None:
         diff = compare(vocab_used, other, against, fingerprint=report.fingerprint)
-    return _finish(report, scanned, diff, fit)
+    return _finish(report, scanned, diff, fit, notes)
 
 
 def _text(spec: str | os.PathLike[str] | None) -> str | None:
@@ -222,8 +222,8 @@ def _loaded(
     scanned: Undertrained,
     table: Table,
     on_progress: Progress | None,
-) -> tuple[Undertrained, Fit | None]:
-    """--verify and --check-fit: load the model once for both."""
+) -> tuple[Undertrained, Fit | None, list[str]]:
+    """--verify and --check-fit: load the model once for both (and the notes of the fit)."""
     from embedlens.analysis import vocab_fit
 
     model = vocab_fit.load(
@@ -233,28 +233,44 @@ def _loaded(
         scanned = vocab_fit.verify_candidates(
             model, vocab, scanned, max_verify=asked.max_verify, on_progress=on_progress
         )
-    fit = None
+    fit, notes = None, []
     if asked.check_fit:
-        fit = vocab_fit.check_fit(model, vocab, asked.tokenizer or "model", rows=table.rows)
-    return scanned, fit
+        own, why = None, None
+        if asked.tokenizer is not None:
+            own, why = vocab_fit.own_reference(source, table.checkpoint.gguf, table.rows)
+        if why is not None:
+            notes.append(f"--check-fit: {why}: the losses are judged against a trained model's")
+        name = asked.tokenizer or "model"
+        is_own = asked.tokenizer is None
+        fit = vocab_fit.check_fit(model, vocab, name, rows=table.rows, own=own, is_own=is_own)
+    return scanned, fit, notes
 
 
 def _finish(
-    report: VocabReport, scanned: Undertrained, diff: VocabDiff | None, fit: Fit | None
+    report: VocabReport,
+    scanned: Undertrained,
+    diff: VocabDiff | None,
+    fit: Fit | None,
+    notes: list[str],
 ) -> VocabReport:
-    """The report with the model's answers and the comparison, their problems added."""
+    """The report with the model's answers and the comparison, their problems and notes added."""
     from dataclasses import replace
+
+    from embedlens.analysis.vocab_fit import unfit
 
     problems = list(report.problems)
     if diff is not None and not diff.compatible:
         problems.extend(diff.summary)
     if fit is not None and not fit.fits:
-        bad = ", ".join(x.language for x in fit.languages if not x.fits)
-        problems.append(
-            f"the weights do not fit this tokenizer ({bad}): its ids score no better than "
-            "ids shifted by one"
-        )
-    return replace(report, undertrained=scanned, against=diff, fit=fit, problems=problems)
+        problems.append(unfit(fit))
+    return replace(
+        report,
+        undertrained=scanned,
+        against=diff,
+        fit=fit,
+        problems=problems,
+        notes=[*report.notes, *notes],
+    )
 
 
 def load_other(spec: str) -> Vocab:

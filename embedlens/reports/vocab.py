@@ -265,7 +265,8 @@ class VocabDiff:
 
 @dataclass(frozen=True)
 class FitLanguage:
-    """Mean next-token loss on one built-in text, with its ids as given and shifted by one."""
+    """Mean next-token loss on one built-in text: with its ids as given, shifted by one, and
+    against what the model scores with its own tokenizer (or a trained model is expected to)."""
 
     language: str
     tokens: int
@@ -274,6 +275,18 @@ class FitLanguage:
     uniform_loss: float
     """ln(V): what a model that knows nothing scores."""
     fits: bool
+    """Shifting the ids costs at least the margin, and `rise` is at most `threshold`."""
+    own_tokens: int | None
+    """The text's tokens with the model's own tokenizer (None when it cannot be read)."""
+    own_loss: float | None
+    """The mean loss with the model's own tokenizer (None when it cannot be read)."""
+    reference_loss: float
+    """What `loss` is judged against: `own_loss`, or the loss expected of a trained model."""
+    rise: float
+    """How much more the text costs than the reference, in nats per token of the reference's
+    reading (with the own tokenizer: the whole text's extra nats over its own tokens)."""
+    threshold: float
+    """The most `rise` that fits."""
 
 
 @dataclass(frozen=True)
@@ -283,9 +296,12 @@ class Fit:
     tokenizer: str
     """'model' (its own) or the --tokenizer given."""
     margin: float
-    """A language fits when shifted_loss - loss is at least this (nats)."""
+    """Shifting a text's ids by one must cost at least this (nats) for it to fit."""
     languages: list[FitLanguage]
     fits: bool
+    reference: str
+    """'own_tokenizer' (the model's own tokenizer on the same text) or 'expectation' (a
+    calibrated loss: the model's own tokenizer is the one checked, or cannot be read)."""
 
 
 @dataclass(frozen=True)

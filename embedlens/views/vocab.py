@@ -8,7 +8,14 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.vocab import Candidate, MatrixScan, Undertrained, VocabDiff, VocabReport
+from embedlens.reports.vocab import (
+    Candidate,
+    Fit,
+    MatrixScan,
+    Undertrained,
+    VocabDiff,
+    VocabReport,
+)
 from embedlens.views.format import Sheet, Words, count, quoted, shown
 
 TOP = 15  # candidates shown without --all
@@ -196,6 +203,39 @@ def _diff(d: VocabDiff) -> list[RenderableType]:
     return parts
 
 
+def _fit(fit: Fit) -> list[RenderableType]:
+    """The losses per text against the reference, and what a text must score to fit."""
+    own = fit.reference == "own_tokenizer"
+    t = Sheet(title=shown(f"Fit with the tokenizer ({fit.tokenizer})", style="bold"))
+    reference = "own tokenizer" if own else "expected"
+    for col in ("text", "tokens", "loss", reference, "rise", "allowed", "ids shifted by one"):
+        t.add_column(col, justify="left" if col == "text" else "right")
+    t.add_column("uniform", justify="right")
+    t.add_column("fits")
+    for x in fit.languages:
+        t.add_row(
+            x.language,
+            str(x.tokens),
+            _num(x.loss, 2),
+            _num(x.reference_loss, 2),
+            _num(x.rise, 2),
+            _num(x.threshold, 2),
+            _num(x.shifted_loss, 2),
+            _num(x.uniform_loss, 2),
+            "yes" if x.fits else "NO",
+        )
+    against = (
+        "the model's own tokenizer on the same text"
+        if own
+        else "the loss expected of a trained model with its own tokenizer"
+    )
+    rule = (
+        f"a text fits when its loss rises at most the allowed nats per token over {against}, "
+        f"and shifting its ids costs at least {fit.margin:.1f} nats"
+    )
+    return [t, Text(rule, style="dim")]
+
+
 def render(r: VocabReport) -> RenderableType:
     """The layout table, the scan, the comparison and the fit check, then the verdict."""
     top = None if r.shows_all else TOP
@@ -204,25 +244,7 @@ def render(r: VocabReport) -> RenderableType:
     if r.against is not None:
         parts.extend(_diff(r.against))
     if r.fit is not None:
-        t = Sheet(title=shown(f"Fit with the tokenizer ({r.fit.tokenizer})", style="bold"))
-        for col in ("text", "tokens", "loss", "ids shifted by one", "uniform", "fits"):
-            t.add_column(col, justify="left" if col in ("text", "fits") else "right")
-        for x in r.fit.languages:
-            t.add_row(
-                x.language,
-                str(x.tokens),
-                _num(x.loss, 2),
-                _num(x.shifted_loss, 2),
-                _num(x.uniform_loss, 2),
-                "yes" if x.fits else "NO",
-            )
-        parts.append(t)
-        parts.append(
-            Text(
-                f"a text fits when shifting its ids costs at least {r.fit.margin:.1f} nats",
-                style="dim",
-            )
-        )
+        parts.extend(_fit(r.fit))
     if r.problems:
         for p in r.problems:
             parts.append(shown("problem: " + p, "bold red"))
