@@ -276,3 +276,90 @@ def embedlens_source(path: Path) -> Any:
     from embedlens.model.prompts import PromptSource
 
     return PromptSource.open(path)
+
+
+# --- template arguments that collide with the chat call's own ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("tokenize", "tokenises that itself"),
+        ("add_generation_prompt", "always asks for the generation prompt"),
+        ("conversation", "the --chat message"),
+        ("messages", "the --chat message"),
+        ("chat_template", "--chat-template FILE"),
+        ("return_dict", "not a template variable"),
+        ("continue_final_message", "not a template variable"),
+    ],
+)
+def test_a_template_arg_the_call_takes_itself_is_a_usage_error(cli, tiny, no_load, name, says):
+    """Refused as the options are read (exit 2, before any model file), the name and the reason
+    said; the model's template is not blamed."""
+    err = cli.fails(
+        "lens",
+        tiny("llama-tied"),
+        "Paris",
+        "--chat",
+        "hi",
+        "--template-arg",
+        f"{name}=false",
+        code=2,
+    )
+    assert f"--template-arg '{name}' cannot be given: " in err and says in err, err
+    assert "template in" not in err
+    assert no_load == []
+    err = cli.fails(
+        "lens", "no-such-folder", "--prompts", "-", "--template-arg", f"{name}=1", code=2
+    )
+    assert f"--template-arg '{name}' cannot be given" in err
+
+
+def test_template_args_in_python_are_checked_the_same(tiny, no_load):
+    folder = tiny("llama-tied")
+    for args in ({"tokenize": False}, ["tokenize=false"]):
+        with pytest.raises(UsageError, match="--template-arg 'tokenize' cannot be given"):
+            embedlens.lens(folder, "Paris", chat="hi", template_args=args)
+    with pytest.raises(UsageError, match="--template-arg 'return_dict' cannot be given"):
+        embedlens.lens_prompts(folder, ["Paris"], template_args={"return_dict": True})
+    with pytest.raises(UsageError, match="names variables by text"):
+        embedlens.lens(folder, "Paris", chat="hi", template_args={1: True})  # type: ignore[dict-item]
+    assert no_load == []
+    # a variable of the template's own still reaches it
+    shown = embedlens.lens(folder, "Paris", chat="hi", template_args={"flag": True})
+    assert [t.token for t in shown.tokens][-2:] == ["<s>", "Paris"]
+
+
+def test_every_name_the_call_takes_itself_is_reserved():
+    """What the chat call passes itself, and apply_chat_template's parameters that are not
+    template variables (all but tools and documents), are in the reserved names: the list follows
+    the call and the installed transformers."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from embedlens.analysis.lens.options import RESERVED_TEMPLATE_ARGS
+    from embedlens.analysis.lens.prompt import _render_chat
+
+    class Recording:
+        chat_template = TEMPLATE
+
+        def __init__(self) -> None:
+            self.passed: dict[str, Any] = {}
+
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+            self.passed.update(kwargs, conversation=conversation)
+            return ""
+
+    tokenizer = Recording()
+    _render_chat(tokenizer, "hi", {}, "the template", None, own=TEMPLATE)
+    assert set(tokenizer.passed) == {
+        "conversation",
+        "tokenize",
+        "add_generation_prompt",
+        "chat_template",
+    }
+    assert set(tokenizer.passed) <= set(RESERVED_TEMPLATE_ARGS)
+    own = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    named = {n for n, p in own.items() if p.kind is not p.VAR_KEYWORD} - {"self"}
+    assert named - {"tools", "documents"} <= set(RESERVED_TEMPLATE_ARGS)

@@ -359,27 +359,68 @@ def check_offload_folder(folder: Path | None) -> None:
         )
 
 
+_OPTION = "an option of transformers' apply_chat_template, not a template variable"
+RESERVED_TEMPLATE_ARGS: dict[str, str] = {
+    "conversation": "the conversation is the --chat message (the template reads it as messages)",
+    "messages": "the template's messages are the --chat message",
+    "conversations": "the template's messages are the --chat message",
+    "tokenize": "embedlens renders the template to text and tokenises that itself",
+    "add_generation_prompt": "embedlens always asks for the generation prompt (the lens reads "
+    "what the model would write next)",
+    "chat_template": "give another template with --chat-template FILE",
+    **dict.fromkeys(
+        (
+            "continue_final_message",
+            "sanitize_control_tokens",
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+            "return_dict",
+            "return_assistant_tokens_mask",
+            "tokenizer_kwargs",
+        ),
+        _OPTION,
+    ),
+}
+"""Names a template argument cannot take, and why: what the chat call (`prompt._render_chat`)
+passes itself, and the other parameters of `apply_chat_template` and of the template's render
+that would never reach the template as variables."""
+
+
 def template_switches(
     no_thinking: bool, args: Mapping[str, Any] | Sequence[str] | None
 ) -> dict[str, Any]:
     """Chat-template variables: --no-thinking, and a dict or KEY=VALUE strings (JSON values
-    where they parse as JSON, else the text)."""
+    where they parse as JSON, else the text); none may take a name the chat call uses itself."""
     import json
 
     out: dict[str, Any] = {}
+    if isinstance(args, Mapping):
+        given = dict(args)
+    else:
+        given = {}
+        for pair in [args] if isinstance(args, str) else args or []:
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise UsageError(f"malformed --template-arg '{pair}': write KEY=VALUE")
+            try:
+                given[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                given[key.strip()] = value
+    for key in given:
+        if not isinstance(key, str):
+            raise UsageError(f"template_args names variables by text, not {key!r}")
+        why = RESERVED_TEMPLATE_ARGS.get(key)
+        if why is not None:
+            raise UsageError(
+                f"--template-arg '{key}' cannot be given: {why}",
+                hint="template arguments are the chat template's own variables "
+                "(such as enable_thinking)",
+            )
     if no_thinking:
         out["enable_thinking"] = False
-    if isinstance(args, Mapping):
-        out.update(args)
-        return out
-    for pair in [args] if isinstance(args, str) else args or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"malformed --template-arg '{pair}': write KEY=VALUE")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
+    out.update(given)
     return out
 
 
