@@ -85,9 +85,19 @@ def test_shards_are_prefetched_too(tiny, tmp_path, taken):
     assert_same_model(model, reference(folder, direct.read_config(folder))[0])
 
 
-def test_a_copy_is_the_conversion_itself(tmp_path):
-    """Every bfloat16 and float16 value, special ones included, copied as Tensor.to makes it."""
+@pytest.mark.parametrize("path", ["batched", "public"])
+def test_a_copy_is_the_conversion_itself(tmp_path, monkeypatch, path):
+    """Every bfloat16 and float16 value, special ones included, copied as Tensor.to makes it:
+    by torch's private batched copy, and by the public copy_ on a torch it was not checked on."""
     import torch
+
+    if path == "public":
+        monkeypatch.setattr(prefetch, "BATCHED_COPY_RELEASES", ((0, 0), (0, 1)))
+
+        def refused(*args: object) -> None:
+            raise AssertionError("the private batched copy was taken")
+
+        monkeypatch.setattr(torch, "_foreach_copy_", refused)
     from safetensors.torch import save_file
 
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)

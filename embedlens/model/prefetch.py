@@ -41,6 +41,11 @@ def worth_it() -> bool:
         return (os.cpu_count() or 1) > 1
 
 
+BATCHED_COPY_RELEASES = ((2, 13), (2, 15))
+"""torch releases whose private `_foreach_copy_` the copies use (from the first, up to the
+second); elsewhere the public `Tensor.copy_`."""
+
+
 class Prefetch:
     """float32 copies of the files' bfloat16 and float16 tensors, made on a second thread from
     the moment it is built; `take` waits for them."""
@@ -76,7 +81,12 @@ class Prefetch:
         bound by the fresh pages it touches: see `direct._one_thread`)."""
         import torch
 
-        batched = getattr(torch, "_foreach_copy_", None)
+        from embedlens.compat.paths import within
+
+        # torch's batched copy is private: taken on the releases it was measured on, else each
+        # piece is copied by the public `copy_` (the same elementwise conversion, the same bits)
+        checked = within("torch", *BATCHED_COPY_RELEASES)
+        batched = getattr(torch, "_foreach_copy_", None) if checked else None
         step = PIECE * PER_CALL
         try:
             for source, copy in pairs:
@@ -88,7 +98,7 @@ class Prefetch:
                     copies = into[start : start + step].split(PIECE)
                     if batched is not None:
                         batched(list(copies), list(sources))
-                    else:  # pragma: no cover - a torch without the batched copy
+                    else:
                         for piece, target in zip(sources, copies, strict=True):
                             target.copy_(piece)
         except BaseException as e:  # the load then reads the tensors itself
