@@ -82,6 +82,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     against_revision: str | None = None,
     threshold: float | None = None,
     tuned: str | os.PathLike[str] | None = None,
+    save_states: str | os.PathLike[str] | None = None,
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -99,10 +100,14 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
     tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
+    save_states: a file to write the residual stream of every layer at every position to (with
+        the model's logits at the last position), for `lens_states` to decode later.
 
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
     if prompts is not None or prompt is None:
+        if save_states is not None:
+            raise UsageError("--save-states writes the states of one prompt: give PROMPT")
         return _deprecated_many(model, prompt, prompts, locals())
     ask = options.ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args,
                       grid, chat_template)  # fmt: skip
@@ -110,7 +115,10 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
     _not_both(tuned, against)
-    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned)
+    if save_states is not None and pair is not None:
+        raise UsageError("--save-states and --against do not combine: save each model's alone")
+    save = None if save_states is None else (save_states, revision)
+    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save)
 
 
 def _one_prompt(
@@ -120,6 +128,7 @@ def _one_prompt(
     ask: options.Ask,
     target: str | None,
     tuned: str | os.PathLike[str] | None,
+    save: tuple[str | os.PathLike[str], str | None] | None = None,
 ) -> LensReport:
     """One prompt through the engine (a pair's, or through a tuned lens), and its report."""
     loading, pair = models
@@ -133,6 +142,10 @@ def _one_prompt(
         through = _ready(lens_dir, opened)
         decoder = _tuned_decoder(through, opened, run)
         report = one_report(opened, ask, run, run_one(opened, ask, run, decoder=decoder))
+        if save is not None:
+            from embedlens.analysis.lens.saving import save_run
+
+            save_run(save[0], opened, run, ask, save[1])
         if through is None:
             return report
         from embedlens.reports.tune import tuned_report
