@@ -285,10 +285,19 @@ def lens(
     if states is not None or state_layers is not None:
         from embedlens.cli._lens_states import run_states
 
-        given = {"PROMPT": prompt, "--prompts": prompts, "--chat": chat, "--against": against,
-                 "--device-map": device_map, "--save-states": save_states, "--plot": plot,
-                 "--compare-logit": compare_logit or None, "--chat-template": chat_template,
-                 "--template-arg": template_arg, "--no-thinking": no_thinking or None}
+        given = {
+            "PROMPT": prompt,
+            "--prompts": prompts,
+            "--chat": chat,
+            "--against": against,
+            "--device-map": device_map,
+            "--save-states": save_states,
+            "--plot": plot,
+            "--compare-logit": compare_logit or None,
+            "--chat-template": chat_template,
+            "--template-arg": template_arg,
+            "--no-thinking": no_thinking or None,
+        }
         return run_states(model, states, state_layers, given, as_json=as_json, quiet=quiet,
                           debug=debug, device=device, layers=layers, top_k=top_k,
                           position=position, target=target, revision=revision, dtype=dtype,
@@ -310,7 +319,7 @@ def lens(
     run_report(
         model if against is None else f"{model} against {against}",
         lambda: run_lens(model, prompt, grid=plot is not None and against is None,
-                         save_states=save_states, **opts),  # fmt: skip
+                         save_states=save_states, **opts),
         as_json=as_json, quiet=quiet, debug=debug, device=device, doing="Running the lens on",
         check=lambda: _check_one(plot, compare_logit),
         say=lambda report: _say(report, plot, save_states),

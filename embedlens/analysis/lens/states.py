@@ -108,7 +108,9 @@ def _run(
     tail = open_tail(source, want, trust_remote_code=trust)
     decoder, tuned = _decoder(tail, tokenizer, ids, lens_dir)
     positions = list(range(len(ids))) if ask.grid else [index]
-    result = _decode(tail, decoder, file, shown, positions, index, ask, run.target_id, len(tokenizer))
+    result = _decode(
+        tail, decoder, file, shown, positions, index, ask, run.target_id, len(tokenizer)
+    )
     report = lens_report(name, tokenizer, tail.model, result, ask, run)
     return _states_report(report, file, tail, result.check, tuned)
 
@@ -234,7 +236,9 @@ def _decode(
             for i, (layer, j) in enumerate(part):
                 if layer == n_layers:
                     final[positions[j]] = out[i]
-                if layer in shown and not (own is not None and (layer, positions[j]) == (n_layers, last)):
+                if layer in shown and not (
+                    own is not None and (layer, positions[j]) == (n_layers, last)
+                ):
                     keep.append(i)
             if keep:
                 where = [(part[i][0], positions[part[i][1]]) for i in keep]
@@ -274,7 +278,8 @@ def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
         return int(weight.shape[0])
     if own is not None:
         return int(own.shape[-1])
-    return int(tail.model.config.vocab_size)
+    config: Any = getattr(tail.model, "config", None)
+    return int(config.vocab_size)
 
 
 def _rows(file: StatesFile, layer: int, positions: list[int]) -> torch.Tensor:

@@ -99,7 +99,9 @@ def _hidden_size(model: nn.Module) -> int:
     return size
 
 
-def _after_last_block(model: nn.Module, blocks: Blocks, hidden: int, dtype: torch.dtype) -> list[str]:
+def _after_last_block(
+    model: nn.Module, blocks: Blocks, hidden: int, dtype: torch.dtype
+) -> list[str]:
     """The modules (outermost) that run after the last block, found on one zero state."""
     row = torch.zeros(hidden, dtype=dtype)
     try:
@@ -116,8 +118,7 @@ def _after_last_block(model: nn.Module, blocks: Blocks, hidden: int, dtype: torc
             raise
         except Exception as e:
             raise UnsupportedError(
-                f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: "
-                f"{e})"
+                f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: {e})"
             ) from e
     return list(probe.steps)
 

@@ -77,7 +77,8 @@ class GGUFTensors:
         arch_field = self.reader.fields.get("general.architecture")
         arch = "" if arch_field is None else bytes(arch_field.parts[-1]).decode("utf-8")
         self.config = model.config.to_dict()
-        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config)
+        processor: Any = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+        self.processor = processor(config=self.config)
         try:
             to_model = get_gguf_hf_weights_map(model, self.processor)
         except Exception as e:
