@@ -13,37 +13,51 @@ if TYPE_CHECKING:
     from embedlens.reports.states import StatesLensReport
 
 
-def run_states(
-    model: str,
-    states: Path | None,
-    state_layers: str | None,
-    given: dict[str, Any],
-    *,
-    as_json: bool,
-    quiet: bool,
-    debug: bool,
-    device: str,
-    **options: Any,
-) -> None:
-    """Check what does not apply to a states file, then decode it and print the report."""
+def run_states(model: str, given: dict[str, Any]) -> None:
+    """`lens` with --states: what does not apply to a states file refused, then the file decoded
+    and the report printed; `given`: every argument of `lens`."""
     from embedlens.analysis.lens import lens_states
+
+    states: Path | None = given["states"]
 
     def check() -> None:
         if states is None:
             raise UsageError("--state-layers applies with --states FILE")
-        for name, value in given.items():
-            if value is not None and value != []:
-                what = "the file holds the ids" if name == "PROMPT" else "not with --states"
-                raise UsageError(f"{name} does not apply to --states ({what})")
-        if device != "cpu":
+        for option, name in _NOT_WITH.items():
+            if given[name] not in (None, False, []):
+                what = "the file holds the ids" if option == "PROMPT" else "not with --states"
+                raise UsageError(f"{option} does not apply to --states ({what})")
+        if given["device"] != "cpu":
             raise UsageError("--states decodes on the CPU: --device does not apply")
 
+    options = {name: given[name] for name in _TAKEN}
     run_report(
         model,
-        lambda: lens_states(model, states or Path(), state_layers=state_layers, **options),
-        as_json=as_json, quiet=quiet, debug=debug, device=device,
-        doing="Decoding the states with", check=check, say=_say,
+        lambda: lens_states(model, states or Path(), **options),
+        as_json=given["as_json"], quiet=given["quiet"], debug=given["debug"],
+        device=given["device"], doing="Decoding the states with", check=check, say=_say,
     )  # fmt: skip
+
+
+_NOT_WITH = {
+    "PROMPT": "prompt",
+    "--prompts": "prompts",
+    "--chat": "chat",
+    "--no-thinking": "no_thinking",
+    "--template-arg": "template_arg",
+    "--chat-template": "chat_template",
+    "--against": "against",
+    "--device-map": "device_map",
+    "--save-states": "save_states",
+    "--plot": "plot",
+    "--compare-logit": "compare_logit",
+}
+"""What a states file refuses, by option and `lens`'s argument."""
+_TAKEN = (
+    "state_layers", "layers", "top_k", "position", "target", "revision", "dtype",
+    "trust_remote_code", "tuned",
+)  # fmt: skip
+"""`lens`'s arguments `lens_states` takes, under the same names."""
 
 
 def _say(report: StatesLensReport) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -9,6 +10,7 @@ import typer
 
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
+from embedlens.cli._lens_states import run_states
 from embedlens.cli._options import (
     AgainstRevisionOpt,
     DebugOpt,
@@ -283,25 +285,7 @@ def lens(
     from embedlens.analysis.lens import lens as run_lens
 
     if states is not None or state_layers is not None:
-        from embedlens.cli._lens_states import run_states
-
-        given = {
-            "PROMPT": prompt,
-            "--prompts": prompts,
-            "--chat": chat,
-            "--against": against,
-            "--device-map": device_map,
-            "--save-states": save_states,
-            "--plot": plot,
-            "--compare-logit": compare_logit or None,
-            "--chat-template": chat_template,
-            "--template-arg": template_arg,
-            "--no-thinking": no_thinking or None,
-        }
-        return run_states(model, states, state_layers, given, as_json=as_json, quiet=quiet,
-                          debug=debug, device=device, layers=layers, top_k=top_k,
-                          position=position, target=target, revision=revision, dtype=dtype,
-                          trust_remote_code=trust_remote_code, tuned=tuned)  # fmt: skip
+        return run_states(model, dict(locals()))
     opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
                 device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
@@ -309,20 +293,38 @@ def lens(
                 against=against, against_revision=against_revision, threshold=threshold,
                 tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
-        common(quiet=quiet, debug=debug, device=device, split=True)
-        if save_states is not None:
-            raise UsageError("--save-states writes the states of one prompt: give PROMPT, "
-                             "without --prompts")  # fmt: skip
+        _many_ready(quiet, debug, device, save_states)
         more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend}
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
                            options={**opts, **more})  # fmt: skip
+    work = lambda: run_lens(model, prompt, grid=plot is not None and against is None,  # noqa: E731
+                            save_states=save_states, **opts)  # fmt: skip
+    _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
+
+
+def _many_ready(quiet: bool, debug: bool, device: str, save_states: Path | None) -> None:
+    """Before --prompts (or no PROMPT): the common options; --save-states refused."""
+    common(quiet=quiet, debug=debug, device=device, split=True)
+    if save_states is not None:
+        raise UsageError("--save-states writes the states of one prompt: give PROMPT alone")
+
+
+def _one(
+    model: str,
+    against: str | None,
+    work: Callable[[], LensReport],
+    plot: Path | None,
+    saved: Path | None,
+    compare_logit: bool,
+    shown: tuple[bool, bool, bool, str],
+) -> None:
+    """One prompt: the lens (`work`) under the common options, its report printed."""
+    as_json, quiet, debug, device = shown
     run_report(
         model if against is None else f"{model} against {against}",
-        lambda: run_lens(model, prompt, grid=plot is not None and against is None,
-                         save_states=save_states, **opts),
-        as_json=as_json, quiet=quiet, debug=debug, device=device, doing="Running the lens on",
-        check=lambda: _check_one(plot, compare_logit),
-        say=lambda report: _say(report, plot, save_states),
+        work, as_json=as_json, quiet=quiet, debug=debug, device=device,
+        doing="Running the lens on", check=lambda: _check_one(plot, compare_logit),
+        say=lambda report: _say(report, plot, saved),
     )  # fmt: skip
 
 

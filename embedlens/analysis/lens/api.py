@@ -100,25 +100,34 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
     tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
-    save_states: a file to write the residual stream of every layer at every position to (with
-        the model's logits at the last position), for `lens_states` to decode later.
+    save_states: a file for every layer's residual stream at every position (`lens_states`).
 
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
     if prompts is not None or prompt is None:
-        if save_states is not None:
-            raise UsageError("--save-states writes the states of one prompt: give PROMPT")
         return _deprecated_many(model, prompt, prompts, locals())
     ask = options.ask(prompt, layers, top_k, position, target, chat, no_thinking, template_args,
                       grid, chat_template)  # fmt: skip
     loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
-    _not_both(tuned, against)
-    if save_states is not None and pair is not None:
-        raise UsageError("--save-states and --against do not combine: save each model's alone")
-    save = None if save_states is None else (save_states, revision)
+    save = _saving(save_states, revision, pair, tuned, against)
     return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save)
+
+
+def _saving(
+    path: str | os.PathLike[str] | None,
+    revision: str | None,
+    pair: Pair | None,
+    tuned: object,
+    against: object,
+) -> tuple[str | os.PathLike[str], str | None] | None:
+    """Where --save-states writes, with the revision its metadata names (None: nowhere), once
+    --tuned and --against are checked (`_not_both`)."""
+    _not_both(tuned, against)
+    if path is not None and pair is not None:
+        raise UsageError("--save-states and --against do not combine: save each model's alone")
+    return None if path is None else (path, revision)
 
 
 def _one_prompt(
@@ -290,6 +299,8 @@ def _deprecated_many(
     """`lens(model, prompts=...)`, the former spelling of `lens_prompts`; `given`: every
     argument of that call, of which lens_prompts takes those it has too."""
     options.one_prompt_only(given["target"], given["chat"], given["grid"])
+    if given.get("save_states") is not None:
+        raise UsageError("save_states= writes the states of one prompt: give a prompt alone")
     taken = set(inspect.signature(lens_prompts).parameters) - {"model", "prompts"}
     many_options = {name: value for name, value in given.items() if name in taken}
     if prompts is None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
+    from embedlens.io.source import ModelSource
     from embedlens.reports.states import StatesLensReport
     from embedlens.reports.tune import TunedLens
 
@@ -81,15 +82,31 @@ def _run(
     lens_dir: Any,
 ) -> StatesLensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
+    from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
+    from embedlens.io.source import resolve
+
+    source = resolve(name, revision)
+    with gguf_reads_shared(source):  # a GGUF file parsed once for tokenizer, config and tail
+        return _run_on(name, source, dtype, trust, file, ask, lens_dir)
+
+
+def _run_on(
+    name: str,
+    source: ModelSource,
+    dtype: str,
+    trust: bool,
+    file: StatesFile,
+    ask: options.Ask,
+    lens_dir: Any,
+) -> StatesLensReport:
+    """`_run` once the model's files are found."""
     import torch
 
     from embedlens.analysis.lens.prompt import position_index
     from embedlens.analysis.lens.report import lens_report
     from embedlens.analysis.lens.tail import open_tail
-    from embedlens.io.source import resolve
     from embedlens.model import file_tokens, loading
 
-    source = resolve(name, revision)
     tokenizer = loading.load_tokenizer(source, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
     n_layers = _check_fits(file, config, len(tokenizer))
@@ -210,13 +227,7 @@ def _decode(
     file holds them (as `lens` shows the model's own output there)."""
     import torch
 
-    from embedlens.analysis.lens.engine import (
-        CHUNK_BYTES,
-        LensResult,
-        check_decoded,
-        decoded,
-        tolerance,
-    )
+    from embedlens.analysis.lens.engine import CHUNK_BYTES, LensResult, decoded, tolerance
     from embedlens.analysis.lens.threads import threads_for
 
     n_layers = len(tail.blocks.modules)
@@ -229,20 +240,15 @@ def _decode(
     order = [(layer, j) for layer in wanted for j in range(len(positions))]
     rows: dict[tuple[int, int], Any] = {}
     final: dict[int, torch.Tensor] = {}
+    own_row = None if own is None else (n_layers, last)
     with torch.inference_mode(), threads_for(tail.model, len(positions)):
         for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
-            check_decoded(out, part, lambda j: positions[j])
-            keep: list[int] = []
-            for i, (layer, j) in enumerate(part):
-                if layer == n_layers:
-                    final[positions[j]] = out[i]
-                if layer in shown and not (
-                    own is not None and (layer, positions[j]) == (n_layers, last)
-                ):
-                    keep.append(i)
+            where = _checked(out, part, positions)
+            final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
+            keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
             if keep:
-                where = [(part[i][0], positions[part[i][1]]) for i in keep]
-                rows.update(_reduce(where, out[keep], ask, index, real_vocab, target))
+                chosen = [where[i] for i in keep]
+                rows.update(_reduce(chosen, out[keep], ask, index, real_vocab, target))
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
             rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, target))
@@ -262,6 +268,16 @@ def _decode(
         full_tail=decoder.full,
         output=output,
     )
+
+
+def _checked(
+    out: torch.Tensor, part: list[tuple[int, int]], positions: list[int]
+) -> list[tuple[int, int]]:
+    """A decoded chunk's (layer, position) rows, refused when one is not finite."""
+    from embedlens.analysis.lens.engine import check_decoded
+
+    check_decoded(out, part, lambda j: positions[j])
+    return [(layer, positions[j]) for layer, j in part]
 
 
 def decoder_dtype(tail: Tail) -> torch.dtype:

@@ -160,8 +160,9 @@ def _read(
                 f"'{reader.places[found]}' has shape {tuple(value.shape)}, the model's "
                 f"'{name}' {tuple(current.shape)}"
             )
-        for alias in names.get(name, [name]):
-            _put(model, alias, value)
+        shared = nn.Parameter(value, requires_grad=False) if _is_param(model, name) else value
+        for alias in names.get(name, [name]):  # one tensor in every place, as tied
+            _put(model, alias, shared)
         read.append(reader.places[found])
     return read
 
@@ -175,7 +176,8 @@ def _put(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, attr = name.rpartition(".")
     module = model.get_submodule(owner)
     if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        assert isinstance(value, nn.Parameter)
+        module._parameters[attr] = value
     else:
         module._buffers[attr] = value
 
