@@ -648,6 +648,16 @@ def tuned_lens(model: Path, quick: bool, *, build: bool) -> Path:
     return out
 
 
+def states_file(model: Path, quick: bool, *, build: bool) -> Path:
+    """The states of the lens prompt on `model` (`lens --save-states`: every layer, every
+    position), for `lens --states`, built on first use."""
+    out = CACHE / ("states-tiny-qwen3.safetensors" if quick else "states-smollm2.safetensors")
+    if build and not out.exists():
+        argv = [*embedlens_argv(), "lens", str(model), "The capital of France is"]
+        subprocess.run([*argv, "--save-states", str(out), "--quiet"], check=True)
+    return out
+
+
 def hub_transfer_limit(folder: Path) -> int | None:
     """What `neighbors` may receive from the hub: 1.05 x the embedding's bytes, plus the
     tokenizer's files and the config (None before the checkpoint is built)."""
@@ -753,6 +763,12 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
              str(tuned_lens(lens_model, quick, build=False)), "--json"],
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
             "the same lens without --tuned", budget=1.1),
+        # the final norm and the head alone, no blocks run: at most half the model lens
+        Row(f"lens --states ({lens_name}, its states file, last position)",
+            [*el, "lens", str(lens_model), "--states",
+             str(states_file(lens_model, quick, build=False)), "--json"],
+            [*el, "lens", str(lens_model), "The capital of France is", "--json"],
+            "the model lens on the same prompt", budget=0.5),
         Row(f"tune, {tune_tokens:,} tokens ({lens_name})",
             [*py(TUNE_INTO), str(CACHE / "tune-out"), str(lens_model), "--data",
              str(CACHE / "tune-text.txt"), "--tokens", str(tune_tokens), "--json", "--quiet"],
@@ -818,6 +834,7 @@ def main() -> None:
         write_tune_text(CACHE / "tune-text.txt")
         lens_model = qwen_checkpoint(args.quick, build=False) if args.quick else smollm2_path()
         tuned_lens(lens_model, args.quick, build=True)
+        states_file(lens_model, args.quick, build=True)
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -24,7 +24,7 @@ import embedlens.views  # noqa: F401
 
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
-    from embedlens.analysis.lens import lens, lens_prompts
+    from embedlens.analysis.lens import lens, lens_prompts, lens_states
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
@@ -51,6 +51,7 @@ _EXPORTS = {
     "addr": "embedlens.analysis.addr",
     "lens": "embedlens.analysis.lens",
     "lens_prompts": "embedlens.analysis.lens",
+    "lens_states": "embedlens.analysis.lens",
     "vocab": "embedlens.analysis.vocab",
     "tune": "embedlens.analysis.tune",
     "Report": "embedlens.reports",
@@ -87,6 +88,7 @@ __all__ = [
     "addr",
     "lens",
     "lens_prompts",
+    "lens_states",
     "neighbors",
     "params",
     "tied",

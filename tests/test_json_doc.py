@@ -25,6 +25,7 @@ from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
+from embedlens.reports.states import StatesLensReport
 from embedlens.reports.tied import TiedReport
 from embedlens.reports.tune import TunedLensReport, TunedLensSummaryReport, TuneReport
 from embedlens.reports.vocab import VocabReport
@@ -47,6 +48,7 @@ REPORTS: dict[str, type[Report]] = {
     "lens --prompts --tuned": TunedLensSummaryReport,
     "lens --against": LensPairReport,
     "lens --prompts --against": LensPairSummaryReport,
+    "lens --states": StatesLensReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
@@ -55,6 +57,7 @@ EXTENDS = {
     "lens --prompts --tuned": "lens --prompts",
     "lens --against": "lens",
     "lens --prompts --against": "lens --prompts",
+    "lens --states": "lens",
 }
 """Sections whose report extends another section's (a subclass): they name only what it adds."""
 EACH_LINE = {
@@ -66,7 +69,8 @@ EACH_LINE = {
 PER_PROMPT_LINE = frozenset({"id"})  # added to a --prompts line's lens object when its line has one
 
 # Each command's --json run on a model (MODEL is put first, and stands for it in the arguments);
-# PROMPTS is a prompts file, DATA a text file, OUT a new folder, TUNED a lens tune fitted to MODEL.
+# PROMPTS is a prompts file, DATA a text file, OUT a new folder, TUNED a lens tune fitted to MODEL,
+# STATES a states file `lens --save-states` wrote for MODEL.
 ARGS: dict[str, list[str]] = {
     "params": ["--per-block"],
     "tied": [],
@@ -78,6 +82,7 @@ ARGS: dict[str, list[str]] = {
     "lens --prompts --tuned": ["--prompts", "PROMPTS", "--tuned", "TUNED", "--compare-logit"],
     "lens --against": ["the king of France is", "--against", "MODEL", "--target", "king"],
     "lens --prompts --against": ["--prompts", "PROMPTS", "--against", "MODEL", "-k", "2"],
+    "lens --states": ["--states", "STATES", "--target", "king", "--position", "all", "-k", "2"],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],
 }
@@ -222,6 +227,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], l
                 "OUT": lambda: folder / "lens",
                 "TUNED": lambda: run(model, "tune")[0]["out"],
                 "MODEL": lambda: model,
+                "STATES": lambda: _saved_states(cli, model, folder / "states.safetensors"),
             }
             args = [stands_for[a]() if a in stands_for else a for a in ARGS[section]]
             result = cli(section.split()[0], model, *args, "--json")
@@ -230,6 +236,13 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], l
         return done[model, section]
 
     return run
+
+
+def _saved_states(cli: Runner, model: Path, path: Path) -> Path:
+    """A states file `lens --save-states` wrote for `model`."""
+    result = cli("lens", model, "the king of France is", "--save-states", path)
+    assert result.exit_code == 0, result.stderr
+    return path
 
 
 def _check_output(section: str, objects: list[dict[str, Any]]) -> None:

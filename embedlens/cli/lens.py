@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -9,6 +10,7 @@ import typer
 
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
+from embedlens.cli._lens_states import run_states
 from embedlens.cli._options import (
     AgainstRevisionOpt,
     DebugOpt,
@@ -41,7 +43,9 @@ EXAMPLES = (
     "  $ embedlens lens ./my-model --prompts prompts.jsonl --plot curves.png\n\n"
     '  $ embedlens lens ./model.Q4_1.gguf "The capital of France is" --against ./model.Q8_0.gguf\n\n'
     "  $ embedlens lens ./base --prompts prompts.jsonl --against ./instruct --plot kl.png\n\n"
-    "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl"
+    "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl\n\n"
+    '  $ embedlens lens ./big-model "Hello" --save-states hello.safetensors\n\n'
+    "  $ embedlens lens ./big-model --states hello.safetensors --position all"
 )
 
 DtypeLensOpt = Annotated[
@@ -181,6 +185,36 @@ ThresholdOpt = Annotated[
     ),
 ]
 
+StatesOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--states",
+        metavar="FILE",
+        help="Decode the hidden states FILE holds (vLLM's hidden-states connector's, or "
+        "--save-states'), reading only the model's config, tokenizer, final norm and head: "
+        "no PROMPT (the file holds the ids), no blocks run. See docs/states.md.",
+    ),
+]
+StateLayersOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--state-layers",
+        metavar="LAYERS",
+        help="With --states, for a file that does not say (vLLM's): the layer of each state, "
+        "e.g. 1,2,3,4 or 1:5 (layer i: block i's input; vLLM's "
+        "eagle_aux_hidden_state_layer_ids).",
+    ),
+]
+SaveStatesOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--save-states",
+        metavar="FILE",
+        help="Also write every layer's residual stream at every position (and the model's "
+        "logits at the last) to FILE, for --states to decode later.",
+    ),
+]
+
 DeviceMapOpt = Annotated[
     DeviceMap | None,
     typer.Option(
@@ -238,6 +272,9 @@ def lens(
     tuned: TunedOpt = None,
     compare_logit: CompareLogitOpt = False,
     dist_backend: DistBackendOpt = "auto",
+    states: StatesOpt = None,
+    state_layers: StateLayersOpt = None,
+    save_states: SaveStatesOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -247,6 +284,8 @@ def lens(
     """
     from embedlens.analysis.lens import lens as run_lens
 
+    if states is not None or state_layers is not None:
+        return run_states(model, dict(locals()))
     opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
                 device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
@@ -254,15 +293,38 @@ def lens(
                 against=against, against_revision=against_revision, threshold=threshold,
                 tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
-        common(quiet=quiet, debug=debug, device=device, split=True)
+        _many_ready(quiet, debug, device, save_states)
         more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend}
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
                            options={**opts, **more})  # fmt: skip
+    work = lambda: run_lens(model, prompt, grid=plot is not None and against is None,  # noqa: E731
+                            save_states=save_states, **opts)  # fmt: skip
+    _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
+
+
+def _many_ready(quiet: bool, debug: bool, device: str, save_states: Path | None) -> None:
+    """Before --prompts (or no PROMPT): the common options; --save-states refused."""
+    common(quiet=quiet, debug=debug, device=device, split=True)
+    if save_states is not None:
+        raise UsageError("--save-states writes the states of one prompt: give PROMPT alone")
+
+
+def _one(
+    model: str,
+    against: str | None,
+    work: Callable[[], LensReport],
+    plot: Path | None,
+    saved: Path | None,
+    compare_logit: bool,
+    shown: tuple[bool, bool, bool, str],
+) -> None:
+    """One prompt: the lens (`work`) under the common options, its report printed."""
+    as_json, quiet, debug, device = shown
     run_report(
         model if against is None else f"{model} against {against}",
-        lambda: run_lens(model, prompt, grid=plot is not None and against is None, **opts),
-        as_json=as_json, quiet=quiet, debug=debug, device=device, doing="Running the lens on",
-        check=lambda: _check_one(plot, compare_logit), say=lambda report: _say(report, plot),
+        work, as_json=as_json, quiet=quiet, debug=debug, device=device,
+        doing="Running the lens on", check=lambda: _check_one(plot, compare_logit),
+        say=lambda report: _say(report, plot, saved),
     )  # fmt: skip
 
 
@@ -277,7 +339,7 @@ def _check_one(plot: Path | None, compare_logit: bool) -> None:
         check_plot_file(plot)
 
 
-def _say(report: LensReport, plot: Path | None) -> None:
+def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> None:
     """On stderr: the not-faithful warnings and the notes; then the plot, when one was asked
     for (with --against: the KL curves, else the heatmap)."""
     from embedlens.reports.lens_diff import LensPairReport
@@ -294,6 +356,8 @@ def _say(report: LensReport, plot: Path | None) -> None:
                 f"for this architecture; suspect: {c.suspect}"
             )
     say_notes(report)
+    if saved is not None:
+        note(f"wrote the states to {saved}")
     if plot is not None and pair is not None:
         from embedlens.views.diff_curves import save_diff_curves
 

@@ -20,6 +20,7 @@ def load_views() -> None:
         lens_summary,
         neighbors,
         params,
+        states,
         tied,
         tune,
         vocab,

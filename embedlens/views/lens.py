@@ -96,6 +96,11 @@ def _render_grid(r: LensReport) -> Sheet:
 
 
 def _render_check(r: LensReport) -> Text:
+    states = getattr(r, "states", None)
+    if states is not None:  # lens --states: the check against the file, or why none was made
+        from embedlens.views.states import render_states_check
+
+        return render_states_check(r, states)
     c = r.check
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
     if c.ok:

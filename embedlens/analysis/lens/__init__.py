@@ -11,6 +11,8 @@ One idea per module, read top-down from `api` (the functions users call):
 - `many`: prompts files and lists: every line checked, then run a window at a time;
 - `stats`: per-layer statistics over many prompts;
 - `report`: a run's result as the `LensReport` users get;
+- `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
+  --save-states`'s: `states_file`, `saving`), decoded by the model's tail alone (`tail`);
 - `capture`, `decoder`, `ranking`, `blocks`, `threads`: the engine's parts (one forward pass
   that keeps the residual stream; what turns a residual into logits; the best tokens by logit;
   the model's block list; CPU threads).
@@ -18,5 +20,6 @@ One idea per module, read top-down from `api` (the functions users call):
 
 from embedlens.analysis.lens.api import lens, lens_prompts
 from embedlens.analysis.lens.options import DEVICE_MAPS
+from embedlens.analysis.lens.states import lens_states
 
-__all__ = ["DEVICE_MAPS", "lens", "lens_prompts"]
+__all__ = ["DEVICE_MAPS", "lens", "lens_prompts", "lens_states"]

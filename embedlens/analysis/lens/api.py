@@ -82,6 +82,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     against_revision: str | None = None,
     threshold: float | None = None,
     tuned: str | os.PathLike[str] | None = None,
+    save_states: str | os.PathLike[str] | None = None,
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -99,6 +100,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
     tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
+    save_states: a file for every layer's residual stream at every position (`lens_states`).
 
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
@@ -109,8 +111,23 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
+    save = _saving(save_states, revision, pair, tuned, against)
+    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save)
+
+
+def _saving(
+    path: str | os.PathLike[str] | None,
+    revision: str | None,
+    pair: Pair | None,
+    tuned: object,
+    against: object,
+) -> tuple[str | os.PathLike[str], str | None] | None:
+    """Where --save-states writes, with the revision its metadata names (None: nowhere), once
+    --tuned and --against are checked (`_not_both`)."""
     _not_both(tuned, against)
-    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned)
+    if path is not None and pair is not None:
+        raise UsageError("--save-states and --against do not combine: save each model's alone")
+    return None if path is None else (path, revision)
 
 
 def _one_prompt(
@@ -120,6 +137,7 @@ def _one_prompt(
     ask: options.Ask,
     target: str | None,
     tuned: str | os.PathLike[str] | None,
+    save: tuple[str | os.PathLike[str], str | None] | None = None,
 ) -> LensReport:
     """One prompt through the engine (a pair's, or through a tuned lens), and its report."""
     loading, pair = models
@@ -133,6 +151,10 @@ def _one_prompt(
         through = _ready(lens_dir, opened)
         decoder = _tuned_decoder(through, opened, run)
         report = one_report(opened, ask, run, run_one(opened, ask, run, decoder=decoder))
+        if save is not None:
+            from embedlens.analysis.lens.saving import save_run
+
+            save_run(save[0], opened, run, ask, save[1])
         if through is None:
             return report
         from embedlens.reports.tune import tuned_report
@@ -277,6 +299,8 @@ def _deprecated_many(
     """`lens(model, prompts=...)`, the former spelling of `lens_prompts`; `given`: every
     argument of that call, of which lens_prompts takes those it has too."""
     options.one_prompt_only(given["target"], given["chat"], given["grid"])
+    if given.get("save_states") is not None:
+        raise UsageError("save_states= writes the states of one prompt: give a prompt alone")
     taken = set(inspect.signature(lens_prompts).parameters) - {"model", "prompts"}
     many_options = {name: value for name, value in given.items() if name in taken}
     if prompts is None:

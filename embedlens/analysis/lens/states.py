@@ -1,0 +1,403 @@
+"""`lens_states`: the lens on hidden states an inference engine (or `lens --save-states`) wrote,
+decoded with the model's final norm, head and post-head steps alone (`tail`): its blocks are
+never read. The rows are decoded in the engine's chunks and reduced by its ranking, and the
+report is the one `lens` builds, so the same states give the same figures."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from embedlens.analysis.lens import options
+from embedlens.errors import NumericError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.engine import Check, LensResult
+    from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.states_file import StatesFile
+    from embedlens.analysis.lens.tail import Tail
+    from embedlens.io.source import ModelSource
+    from embedlens.reports.states import StatesLensReport
+    from embedlens.reports.tune import TunedLens
+
+
+def lens_states(
+    model: str | os.PathLike[str],
+    states: str | os.PathLike[str],
+    *,
+    layers: str | Sequence[int] | None = None,
+    top_k: int = 5,
+    position: int | str = -1,
+    target: str | None = None,
+    state_layers: str | None = None,
+    grid: bool = False,
+    revision: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    tuned: str | os.PathLike[str] | None = None,
+) -> StatesLensReport:
+    """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
+    connector's, or `lens --save-states`'s), decoded with `model`'s own final norm, head and
+    post-head steps, of which alone the tensors are read (a folder's safetensors or a GGUF file).
+
+    state_layers: which layers a file that does not say holds ('1,2,3,4' or '1:5'; layer i is
+        the input of block i, vLLM's `eagle_aux_hidden_state_layer_ids`).
+    The other options are `lens`'s; layers the file lacks are not shown. The report's `states`
+    says where the states came from and whether the self-check was made: only a file with the
+    model's own logits (embedlens') and its last layer can be checked.
+    """
+    from embedlens.analysis.lens.states_file import open_states
+    from embedlens.model.loading import check_dtype
+
+    options.check_top_k(top_k)
+    items = None if layers is None else options.layer_items(layers)
+    pos = options.parse_position(position) if isinstance(position, (int, str)) else position
+    if not isinstance(pos, int) and pos is not None:
+        raise UsageError("a list of positions applies only with prompts=")
+    check_dtype(dtype)
+    lens_dir = None
+    if tuned is not None:
+        from embedlens.analysis.tune.use import open_tuned
+
+        lens_dir = open_tuned(tuned)
+    file = open_states(states, state_layers)
+    name = os.fspath(model)
+    chat = file.metadata.get("chat")
+    ask = options.Ask("", chat, {}, items, pos, top_k, target, grid or pos is None)
+    return _run(name, revision, dtype, trust_remote_code, file, ask, lens_dir)
+
+
+def _run(
+    name: str,
+    revision: str | None,
+    dtype: str,
+    trust: bool,
+    file: StatesFile,
+    ask: options.Ask,
+    lens_dir: Any,
+) -> StatesLensReport:
+    """The model's config and tokenizer, the file checked against them, the tail read, the run."""
+    from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
+    from embedlens.io.source import resolve
+
+    source = resolve(name, revision)
+    with gguf_reads_shared(source):  # a GGUF file parsed once for tokenizer, config and tail
+        return _run_on(name, source, dtype, trust, file, ask, lens_dir)
+
+
+def _run_on(
+    name: str,
+    source: ModelSource,
+    dtype: str,
+    trust: bool,
+    file: StatesFile,
+    ask: options.Ask,
+    lens_dir: Any,
+) -> StatesLensReport:
+    """`_run` once the model's files are found."""
+    import torch
+
+    from embedlens.analysis.lens.prompt import position_index
+    from embedlens.analysis.lens.report import lens_report
+    from embedlens.analysis.lens.tail import open_tail
+    from embedlens.model import file_tokens, loading
+
+    tokenizer = loading.load_tokenizer(source, trust_remote_code=trust)
+    config = loading.hf_config(source, trust_remote_code=trust)
+    n_layers = _check_fits(file, config, len(tokenizer))
+    ids = file.token_ids()
+    _check_ids(file, ids, config, len(tokenizer))
+    if lens_dir is not None:
+        from embedlens.analysis.tune.use import before_load
+
+        before_load(lens_dir, config)
+    guard = file_tokens.guard_for(source, loaded=True, others=(), model=name)
+    with file_tokens.watching(guard):
+        run = _prompt(tokenizer, ids, ask, file)
+    shown = _shown(ask, n_layers, file)
+    index = position_index(ask.position, len(ids))
+    want = torch.float32 if dtype == "auto" else loading.torch_dtype(dtype)
+    tail = open_tail(source, want, trust_remote_code=trust)
+    decoder, tuned = _decoder(tail, tokenizer, ids, lens_dir)
+    positions = list(range(len(ids))) if ask.grid else [index]
+    result = _decode(
+        tail, decoder, file, shown, positions, index, ask, run.target_id, len(tokenizer)
+    )
+    report = lens_report(name, tokenizer, tail.model, result, ask, run)
+    return _states_report(report, file, tail, result.check, tuned)
+
+
+def _check_fits(file: StatesFile, config: Any, tokenizer_size: int) -> int:
+    """The file's width and layers fit the model's config: its number of blocks."""
+    get = getattr(config, "get_text_config", None)
+    text = get() if callable(get) else config
+    hidden = getattr(text, "hidden_size", None)
+    n_layers = getattr(text, "num_hidden_layers", None)
+    where = f"'{file.path.name}'"
+    if isinstance(hidden, int) and file.hidden_size != hidden:
+        raise UsageError(
+            f"{where} holds states of width {file.hidden_size}, but the model's hidden size is "
+            f"{hidden}: they are not this model's"
+        )
+    if not isinstance(n_layers, int):
+        raise UsageError("the model's config gives no num_hidden_layers")
+    past = [layer for layer in file.layers if layer > n_layers]
+    if past:
+        raise UsageError(
+            f"{where} holds layer {past[0]}, but the model has layers 0..{n_layers} "
+            f"({n_layers} blocks): the states are not this model's, or --state-layers is wrong"
+        )
+    if file.layout == "embedlens" and len(file.layers) != n_layers + 1:
+        raise UsageError(
+            f"{where} holds {len(file.layers)} layers, but the model has {n_layers + 1} "
+            f"(0..{n_layers}): the states are not this model's"
+        )
+    return n_layers
+
+
+def _check_ids(file: StatesFile, ids: list[int], config: Any, tokenizer_size: int) -> None:
+    """Every token id of the file is a token of the model."""
+    bad = [i for i in ids if not 0 <= i < max(tokenizer_size, getattr(config, "vocab_size", 0))]
+    if bad:
+        raise UsageError(
+            f"'{file.path.name}' holds token id {bad[0]}, which is not in the model's vocabulary "
+            f"({tokenizer_size} tokens): the states are not this model's"
+        )
+
+
+def _prompt(tokenizer: Any, ids: list[int], ask: options.Ask, file: StatesFile) -> Prompt:
+    """The prompt as the file's ids give it (its text from embedlens' metadata, else decoded)."""
+    from embedlens.analysis.lens.prompt import Prompt, position_index, target_token
+
+    text = file.metadata.get("prompt")
+    if text is None:
+        text = tokenizer.decode(ids)
+    target_id = alternative = None
+    if ask.target is not None:
+        target_id, alternative = target_token(tokenizer, ask.target)
+    index = position_index(ask.position, len(ids))
+    return Prompt(text, ids, index, target_id, [], alternative)
+
+
+def _shown(ask: options.Ask, n_layers: int, file: StatesFile) -> list[int]:
+    """The layers asked for that the file holds."""
+    asked = options.resolve_layers(ask.layers, n_layers)
+    shown = [layer for layer in asked if layer in file.layers]
+    if not shown:
+        held = ", ".join(str(layer) for layer in sorted(file.layers))
+        raise UsageError(
+            f"the file holds none of the layers asked for (it holds {held})",
+        )
+    return shown
+
+
+def _decoder(
+    tail: Tail, tokenizer: Any, ids: list[int], lens_dir: Any
+) -> tuple[Decoder, TunedLens | None]:
+    """The model's own decoder on the tail, or a tuned lens's built on it."""
+    from embedlens.analysis.lens.decoder import ModelDecoder
+
+    own = ModelDecoder(tail.model, tail.blocks, dummy_id=int(ids[0]))
+    if lens_dir is None:
+        return own, None
+    from embedlens.analysis.tune.use import ready
+
+    wrap, described = ready(lens_dir, tail.model, tokenizer)
+    return wrap(own), described
+
+
+def _decode(
+    tail: Tail,
+    decoder: Decoder,
+    file: StatesFile,
+    shown: list[int],
+    positions: list[int],
+    index: int,
+    ask: options.Ask,
+    target: int | None,
+    real_vocab: int,
+) -> LensResult:
+    """Every (layer, position) shown decoded in the engine's chunks and reduced by its ranking
+    as each chunk comes; the last layer at the last position is the model's own logits when the
+    file holds them (as `lens` shows the model's own output there)."""
+    import torch
+
+    from embedlens.analysis.lens.engine import CHUNK_BYTES, LensResult, decoded, tolerance
+    from embedlens.analysis.lens.threads import threads_for
+
+    n_layers = len(tail.blocks.modules)
+    last = file.n_tokens - 1
+    own = file.logits()
+    wanted = sorted(set(shown) | ({n_layers} & set(file.layers)))
+    residual = {layer: _rows(file, layer, positions) for layer in wanted}
+    vocab = _vocab(tail, own)
+    device = torch.device("cpu")
+    order = [(layer, j) for layer in wanted for j in range(len(positions))]
+    rows: dict[tuple[int, int], Any] = {}
+    final: dict[int, torch.Tensor] = {}
+    own_row = None if own is None else (n_layers, last)
+    with torch.inference_mode(), threads_for(tail.model, len(positions)):
+        for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
+            where = _checked(out, part, positions)
+            final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
+            keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
+            if keep:
+                chosen = [where[i] for i in keep]
+                rows.update(_reduce(chosen, out[keep], ask, index, real_vocab, target))
+        if own is not None and n_layers in shown and last in positions:
+            final[last] = own
+            rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, target))
+        tol = tolerance(decoder_dtype(tail), own if own is not None else torch.zeros(1))
+        check = _check(file, decoder, own, n_layers, last, tol)
+        first = residual[n_layers if n_layers in residual else wanted[0]][0]
+        steps = decoder.steps(first.to(device), tol)
+    output = torch.stack([final[p] for p in positions]) if len(final) == len(positions) else None
+    return LensResult(
+        num_layers=n_layers,
+        vocab_size=vocab,
+        positions=positions,
+        layers=shown,
+        rows=rows,
+        check=check,
+        steps=steps,
+        full_tail=decoder.full,
+        output=output,
+    )
+
+
+def _checked(
+    out: torch.Tensor, part: list[tuple[int, int]], positions: list[int]
+) -> list[tuple[int, int]]:
+    """A decoded chunk's (layer, position) rows, refused when one is not finite."""
+    from embedlens.analysis.lens.engine import check_decoded
+
+    check_decoded(out, part, lambda j: positions[j])
+    return [(layer, positions[j]) for layer, j in part]
+
+
+def decoder_dtype(tail: Tail) -> torch.dtype:
+    """The dtype the tail computes in."""
+    return next(tail.model.parameters()).dtype
+
+
+def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
+    """Rows of the model's output: the head's, else the logits the file holds."""
+    get_head: Any = getattr(tail.model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    if own is not None:
+        return int(own.shape[-1])
+    config: Any = getattr(tail.model, "config", None)
+    return int(config.vocab_size)
+
+
+def _rows(file: StatesFile, layer: int, positions: list[int]) -> torch.Tensor:
+    """One layer's states at `positions`, refused when one is not finite (NaN: not decodable)."""
+    import torch
+
+    rows = file.rows(layer, positions)
+    bad = ~torch.isfinite(rows.float()).all(-1)
+    if bool(bad.any()):
+        p = positions[int(bad.nonzero()[0, 0])]
+        what = "NaN" if bool(torch.isnan(rows[bad]).any()) else "infinite"
+        raise NumericError(
+            f"'{file.path.name}' holds a {what} state at layer {layer}, position {p}: it cannot "
+            "be decoded"
+        )
+    return rows
+
+
+def _reduce(
+    where: list[tuple[int, int]],
+    logits: torch.Tensor,
+    ask: options.Ask,
+    index: int,
+    real_vocab: int,
+    target: int | None,
+) -> dict[tuple[int, int], Any]:
+    """Each (layer, position) row reduced as the engine reduces it: to its top-k and target at
+    the position read, to its top-1 elsewhere (a grid's cells)."""
+    from embedlens.analysis.lens.ranking import exact_top1, exact_tops
+
+    vocab = min(real_vocab, int(logits.shape[-1]))
+    full = [i for i, (_, p) in enumerate(where) if p == index]
+    if len(full) == len(where):
+        return dict(zip(where, exact_tops(logits, ask.top_k, vocab, target), strict=True))
+    out: dict[tuple[int, int], Any] = dict(zip(where, exact_top1(logits, vocab), strict=True))
+    if full:
+        tops = exact_tops(logits[full], ask.top_k, vocab, target)
+        out.update(zip([where[i] for i in full], tops, strict=True))
+    return out
+
+
+def _check(
+    file: StatesFile,
+    decoder: Decoder,
+    own: torch.Tensor | None,
+    n_layers: int,
+    last: int,
+    tol: float,
+) -> Check:
+    """The decoding of the last layer at the last position against the model's own logits when
+    the file holds both; else a check not made (NaN)."""
+    from embedlens.analysis.lens.engine import Check
+
+    if own is None or n_layers not in file.layers:
+        return Check(math.nan, tol, False, None)
+    mine = decoder.logits(file.rows(n_layers, [last]), [n_layers]).float()[0]
+    diff = float((mine - own).abs().max())
+    agrees = bool(mine.argmax() == own.argmax())
+    suspect = None
+    if not diff <= tol:
+        suspect = "the decoding of the last block's output (the file's states and logits differ)"
+    return Check(diff, tol, agrees, suspect)
+
+
+def why_not_checked(file: StatesFile, n_layers: int) -> str | None:
+    """Why the self-check could not be made (None when it was)."""
+    if not file.has_logits:
+        return (
+            "not made: the file holds no logits of the model to compare with (vLLM's hidden "
+            "states carry none), so nothing here shows that the decoding reproduces the model"
+        )
+    if n_layers not in file.layers:
+        return f"not made: the file lacks the last layer ({n_layers}) to decode"
+    return None
+
+
+def _states_report(
+    report: Any, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
+) -> StatesLensReport:
+    """The lens report with where its states came from and what the check did."""
+    import dataclasses
+
+    from embedlens.reports.states import StatesLensReport, StatesSource
+
+    n_layers = len(tail.blocks.modules)
+    why = why_not_checked(file, n_layers)
+    if why is None:
+        said = (
+            f"made: block {n_layers}'s output decoded at the last position against the model's "
+            f"own logits the file holds (max |Δ| = {check.max_abs_logit_diff:.2g})"
+        )
+    else:
+        said = why
+    source = StatesSource(
+        file=str(file.path),
+        layout=file.layout,
+        layers=list(file.layers),
+        dtype=file.dtype,
+        checked=why is None,
+        check=said,
+        tensors_read=list(tail.read),
+        metadata=dict(file.metadata),
+    )
+    values = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    return StatesLensReport(**values, tuned=tuned, states=source)

@@ -1,0 +1,220 @@
+"""Files of hidden states: vLLM's, and embedlens' own, read lazily by layer and position.
+
+Both are safetensors files holding `token_ids` [T] and `hidden_states` [T, N, H]: the residual
+stream at N layers for each of the T tokens. vLLM's hidden-states connector (the
+`extract_hidden_states` method) writes exactly these two tensors and nothing else: which layers
+they are is the engine's `eagle_aux_hidden_state_layer_ids`, given here by `--state-layers`. Its
+layer i is the input of block i, the sum vLLM keeps as `hidden_states + residual`: embedlens'
+layer i (0 = the embedding output, i the output of block i). embedlens' own file (`lens
+--save-states`) states its layers (0..L, every one) in its metadata, with the model, revision,
+dtype and prompt, and the model's own logits at the last position (`logits` [V], float32): the
+decoding of the last layer is checked against them.
+
+The file is memory-mapped: only the rows read are copied, so a file larger than memory works.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from embedlens.errors import CheckpointError, EmbedlensError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "embedlens-states"
+FORMAT_VERSION = "1"
+LAYER_0 = "the embedding output (the first block's input); layer i is block i's output"
+_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_INTS = {"I64", "I32", "I16", "U32", "U16", "I8", "U8", "U64"}
+
+
+@dataclass(frozen=True)
+class StatesFile:
+    """A states file, its header checked: what it holds and where, nothing read yet."""
+
+    path: Path
+    layout: str
+    """'embedlens' (its metadata states the layers) or 'vllm' (layers from --state-layers)."""
+    n_tokens: int
+    layers: list[int]
+    """The layer of each index along the file's second axis (0 = the embedding output)."""
+    hidden_size: int
+    dtype: str
+    """The states' dtype as stored ('bfloat16')."""
+    metadata: dict[str, str]
+    has_logits: bool
+
+    def token_ids(self) -> list[int]:
+        """The ids the states were computed on."""
+        return [int(i) for i in self._tensor("token_ids").tolist()]
+
+    def rows(self, layer: int, positions: list[int]) -> torch.Tensor:
+        """The states of one layer at `positions`: [P, H], as stored (only these rows read)."""
+        import torch
+
+        index = self.layers.index(layer)
+        with _opened(self.path) as handle:
+            part = handle.get_slice("hidden_states")
+            if positions == list(range(self.n_tokens)):
+                return part[:, index]  # type: ignore[no-any-return]
+            return torch.stack([part[p, index] for p in positions])
+
+    def logits(self) -> torch.Tensor | None:
+        """The model's own logits at the last position (embedlens' file), float32 [V]."""
+        return self._tensor("logits").float() if self.has_logits else None
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        with _opened(self.path) as handle:
+            value: torch.Tensor = handle.get_slice(name)[...]
+        return value
+
+
+def open_states(path: str | os.PathLike[str], state_layers: str | None) -> StatesFile:
+    """The file's header read and checked (CheckpointError: truncated, corrupt, not a states
+    file); its layers from its metadata or `state_layers` ('1,2,3,4' or '1:5')."""
+    from embedlens.io.checkpoint import read_safetensors_header
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--states '{file}' is not a file")
+    header = read_safetensors_header(file)
+    tensors = header.tensors
+    name = file.name
+    hidden = tensors.get("hidden_states")
+    ids = tensors.get("token_ids")
+    if hidden is None or ids is None:
+        raise CheckpointError(
+            f"'{name}' is no file of hidden states: it lacks "
+            + " and ".join(n for n in ("token_ids", "hidden_states") if n not in tensors),
+            hint="give a file vLLM's hidden-states connector or `lens --save-states` wrote",
+        )
+    if len(hidden.shape) != 3 or hidden.dtype not in _FLOATS:
+        raise CheckpointError(
+            f"'{name}': hidden_states is {hidden.dtype} {list(hidden.shape)}; a states file holds "
+            "floats [tokens, layers, hidden size]"
+        )
+    n_tokens, n_layers, size = hidden.shape
+    if len(ids.shape) != 1 or ids.dtype not in _INTS or ids.shape[0] != n_tokens or not n_tokens:
+        raise CheckpointError(
+            f"'{name}': token_ids is {ids.dtype} {list(ids.shape)}, which does not match "
+            f"hidden_states' {n_tokens} tokens"
+        )
+    layers, layout = _layers(name, header.metadata, state_layers, n_layers)
+    logits = tensors.get("logits")
+    has_logits = logits is not None and len(logits.shape) == 1 and logits.dtype in _FLOATS
+    return StatesFile(
+        path=file,
+        layout=layout,
+        n_tokens=n_tokens,
+        layers=layers,
+        hidden_size=size,
+        dtype=_FLOATS[hidden.dtype],
+        metadata=header.metadata,
+        has_logits=has_logits,
+    )
+
+
+def _layers(
+    name: str, metadata: dict[str, str], state_layers: str | None, n_layers: int
+) -> tuple[list[int], str]:
+    """The layer of each index along the second axis, and the file's layout."""
+    own = metadata.get("format") == FORMAT
+    if own and state_layers is not None:
+        raise UsageError(
+            f"'{name}' states its layers ({metadata.get('layers')}): --state-layers applies to "
+            "files that do not (vLLM's)"
+        )
+    if not own and state_layers is None:
+        raise UsageError(
+            f"'{name}' does not say which layers its {n_layers} states are",
+            hint="give them with --state-layers, e.g. the eagle_aux_hidden_state_layer_ids "
+            "vLLM was given (layer i: the input of block i; 0 the embedding output)",
+        )
+    spec = metadata.get("layers", "") if own else str(state_layers)
+    layers = _parse_layers(spec, name if own else "--state-layers")
+    if len(layers) != n_layers:
+        raise UsageError(
+            f"{'the metadata of ' + repr(name) if own else '--state-layers'} names "
+            f"{len(layers)} layers, but its hidden_states hold {n_layers}"
+        )
+    return layers, "embedlens" if own else "vllm"
+
+
+def _parse_layers(spec: str, what: str) -> list[int]:
+    """'1,2,3' or '0:31' (stop exclusive) -> layer numbers, each once, none negative."""
+    out: list[int] = []
+    try:
+        for part in spec.split(","):
+            if ":" in part:
+                start, _, stop = part.partition(":")
+                out.extend(range(int(start), int(stop)))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise UsageError(
+            f"{what}: '{spec}' is not a list of layers such as 1,2,3,4 or 0:31"
+        ) from None
+    if not out or len(set(out)) != len(out) or min(out) < 0:
+        raise UsageError(f"{what}: '{spec}' must name each layer once, none negative")
+    return out
+
+
+class _opened:
+    """safe_open as a context whose failures (a file changed since its header was read) are
+    one CheckpointError."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handle: Any = None
+
+    def __enter__(self) -> Any:
+        from safetensors import safe_open
+
+        try:
+            self.handle = safe_open(str(self.path), framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointError(f"cannot read '{self.path.name}': {e}") from e
+        return self.handle.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.__exit__(*exc)
+
+
+def save_states(
+    path: str | os.PathLike[str],
+    residual: torch.Tensor,
+    ids: list[int],
+    logits: torch.Tensor | None,
+    about: dict[str, str],
+) -> None:
+    """Write embedlens' states file: `residual` [T, L+1, H] (layer 0 the embedding output),
+    the ids, the model's logits at the last position, and `about` (model, revision, dtype,
+    prompt) with the layers in the metadata."""
+    import torch
+    from safetensors.torch import save_file
+
+    n_layers = int(residual.shape[1])
+    tensors = {
+        "token_ids": torch.tensor(ids, dtype=torch.int64),
+        "hidden_states": residual.contiguous(),
+    }
+    if logits is not None:
+        tensors["logits"] = logits.detach().float().cpu().contiguous()
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "layers": f"0:{n_layers}",
+        "layer_0": LAYER_0,
+        "dtype": str(residual.dtype).removeprefix("torch."),
+        **about,
+    }
+    if logits is not None:
+        metadata["logits"] = "the model's own logits at the last position, float32"
+    try:
+        save_file(tensors, os.fspath(path), metadata=metadata)
+    except OSError as e:
+        raise EmbedlensError(f"cannot write the states to '{path}': {e.strerror or e}") from e

@@ -1,0 +1,226 @@
+"""The model's tail without its blocks: what decoding a saved hidden state needs, and no more.
+
+The model is built from its config on the meta device, every tensor then stands as a zero that
+takes no memory (a scalar expanded to the tensor's shape), and the modules that run after the last
+block (found by running the tail once on such a model: a final norm, OPT's project_out, the head)
+get their tensors read from the checkpoint, each alone. `ModelDecoder` then runs on it as on the
+whole model: the model's forward on a dummy token, the block list cut to its last block, whose
+output is replaced by the state to decode; the embedding and the last block compute on zeros, and
+whatever the model does after its blocks (soft-capping, logit scales, code that is no module) runs
+as the model wrote it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from embedlens.analysis.lens.blocks import Blocks, find_blocks
+from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from embedlens.io.source import ModelSource
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The model with only the tensors after its last block read; the rest zeros in no memory."""
+
+    model: nn.Module
+    blocks: Blocks
+    modules: list[str]
+    """The modules that run after the last block, outermost, in order."""
+    read: list[str]
+    """The checkpoint tensors read (their names in the file), in order."""
+
+
+def open_tail(source: ModelSource, dtype: torch.dtype, *, trust_remote_code: bool) -> Tail:
+    """The model of `source` built without weights, the tensors after its last block read."""
+    from embedlens.model.loading import build_meta_model
+
+    model = build_meta_model(source, trust_remote_code=trust_remote_code)
+    model.to(dtype)
+    names = _aliases(model)
+    _zeros(model)
+    model.eval()
+    blocks = find_blocks(model)
+    hidden = _hidden_size(model)
+    with torch.inference_mode():
+        after = _after_last_block(model, blocks, hidden, dtype)
+    wanted = _tensors_of(model, after)
+    read = _read(source, model, wanted, names, dtype)
+    return Tail(model, blocks, after, read)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every tensor name -> all the names of the same tensor (a tied head: the embedding's)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(b), []).append(name)
+    return {name: group for group in groups.values() for name in group}
+
+
+def _zeros(model: nn.Module, *, in_memory: bool = False) -> None:
+    """Every parameter and buffer a zero of its shape and dtype that takes no memory (with
+    `in_memory`: zeros in memory)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(_zero(p, in_memory), requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = _zero(b, in_memory)
+
+
+def _zero(t: torch.Tensor, in_memory: bool = False) -> torch.Tensor:
+    if in_memory:
+        return torch.zeros(t.shape, dtype=t.dtype)
+    return torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether a tensor of the tail is one of its zeros (not read from the checkpoint)."""
+    return t.dim() > 0 and all(s == 0 for s in t.stride())
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "hidden_size", None)
+    if not isinstance(size, int):
+        raise UnsupportedError("the model's config gives no hidden_size")
+    return size
+
+
+def _after_last_block(
+    model: nn.Module, blocks: Blocks, hidden: int, dtype: torch.dtype
+) -> list[str]:
+    """The modules (outermost) that run after the last block, found on one zero state."""
+    row = torch.zeros(hidden, dtype=dtype)
+    try:
+        probe = ModelDecoder(model, blocks, dummy_id=0)._probe(row)  # the engine's discovery
+    except UnsupportedError:
+        raise
+    except Exception:
+        # a kernel that refuses an expanded zero (grouped experts): the last block's tensors as
+        # zeros in memory (that block alone), and once more
+        _zeros(blocks.modules[-1], in_memory=True)
+        try:
+            probe = ModelDecoder(model, blocks, dummy_id=0)._probe(row)
+        except UnsupportedError:
+            raise
+        except Exception as e:
+            raise UnsupportedError(
+                f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: {e})"
+            ) from e
+    return list(probe.steps)
+
+
+def _tensors_of(model: nn.Module, modules: list[str]) -> list[str]:
+    """The parameters and buffers of `modules`, by their full names, each once."""
+    out: list[str] = []
+    for prefix in modules:
+        module = model.get_submodule(prefix)
+        for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+            full = f"{prefix}.{name}" if prefix else name
+            if full not in out:
+                out.append(full)
+    return out
+
+
+def _read(
+    source: ModelSource,
+    model: nn.Module,
+    wanted: list[str],
+    names: dict[str, list[str]],
+    dtype: torch.dtype,
+) -> list[str]:
+    """Read each wanted tensor from the checkpoint into every place it has (a tied head's
+    embedding too); the names read, as the file has them."""
+    read: list[str] = []
+    reader = _reader(source, model)
+    for name in wanted:
+        found = next((a for a in names.get(name, [name]) if a in reader.places), None)
+        if found is None:
+            raise UnsupportedError(
+                f"'{name}' runs after the last block but the checkpoint of '{source.spec}' does "
+                "not hold it: the states cannot be decoded without the model's blocks",
+            )
+        current = model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
+        value = reader.read(found, current.dtype if not current.is_floating_point() else dtype)
+        if tuple(value.shape) != tuple(current.shape):
+            raise UnsupportedError(
+                f"'{reader.places[found]}' has shape {tuple(value.shape)}, the model's "
+                f"'{name}' {tuple(current.shape)}"
+            )
+        shared = nn.Parameter(value, requires_grad=False) if _is_param(model, name) else value
+        for alias in names.get(name, [name]):  # one tensor in every place, as tied
+            _put(model, alias, shared)
+        read.append(reader.places[found])
+    return read
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(owner)._parameters
+
+
+def _put(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if attr in module._parameters:
+        assert isinstance(value, nn.Parameter)
+        module._parameters[attr] = value
+    else:
+        module._buffers[attr] = value
+
+
+class _Reader:
+    """One checkpoint's tensors by model name: `places` (model name -> name in the file) and
+    `read` (one tensor, alone)."""
+
+    def __init__(self, places: dict[str, str], read: Any) -> None:
+        self.places = places
+        self._read = read
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        value: torch.Tensor = self._read(name, dtype)
+        return value
+
+
+def _reader(source: ModelSource, model: nn.Module) -> _Reader:
+    """How the tail's tensors are read: a GGUF file's, or a safetensors folder's."""
+    from embedlens.compat.transformers import tail_tensors
+
+    if source.is_gguf:
+        assert source.path is not None
+        gguf = tail_tensors.GGUFTensors(source.path, model)
+        return _Reader(gguf.places(), gguf.read)
+    files = _safetensors(source)
+    places = tail_tensors.folder_places(model, files)
+
+    def read(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return tail_tensors.read_folder_tensor(places[name], dtype)
+
+    return _Reader({name: place.key for name, place in places.items()}, read)
+
+
+def _safetensors(source: ModelSource) -> list[Path]:
+    """The folder's safetensors files (one, or the shards of its index)."""
+    from embedlens.compat.transformers.direct import _safetensors_files
+
+    folder = source.folder
+    files = None if folder is None else _safetensors_files(folder)
+    if not files:
+        raise UnsupportedError(
+            f"'{source.spec}' has no safetensors weights on disk: --states reads the final norm "
+            "and the head from a local folder's safetensors or a GGUF file",
+        )
+    return files

@@ -1,0 +1,76 @@
+"""`embedlens lens MODEL --states FILE`: the lens on hidden states a file holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from embedlens.cli._output import note
+from embedlens.cli._run import run_report, say_notes
+from embedlens.errors import UsageError
+
+if TYPE_CHECKING:
+    from embedlens.reports.states import StatesLensReport
+
+
+def run_states(model: str, given: dict[str, Any]) -> None:
+    """`lens` with --states: what does not apply to a states file refused, then the file decoded
+    and the report printed; `given`: every argument of `lens`."""
+    from embedlens.analysis.lens import lens_states
+
+    states: Path | None = given["states"]
+
+    def check() -> None:
+        if states is None:
+            raise UsageError("--state-layers applies with --states FILE")
+        for option, name in _NOT_WITH.items():
+            if given[name] not in (None, False, []):
+                what = "the file holds the ids" if option == "PROMPT" else "not with --states"
+                raise UsageError(f"{option} does not apply to --states ({what})")
+        if given["device"] != "cpu":
+            raise UsageError("--states decodes on the CPU: --device does not apply")
+
+    options = {name: given[name] for name in _TAKEN}
+    run_report(
+        model,
+        lambda: lens_states(model, states or Path(), **options),
+        as_json=given["as_json"], quiet=given["quiet"], debug=given["debug"],
+        device=given["device"], doing="Decoding the states with", check=check, say=_say,
+    )  # fmt: skip
+
+
+_NOT_WITH = {
+    "PROMPT": "prompt",
+    "--prompts": "prompts",
+    "--chat": "chat",
+    "--no-thinking": "no_thinking",
+    "--template-arg": "template_arg",
+    "--chat-template": "chat_template",
+    "--against": "against",
+    "--device-map": "device_map",
+    "--save-states": "save_states",
+    "--plot": "plot",
+    "--compare-logit": "compare_logit",
+}
+"""What a states file refuses, by option and `lens`'s argument."""
+_TAKEN = (
+    "state_layers", "layers", "top_k", "position", "target", "revision", "dtype",
+    "trust_remote_code", "tuned",
+)  # fmt: skip
+"""`lens`'s arguments `lens_states` takes, under the same names."""
+
+
+def _say(report: StatesLensReport) -> None:
+    """On stderr: a check that failed or was not made, then the notes."""
+    from embedlens.cli._output import warn
+
+    said = report.states
+    if said is not None and not said.checked:
+        note("note: self-check " + said.check)
+    elif not report.check.ok:
+        c = report.check
+        warn(
+            f"the decoding of the last layer does not reproduce the logits the file holds "
+            f"(max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.3g})"
+        )
+    say_notes(report)

@@ -1,0 +1,113 @@
+"""Where a model's named tensors are stored, and one of them read, as transformers would load it.
+
+For a decoder without its blocks (`analysis.lens.tail`): the few tensors that run after the last
+block are found in the checkpoint by the names transformers' own loader gives them (its renaming
+rules for a safetensors folder, `direct._plan`; its GGUF name map and tensor processors for a
+GGUF file), and read alone, each from its memory-mapped bytes. Where the shortcuts' gate is
+closed (another release), a folder's tensors are found by their model names as they are.
+
+Nothing here imports torch or transformers at module level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from embedlens.compat.transformers import fast
+from embedlens.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One model tensor's place in the checkpoint: its file and its name there."""
+
+    path: Path
+    key: str
+
+
+def folder_places(model: Any, files: list[Path]) -> dict[str, Stored]:
+    """Model tensor name -> where a safetensors checkpoint holds it (headers read, no data)."""
+    from safetensors import safe_open
+
+    if fast():
+        from embedlens.compat.transformers.direct import _plan
+
+        try:
+            plan = _plan(model, files)
+        except Exception:  # a release whose renaming rules read otherwise: names as they are
+            plan = None
+        if plan is not None:
+            return {target: Stored(path, key) for target, (path, key) in plan.targets.items()}
+    places: dict[str, Stored] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                places.setdefault(key, Stored(path, key))
+    return places
+
+
+def read_folder_tensor(place: Stored, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of a safetensors file, read alone and converted to `dtype`."""
+    from safetensors import safe_open
+
+    with safe_open(str(place.path), framework="pt", device="cpu") as handle:
+        value: torch.Tensor = handle.get_slice(place.key)[...]
+    return value.to(dtype=dtype)
+
+
+class GGUFTensors:
+    """A GGUF file's tensors by the model names transformers gives them, read one at a time
+    (dequantised and processed as transformers' GGUF loader does)."""
+
+    def __init__(self, path: Path, model: Any) -> None:
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        self.path = path
+        self.reader = GGUFReader(str(path))
+        arch_field = self.reader.fields.get("general.architecture")
+        arch = "" if arch_field is None else bytes(arch_field.parts[-1]).decode("utf-8")
+        self.config = model.config.to_dict()
+        processor: Any = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+        self.processor = processor(config=self.config)
+        try:
+            to_model = get_gguf_hf_weights_map(model, self.processor)
+        except Exception as e:
+            raise UnsupportedError(
+                f"cannot map the tensors of '{path.name}' to the model's names: {e}"
+            ) from e
+        self.mapping = to_model
+        stored = {t.name: t for t in self.reader.tensors}
+        self.by_model = {hf: g for g, hf in to_model.items() if g in stored}
+        self._stored = stored
+
+    def places(self) -> dict[str, str]:
+        """Model tensor name -> the GGUF tensor's name."""
+        return dict(self.by_model)
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The model tensor `name`, from its GGUF tensor alone, converted to `dtype`."""
+        import numpy as np
+        import torch
+        from gguf import dequantize
+
+        gguf_name = self.by_model[name]
+        tensor = self._stored[gguf_name]
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        parsed: dict[str, Any] = {"config": self.config, "tensors": {}}
+        result = self.processor.process(
+            weights=weights,
+            name=gguf_name,
+            tensor_key_mapping=self.mapping,
+            parsed_parameters=parsed,
+        )
+        return torch.from_numpy(np.copy(result.weights)).to(dtype=dtype)
