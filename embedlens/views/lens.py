@@ -9,6 +9,7 @@ from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensReport, Prediction
+from embedlens.reports.states import StatesSource
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 
 NEXT_SHOWN = 100
@@ -98,8 +99,6 @@ def _render_grid(r: LensReport) -> Sheet:
 def _render_check(r: LensReport) -> Text:
     states = getattr(r, "states", None)
     if states is not None:  # lens --states: the check against the file, or why none was made
-        from embedlens.views.states import render_states_check
-
         return render_states_check(r, states)
     c = r.check
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
@@ -124,3 +123,27 @@ def _render_check(r: LensReport) -> Text:
 
 
 register_view(LensReport, render)
+
+
+def render_states_check(r: LensReport, states: StatesSource) -> Text:
+    """The self-check line of a states report, with the file and what was read of the model."""
+    steps = " → ".join(["block " + str(r.num_layers), *r.steps])
+    held = ", ".join(str(layer) for layer in states.layers)
+    read = ", ".join(states.tensors_read) or "nothing"
+    where = (
+        f"States: '{states.file}' ({states.layout}'s layout, {states.dtype}, layers {held}); "
+        f"read of the model: {read}. Decode: {steps}."
+    )
+    c = r.check
+    if not states.checked:
+        line = Text("? ", style="yellow")
+        line.append_text(shown(f"self-check {states.check}. {where}"))
+    elif c.ok:
+        line = Text("✓ ", style="green")
+        line.append_text(shown(f"self-check {states.check}. {where}"))
+    else:
+        line = Text("✗ NOT FAITHFUL ", style="bold red")
+        line.append_text(
+            shown(f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}. {where}")
+        )
+    return line

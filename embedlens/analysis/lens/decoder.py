@@ -128,7 +128,7 @@ class ModelDecoder:
         """The modules that run after the last block, then a post-head step if the model has
         one; found on one row, the first time only."""
         if self._found is None:
-            probe = self._probe(row)
+            probe = self.probe(row)
             steps = list(probe.steps)
             if probe.head_out is not None and probe.logits is not None:
                 post = post_head_step(probe.head_out.float(), probe.logits, tol)
@@ -137,7 +137,7 @@ class ModelDecoder:
             self._found = steps, probe
         return self._found[0]
 
-    def _probe(self, row: torch.Tensor) -> Capture:
+    def probe(self, row: torch.Tensor) -> Capture:
         """Run the tail on one row, noting the modules that run after the last block (outermost
         only), with the head's input and output for that row."""
         model = self.model

@@ -105,7 +105,7 @@ def _after_last_block(
     """The modules (outermost) that run after the last block, found on one zero state."""
     row = torch.zeros(hidden, dtype=dtype)
     try:
-        probe = ModelDecoder(model, blocks, dummy_id=0)._probe(row)  # the engine's discovery
+        probe = ModelDecoder(model, blocks, dummy_id=0).probe(row)  # the engine's discovery
     except UnsupportedError:
         raise
     except Exception:
@@ -113,7 +113,7 @@ def _after_last_block(
         # zeros in memory (that block alone), and once more
         _zeros(blocks.modules[-1], in_memory=True)
         try:
-            probe = ModelDecoder(model, blocks, dummy_id=0)._probe(row)
+            probe = ModelDecoder(model, blocks, dummy_id=0).probe(row)
         except UnsupportedError:
             raise
         except Exception as e:
@@ -214,10 +214,10 @@ def _reader(source: ModelSource, model: nn.Module) -> _Reader:
 
 def _safetensors(source: ModelSource) -> list[Path]:
     """The folder's safetensors files (one, or the shards of its index)."""
-    from embedlens.compat.transformers.direct import _safetensors_files
+    from embedlens.compat.transformers.direct import safetensors_files
 
     folder = source.folder
-    files = None if folder is None else _safetensors_files(folder)
+    files = None if folder is None else safetensors_files(folder)
     if not files:
         raise UnsupportedError(
             f"'{source.spec}' has no safetensors weights on disk: --states reads the final norm "

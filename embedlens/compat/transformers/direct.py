@@ -147,7 +147,7 @@ def weight_files(folder: Path, config: Any) -> list[Path] | None:
         return None
     if getattr(config, "transformers_weights", None) or type(config).extra_files:
         return None
-    return _safetensors_files(folder)
+    return safetensors_files(folder)
 
 
 def early_files(folder: Path | None, trust_remote_code: bool) -> list[Path] | None:
@@ -164,10 +164,10 @@ def early_files(folder: Path | None, trust_remote_code: bool) -> list[Path] | No
         return None
     if trust_remote_code and raw.get("auto_map"):
         return None
-    return _safetensors_files(folder)
+    return safetensors_files(folder)
 
 
-def _safetensors_files(folder: Path) -> list[Path] | None:
+def safetensors_files(folder: Path) -> list[Path] | None:
     """The folder's one safetensors file, or the shards its index names; None otherwise."""
     if (folder / WEIGHTS).is_file():
         return [folder / WEIGHTS]
@@ -208,7 +208,7 @@ def load_float32(
     model, dtype = _built(model_class, config, where)
     if model._get_dtype_plan(dtype):
         return None
-    plan = _plan(model, files)
+    plan = plan_targets(model, files)
     if plan is None:
         return None
     info = _assign(model, plan, dtype, early)
@@ -232,7 +232,7 @@ def _built(model_class: Any, config: Any, where: str) -> tuple[Any, Any]:
     return model, dtype
 
 
-class _Plan:
+class Plan:
     """Which checkpoint tensor goes to which model tensor, and what the checkpoint holds beyond."""
 
     def __init__(self, conversions: list[Any]) -> None:
@@ -241,7 +241,7 @@ class _Plan:
         self.unexpected: set[str] = set()
 
 
-def _plan(model: Any, files: list[Path]) -> _Plan | None:
+def plan_targets(model: Any, files: list[Path]) -> Plan | None:
     """Each checkpoint tensor's target as transformers renames it; None when a conversion (not
     just a new name) applies, or two tensors go to one place."""
     from safetensors import safe_open
@@ -253,7 +253,7 @@ def _plan(model: Any, files: list[Path]) -> _Plan | None:
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     meta = model.state_dict()
     prefix = model.base_model_prefix
-    plan = _Plan(conversions)
+    plan = Plan(conversions)
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             keys = list(handle.keys())
@@ -270,7 +270,7 @@ def _plan(model: Any, files: list[Path]) -> _Plan | None:
     return plan
 
 
-def _assign(model: Any, plan: _Plan, dtype: Any, early: Prefetch | None) -> Any:
+def _assign(model: Any, plan: Plan, dtype: Any, early: Prefetch | None) -> Any:
     """Read each planned tensor (as float32, or its own dtype for integer buffers) into its
     place, as transformers' set_param_for_module does, taking the copies `early` made; the
     loading info of what was not."""

@@ -2,7 +2,7 @@
 
 For a decoder without its blocks (`analysis.lens.tail`): the few tensors that run after the last
 block are found in the checkpoint by the names transformers' own loader gives them (its renaming
-rules for a safetensors folder, `direct._plan`; its GGUF name map and tensor processors for a
+rules for a safetensors folder, `direct.plan_targets`; its GGUF name map and tensor processors for a
 GGUF file), and read alone, each from its memory-mapped bytes. Where the shortcuts' gate is
 closed (another release), a folder's tensors are found by their model names as they are.
 
@@ -35,10 +35,10 @@ def folder_places(model: Any, files: list[Path]) -> dict[str, Stored]:
     from safetensors import safe_open
 
     if fast():
-        from embedlens.compat.transformers.direct import _plan
+        from embedlens.compat.transformers.direct import plan_targets
 
         try:
-            plan = _plan(model, files)
+            plan = plan_targets(model, files)
         except Exception:  # a release whose renaming rules read otherwise: names as they are
             plan = None
         if plan is not None:
