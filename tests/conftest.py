@@ -157,6 +157,7 @@ _FAITHFUL_MODULES = {
     "test_params.py",  # counts and ties from configs, headers, meta and loaded models
     "test_tied.py",
     "test_tune.py",  # tune and lens --tuned
+    "test_states.py",  # lens --states and --save-states
 }
 """The faithfulness tests: CI runs them again on the lowest releases pyproject.toml admits."""
 _GGUF_READ_BY_TRANSFORMERS = _FAITHFUL_MODULES - {"test_prompt_tokens.py"}
