@@ -1,5 +1,5 @@
 """Every command the CLI has is whole: a library function in `embedlens.__all__`, a working
-`--help`, a `--json` option and a README section. The commands are read from the Typer app, so a
+`--help` that names its docs page, a `--json` option and a page in docs/ that README links to. The commands are read from the Typer app, so a
 command added without one of them fails here."""
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ def problems(name: str, command: Any, *, readme: str = README) -> list[str]:
     options = {opt for param in command.params for opt in getattr(param, "opts", [])}
     if "--json" not in options:
         found.append(f"{name}: no --json option")
-    if not re.search(rf"^## `embedlens {re.escape(name)}`", readme, flags=re.M):
-        found.append(f"{name}: no README section '## `embedlens {name}`'")
+    page = ROOT / "docs" / f"{name}.md"
+    heading = page.is_file() and re.match(
+        rf"# `embedlens {re.escape(name)}`", page.read_text(encoding="utf-8")
+    )
+    if not heading or f"](docs/{name}.md)" not in readme:
+        found.append(f"{name}: no page docs/{name}.md ('# `embedlens {name}`') linked from README")
     return found
 
 
@@ -49,7 +53,7 @@ def test_the_app_has_the_commands_it_is_known_for():
 
 
 @pytest.mark.parametrize("name", sorted(APP_COMMANDS))
-def test_every_command_has_a_function_json_and_a_readme_section(name):
+def test_every_command_has_a_function_json_and_a_docs_page(name):
     assert problems(name, APP_COMMANDS[name]) == []
 
 
@@ -59,6 +63,8 @@ def test_every_command_has_help(name, cli):
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith(f"Usage: embedlens {name} ")
     assert "--json" in result.stdout and "Examples:" in result.stdout
+    assert result.stdout.rstrip().endswith(f"Reference: docs/{name}.md")
+    assert (ROOT / "docs" / f"{name}.md").is_file()
     assert result.stderr == ""
 
 
@@ -71,7 +77,7 @@ def test_every_library_command_is_a_cli_command():
 
 
 def test_a_command_missing_each_part_is_caught():
-    """A command registered without a library function, --json or a README section is named
+    """A command registered without a library function, --json or a docs page is named
     three times: the checks above would fail on it."""
     extra = typer.Typer()
 
@@ -86,5 +92,5 @@ def test_a_command_missing_each_part_is_caught():
     found = problems("bogus", commands(extra)["bogus"])
     assert len(found) == 3, found
     assert problems("params", APP_COMMANDS["params"], readme="") == [
-        "params: no README section '## `embedlens params`'"
+        "params: no page docs/params.md ('# `embedlens params`') linked from README"
     ]

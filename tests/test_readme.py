@@ -1,4 +1,5 @@
-"""README stays true: its SmolLM2 examples print what it shows, its test command is CI's."""
+"""README and docs/ stay true: their SmolLM2 examples print what they show, README's picture is
+what the lens draws, and README's test command is CI's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = {
+    "README.md": README,
+    **{
+        f"docs/{p.name}": p.read_text(encoding="utf-8")
+        for p in sorted((ROOT / "docs").glob("*.md"))
+    },
+}
+"""Every page whose examples the suite runs: README.md, then docs/*.md."""
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The self-check's float32 residue depends on the CPU's kernels (2.7e-05 on one machine, 5.7e-06
 # on another); the line must still be there, with some value under the tolerance.
@@ -84,22 +93,42 @@ def test_same_line_allows_the_last_digit_only():
     assert same_line("max |Δ| = 2.7e-05 ≤ 1e-3", "max |Δ| = 5.7e-06 ≤ 1e-3")
 
 
-def console_examples() -> list[tuple[str, list[str]]]:
-    """(command line, shown output lines) of each README console block run on SmolLM2."""
-    examples = []
-    for block in re.findall(r"```console\n(.*?)```", README, flags=re.S):
+def blocks(kind: str, pages: dict[str, str] = PAGES) -> list[str]:
+    """The ```kind blocks of the pages, in order."""
+    return [b for text in pages.values() for b in re.findall(rf"```{kind}\n(.*?)```", text, re.S)]
+
+
+def shown_lines(lines: list[str]) -> list[str]:
+    """A block's output lines: `...` stands for lines left out (each shown line must still be
+    printed)."""
+    return [ln.rstrip() for ln in lines if ln.strip() != "..."]
+
+
+def console_examples(
+    pages: dict[str, str] = PAGES, *, plots: bool = False
+) -> list[tuple[str, list[str]]]:
+    """(command line, shown output lines) of each console block run on SmolLM2, on any page; a
+    command shown on several pages runs once, for the lines of every block. Commands that need
+    the hub, a GPU or a pipe name no SmolLM2 file or hold a `|`, and are left out, as are those
+    that draw a picture (`--plot`: test_readme_picture_is_what_the_lens_draws runs them) unless
+    `plots`."""
+    examples: dict[str, list[str]] = {}
+    for block in blocks("console", pages):
         lines = block.splitlines()
+        command = lines[0][2:]
         if not lines[0].startswith("$ embedlens ") or "|" in lines[0] or SMOLLM2 not in lines[0]:
             continue
-        examples.append((lines[0][2:], [ln.rstrip() for ln in lines[1:] if ln.strip() != "..."]))
-    return examples
+        if ("--plot" in command) != plots:
+            continue
+        examples.setdefault(command, []).extend(shown_lines(lines[1:]))
+    return list(examples.items())
 
 
 def readme_builds() -> dict[str, tuple[str, list[str]]]:
-    """Files README's console blocks make with a script of this repository (`$ python bench/...
+    """Files the pages' console blocks make with a script of this repository (`$ python bench/...
     IN OUT ...`): OUT -> (the command, the output shown)."""
     builds = {}
-    for block in re.findall(r"```console\n(.*?)```", README, flags=re.S):
+    for block in blocks("console"):
         lines = block.splitlines()
         if lines[0].startswith("$ python bench/"):
             builds[shlex.split(lines[0])[4]] = (lines[0][2:], [ln.rstrip() for ln in lines[1:]])
@@ -142,7 +171,9 @@ def run_example(
         if name in command:
             assert files is not None, f"{command} needs {name}"
             (folder / name).symlink_to(files(name))
-    for block in re.findall(r"```jsonl\n(.*?)```", README, flags=re.S):  # the prompts file shown
+    shown = set(blocks("jsonl"))  # the prompts file shown
+    assert len(shown) <= 1, "the pages show more than one facts.jsonl"
+    for block in shown:
         (folder / "facts.jsonl").write_text(block, encoding="utf-8")
     argv = shlex.split(command)
     code = "import sys; from embedlens.cli import main; sys.argv = sys.argv[1:]; main()"
@@ -181,8 +212,33 @@ def test_readme_lens_examples_hold_with_avx2_kernels(
 
 
 def test_readme_examples_were_found():
-    commands = [c.split()[1] for c, _ in console_examples()]
-    assert {"params", "tied", "neighbors", "addr", "lens", "vocab"} <= set(commands)
+    """README's tour runs every command but `tune` (minutes: a ```text block); so do the pages."""
+    wanted = {"params", "tied", "neighbors", "addr", "lens", "vocab"}
+    assert wanted <= {c.split()[1] for c, _ in console_examples({"README.md": README})}
+    for name in wanted:
+        page = {name: PAGES[f"docs/{name}.md"]}
+        assert any(c.split()[1] == name for c, _ in console_examples(page)), name
+    assert "$ embedlens tune SmolLM2" in README
+
+
+def test_console_examples_merge_and_skip():
+    pages = {
+        "a": "```console\n$ embedlens x SmolLM2-135M-Instruct.Q4_1.gguf\nA\n...\nB\n```\n",
+        "b": "```console\n$ embedlens x SmolLM2-135M-Instruct.Q4_1.gguf\nC\n```\n"
+        "```console\n$ embedlens y Qwen/Qwen3-0.6B\nD\n```\n"
+        "```console\n$ embedlens z SmolLM2-135M-Instruct.Q4_1.gguf --plot p.png\nE\n```\n",
+    }
+    assert console_examples(pages) == [("embedlens x SmolLM2-135M-Instruct.Q4_1.gguf", list("ABC"))]
+    plots = console_examples(pages, plots=True)
+    assert plots == [("embedlens z SmolLM2-135M-Instruct.Q4_1.gguf --plot p.png", ["E"])]
+
+
+def test_readme_is_a_front_door():
+    """Under 300 lines, with no dated measurement notes or load figures (docs/ and bench/ hold
+    those)."""
+    assert len(README.splitlines()) <= 300
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", README)
+    assert "load average" not in README and not re.search(r"\bload \d", README)
 
 
 def _readme_commands():
@@ -215,9 +271,9 @@ def test_readme_commands_refuses_a_readme_without_them():
 
 
 def readme_writes() -> dict[str, str]:
-    """README's ```bash lines that write a file (`... > NAME`): command -> NAME."""
+    """The pages' ```bash lines that write a file (`... > NAME`): command -> NAME."""
     found = {}
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    for block in blocks("bash"):
         for line in block.splitlines():
             written = re.search(r" > ([\w.-]+)$", line)
             if written:
@@ -225,9 +281,9 @@ def readme_writes() -> dict[str, str]:
     return found
 
 
-def python_examples() -> list[str]:
-    """README's ```python blocks (run on SmolLM2 in a folder that holds it)."""
-    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+def python_examples(pages: dict[str, str] = PAGES) -> list[str]:
+    """The pages' ```python blocks (run on SmolLM2 in a folder that holds it)."""
+    return blocks("python", pages)
 
 
 @pytest.mark.slow
@@ -255,6 +311,71 @@ def test_readme_python_example_gives_what_it_shows(block, smollm2, tmp_path, mon
 
 
 def test_readme_has_python_examples_for_every_command():
-    text = "".join(python_examples())
-    for name in ("params", "tied", "neighbors", "addr", "lens"):
-        assert f"embedlens.{name}(" in text
+    for pages in ({"README.md": README}, {"python": PAGES["docs/python.md"]}):
+        text = "".join(python_examples(pages))
+        for name in ("params", "tied", "neighbors", "addr", "lens", "vocab"):
+            assert f"embedlens.{name}(" in text, name
+
+
+def pictures() -> list[tuple[str, list[str], Path]]:
+    """(command, shown lines, the committed picture) of each README console block that draws
+    `--plot NAME.png` where README shows docs/img/NAME.png."""
+    found = []
+    for command, shown in console_examples({"README.md": README}, plots=True):
+        name = re.search(r"--plot (\S+\.png)", command)
+        assert name and f"](docs/img/{name.group(1)})" in README, command
+        found.append((command, shown, ROOT / "docs" / "img" / name.group(1)))
+    return found
+
+
+def picture_difference(a: Path, b: Path) -> tuple[float, float]:
+    """(mean, largest) absolute difference between two PNGs' colours averaged over 16 x 16 pixel
+    tiles (0 to 1): a cell's colour shows whole, while text drawn a pixel or two elsewhere by
+    another matplotlib or FreeType (the whole image moved 2 pixels: 0.12 at most) averages out."""
+    import matplotlib.image
+    import numpy as np
+
+    tiles = []
+    for path in (a, b):
+        pixels = matplotlib.image.imread(path)[..., :3]
+        h, w = pixels.shape[0] // 16 * 16, pixels.shape[1] // 16 * 16
+        tiles.append(pixels[:h, :w].reshape(h // 16, 16, w // 16, 16, 3).mean(axis=(1, 3)))
+    assert tiles[0].shape == tiles[1].shape, "the pictures differ in size"
+    diff = np.abs(tiles[0] - tiles[1])
+    return float(diff.mean()), float(diff.max())
+
+
+PICTURE_TOLERANCE = (0.02, 0.25)
+"""(mean, largest) tile difference allowed between README's picture and the one drawn here."""
+
+
+def test_picture_difference_tells_pictures_apart(tmp_path):
+    """A cell recoloured, or the picture mirrored, is outside the tolerance; the same is 0."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    (_, _, committed), *_ = pictures()
+    assert picture_difference(committed, committed) == (0.0, 0.0)
+    pixels = matplotlib.image.imread(committed)
+    changed = pixels.copy()
+    changed[130:170, 850:930, :3] = changed[130:170, 850:930, :3] * 0.5 + 0.5
+    matplotlib.image.imsave(tmp_path / "cell.png", changed)
+    matplotlib.image.imsave(tmp_path / "mirror.png", pixels[:, ::-1])
+    for other in ("cell.png", "mirror.png"):
+        mean, largest = picture_difference(committed, tmp_path / other)
+        assert mean > PICTURE_TOLERANCE[0] or largest > PICTURE_TOLERANCE[1], other
+
+
+def test_readme_has_a_picture():
+    assert len(pictures()) == 1
+
+
+@pytest.mark.parametrize("command, shown, committed", pictures(), ids=lambda x: str(x)[:60])
+def test_readme_picture_is_what_the_lens_draws(command, shown, committed, smollm2, tmp_path):
+    """The lens draws README's picture again, here, within the tolerance (and prints what the
+    block shows)."""
+    pytest.importorskip("matplotlib")
+    assert_shows(shown, run_example(command, smollm2, tmp_path))
+    drawn = tmp_path / committed.name
+    mean, largest = picture_difference(committed, drawn)
+    assert mean <= PICTURE_TOLERANCE[0] and largest <= PICTURE_TOLERANCE[1], (mean, largest)

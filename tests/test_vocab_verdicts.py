@@ -63,8 +63,8 @@ def test_check_exits_0_when_nothing_is_found(cli, tiny):
 
 
 def test_check_is_documented():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert "| 3 | `vocab --check`" in readme
+    errors = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text()
+    assert "| 3 | `vocab --check`" in errors
 
 
 # --- unrelated vocabularies -----------------------------------------------------------------

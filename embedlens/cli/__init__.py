@@ -139,13 +139,20 @@ def _root(
     """Open up both ends of a causal LM: the embedding table, the LM head, the logit lens."""
 
 
-app.command(cls=_Command, epilog=_params.EXAMPLES)(_params.params)
-app.command(cls=_Command, epilog=_tied.EXAMPLES)(_tied.tied)
-app.command(cls=_Command, epilog=_lens.EXAMPLES)(_lens.lens)
-app.command(cls=_Command, epilog=_neighbors.EXAMPLES)(_neighbors.neighbors)
-app.command(cls=_Command, epilog=_addr.EXAMPLES)(_addr.addr)
-app.command(cls=_Command, epilog=_vocab.EXAMPLES)(_vocab.vocab)
-app.command(cls=_Command, epilog=_tune.EXAMPLES)(_tune.tune)
+def _register(command: Any, examples: str) -> None:
+    """Add a command; its --help ends with its examples, then its page of the manual (docs/ in
+    the source), which holds every option."""
+    epilog = f"{examples}\n\n  Reference: docs/{command.__name__}.md"
+    app.command(cls=_Command, epilog=epilog)(command)
+
+
+_register(_params.params, _params.EXAMPLES)
+_register(_tied.tied, _tied.EXAMPLES)
+_register(_lens.lens, _lens.EXAMPLES)
+_register(_neighbors.neighbors, _neighbors.EXAMPLES)
+_register(_addr.addr, _addr.EXAMPLES)
+_register(_vocab.vocab, _vocab.EXAMPLES)
+_register(_tune.tune, _tune.EXAMPLES)
 
 
 def main() -> None:
