@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from states_big import READ_TAIL_PLAIN, big_paths  # noqa: E402  (bench/ beside this script)
+
 ROOT = HERE.parent
 CACHE = HERE / ".cache"
 CONFIGS = ROOT / "tests" / "configs"
@@ -694,6 +697,8 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
     # SmolLM2's GGUF takes transformers a minute to load: the quick check runs the lens rows on
     # the tiny Qwen3 checkpoint instead.
     lens_model, lens_name = (qwen, "tiny Qwen3 checkpoint") if quick else (smol, "SmolLM2")
+    big, big_states = big_paths(quick, build=False, cache=CACHE, tokenizer=write_word_tokenizer)
+    big_name = "tiny Llama" if quick else "Llama-3-70B shape"
     qwen_folder = "tiny Qwen3 folder" if quick else "Qwen3-0.6B folder"
     rounded = rounded_smollm2(quick, build=False)
     other, pair_name = (qwen, "itself") if rounded is None else (rounded, "its Q8_0 rounding")
@@ -769,6 +774,12 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
              str(states_file(lens_model, quick, build=False)), "--json"],
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
             "the model lens on the same prompt", budget=0.5),
+        # Llama-3-70B's shape, its checkpoint only the norm and the head: no more memory than
+        # holding them (and the imports `lens` needs) plus 10%
+        Row(f"lens --states, peak memory ({big_name}, only the norm and head on disk)",
+            [*el, "lens", str(big), "--states", str(big_states), "--dtype", "bfloat16", "--json"],
+            [sys.executable, "-c", READ_TAIL_PLAIN, str(big)],
+            "reading the norm and the head into memory with safetensors", mem_budget=1.1),
         Row(f"tune, {tune_tokens:,} tokens ({lens_name})",
             [*py(TUNE_INTO), str(CACHE / "tune-out"), str(lens_model), "--data",
              str(CACHE / "tune-text.txt"), "--tokens", str(tune_tokens), "--json", "--quiet"],
@@ -835,6 +846,7 @@ def main() -> None:
         lens_model = qwen_checkpoint(args.quick, build=False) if args.quick else smollm2_path()
         tuned_lens(lens_model, args.quick, build=True)
         states_file(lens_model, args.quick, build=True)
+        big_paths(args.quick, build=True, cache=CACHE, tokenizer=write_word_tokenizer)
         return
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

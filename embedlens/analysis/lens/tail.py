@@ -12,6 +12,8 @@ as the model wrote it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +52,8 @@ def open_tail(source: ModelSource, dtype: torch.dtype, *, trust_remote_code: boo
     model.eval()
     blocks = find_blocks(model)
     hidden = _hidden_size(model)
-    with torch.inference_mode():
+    _skip_block(blocks.modules[-1])
+    with torch.inference_mode(), _head_skipped(model):
         after = _after_last_block(model, blocks, hidden, dtype)
     wanted = _tensors_of(model, after)
     read = _read(source, model, wanted, names, dtype)
@@ -88,6 +91,51 @@ def _zero(t: torch.Tensor, in_memory: bool = False) -> torch.Tensor:
 def is_placeholder(t: torch.Tensor) -> bool:
     """Whether a tensor of the tail is one of its zeros (not read from the checkpoint)."""
     return t.dim() > 0 and all(s == 0 for s in t.stride())
+
+
+def _skip_block(block: nn.Module) -> None:
+    """The last block returns its input unchanged instead of computing on zeros, where its
+    forward says it returns one tensor, the hidden states it takes first: the lens replaces
+    that output whole with the state to decode, so nothing computed from it changes, and the
+    block's weights (zeros that take no memory) are never expanded into memory by its kernels
+    (3 x 470 MB for a Llama-3-70B MLP)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(type(block).forward)
+    except (TypeError, ValueError):
+        return
+    params = list(signature.parameters)
+    if signature.return_annotation is not torch.Tensor or params[1:2] != ["hidden_states"]:
+        return
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs["hidden_states"]
+
+    block.forward = forward  # type: ignore[method-assign]
+
+
+@contextmanager
+def _head_skipped(model: nn.Module) -> Iterator[None]:
+    """While the tail is probed (its outputs are zeros, only which modules run matters): the
+    head, a linear map, returns zeros of its output's shape without expanding its zero weight
+    into memory (the whole head's bytes, 2.1 GB for Llama-3-70B's)."""
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Linear) or not isinstance(weight, torch.Tensor):
+        yield
+        return
+    rows = int(weight.shape[0])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros((*x.shape[:-1], rows))
+
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _hidden_size(model: nn.Module) -> int:
