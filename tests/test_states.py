@@ -218,8 +218,10 @@ def test_files_that_do_not_fit_are_refused_with_one_line(tiny, cli, tmp_path):
     other = cli("lens", tiny("gpt2"), "--states", saved, "--json")
     assert other.exit_code == 0 and json.loads(other.stdout)["check"]["ok"] is False
     assert "does not reproduce the logits the file holds" in other.stderr
-    err = cli.fails("lens", folder, "--prompts", tmp_path / "x", "--save-states", saved, code=2)
-    assert "one prompt" in err
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(PROMPT + "\n", encoding="utf-8")
+    err = cli.fails("lens", folder, "--prompts", prompts, "--save-states", saved, code=2)
+    assert "is a file: with --prompts it names a folder" in err
 
 
 def test_lens_states_takes_paths_and_a_tuned_lens(tiny, tmp_path):

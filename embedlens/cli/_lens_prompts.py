@@ -66,6 +66,8 @@ def run_prompts(
         return
     show.finish(summary, plot)
     emit(summary, as_json=as_json)
+    if options.get("save_states") is not None:
+        note(f"wrote each prompt's states to {options['save_states']} (a file a line)")
 
 
 class _Shown:

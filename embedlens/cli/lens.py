@@ -211,7 +211,8 @@ SaveStatesOpt = Annotated[
         "--save-states",
         metavar="FILE",
         help="Also write every layer's residual stream at every position (and the model's "
-        "logits at the last) to FILE, for --states to decode later.",
+        "logits at the last) to FILE, for --states to decode later; with --prompts FILE is a "
+        "folder, a file a prompt (000001.safetensors for line 1).",
     ),
 ]
 
@@ -293,20 +294,14 @@ def lens(
                 against=against, against_revision=against_revision, threshold=threshold,
                 tuned=tuned)  # fmt: skip
     if prompts is not None or prompt is None:
-        _many_ready(quiet, debug, device, save_states)
-        more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend}
+        common(quiet=quiet, debug=debug, device=device, split=True)
+        more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend,
+                "save_states": save_states}  # fmt: skip
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
                            options={**opts, **more})  # fmt: skip
     work = lambda: run_lens(model, prompt, grid=plot is not None and against is None,  # noqa: E731
                             save_states=save_states, **opts)  # fmt: skip
     _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
-
-
-def _many_ready(quiet: bool, debug: bool, device: str, save_states: Path | None) -> None:
-    """Before --prompts (or no PROMPT): the common options; --save-states refused."""
-    common(quiet=quiet, debug=debug, device=device, split=True)
-    if save_states is not None:
-        raise UsageError("--save-states writes the states of one prompt: give PROMPT alone")
 
 
 def _one(

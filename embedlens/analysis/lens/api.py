@@ -189,6 +189,7 @@ def lens_prompts(
     tuned: str | os.PathLike[str] | None = None,
     compare_logit: bool = False,
     dist_backend: str = "auto",
+    save_states: str | os.PathLike[str] | None = None,
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -206,6 +207,8 @@ def lens_prompts(
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `each` is called on
         rank 0 with every prompt's report in input order, every rank returns the summary.
+    save_states: a folder for each prompt's states (`000001.safetensors` for line 1; under
+        torchrun rank 0 writes them all), for `lens_states`.
     The other options are `lens`'s.
     """
     from embedlens.model.prompts import PromptSource
@@ -215,13 +218,14 @@ def lens_prompts(
     _not_both(tuned, against, compare_logit)
     source = PromptSource.of(prompts)
     session = _joined(dist_backend, device, source, against, device_map)
+    saving = _saving_many(save_states, revision, against, session)
     with nullcontext() if session is None else session.guarded():
         lens_dir = _tuned_folder(tuned)
         loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
         asked = (against, against_tokenizer, against_revision, threshold)
         loading, pair = _models(model, tokenizer, loads, *asked)
         return _many(model, tokenizer, (loading, pair), ask, source, each, lens_dir,
-                     compare_logit, session)  # fmt: skip
+                     compare_logit, session, saving)  # fmt: skip
 
 
 def _many(
@@ -234,6 +238,7 @@ def _many(
     lens_dir: LensFolder | None,
     compare_logit: bool,
     session: Session | None,
+    saving: tuple[str | os.PathLike[str], str | None] | None = None,
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
@@ -255,7 +260,26 @@ def _many(
     with ready(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
         through = _ready(lens_dir, opened)
         run = many.ManyRun(opened, ask, each, through, compare_logit=compare_logit)
+        if saving is not None:
+            from embedlens.analysis.lens.saving import ManySaver
+
+            run.saver = ManySaver(saving[0], opened, saving[1])
         return run.all(source, n_bad, bad, session)
+
+
+def _saving_many(
+    path: str | os.PathLike[str] | None, revision: str | None, against: object, session: object
+) -> tuple[str | os.PathLike[str], str | None] | None:
+    """Where --prompts --save-states writes (a folder, checked now, made by rank 0 alone)."""
+    if path is None:
+        return None
+    if against is not None:
+        raise UsageError("--save-states and --against do not combine: save each model's alone")
+    from embedlens.analysis.lens.saving import states_folder
+
+    if getattr(session, "rank", 0) == 0:
+        states_folder(path)
+    return path, revision
 
 
 def _joined(

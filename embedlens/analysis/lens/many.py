@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.saving import ManySaver
     from embedlens.analysis.tune.use import Through
 
 EachFn = Callable[[LensReport, PromptLine], None]
@@ -204,6 +205,8 @@ class ManyRun:
         if compare_logit and through is not None:
             self.logit = BatchLens(model, layers, 1, len(opened.tokenizer)), LensStats()
         self.split_note: str | None = None
+        self.saver: ManySaver | None = None
+        """With --save-states: each prompt's states written (`saving.ManySaver`)."""
 
     def all(
         self, source: PromptSource, n_bad: int, bad: list[BadLine], session: Session | None = None
@@ -231,6 +234,8 @@ class ManyRun:
         kept: list[tuple[LensReport, PromptLine]] = []
         if each is not None:  # reports are built where `each` is given (on every process)
             self.each = lambda report, line: kept.append((report, line))
+        if self.saver is not None:  # rank 0 writes every rank's states
+            self.saver.distributed = True
         ran = count = 0
         for w, window in enumerate(found):
             session.check()
@@ -239,11 +244,19 @@ class ManyRun:
                 self.run_window(window)
                 ran += 1
             if count % n == 0:
-                _hand_on(session, kept, each)
+                self._hand_on(session, kept, each)
         if count % n:
-            _hand_on(session, kept, each)
+            self._hand_on(session, kept, each)
         self.each = each
         self._merge(session, ran)
+
+    def _hand_on(
+        self, session: Session, kept: list[tuple[LensReport, PromptLine]], each: EachFn | None
+    ) -> None:
+        """A round's reports, and the states saved, handed to rank 0."""
+        _hand_on(session, kept, each)
+        if self.saver is not None:
+            self.saver.hand_on(session)
 
     def _merge(self, session: Session, ran: int) -> None:
         """Every process's statistics summed (in rank order), and the note of who ran what."""
@@ -279,6 +292,8 @@ class ManyRun:
                 self.logit[1].add(out.result, out.kl, out.model_top1)
         for (line, (ask, prompt, _)), out in zip(window, outs, strict=True):
             self.stats.add(out.result, out.kl, out.model_top1)
+            if self.saver is not None:
+                self.saver.add(line, ask, prompt)
             if self.each is not None:
                 self.each(self.report(ask, prompt, out), line)
         return outs

@@ -112,7 +112,7 @@ def _skip_block(block: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return args[0] if args else kwargs["hidden_states"]
 
-    block.forward = forward  # type: ignore[method-assign]
+    vars(block)["forward"] = forward  # this module's alone (an instance attribute)
 
 
 @contextmanager
@@ -131,11 +131,11 @@ def _head_skipped(model: nn.Module) -> Iterator[None]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros((*x.shape[:-1], rows))
 
-    head.forward = forward  # type: ignore[method-assign]
+    vars(head)["forward"] = forward
     try:
         yield
     finally:
-        del head.forward
+        del vars(head)["forward"]
 
 
 def _hidden_size(model: nn.Module) -> int:
