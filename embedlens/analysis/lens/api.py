@@ -197,8 +197,7 @@ def lens_prompts(
     prompts: strings, or dicts with `prompt` and optional `target`, `chat` (a user message) and
         `id`; or `PromptSource.open(path)` (a file of one prompt per line or JSON Lines).
     position: -1, 'all', or a list of positions read in every prompt.
-    each: called as `each(report, line)` with each prompt's `LensReport` (what `lens` returns
-        for it) as it comes.
+    each: called as `each(report, line)` with each prompt's `LensReport` (`lens`'s) as it comes.
     skip_bad: skip (and count) bad prompts instead of stopping at the first.
     against: B (`against_tokenizer`: a loaded B's own, else A's is used); then a
         `LensPairSummaryReport`, with `each` given each prompt's `LensPairReport`.
@@ -207,9 +206,7 @@ def lens_prompts(
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `each` is called on
         rank 0 with every prompt's report in input order, every rank returns the summary.
-    save_states: a folder for each prompt's states (`000001.safetensors` for line 1; under
-        torchrun rank 0 writes them all), for `lens_states`.
-    The other options are `lens`'s.
+    save_states: a folder, a states file a prompt (docs/states.md). The other options: `lens`'s.
     """
     from embedlens.model.prompts import PromptSource
 
@@ -218,14 +215,13 @@ def lens_prompts(
     _not_both(tuned, against, compare_logit)
     source = PromptSource.of(prompts)
     session = _joined(dist_backend, device, source, against, device_map)
-    saving = _saving_many(save_states, revision, against, session)
     with nullcontext() if session is None else session.guarded():
         lens_dir = _tuned_folder(tuned)
         loads = (revision, dtype, device, device_map, max_memory, offload_folder, trust_remote_code)
         asked = (against, against_tokenizer, against_revision, threshold)
         loading, pair = _models(model, tokenizer, loads, *asked)
-        return _many(model, tokenizer, (loading, pair), ask, source, each, lens_dir,
-                     compare_logit, session, saving)  # fmt: skip
+        return _many(model, tokenizer, (loading, pair), ask, source, each, lens_dir, compare_logit,
+                     session, _saving_many(save_states, revision, against, session))  # fmt: skip
 
 
 def _many(

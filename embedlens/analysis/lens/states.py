@@ -82,12 +82,19 @@ def _run(
     lens_dir: Any,
 ) -> StatesLensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
+    import dataclasses
+
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
+    from embedlens.io.ranges import tally
     from embedlens.io.source import resolve
 
     source = resolve(name, revision)
-    with gguf_reads_shared(source):  # a GGUF file parsed once for tokenizer, config and tail
-        return _run_on(name, source, dtype, trust, file, ask, lens_dir)
+    # a GGUF file parsed once for tokenizer, config and tail; a hub repo's tail read by range
+    with tally() as hub, gguf_reads_shared(source):
+        report = _run_on(name, source, dtype, trust, file, ask, lens_dir)
+    if not hub.used:
+        return report
+    return dataclasses.replace(report, notes=[*report.notes, *hub.notes()])
 
 
 def _run_on(

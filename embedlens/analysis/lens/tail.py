@@ -249,8 +249,11 @@ def _reader(source: ModelSource, model: nn.Module) -> _Reader:
 
     if source.is_gguf:
         assert source.path is not None
-        gguf = tail_tensors.GGUFTensors(source.path, model)
+        # a hub GGUF whole (its tokenizer was built from it), never the sparse copy of its header
+        gguf = tail_tensors.GGUFTensors(source.whole_gguf(), model)
         return _Reader(gguf.places(), gguf.read)
+    if source.kind == "hub" and not _on_disk(source):
+        return _hub_reader(source, model)
     files = _safetensors(source)
     places = tail_tensors.folder_places(model, files)
 
@@ -258,6 +261,36 @@ def _reader(source: ModelSource, model: nn.Module) -> _Reader:
         return tail_tensors.read_folder_tensor(places[name], dtype)
 
     return _Reader({name: place.key for name, place in places.items()}, read)
+
+
+def _on_disk(source: ModelSource) -> bool:
+    """Whether a hub repo's weights are in the hub cache (then read from there)."""
+    from embedlens.compat.transformers.direct import safetensors_files
+
+    folder = source.folder
+    files = None if folder is None else safetensors_files(folder)
+    return bool(files) and all(path.is_file() for path in files or [])
+
+
+def _hub_reader(source: ModelSource, model: nn.Module) -> _Reader:
+    """A hub repo's tensors read by HTTP range: the safetensors headers, then each tensor the
+    tail needs, alone (`io.ranges`; kept for later runs)."""
+    from embedlens.compat.transformers import tail_tensors
+    from embedlens.io.checkpoint import open_checkpoint
+    from embedlens.model.matrix import on_disk
+
+    ckpt = open_checkpoint(source)
+    if ckpt is None or ckpt.format != "safetensors":
+        raise UnsupportedError(
+            f"'{source.spec}' has no safetensors weights: --states reads the final norm and the "
+            "head of a hub repo's safetensors by range",
+        )
+    places = tail_tensors.entry_places(model, ckpt.tensors)
+
+    def read(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return tail_tensors.read_entry(on_disk(source, places[name]), dtype)
+
+    return _Reader({name: entry.name for name, entry in places.items()}, read)
 
 
 def _safetensors(source: ModelSource) -> list[Path]:

@@ -245,6 +245,16 @@ def plan_targets(model: Any, files: list[Path]) -> Plan | None:
     """Each checkpoint tensor's target as transformers renames it; None when a conversion (not
     just a new name) applies, or two tensors go to one place."""
     from safetensors import safe_open
+
+    keyed = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            keyed.append((path, list(handle.keys())))
+    return plan_keys(model, keyed)
+
+
+def plan_keys(model: Any, keyed: list[tuple[Path, list[str]]]) -> Plan | None:
+    """`plan_targets` on the tensor names of each file, as its header gives them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -254,9 +264,7 @@ def plan_targets(model: Any, files: list[Path]) -> Plan | None:
     meta = model.state_dict()
     prefix = model.base_model_prefix
     plan = Plan(conversions)
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = list(handle.keys())
+    for path, keys in keyed:
         for key in keys:
             target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
             if target not in meta and key in meta:

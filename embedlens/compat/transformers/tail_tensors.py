@@ -21,6 +21,10 @@ from embedlens.errors import UnsupportedError
 if TYPE_CHECKING:
     import torch
 
+    from embedlens.io.checkpoint import TensorEntry
+
+_TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
 
 @dataclass(frozen=True)
 class Stored:
@@ -49,6 +53,46 @@ def folder_places(model: Any, files: list[Path]) -> dict[str, Stored]:
             for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 places.setdefault(key, Stored(path, key))
     return places
+
+
+def entry_places(model: Any, entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """Model tensor name -> its entry in a checkpoint whose headers were read by range (a hub
+    repo's), by transformers' renaming rules as `folder_places` finds them."""
+    if fast():
+        from embedlens.compat.transformers.direct import plan_keys
+
+        by_file: dict[str, list[str]] = {}
+        for key, entry in entries.items():
+            by_file.setdefault(entry.file, []).append(key)
+        try:
+            plan = plan_keys(model, [(Path(file), keys) for file, keys in by_file.items()])
+        except Exception:  # a release whose renaming rules read otherwise: names as they are
+            plan = None
+        if plan is not None:
+            return {target: entries[key] for target, (_, key) in plan.targets.items()}
+    return dict(entries)
+
+
+def read_entry(entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor read from the bytes on disk its entry points at (a range kept from the hub),
+    converted to `dtype`."""
+    import torch
+
+    kind = _TORCH_DTYPES.get(entry.dtype)
+    if kind is None:
+        raise UnsupportedError(
+            f"'{entry.name}' is stored as {entry.dtype}: --states reads F32, F16, BF16 and F64"
+        )
+    assert entry.path is not None and entry.file_offset is not None
+    buffer = bytearray(entry.nbytes)
+    with open(entry.path, "rb") as fh:
+        fh.seek(entry.file_offset - entry.base)
+        if fh.readinto(buffer) != entry.nbytes:
+            raise UnsupportedError(f"'{entry.name}': its bytes on disk are cut short")
+    if not entry.nbytes:
+        return torch.zeros(entry.shape, dtype=dtype)
+    value = torch.frombuffer(buffer, dtype=getattr(torch, kind)).reshape(entry.shape)
+    return value.to(dtype=dtype)
 
 
 def read_folder_tensor(place: Stored, dtype: torch.dtype) -> torch.Tensor:
