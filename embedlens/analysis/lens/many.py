@@ -235,7 +235,7 @@ class ManyRun:
         if each is not None:  # reports are built where `each` is given (on every process)
             self.each = lambda report, line: kept.append((report, line))
         if self.saver is not None:  # rank 0 writes every rank's states
-            self.saver.distributed = True
+            self.saver.keep = session.rank != 0
         ran = count = 0
         for w, window in enumerate(found):
             session.check()

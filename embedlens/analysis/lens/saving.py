@@ -3,8 +3,8 @@ written in embedlens' states file (`states_file.save_states`) for `lens --states
 on a machine that holds only the model's final norm and head.
 
 One prompt: the file named. Many (`--prompts`): a folder, one file per prompt, named by its line
-(`000001.safetensors` for line 1), written as the windows run; under torchrun each round's states
-are sent to rank 0, which alone writes (`ManySaver`)."""
+(`000001.safetensors` for line 1), written as the windows run; under torchrun the other ranks'
+states are sent to rank 0 at each round's end, which alone writes (`ManySaver`)."""
 
 from __future__ import annotations
 
@@ -95,13 +95,15 @@ def states_folder(path: str | os.PathLike[str]) -> Path:
 
 class ManySaver:
     """`lens --prompts --save-states DIR`: each prompt's states, written to DIR as its window
-    runs; under torchrun, kept until the round's end and sent to rank 0, which writes them."""
+    runs. Under torchrun (`keep`: a rank other than 0) they are kept until the round's end, then
+    sent to rank 0 one prompt at a time, which writes them: rank 0 holds at most one prompt's
+    states from each rank at once, each other rank its own window's."""
 
     def __init__(self, path: str | os.PathLike[str], opened: Opened, revision: str | None):
         self.folder = Path(path)  # made by `lens_prompts` (on rank 0)
         self.opened, self.revision = opened, revision
         self.kept: list[tuple[int, list[int], States]] = []
-        self.distributed = False
+        self.keep = False
 
     def add(self, line: PromptLine, ask: Ask, run: Prompt) -> None:
         """One prompt's states: written now, or kept for rank 0 under torchrun."""
@@ -110,18 +112,21 @@ class ManySaver:
         if line.id is not None:
             about["id"] = str(line.id)
         item = (line.line, run.ids, (states[0], states[1], about))
-        if self.distributed:
+        if self.keep:
             self.kept.append(item)
         else:
             self._write(item)
 
     def hand_on(self, session: Session) -> None:
-        """The round's states gathered on rank 0 and written there (every rank calls this)."""
-        parts = session.gather(list(self.kept))
+        """The states the other ranks kept this round, sent to rank 0 one prompt from each at
+        a time and written there (every rank calls this)."""
+        counts = session.all_gather(len(self.kept))
+        for i in range(max(counts)):
+            parts = session.gather(self.kept[i] if i < len(self.kept) else None)
+            for item in parts or []:
+                if item is not None:
+                    self._write(item)
         self.kept.clear()
-        for part in parts or []:
-            for item in part:
-                self._write(item)
 
     def _write(self, item: tuple[int, list[int], States]) -> None:
         from embedlens.analysis.lens.states_file import save_states
