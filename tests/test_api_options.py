@@ -23,7 +23,7 @@ PROMPTS = ["the king of France is", "a big red", "the capital city of Italy is R
 def test_the_objects_are_public_and_keywords_name_their_fields() -> None:
     assert embedlens.LoadOptions is LoadOptions and embedlens.LensOptions is LensOptions
     assert {"LoadOptions", "LensOptions"} <= set(embedlens.__all__)
-    assert LOAD_FIELDS == {f.name for f in dataclasses.fields(LoadOptions)} - {"source"}
+    assert {f.name for f in dataclasses.fields(LoadOptions)} - {"source"} == LOAD_FIELDS
     assert "source" not in LOAD_FIELDS and "tuned" in LENS_FIELDS
     assert LoadOptions().given() == dict.fromkeys(LOAD_FIELDS, False)
     assert LoadOptions(dtype="bfloat16", device_map="auto").given() == {

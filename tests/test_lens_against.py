@@ -287,7 +287,9 @@ def test_each_prompt_of_many_equals_its_single_run(pairs, family):
     the means of them."""
     p = pairs(family)
     each: list[Any] = []
-    summary = lens_prompts(p["a"], PROMPTS, against=p["block"], on_report=lambda r, _: each.append(r))
+    summary = lens_prompts(
+        p["a"], PROMPTS, against=p["block"], on_report=lambda r, _: each.append(r)
+    )
     for row, got in zip(PROMPTS, each, strict=True):
         alone = lens(p["a"], row["prompt"], target=row.get("target"), against=p["block"])
         assert _kls(got) == pytest.approx(_kls(alone), rel=1e-3, abs=1e-9)
@@ -311,7 +313,9 @@ def test_the_pair_report_holds_a_s_own_report(pairs):
     each: list[Any] = []
     lens_prompts(p["a"], PROMPTS, on_report=lambda r, _: each.append(r.to_dict()))
     with_b: list[Any] = []
-    lens_prompts(p["a"], PROMPTS, against=p["norm"], on_report=lambda r, _: with_b.append(r.to_dict()))
+    lens_prompts(
+        p["a"], PROMPTS, against=p["norm"], on_report=lambda r, _: with_b.append(r.to_dict())
+    )
     assert [_without(r, "diff") for r in with_b] == each
 
 
