@@ -306,11 +306,14 @@ _CLI_NAMES = {"template_args": "template_arg"}
 
 
 def _options(given: dict[str, Any]) -> tuple[LoadOptions, LensOptions]:
-    """How to load the model and what the lens is asked, built once from the command's options
-    (each field from the option of its name: a field added there is an option added here)."""
+    """How to load the model and what the lens is asked, built once from the command's options:
+    each field from the option of its name (`_CLI_NAMES`), so that a field is added to the
+    command by adding its option; `grid` is set by --plot, and a field the command has no
+    option for keeps its default."""
 
     def of(fields: frozenset[str]) -> dict[str, Any]:
-        return {name: given[_CLI_NAMES.get(name, name)] for name in fields if name != "grid"}
+        names = {name: _CLI_NAMES.get(name, name) for name in fields if name != "grid"}
+        return {name: given[option] for name, option in names.items() if option in given}
 
     return LoadOptions(**of(LOAD_FIELDS)), LensOptions(**of(LENS_FIELDS))
 
