@@ -73,16 +73,14 @@ def tune(
 
     data: a UTF-8 text file (documents separated by blank lines) or JSON Lines with a `text`
         field, read as far as `tokens` (plus `eval_tokens` held out at its tail without
-        `eval_data`, the held-out text's own file: the command line's --eval; formerly `eval`,
-        deprecated).
+        `eval_data`, the held-out text's own file: --eval; formerly `eval`, deprecated).
     method: 'kl' (least squares, then tuned-lens's KL refinement on `refine_tokens` of the
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
     progress: called as `progress(stage, done, total, unit, detail)` as work advances
         (`embedlens.progress.Progress`): 'fitting' and 'evaluating' count tokens, 'refining'
         steps (the detail: the KL of bands of layers).
-    load: how to load the model (`LoadOptions`, or its fields as keywords: `revision=`,
-        `dtype=`, `device=`, `trust_remote_code=`); it loads on one device.
+    load: `LoadOptions` (or its fields as keywords, `dtype=`...); it loads on one device.
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): each rank fits and evaluates every WORLD_SIZE-th sequence, the sums are
         added over ranks, each refinement step's rows are split between them and its gradients
