@@ -6,6 +6,7 @@ object; `rich.print(report)` shows its tables; Jupyter shows it as HTML):
     import embedlens
     embedlens.params("SmolLM2-135M-Instruct.Q4_1.gguf")
     embedlens.lens(model, "The capital of France is", tokenizer=tokenizer)
+    embedlens.lens("model.gguf", "Paris", load=embedlens.LoadOptions(dtype="bfloat16"), top_k=3)
     embedlens.lens_prompts("SmolLM2-135M-Instruct.Q4_1.gguf", ["The capital of France is"])
 
 Importing embedlens is cheap: torch, transformers and numpy load when a function needs them.
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         UnsupportedError,
         UsageError,
     )
+    from embedlens.options import LensOptions, LoadOptions
     from embedlens.reports import Report
 
 _EXPORTS = {
@@ -55,6 +57,8 @@ _EXPORTS = {
     "vocab": "embedlens.analysis.vocab",
     "tune": "embedlens.analysis.tune",
     "Report": "embedlens.reports",
+    "LoadOptions": "embedlens.options",
+    "LensOptions": "embedlens.options",
     **{
         name: "embedlens.errors"
         for name in (
@@ -76,6 +80,8 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EmbedlensError",
+    "LensOptions",
+    "LoadOptions",
     "MissingDependencyError",
     "NumericError",
     "RemoteCodeError",
@@ -104,7 +110,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'embedlens' has no attribute '{name}'")
     from embedlens import runtime
 
-    runtime.prepare(name)  # before the command's module imports numpy (BLAS threads)
+    runtime.tune_for_command(name)  # before the command's module imports numpy (BLAS threads)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -47,7 +47,7 @@ def one_blas_thread() -> bool:
     return True
 
 
-def prepare(command: str) -> None:
+def tune_for_command(command: str) -> None:
     """Tune the process for `command` before its module (and numpy with it) is imported:
     `embedlens.<command>` calls this when the function is first looked up, so that the Python
     API and the command line (which looks its function up the same way) run alike."""

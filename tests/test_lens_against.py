@@ -140,7 +140,7 @@ def test_many_prompts_give_the_same_zeros(pairs, family):
     p = pairs(family)
     out = BLOCK + 1
     each: list[Any] = []
-    summary = lens_prompts(p["a"], PROMPTS, against=p["a"], each=lambda r, _: each.append(r))
+    summary = lens_prompts(p["a"], PROMPTS, against=p["a"], on_report=lambda r, _: each.append(r))
     d = summary.diff
     assert [row.kl for row in d.layers] == [0.0] * 4
     assert [row.top1_agreement for row in d.layers] == [1.0] * 4
@@ -287,7 +287,9 @@ def test_each_prompt_of_many_equals_its_single_run(pairs, family):
     the means of them."""
     p = pairs(family)
     each: list[Any] = []
-    summary = lens_prompts(p["a"], PROMPTS, against=p["block"], each=lambda r, _: each.append(r))
+    summary = lens_prompts(
+        p["a"], PROMPTS, against=p["block"], on_report=lambda r, _: each.append(r)
+    )
     for row, got in zip(PROMPTS, each, strict=True):
         alone = lens(p["a"], row["prompt"], target=row.get("target"), against=p["block"])
         assert _kls(got) == pytest.approx(_kls(alone), rel=1e-3, abs=1e-9)
@@ -309,9 +311,11 @@ def test_the_pair_report_holds_a_s_own_report(pairs):
     pair = lens(p["a"], PROMPT, target="Paris", position="all", against=p["block"]).to_dict()
     assert _without(pair, "diff") == alone
     each: list[Any] = []
-    lens_prompts(p["a"], PROMPTS, each=lambda r, _: each.append(r.to_dict()))
+    lens_prompts(p["a"], PROMPTS, on_report=lambda r, _: each.append(r.to_dict()))
     with_b: list[Any] = []
-    lens_prompts(p["a"], PROMPTS, against=p["norm"], each=lambda r, _: with_b.append(r.to_dict()))
+    lens_prompts(
+        p["a"], PROMPTS, against=p["norm"], on_report=lambda r, _: with_b.append(r.to_dict())
+    )
     assert [_without(r, "diff") for r in with_b] == each
 
 
@@ -344,7 +348,7 @@ def test_both_memory_paths_give_the_same_figures(pairs, monkeypatch):
     monkeypatch.setenv("EMBEDLENS_MEMORY_LIMIT", str(one))
     each: list[Any] = []
     apart = lens_prompts(
-        p["a"], PROMPTS, against=p["block"], top_k=3, each=lambda r, _: each.append(r)
+        p["a"], PROMPTS, against=p["block"], top_k=3, on_report=lambda r, _: each.append(r)
     )
     assert any(f"'{p['block']}' ran first, and was freed" in n for n in apart.notes)
     assert _without(apart.to_dict(), "notes") == _without(together.to_dict(), "notes")

@@ -324,7 +324,7 @@ def test_python_prompts_stream_reports_and_return_the_summary(tiny, cli):
     seen: list[tuple[LensReport, Any]] = []
     prompts = ["the king of", {"prompt": "the queen", "target": "of", "id": "q"}]
     summary = embedlens.lens_prompts(
-        folder, prompts, each=lambda report, line: seen.append((report, line))
+        folder, prompts, on_report=lambda report, line: seen.append((report, line))
     )
     assert isinstance(summary, LensSummaryReport) and summary.n_prompts == 2
     assert [line.id for _, line in seen] == [None, "q"]
@@ -346,7 +346,7 @@ def test_python_prompts_on_a_loaded_model(tiny):
     tok = AutoTokenizer.from_pretrained(folder)
     reports: list[Any] = []
     summary = embedlens.lens_prompts(
-        model, PROMPTS, tokenizer=tok, each=lambda r, _line: reports.append(r)
+        model, PROMPTS, tokenizer=tok, on_report=lambda r, _line: reports.append(r)
     )
     from_files = embedlens.lens_prompts(folder, PROMPTS)
     close(summary.to_dict()["layers"], from_files.to_dict()["layers"])
@@ -370,7 +370,7 @@ def test_memory_stays_bounded_reports_stream(tiny, monkeypatch):
 
     source = Traced(items=[f"the king of {w}" for w in ("a", "the", "a", "the", "a")])
     summary = embedlens.lens_prompts(
-        tiny("llama-tied"), source, each=lambda _r, _line: events.append("out")
+        tiny("llama-tied"), source, on_report=lambda _r, _line: events.append("out")
     )
     assert summary.n_prompts == 5
     second_pass = events[5:]

@@ -23,6 +23,7 @@ seconds more, the watchdog ends the process itself (`on_stuck`).
 
 from __future__ import annotations
 
+import _thread
 import datetime
 import json
 import os
@@ -52,7 +53,7 @@ TIMEOUT_S = 600.0
 WATCH_S = 0.2
 """How often the watchdog reads the store."""
 GRACE_S = 2.0
-"""How long the main thread has to take up another process's failure before `on_stuck` does."""
+"""How long the main thread has to take up another process's failure before it is interrupted."""
 DONE_WAIT_S = 10.0
 """How long a process other than rank 0 waits for rank 0 to have said the error."""
 LOST_WAIT_S = 3.0
@@ -60,19 +61,8 @@ LOST_WAIT_S = 3.0
 BACKENDS = ("auto", "gloo", "nccl")
 
 Say = Callable[[], None]
-_state: dict[str, Any] = {"session": None, "on_stuck": None}
-
-
-def current() -> Session | None:
-    """This process's session, once `connect` has made it."""
-    session: Session | None = _state["session"]
-    return session
-
-
-def on_stuck(end: Callable[[RankFailed], None]) -> None:
-    """What the watchdog calls when another process failed and the main thread has not taken
-    it up within GRACE_S (the command line: say it as the protocol says, and exit)."""
-    _state["on_stuck"] = end
+_state: dict[str, Any] = {"session": None}
+"""This process's session, once `connect` has made it (a process is one rank of one run)."""
 
 
 def connect() -> Session:
@@ -126,6 +116,12 @@ class Session:
         self._watched = _store(rank, wait_s, master=False)
         self.failure: dict[str, Any] | None = None
         """Another process's failure, as the watchdog read it."""
+        self.interrupt_when_stuck = False
+        """Whether the watchdog interrupts the main thread when it has not taken up another
+        process's failure within GRACE_S (the command line's choice)."""
+        self._interrupted = False
+        self._taken = False
+        """Whether the main thread has raised another process's failure itself (`check`)."""
         self._lock = threading.Lock()
         self._ended = False
         self._stop = threading.Event()
@@ -156,9 +152,22 @@ class Session:
         self.backend = chosen
 
     def check(self) -> None:
-        """Raise the failure of another process, once the watchdog has seen one."""
-        if self.failure is not None:
-            raise _failed(self.failure)
+        """Raise the failure of another process, once the watchdog has seen one (unless the
+        watchdog has interrupted the main thread with it: that interrupt is on its way)."""
+        if self.failure is None:
+            return
+        with self._lock:
+            if self._interrupted:
+                return
+            self._taken = True
+        raise _failed(self.failure)
+
+    def stuck(self) -> RankFailed | None:
+        """The failure the watchdog interrupted the main thread with (its KeyboardInterrupt is
+        that failure, not Ctrl-C), else None."""
+        if self._interrupted and self.failure is not None:
+            return _failed(self.failure)
+        return None
 
     def recorded(self) -> RankFailed | None:
         """Another process's failure, if one is recorded in the store now."""
@@ -284,6 +293,9 @@ class Session:
             self.tell(e.message, e.hint, e.exit_code)
             raise
         except KeyboardInterrupt:
+            stuck = self.stuck()
+            if stuck is not None:
+                raise stuck from None
             self.tell("interrupted (Ctrl-C)", None, 130)
             raise
         except Exception as e:
@@ -337,9 +349,12 @@ class Session:
             if record["rank"] == self.rank:
                 return
             self.failure = record
-            stuck: Callable[[RankFailed], None] | None = _state["on_stuck"]
-            if stuck is not None and not self._stop.wait(GRACE_S):
-                stuck(_failed(record))
+            if self.interrupt_when_stuck and not self._stop.wait(GRACE_S):
+                with self._lock:
+                    if self._ended or self._taken:
+                        return
+                    self._interrupted = True
+                _thread.interrupt_main()  # the main thread's own exit path takes it from here
             return
 
 

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from contextlib import suppress
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import typer
 
 from embedlens.cli import _output
 from embedlens.cli._output import silence_stdout
-from embedlens.cli._scratch import TERMINATED, remove_made
+from embedlens.cli._scratch import TERMINATED
 from embedlens.errors import EmbedlensError, RankFailed, UsageError
 from embedlens.runtime import world
 from embedlens.text import debug_enabled, one_line
@@ -51,8 +48,8 @@ def report_error(
     (`analysis.dist`); before the run has joined the store (the command line's own checks, the
     same in every process), the other processes say nothing. False when this process had
     already ended on an error."""
-    rank, size = world()
-    session = _session() if size > 1 else None
+    rank, _ = world()
+    session = _session()
     say = None if quiet else functools.partial(print_error, message, hint)
     if session is not None:
         return session.end(message, hint, code, theirs=theirs, say=say)
@@ -81,25 +78,18 @@ def report_terminated() -> None:
     )
 
 
-def end_stuck(error: RankFailed) -> None:
-    """Another process failed while this one was busy elsewhere (loading a model): say it as
-    `report_error` does and leave at once, the scratch folder removed (the watchdog's last
-    resort, from its thread)."""
-    if not report_error(error.message, error.hint, error.exit_code, theirs=True):
-        return
-    for stream in (sys.stdout, sys.stderr):
-        with suppress(OSError, ValueError):
-            stream.flush()
-    remove_made()
-    os._exit(error.exit_code)
+_attached: list[Session] = []
+"""The run's session under torchrun, once the command line has made it (`attach`)."""
+
+
+def attach(session: Session) -> None:
+    """The run's session under torchrun, for the error policy (made by `_options.common`)."""
+    _attached[:] = [session]
 
 
 def _session() -> Session | None:
-    """The run's session under torchrun, once this process has joined it (the module is not
-    imported before: a run alone never imports it)."""
-    dist = sys.modules.get("embedlens.analysis.dist")
-    session: Session | None = None if dist is None else dist.current()
-    return session
+    """The run's session under torchrun, once attached (never alone)."""
+    return _attached[0] if _attached else None
 
 
 _PATH_PARAMS = {"model"}  # the file system may hold names that are not UTF-8
@@ -141,6 +131,11 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
             report_error(e.message, e.hint, e.exit_code, theirs=theirs)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
+            session = _session()
+            stuck = None if session is None else session.stuck()
+            if stuck is not None:  # another process failed while this one was busy elsewhere
+                report_error(stuck.message, stuck.hint, stuck.exit_code, theirs=True)
+                raise typer.Exit(stuck.exit_code) from None
             report_error("interrupted (Ctrl-C)", None, 130, quiet=True)
             raise typer.Exit(130) from None
         except BrokenPipeError:

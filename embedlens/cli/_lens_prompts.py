@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from embedlens.cli._output import counter, emit, note, rendered, warn, write_stdout
 from embedlens.errors import UsageError
+from embedlens.options import LensOptions, LoadOptions
 from embedlens.runtime import world
 from embedlens.text import model_title
 
@@ -24,9 +26,12 @@ def run_prompts(
     each: bool,
     as_json: bool,
     plot: Path | None,
-    options: dict[str, Any],
+    load: LoadOptions,
+    asked: LensOptions,
+    more: dict[str, Any],
 ) -> None:
-    """Run the lens over a file of prompts: per-prompt output as it comes, the summary last."""
+    """Run the lens over a file of prompts: per-prompt output as it comes, the summary last;
+    `more`: `lens_prompts`'s other arguments (--against, --dist-backend)."""
     from embedlens.analysis.lens import lens_prompts
     from embedlens.analysis.lens.options import one_prompt_only
     from embedlens.model.prompts import PromptSource
@@ -41,17 +46,17 @@ def run_prompts(
             "--prompts - reads stdin, which the processes torchrun starts do not share",
             hint="give a file every process can read",
         )
-    options = dict(options)
-    one_prompt_only(options.pop("target"), options.pop("chat"), False)
+    one_prompt_only(asked.target, asked.chat, False)
+    asked = replace(asked, target=None, chat=None)
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
         check_plot_file(plot)
     if not (as_json or each):  # only the summary is printed, and it reads each prompt's top-1
-        options = {**options, "top_k": min(options["top_k"], 1)}
+        asked = replace(asked, top_k=min(asked.top_k, 1))
     show = _Shown(as_json=as_json, each=each)
     source = PromptSource.open(prompts)
-    against = options.get("against")
+    against = more.get("against")
     what = model_title(model)
     if against is not None:
         what = f"{what} against {model_title(str(against))}"
@@ -61,13 +66,13 @@ def run_prompts(
             show.report(report, line)
             advance()
 
-        summary = lens_prompts(model, source, each=on_report, **options)
+        summary = lens_prompts(model, source, load=load, options=asked, on_report=on_report, **more)
     if rank != 0:  # under torchrun, rank 0 prints every prompt's output and the summary
         return
     show.finish(summary, plot)
     emit(summary, as_json=as_json)
-    if options.get("save_states") is not None:
-        note(f"wrote each prompt's states to {options['save_states']} (a file a line)")
+    if more.get("save_states") is not None:
+        note(f"wrote each prompt's states to {more['save_states']} (a file a line)")
 
 
 class _Shown:

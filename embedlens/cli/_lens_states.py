@@ -8,14 +8,17 @@ from typing import TYPE_CHECKING, Any
 from embedlens.cli._output import note
 from embedlens.cli._run import run_report, say_notes
 from embedlens.errors import UsageError
+from embedlens.options import LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     from embedlens.reports.states import StatesLensReport
 
 
-def run_states(model: str, given: dict[str, Any]) -> None:
+def run_states(model: str, given: dict[str, Any], load: LoadOptions, asked: LensOptions) -> None:
     """`lens` with --states: what does not apply to a states file refused, then the file decoded
-    and the report printed; `given`: every argument of `lens`."""
+    and the report printed; `given`: every argument of `lens`, `load` and `asked` the options
+    it built (of which a states file takes those `lens_states` does: the others are refused
+    here by their option's name, or left aside as the command always did)."""
     from embedlens.analysis.lens import lens_states
 
     states: Path | None = given["states"]
@@ -30,10 +33,14 @@ def run_states(model: str, given: dict[str, Any]) -> None:
         if given["device"] != "cpu":
             raise UsageError("--states decodes on the CPU: --device does not apply")
 
-    options = {name: given[name] for name in _TAKEN}
+    taken = LoadOptions(revision=load.revision, dtype=load.dtype,
+                        trust_remote_code=load.trust_remote_code)  # fmt: skip
+    shown = LensOptions(layers=asked.layers, top_k=asked.top_k, position=asked.position,
+                        target=asked.target, tuned=asked.tuned)  # fmt: skip
+    layers = given["state_layers"]
     run_report(
         model,
-        lambda: lens_states(model, states or Path(), **options),
+        lambda: lens_states(model, states or Path(), state_layers=layers, load=taken, options=shown),
         as_json=given["as_json"], quiet=given["quiet"], debug=given["debug"],
         device=given["device"], doing="Decoding the states with", check=check, say=_say,
     )  # fmt: skip
@@ -53,11 +60,6 @@ _NOT_WITH = {
     "--compare-logit": "compare_logit",
 }
 """What a states file refuses, by option and `lens`'s argument."""
-_TAKEN = (
-    "state_layers", "layers", "top_k", "position", "target", "revision", "dtype",
-    "trust_remote_code", "tuned",
-)  # fmt: skip
-"""`lens`'s arguments `lens_states` takes, under the same names."""
 
 
 def _say(report: StatesLensReport) -> None:

@@ -89,11 +89,11 @@ def _split_run(split: bool) -> None:
             "`tune` over processes",
             hint="run this command alone, without torchrun",
         )
-    from embedlens.analysis import dist
-    from embedlens.cli._errors import end_stuck
+    from embedlens.analysis.torchrun import cli_session
+    from embedlens.cli._errors import attach
 
     if rank != 0:
         set_quiet(True)
-    dist.timeout()  # a bad EMBEDLENS_DIST_TIMEOUT is refused before any work
-    dist.on_stuck(end_stuck)
-    dist.connect()
+    session = cli_session()
+    if session is not None:
+        attach(session)

@@ -22,8 +22,6 @@ _CACHES = {
     "TRITON_CACHE_DIR": "triton",
     "MPLCONFIGDIR": "matplotlib",  # matplotlib's config and font cache
 }
-_made: list[str] = []
-"""The scratch folder this process made, while it is there."""
 
 
 def make_scratch() -> str | None:
@@ -36,7 +34,6 @@ def make_scratch() -> str | None:
         return None  # no writable temporary folder: the libraries fall back as they would
     for name in unset:
         os.environ[name] = os.path.join(root, _CACHES[name])
-    _made.append(root)
     tempfile.tempdir = root  # the run's own temporary files (an offload folder) go in it too
     return root
 
@@ -47,15 +44,6 @@ def remove_scratch(root: str | None) -> None:
         shutil.rmtree(root, ignore_errors=True)
         if tempfile.tempdir == root:
             tempfile.tempdir = None
-        if root in _made:
-            _made.remove(root)
-
-
-def remove_made() -> None:
-    """Remove the scratch folder this process made (a process that ends at once, from another
-    thread than the one that made it)."""
-    for root in list(_made):
-        remove_scratch(root)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

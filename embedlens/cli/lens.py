@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -28,6 +29,7 @@ from embedlens.cli._options import (
 from embedlens.cli._output import note, warn
 from embedlens.cli._run import run_report, say_notes
 from embedlens.errors import UsageError
+from embedlens.options import LENS_FIELDS, LOAD_FIELDS, LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     from embedlens.reports.lens import LensReport
@@ -285,23 +287,37 @@ def lens(
     """
     from embedlens.analysis.lens import lens as run_lens
 
+    given = dict(locals())
+    load, asked = _options(given)
     if states is not None or state_layers is not None:
-        return run_states(model, dict(locals()))
-    opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
-                no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
-                device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
-                revision=revision, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                against=against, against_revision=against_revision, threshold=threshold,
-                tuned=tuned)  # fmt: skip
+        return run_states(model, given, load, asked)
+    b = {"against": against, "against_revision": against_revision}
     if prompts is not None or prompt is None:
         common(quiet=quiet, debug=debug, device=device, split=True)
-        more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend,
-                "save_states": save_states}  # fmt: skip
         return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           options={**opts, **more})  # fmt: skip
-    work = lambda: run_lens(model, prompt, grid=plot is not None and against is None,  # noqa: E731
-                            save_states=save_states, **opts)  # fmt: skip
+                           load=load, asked=asked, more={**b, "dist_backend": dist_backend,
+                           "save_states": save_states})  # fmt: skip
+    one = replace(asked, grid=plot is not None and against is None)
+    work = lambda: run_lens(model, prompt, load=load, options=one,  # noqa: E731
+                            save_states=save_states, **b)  # fmt: skip
     _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
+
+
+_CLI_NAMES = {"template_args": "template_arg"}
+"""The `LensOptions` and `LoadOptions` fields whose option the command names otherwise."""
+
+
+def _options(given: dict[str, Any]) -> tuple[LoadOptions, LensOptions]:
+    """How to load the model and what the lens is asked, built once from the command's options:
+    each field from the option of its name (`_CLI_NAMES`), so that a field is added to the
+    command by adding its option; `grid` is set by --plot, and a field the command has no
+    option for keeps its default."""
+
+    def of(fields: frozenset[str]) -> dict[str, Any]:
+        names = {name: _CLI_NAMES.get(name, name) for name in fields if name != "grid"}
+        return {name: given[option] for name, option in names.items() if option in given}
+
+    return LoadOptions(**of(LOAD_FIELDS)), LensOptions(**of(LENS_FIELDS))
 
 
 def _one(

@@ -77,7 +77,7 @@ def neighbors(
     and only real tokens' rows are searched: padding rows past the tokenizer's length never
     are, special tokens only with --include-special, and a query's own rows never appear.
     """
-    from embedlens import neighbors as find_neighbors  # runtime.prepare: one BLAS thread
+    from embedlens import neighbors as find_neighbors  # runtime.tune_for_command: one BLAS thread
 
     run_report(
         model,

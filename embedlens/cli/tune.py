@@ -23,11 +23,12 @@ from embedlens.cli._options import (
     common,
 )
 from embedlens.cli._output import elapsed, emit, note, plain_progress
+from embedlens.options import LoadOptions
 from embedlens.runtime import world
 from embedlens.text import model_title
 
 if TYPE_CHECKING:
-    from embedlens.analysis.tune.run import Progress
+    from embedlens.progress import Progress
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -141,13 +142,14 @@ def tune(
     from embedlens.analysis.tune import tune as run
 
     common(quiet=quiet, debug=debug, device=device, split=True)
+    load = LoadOptions(revision=revision, dtype=dtype, device=device,
+                       trust_remote_code=trust_remote_code)  # fmt: skip
     rank = world()[0]  # under torchrun, rank 0 alone shows progress, notes and the report
     with _progress(quiet or rank != 0, model) as shown:
         report = run(
-            model, data, out, eval=eval_file, seq_len=seq_len, tokens=tokens,
+            model, data, out, eval_data=eval_file, seq_len=seq_len, tokens=tokens,
             eval_tokens=eval_tokens, refine_tokens=refine_tokens, steps=steps, lr=lr,
-            method=method, seed=seed, progress=shown, revision=revision, dtype=dtype,
-            device=device, trust_remote_code=trust_remote_code, dist_backend=dist_backend,
+            method=method, seed=seed, progress=shown, load=load, dist_backend=dist_backend,
         )  # fmt: skip
     if rank != 0:
         return
@@ -169,13 +171,14 @@ def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
         latest = ["loading the model and reading the data"]
         what = f"Tuning a lens on {model_title(model)}"
 
-        def seen(phase: str, done: int, total: int, detail: str) -> None:
+        def seen(phase: str, done: int, total: int, unit: str, detail: str = "") -> None:
             latest[0] = f"{phase} {done:,}/{total:,}" + (f" ({detail})" if detail else "")
 
         with plain_progress(lambda t: f"{latest[0]}, {elapsed(t)}: {what}"):
             yield seen
         return
-    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TaskID, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bars
 
     columns = (
         TextColumn("{task.description}", markup=False),
@@ -184,10 +187,10 @@ def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
         TimeElapsedColumn(),
         TextColumn("{task.fields[detail]}", markup=False),
     )
-    with Progress(*columns, console=_output.err_console, transient=True) as bar:
+    with Bars(*columns, console=_output.err_console, transient=True) as bar:
         tasks: dict[str, TaskID] = {}
 
-        def update(phase: str, done: int, total: int, detail: str) -> None:
+        def update(phase: str, done: int, total: int, unit: str, detail: str = "") -> None:
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=total, detail="")
             bar.update(tasks[phase], completed=done, total=total, detail=detail)

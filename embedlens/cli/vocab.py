@@ -129,7 +129,7 @@ def vocab(
     vocabulary (ids, token bytes, special tokens) to store beside the weights and compare at
     start-up. With --check the exit status is 3 when a problem is found.
     """
-    from embedlens import vocab as run  # runtime.prepare: one BLAS thread
+    from embedlens import vocab as run  # runtime.tune_for_command: one BLAS thread
 
     def work() -> VocabReport:
         with _Bar(quiet or not verify) as bar:  # --verify's batches (its own bar, no spinner)

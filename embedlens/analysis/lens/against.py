@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
 from embedlens.analysis.lens.one import one_report, run_one
-from embedlens.analysis.lens.opening import Check, Opened, Targets, ready
+from embedlens.analysis.lens.opening import Check, Opened, Targets, open_model
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
-from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, prepare
+from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, make_prompt
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
     check_pair(a, b)
 
     def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named]:
-        run = prepare(ask, tok, config, template)
+        run = make_prompt(ask, tok, config, template)
         with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids])) as ob:
             result = run_one(ob, ask, run, keep=True)
             named = _named(ob)
@@ -82,7 +82,7 @@ def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
 
 
 def lens_pair_prompts(
-    pair: Pair, ask: ManyAsk, source: PromptSource, each: many.EachFn | None
+    pair: Pair, ask: ManyAsk, source: PromptSource, each: many.OnReport | None
 ) -> LensPairSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
     other; A's summary with the per-layer means of B against it."""
@@ -206,7 +206,7 @@ class _PairRun:
         opened: Opened,
         named: Named,
         ask: ManyAsk,
-        each: many.EachFn | None,
+        each: many.OnReport | None,
         threshold: float,
     ) -> None:
         from embedlens.analysis.lens.pair import PairStats
@@ -217,7 +217,7 @@ class _PairRun:
 
     @staticmethod
     def factory(
-        ask: ManyAsk, each: many.EachFn | None, threshold: float
+        ask: ManyAsk, each: many.OnReport | None, threshold: float
     ) -> Callable[[Opened, Named], _PairRun]:
         """How to start A's side once A is ready and B has been (`named`)."""
         return lambda opened, named: _PairRun(opened, named, ask, each, threshold)
@@ -254,11 +254,11 @@ def _targets(source: PromptSource, ask: ManyAsk) -> Targets:
 def _ready_a(
     a: Side, b: Side, check: Check[T], **asked: Any
 ) -> AbstractContextManager[tuple[Opened, T]]:
-    """A ready (`opening.ready`, `asked` its options) after `check`, which tokenises the prompts
+    """A ready (`opening.open_model`, `asked` its options) after `check`, which tokenises the prompts
     with A's tokenizer: B runs on those ids, so they are checked against B's GGUF tokenizer
     too when B is read from a GGUF file (`file_tokens`)."""
     others = () if b.source is None else (b.source,)
-    return ready(a.model, a.tokenizer, a.loading, check, others=others, **asked)
+    return open_model(a.model, a.tokenizer, a.loading, check, others=others, **asked)
 
 
 def _residual(result: LensResult) -> dict[int, Any]:
@@ -271,7 +271,7 @@ def _ready_b(b: Side, a_tokenizer: Any, check: Check[None]) -> Iterator[Opened]:
     """B ready, reading A's prompt ids with A's tokenizer (the vocabularies are the same) unless
     it was given its own."""
     tokenizer = a_tokenizer if b.tokenizer is None else b.tokenizer
-    with ready(b.model, tokenizer, b.loading, check) as (opened, _):
+    with open_model(b.model, tokenizer, b.loading, check) as (opened, _):
         yield opened
 
 

@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
-from embedlens.analysis.lens.prompt import Prompt, position_index, prepare
+from embedlens.analysis.lens.prompt import Prompt, make_prompt, position_index
 from embedlens.analysis.lens.report import dtype_name, lens_report
 from embedlens.errors import UsageError
 from embedlens.model.prompts import BadLine, PromptLine, PromptSource
+from embedlens.progress import Progress, no_progress
 from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.reports.tune import tuned_report, tuned_summary
 
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.saving import ManySaver
     from embedlens.analysis.tune.use import Through
 
-EachFn = Callable[[LensReport, PromptLine], None]
-"""Called with each prompt's report (what a single run returns) and the prompt's line."""
+OnReport = Callable[[LensReport, PromptLine], None]
+"""A result callback: called with each prompt's report (what a single run returns) and the
+prompt's line."""
 WINDOW = 64
 """Prompts read ahead and run together (in batches of similar length)."""
 _SHOWN_BAD = 5
@@ -49,7 +51,7 @@ def prepare_line(
     one = ask.line(line.prompt, line.chat, line.target)
     pos = ask.position
     try:
-        prompt = prepare(one, tokenizer, config, template)
+        prompt = make_prompt(one, tokenizer, config, template)
         listed = None
         if isinstance(pos, list):
             listed = sorted({position_index(p, len(prompt.ids)) for p in pos})
@@ -182,7 +184,7 @@ class ManyRun:
         self,
         opened: Opened,
         ask: ManyAsk,
-        each: EachFn | None,
+        each: OnReport | None,
         through: Through | None = None,
         *,
         keep: bool = False,
@@ -197,7 +199,7 @@ class ManyRun:
         self.opened, self.ask, self.each, self.through = opened, ask, each, through
         # the statistics read the top-1 alone; reports (`each`, a comparison's) the top-k
         k = ask.top_k if each is not None or keep else 1
-        wrap = None if through is None else through[0]
+        wrap = None if through is None else through.wrap
         self.batch = BatchLens(model, layers, k, len(opened.tokenizer), keep, wrap=wrap)
         self.stats = LensStats()
         self.logit: tuple[BatchLens, LensStats] | None = None
@@ -208,25 +210,33 @@ class ManyRun:
         self.saver: ManySaver | None = None
         """With --save-states: each prompt's states written (`saving.ManySaver`)."""
 
-    def all(
-        self, source: PromptSource, n_bad: int, bad: list[BadLine], session: Session | None = None
+    def run_all(
+        self,
+        source: PromptSource,
+        n_bad: int,
+        bad: list[BadLine],
+        session: Session | None = None,
+        progress: Progress = no_progress,
     ) -> LensSummaryReport:
-        """Every prompt run (`session`: split over processes), freed memory kept in the process
-        meanwhile (`runtime.heap_kept`: the decode allocates and frees hundreds of large
-        chunks)."""
+        """Every prompt run (`session`: split over processes; `progress` told after each window,
+        of every process's prompts), freed memory kept in the process meanwhile
+        (`runtime.heap_kept`: the decode allocates and frees hundreds of large chunks)."""
         from embedlens.runtime import heap_kept
 
         o = self.opened
         with heap_kept():
             found = windows(source, self.ask, o.tokenizer, o.config, o.template)
             if session is None:
+                done = 0
                 for window in found:
                     self.run_window(window)
+                    done += len(window)
+                    progress("prompts", done, 0, "prompts")
             else:
-                self._split(found, session)
+                self._split(found, session, progress)
             return self.summary(n_bad, bad)
 
-    def _split(self, found: Iterator[Window], session: Session) -> None:
+    def _split(self, found: Iterator[Window], session: Session, progress: Progress) -> None:
         """Under torchrun: window w runs on rank w mod N (so each prompt runs in the batch one
         process gives it, and its report is the same bytes); after each round of N windows,
         rank 0 hands their reports on in input order; the statistics are summed at the end."""
@@ -243,6 +253,7 @@ class ManyRun:
             if w % n == session.rank:
                 self.run_window(window)
                 ran += 1
+                progress("prompts", session.total("prompts", len(window)), 0, "prompts")
             if count % n == 0:
                 self._hand_on(session, kept, each)
         if count % n:
@@ -251,7 +262,7 @@ class ManyRun:
         self._merge(session, ran)
 
     def _hand_on(
-        self, session: Session, kept: list[tuple[LensReport, PromptLine]], each: EachFn | None
+        self, session: Session, kept: list[tuple[LensReport, PromptLine]], each: OnReport | None
     ) -> None:
         """A round's reports, and the states saved, handed to rank 0."""
         _hand_on(session, kept, each)
@@ -303,7 +314,7 @@ class ManyRun:
         o = self.opened
         around = (o.before, o.after)
         report = lens_report(o.name, o.tokenizer, o.model, out.result, ask, prompt, around)
-        return report if self.through is None else tuned_report(report, self.through[1])
+        return report if self.through is None else tuned_report(report, self.through.described)
 
     def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         """The per-layer statistics of every prompt run so far."""
@@ -326,11 +337,11 @@ class ManyRun:
         if self.through is None:
             return summary
         logit = None if self.logit is None else self.logit[1].summary()
-        return tuned_summary(summary, self.through[1], logit)
+        return tuned_summary(summary, self.through.described, logit)
 
 
 def _hand_on(
-    session: Session, kept: list[tuple[LensReport, PromptLine]], each: EachFn | None
+    session: Session, kept: list[tuple[LensReport, PromptLine]], each: OnReport | None
 ) -> None:
     """The reports of a round of windows, gathered on rank 0 and handed to `each` there, in
     input order (the round's windows are in rank order)."""

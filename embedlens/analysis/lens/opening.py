@@ -47,7 +47,7 @@ class Opened:
 
 
 @contextmanager
-def ready(
+def open_model(
     model: object,
     tokenizer: Any,
     loading: Load | dict[str, bool],

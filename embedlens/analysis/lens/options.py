@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from embedlens.errors import UsageError
+from embedlens.options import LoadOptions
 
 DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequential")
 LayerItem = int | tuple[int | None, int | None, int | None]
@@ -137,20 +138,13 @@ def many(
     return ManyAsk(items, parse_positions(position), top_k, switches, skip_bad, template)
 
 
-def load_options(
-    revision: str | None,
-    dtype: str,
-    device: str,
-    device_map: str | None,
-    max_memory: Mapping[int | str, int | str] | str | None,
-    offload_folder: str | os.PathLike[str] | None,
-    trust_remote_code: bool,
-) -> Load:
+def load_options(load: LoadOptions) -> Load:
     """How to load the model, checked before any file is read."""
     from embedlens.model.loading import check_device, check_dtype
 
-    check_dtype(dtype)
-    check_device(device)
+    check_dtype(load.dtype)
+    check_device(load.device)
+    device_map, max_memory, offload_folder = load.device_map, load.max_memory, load.offload_folder
     if device_map is None and (max_memory is not None or offload_folder is not None):
         raise UsageError("--max-memory and --offload-folder only apply with --device-map")
     if device_map is not None and device_map not in DEVICE_MAPS:
@@ -161,35 +155,14 @@ def load_options(
     folder = None if offload_folder is None else Path(offload_folder)
     check_offload_folder(folder)
     return Load(
-        revision,
-        dtype,
-        device,
+        load.revision,
+        load.dtype,
+        load.device,
         device_map,
         None if memory is None else dict(memory),
         folder,
-        trust_remote_code,
+        load.trust_remote_code,
     )
-
-
-def loading_given(
-    revision: str | None,
-    dtype: str,
-    device: str,
-    device_map: str | None,
-    max_memory: object,
-    offload_folder: object,
-    trust_remote_code: bool,
-) -> dict[str, bool]:
-    """Which loading options differ from their defaults (refused with a model already loaded)."""
-    return {
-        "revision": revision is not None,
-        "dtype": dtype != "float32",
-        "device": device != "cpu",
-        "device_map": device_map is not None,
-        "max_memory": max_memory is not None,
-        "offload_folder": offload_folder is not None,
-        "trust_remote_code": trust_remote_code,
-    }
 
 
 def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:

@@ -30,7 +30,7 @@ class Prompt:
     says so if the model ranks it higher at the position read."""
 
 
-def prepare(ask: Ask, tokenizer: Any, config: PretrainedConfig | None, template: str) -> Prompt:
+def make_prompt(ask: Ask, tokenizer: Any, config: PretrainedConfig | None, template: str) -> Prompt:
     """Tokenise the prompt, find the target, and check both fit the model (before any weight
     is read). `template` names the model's chat template in messages."""
     own = None if ask.template is None else ask.template[0]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from embedlens.analysis.lens import options
+from embedlens.analysis.lens import options as checks
 from embedlens.errors import NumericError, UsageError
+from embedlens.options import LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -27,19 +27,13 @@ if TYPE_CHECKING:
 
 
 def lens_states(
-    model: str | os.PathLike[str],
+    model: str | os.PathLike[str] | LoadOptions,
     states: str | os.PathLike[str],
     *,
-    layers: str | Sequence[int] | None = None,
-    top_k: int = 5,
-    position: int | str = -1,
-    target: str | None = None,
     state_layers: str | None = None,
-    grid: bool = False,
-    revision: str | None = None,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    tuned: str | os.PathLike[str] | None = None,
+    load: LoadOptions | None = None,
+    options: LensOptions | None = None,
+    **keywords: Any,
 ) -> StatesLensReport:
     """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
     connector's, or `lens --save-states`'s), decoded with `model`'s own final norm, head and
@@ -47,29 +41,63 @@ def lens_states(
 
     state_layers: which layers a file that does not say holds ('1,2,3,4' or '1:5'; layer i is
         the input of block i, vLLM's `eagle_aux_hidden_state_layer_ids`).
-    The other options are `lens`'s; layers the file lacks are not shown. The report's `states`
-    says where the states came from and whether the self-check was made: only a file with the
-    model's own logits (embedlens') and its last layer can be checked.
+    load, options: as `lens` takes them (or their fields as keywords); of `LoadOptions`,
+        `revision`, `dtype` and `trust_remote_code` apply (it decodes on the CPU); of
+        `LensOptions`, `layers`, `top_k`, `position`, `target`, `grid` and `tuned`. Layers the
+        file lacks are not shown. The report's `states` says where the states came from and
+        whether the self-check was made: only a file with the model's own logits (embedlens')
+        and its last layer can be checked.
     """
+    from embedlens.analysis.lens import given
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
-    options.check_top_k(top_k)
-    items = None if layers is None else options.layer_items(layers)
-    pos = options.parse_position(position) if isinstance(position, (int, str)) else position
+    name, load = given.model_and_load(model, load, keywords)
+    asked = given.lens_options("lens_states", options, keywords)
+    _applies(load, asked)
+    checks.check_top_k(asked.top_k)
+    items = None if asked.layers is None else checks.layer_items(asked.layers)
+    position = asked.position
+    pos = checks.parse_position(position) if isinstance(position, (int, str)) else position
     if not isinstance(pos, int) and pos is not None:
         raise UsageError("a list of positions applies only with prompts=")
-    check_dtype(dtype)
+    check_dtype(load.dtype)
     lens_dir = None
-    if tuned is not None:
+    if asked.tuned is not None:
         from embedlens.analysis.tune.use import open_tuned
 
-        lens_dir = open_tuned(tuned)
+        lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
-    name = os.fspath(model)
     chat = file.metadata.get("chat")
-    ask = options.Ask("", chat, {}, items, pos, top_k, target, grid or pos is None)
-    return _run(name, revision, dtype, trust_remote_code, file, ask, lens_dir)
+    ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
+                      asked.grid or pos is None)  # fmt: skip
+    return _run(os.fspath(name), load.revision, load.dtype, load.trust_remote_code, file, ask,
+                lens_dir)  # fmt: skip
+
+
+_NOT_APPLIED = {
+    "device": "it decodes on the CPU",
+    "device_map": "it decodes on the CPU",
+    "max_memory": "it decodes on the CPU",
+    "offload_folder": "it decodes on the CPU",
+    "chat": "the file holds the ids",
+    "no_thinking": "the file holds the ids",
+    "template_args": "the file holds the ids",
+    "chat_template": "the file holds the ids",
+    "skip_bad": "one file, one run",
+    "threshold": "no other model",
+    "compare_logit": "one file, one run",
+}
+"""The options `lens_states` does not take, and why."""
+
+
+def _applies(load: LoadOptions, asked: LensOptions) -> None:
+    """Refuse an option `lens_states` does not take (given other than its default)."""
+    given = {**load.given(), **{f: getattr(asked, f) != getattr(LensOptions(), f)
+                                for f in _NOT_APPLIED if hasattr(asked, f)}}  # fmt: skip
+    for name, why in _NOT_APPLIED.items():
+        if given.get(name):
+            raise UsageError(f"{name} does not apply to lens_states ({why})")
 
 
 def _run(
@@ -78,7 +106,7 @@ def _run(
     dtype: str,
     trust: bool,
     file: StatesFile,
-    ask: options.Ask,
+    ask: checks.Ask,
     lens_dir: Any,
 ) -> StatesLensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
@@ -103,7 +131,7 @@ def _run_on(
     dtype: str,
     trust: bool,
     file: StatesFile,
-    ask: options.Ask,
+    ask: checks.Ask,
     lens_dir: Any,
 ) -> StatesLensReport:
     """`_run` once the model's files are found."""
@@ -177,7 +205,7 @@ def _check_ids(file: StatesFile, ids: list[int], config: Any, tokenizer_size: in
         )
 
 
-def _prompt(tokenizer: Any, ids: list[int], ask: options.Ask, file: StatesFile) -> Prompt:
+def _prompt(tokenizer: Any, ids: list[int], ask: checks.Ask, file: StatesFile) -> Prompt:
     """The prompt as the file's ids give it (its text from embedlens' metadata, else decoded)."""
     from embedlens.analysis.lens.prompt import Prompt, position_index, target_token
 
@@ -191,9 +219,9 @@ def _prompt(tokenizer: Any, ids: list[int], ask: options.Ask, file: StatesFile) 
     return Prompt(text, ids, index, target_id, [], alternative)
 
 
-def _shown(ask: options.Ask, n_layers: int, file: StatesFile) -> list[int]:
+def _shown(ask: checks.Ask, n_layers: int, file: StatesFile) -> list[int]:
     """The layers asked for that the file holds."""
-    asked = options.resolve_layers(ask.layers, n_layers)
+    asked = checks.resolve_layers(ask.layers, n_layers)
     shown = [layer for layer in asked if layer in file.layers]
     if not shown:
         held = ", ".join(str(layer) for layer in sorted(file.layers))
@@ -212,10 +240,10 @@ def _decoder(
     own = ModelDecoder(tail.model, tail.blocks, dummy_id=int(ids[0]))
     if lens_dir is None:
         return own, None
-    from embedlens.analysis.tune.use import ready
+    from embedlens.analysis.tune.use import tuned_through
 
-    wrap, described = ready(lens_dir, tail.model, tokenizer)
-    return wrap(own), described
+    through = tuned_through(lens_dir, tail.model, tokenizer)
+    return through.wrap(own), through.described
 
 
 def _decode(
@@ -225,7 +253,7 @@ def _decode(
     shown: list[int],
     positions: list[int],
     index: int,
-    ask: options.Ask,
+    ask: checks.Ask,
     target: int | None,
     real_vocab: int,
 ) -> LensResult:
@@ -324,7 +352,7 @@ def _rows(file: StatesFile, layer: int, positions: list[int]) -> torch.Tensor:
 def _reduce(
     where: list[tuple[int, int]],
     logits: torch.Tensor,
-    ask: options.Ask,
+    ask: checks.Ask,
     index: int,
     real_vocab: int,
     target: int | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from embedlens.analysis.tune import options
 from embedlens.analysis.tune.data import Sequences, read_sequences
 from embedlens.errors import UsageError
+from embedlens.options import LoadOptions, no_other_keywords
 
 FORMAT_VERSION = 1
 """The version of the `embedlens` object of a lens folder's config.json."""
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.tune.run import Fitted, Progress
+    from embedlens.analysis.tune.run import Fitted
+    from embedlens.progress import Progress
     from embedlens.reports.tune import TuneReport
 
 
@@ -46,12 +49,12 @@ class Plan:
 
 
 def tune(
-    model: str | os.PathLike[str] | nn.Module,
+    model: str | os.PathLike[str] | nn.Module | LoadOptions,
     data: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    eval: str | os.PathLike[str] | None = None,  # the --eval option's name
+    eval_data: str | os.PathLike[str] | None = None,
     seq_len: int | None = None,
     tokens: int = options.TOKENS,
     eval_tokens: int = options.EVAL_TOKENS,
@@ -61,58 +64,75 @@ def tune(
     method: str = "kl",
     seed: int = 0,
     progress: Progress | None = None,
-    revision: str | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    trust_remote_code: bool = False,
+    load: LoadOptions | None = None,
     dist_backend: str = "auto",
+    **keywords: Any,
 ) -> TuneReport:
     """Fit a tuned lens (an affine translator per layer, decoded by the model's own final norm
     and head) and write it to the folder `out`; the report holds its held-out evaluation.
 
     data: a UTF-8 text file (documents separated by blank lines) or JSON Lines with a `text`
-        field, read as far as `tokens` (plus `eval_tokens` held out at its tail without `eval`).
+        field, read as far as `tokens` (plus `eval_tokens` held out at its tail without
+        `eval_data`, the held-out text's own file: --eval; formerly `eval`, deprecated).
     method: 'kl' (least squares, then tuned-lens's KL refinement on `refine_tokens` of the
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
-    progress: called as `progress(phase, done, total, detail)` as work advances.
+    progress: called as `progress(stage, done, total, unit, detail)` as work advances
+        (`embedlens.progress.Progress`): 'fitting' and 'evaluating' count tokens, 'refining'
+        steps (the detail: the KL of bands of layers).
+    load: `LoadOptions` (or its fields as keywords, `dtype=`...); it loads on one device.
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): each rank fits and evaluates every WORLD_SIZE-th sequence, the sums are
         added over ranks, each refinement step's rows are split between them and its gradients
         summed; rank 0 writes the folder, every rank returns the report.
-    The loading options are `lens`'s; a loaded model (with its `tokenizer`) runs as it is.
+    A loaded model (with its `tokenizer`) runs as it is.
     """
-    from embedlens.analysis.lens import options as lens_options
+    from embedlens.analysis.lens import given
+    from embedlens.analysis.torchrun import split_session
+    from embedlens.progress import progress_of
 
-    session = _joined(dist_backend, device)
+    eval_data = _eval_data(eval_data, keywords)
+    model, load = given.model_and_load(model, load, keywords)
+    no_other_keywords("tune", keywords)
+    shown = progress_of(progress, "tune")
+    session = split_session(dist_backend, load.device)
     with nullcontext() if session is None else session.guarded():
-        ask = options.ask(data, out, eval, seq_len, tokens, eval_tokens,
+        ask = options.ask(data, out, eval_data, seq_len, tokens, eval_tokens,
                           (refine_tokens, steps, lr), method, seed)  # fmt: skip
-        given = (revision, dtype, device, None, None, None, trust_remote_code)
-        loading: Any = (
-            lens_options.load_options(*given)
-            if isinstance(model, (str, os.PathLike))
-            else lens_options.loading_given(*given)
-        )
+        _one_device(load)
+        loading = given.loading(model, load)
 
         def check(tok: Any, config: Any, _template: str) -> Plan:
             return plan(ask, tok, config)
 
         with _opened(model, tokenizer, loading, check) as (opened, the_plan):
-            fitted = _run(opened, ask, the_plan, progress, session)
-            return _write(opened, ask, the_plan, fitted, revision, session)
+            fitted = _run(opened, ask, the_plan, shown, session)
+            return _write(opened, ask, the_plan, fitted, load.revision, session)
 
 
-def _joined(backend: str, device: str) -> Session | None:
-    """Under torchrun (WORLD_SIZE above 1): this process's part of the run, the process group
-    joined; None alone (`analysis.dist` unimported)."""
-    from embedlens.runtime import world
+def _eval_data(
+    eval_data: str | os.PathLike[str] | None, keywords: dict[str, Any]
+) -> str | os.PathLike[str] | None:
+    """`eval_data`, or its former name `eval` (deprecated: it shadows the builtin)."""
+    if "eval" not in keywords:
+        return eval_data
+    old = keywords.pop("eval")
+    if eval_data is not None:
+        raise UsageError("give eval_data= alone (eval= is its former name)")
+    warnings.warn(
+        "tune(eval=...) is deprecated: the held-out text's file is now eval_data=",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old  # type: ignore[no-any-return]
 
-    if world()[1] == 1:
-        return None
-    from embedlens.analysis import dist
 
-    return dist.join(backend, device)
+def _one_device(load: LoadOptions) -> None:
+    """tune loads the model on one device: what spreads it over several is refused."""
+    spread = [name for name in ("device_map", "max_memory", "offload_folder")
+              if getattr(load, name) is not None]  # fmt: skip
+    if spread:
+        raise UsageError(f"tune loads the model on one device: {', '.join(spread)} do not apply")
 
 
 CHECKED_TEXTS = 8
@@ -141,12 +161,12 @@ def plan(ask: options.TuneAsk, tokenizer: Any, config: Any) -> Plan:
 
     n_fit, n_eval = ask.tokens // seq_len, ask.eval_tokens // seq_len
     notes = [] if note is None else [note]
-    if ask.eval is None:
+    if ask.eval_file is None:
         stream = read_sequences(ask.data, tokenize, sep, seq_len, n_fit + n_eval)
         fit, held_out = _split(stream, n_fit, n_eval, ask, notes)
     else:
         fit = read_sequences(ask.data, tokenize, sep, seq_len, n_fit)
-        held_out = read_sequences(ask.eval, tokenize, sep, seq_len, n_eval, "--eval")
+        held_out = read_sequences(ask.eval_file, tokenize, sep, seq_len, n_eval, "--eval")
         for what, got, want in (("--data", fit, n_fit), ("--eval", held_out, n_eval)):
             _enough(what, got, want, seq_len, notes)
     refine, check = _refine_share(fit, ask)
@@ -273,7 +293,7 @@ def _write(
         refined_layers=None if fitted.refined is None else fitted.refined.refined_layers,
         lr=ask.lr,
         seed=ask.seed,
-        eval=str(ask.eval) if ask.eval is not None else f"the tail of {ask.data}",
+        eval=str(ask.eval_file) if ask.eval_file is not None else f"the tail of {ask.data}",
         eval_tokens=held.tokens,
         eval_bytes=sum(held.text_bytes),
         num_layers=fitted.translators.num_layers,

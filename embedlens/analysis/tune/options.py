@@ -35,7 +35,7 @@ class TuneAsk:
 
     data: Path
     out: Path
-    eval: Path | None
+    eval_file: Path | None
     seq_len: int | None
     """None: SEQ_LEN, or the model's context when shorter."""
     tokens: int

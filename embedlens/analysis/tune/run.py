@@ -10,7 +10,7 @@ for the run (only the translators learn) and their flags restored after.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,14 +29,13 @@ from embedlens.analysis.tune.evaluate import evaluate, layer_kl
 from embedlens.analysis.tune.fit import LeastSquares
 from embedlens.analysis.tune.refine import Recipe, refine
 from embedlens.errors import UnsupportedError
+from embedlens.progress import no_progress
 from embedlens.reports.tune import TuneLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
+    from embedlens.progress import Progress
 
-Progress = Callable[[str, int, int, str], None]
-"""Called as work advances: (phase, done, total, detail), phase 'fitting' (tokens), 'refining'
-(steps, the KL of layer bands in the detail) or 'evaluating' (held-out sequences)."""
 BANDS = 3
 """Layer bands whose mean KL the refinement's progress shows."""
 KEEP_MARGIN = 1e-4
@@ -83,7 +82,7 @@ class Tuning:
         self.session = session
         self.blocks = find_blocks(model)
         self.n_layers = len(self.blocks.modules)
-        self.progress = progress or (lambda phase, done, total, detail: None)
+        self.progress: Progress = progress or no_progress
         self.own: ModelDecoder | None = None
         self.vocab_rows = 0
         self._counts: dict[str, int] = {}
@@ -110,7 +109,7 @@ class Tuning:
                 if stats is None:
                     stats = self._sums(cap.residual)
                 stats.add(cap.residual)
-            self.progress("fitting", self._done("fitting", data.seq_len), data.tokens, "")
+            self.progress("fitting", self._done("fitting", data.seq_len), data.tokens, "tokens")
         if self.session is not None:
             if self.own is None:  # a process without a sequence of its own
                 with torch.inference_mode(), self.threads(len(data.ids[0])):
@@ -205,7 +204,7 @@ class Tuning:
             shown = ", ".join(
                 f"{lo}-{hi} {sum(kls[lo : hi + 1]) / (hi - lo + 1):.3f}" for lo, hi in bands
             )
-            self.progress("refining", step, steps, f"KL by layers {shown}")
+            self.progress("refining", step, steps, "steps", f"KL by layers {shown}")
 
         with _frozen(self.model):
             return refine(
@@ -219,7 +218,9 @@ class Tuning:
         tuned = TunedDecoder(self.own, translators)
 
         def on_sequence(done: int, total: int) -> None:
-            self.progress("evaluating", self._done("evaluating", data.seq_len), data.tokens, "")
+            self.progress(
+                "evaluating", self._done("evaluating", data.seq_len), data.tokens, "tokens"
+            )
 
         return evaluate(
             self.model, self.blocks, self.own, tuned, data, on_sequence, threads=self.threads,

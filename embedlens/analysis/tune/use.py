@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.tune.folder import LensFolder, load_translators, open_folder
@@ -18,8 +19,16 @@ if TYPE_CHECKING:
 
 Wrap = Callable[["Decoder"], "Decoder"]
 """Builds the lens's decoder on the model's own."""
-Through = tuple[Wrap, TunedLens]
-"""The tuned lens ready for the engine: its decoder maker, and what reports say of it."""
+
+
+@dataclass(frozen=True)
+class Through:
+    """The tuned lens ready for the engine: its decoder maker, and what reports say of it."""
+
+    wrap: Wrap
+    """Builds the tuned lens's decoder on the model's own."""
+    described: TunedLens
+    """What reports say of the lens (`tuned_report`, `tuned_summary`)."""
 
 
 def open_tuned(path: str | os.PathLike[str]) -> LensFolder:
@@ -32,7 +41,7 @@ def before_load(lens: LensFolder, config: Any) -> None:
     check_config(lens, config)
 
 
-def ready(lens: LensFolder, model: nn.Module, tokenizer: Any) -> Through:
+def tuned_through(lens: LensFolder, model: nn.Module, tokenizer: Any) -> Through:
     """The decoder maker and the report's description of the lens, once the lens is checked
     against the loaded model (its blocks, its decoder's weights, its vocabulary)."""
     from embedlens.analysis.lens.blocks import find_blocks
@@ -50,4 +59,4 @@ def ready(lens: LensFolder, model: nn.Module, tokenizer: Any) -> Through:
         base_model=lens.base_model,
         num_layers=lens.num_layers,
     )
-    return wrap, described
+    return Through(wrap, described)

@@ -1,0 +1,107 @@
+"""What a call of `lens`, `lens_prompts` or `tune` was given, made into its option objects: the
+model (its files, or loaded), `LoadOptions` and `LensOptions`, and, with `against`, the pair.
+
+Keyword arguments build the objects (`embedlens.options.options_from`); a field given both as a
+keyword and in `load=`/`options=` is refused, as is a keyword neither object has.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from embedlens.analysis.lens import options as checks
+from embedlens.errors import UsageError
+from embedlens.options import LensOptions, LoadOptions, no_other_keywords, options_from
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.pairing import Pair
+
+Loading = checks.Load | dict[str, bool]
+"""How to load a model named by its files (checked), or for a model given loaded, which loading
+options were given (it refuses them)."""
+
+
+def model_and_load(
+    model: object, load: LoadOptions | None, keywords: dict[str, Any]
+) -> tuple[Any, LoadOptions]:
+    """The model (its files, or loaded) and how to load it: `model` may be a `LoadOptions` with
+    its `source`; `load=` and the loading keywords build the rest."""
+    if isinstance(model, LoadOptions):
+        if load is not None:
+            raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
+        if model.source is None:
+            raise UsageError("LoadOptions given as the model need its source")
+        load, model = model, model.source
+    load = options_from(LoadOptions, load, keywords)
+    if load.source is not None:
+        named = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        if named != os.fspath(load.source):
+            raise UsageError(
+                "load= names another model than the one given: leave its source out, or give "
+                "it as the model"
+            )
+    return model, load
+
+
+def lens_options(
+    function: str, options: LensOptions | None, keywords: dict[str, Any]
+) -> LensOptions:
+    """The lens's options: `options=` with the keywords of its fields set on it; any keyword
+    left over is refused as Python refuses an unknown one."""
+    asked = options_from(LensOptions, options, keywords)
+    no_other_keywords(function, keywords)
+    return asked
+
+
+def on_report_of(function: str, on_report: Any, keywords: dict[str, Any]) -> Any:
+    """`on_report`, or the former name of the same callback, `each` (deprecated)."""
+    if "each" not in keywords:
+        return on_report
+    each = keywords.pop("each")
+    if on_report is not None:
+        raise UsageError("give on_report= alone (each= is its former name)")
+    warnings.warn(
+        f"{function}(each=...) is deprecated: the callback is now named on_report=",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return each
+
+
+def loading(model: object, load: LoadOptions) -> Loading:
+    """How to load a model named by its files, checked; for a model already loaded, which
+    loading options were given (it refuses them)."""
+    if isinstance(model, (str, os.PathLike)):
+        return checks.load_options(load)
+    return load.given()
+
+
+def models(
+    model: object,
+    tokenizer: Any,
+    load: LoadOptions,
+    against: object,
+    against_tokenizer: Any,
+    against_revision: str | None,
+    threshold: float | None,
+) -> tuple[Loading, Pair | None]:
+    """How to load the model (`loading`), and with `against` the pair: B loads as A does, but
+    for its revision (a loaded B refuses that alone)."""
+    a_loading = loading(model, load)
+    limit = checks.check_threshold(threshold, against)
+    if against is None:
+        if against_tokenizer is not None or against_revision is not None:
+            raise UsageError("--against-revision and against_tokenizer apply only with --against")
+        return a_loading, None
+    from dataclasses import replace
+
+    from embedlens.analysis.lens.pairing import Pair, Side
+
+    if isinstance(against, (str, os.PathLike)):
+        b_loading = loading(against, replace(load, source=None, revision=against_revision))
+    else:
+        b_loading = LoadOptions(revision=against_revision).given()
+    a, b = Side(model, tokenizer, a_loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]
+    return a_loading, Pair(a, b, limit)

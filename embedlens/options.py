@@ -1,0 +1,122 @@
+"""What a caller chooses, as objects: how to load a model (`LoadOptions`) and what the lens is
+asked (`LensOptions`).
+
+`lens`, `lens_prompts`, `lens_states` and `tune` take them as `load=` and `options=`; their
+keyword arguments of the same names build them (`options_from`). A field is added here alone:
+the functions route keywords by these fields, and the command line builds the objects from its
+options of the same names. Nothing is checked on construction: each function checks what it is
+given in its own order, before any file is read, so that a mistake is named as the command line
+names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from embedlens.errors import UsageError
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How to load a model from its files (a model given loaded takes none of them)."""
+
+    source: PathLike | None = None
+    """The model's files: a hub id (REPO:FILE.gguf for a GGUF in it), a folder or a .gguf file;
+    None: the function's `model` argument."""
+    revision: str | None = None
+    """Hub revision: branch, tag or commit."""
+    dtype: str = "float32"
+    """'float32', 'bfloat16', 'float16' or 'auto' (the checkpoint's)."""
+    device: str = "cpu"
+    """'cpu', 'cuda', 'mps' or 'auto'."""
+    device_map: str | None = None
+    """'auto', 'balanced', 'balanced_low_0' or 'sequential': the model over several devices."""
+    max_memory: Mapping[int | str, int | str] | str | None = None
+    """With `device_map`: memory per device, as a dict or as 'cpu=8GiB,0=20GiB'."""
+    offload_folder: PathLike | None = None
+    """With `device_map`: where weights that fit nowhere go (a temporary folder by default)."""
+    trust_remote_code: bool = False
+    """Allow a model's own code to run."""
+
+    def given(self) -> dict[str, bool]:
+        """Which options differ from their defaults (`source` aside): a model given loaded
+        refuses them."""
+        return {
+            f.name: getattr(self, f.name) != f.default
+            for f in dataclasses.fields(self)
+            if f.name != "source"
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class LensOptions:
+    """What the lens is asked, on one prompt (`lens`) or many (`lens_prompts`)."""
+
+    layers: str | Sequence[int] | None = None
+    """'0,4,8', '20:', '0:10:2' or a list of layers (0 = the embedding output); all by default."""
+    top_k: int = 5
+    """Predictions per layer."""
+    position: int | str | Sequence[int] = -1
+    """The token position read (-1 = the last), 'all' for the layer x position grid, or (many
+    prompts) a list of positions."""
+    target: str | None = None
+    """A token whose probability and rank are followed at every layer (one prompt)."""
+    chat: str | None = None
+    """A user message to apply the chat template to; the prompt then starts the answer (one
+    prompt; many prompts give it on each line)."""
+    no_thinking: bool = False
+    """With a chat message: enable_thinking=False for the template."""
+    template_args: Mapping[str, Any] | Sequence[str] | None = None
+    """More template variables, as a dict or as 'KEY=VALUE' strings."""
+    chat_template: PathLike | None = None
+    """The chat template used instead of the tokenizer's: a str is its Jinja text, a Path (any
+    os.PathLike) a file holding it."""
+    grid: bool = False
+    """The layer x position grid even when one position is read (for a heatmap; one prompt)."""
+    skip_bad: bool = False
+    """Many prompts: skip (and count) bad prompts instead of stopping at the first."""
+    threshold: float | None = None
+    """With `against`: the KL (nats) above which a layer counts as divergent."""
+    tuned: PathLike | None = None
+    """A lens folder (`tune`'s or tuned-lens's): each layer but the last read through it."""
+    compare_logit: bool = False
+    """Many prompts, with `tuned`: the logit lens's statistics over the same prompts too."""
+
+
+Options = TypeVar("Options", LoadOptions, LensOptions)
+
+LOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(LoadOptions)) - {"source"}
+LENS_FIELDS = frozenset(f.name for f in dataclasses.fields(LensOptions))
+
+
+def options_from(kind: type[Options], given: Options | None, keywords: dict[str, Any]) -> Options:
+    """`given` (or the defaults) with the keyword arguments of `kind`'s fields taken out of
+    `keywords` set on it; a field given both ways is refused."""
+    mine = {name: keywords.pop(name) for name in list(keywords) if name in _fields(kind)}
+    if given is None:
+        return kind(**mine)
+    if not isinstance(given, kind):
+        raise UsageError(f"expected {kind.__name__}, not {type(given).__name__}")
+    both = sorted(name for name in mine if getattr(given, name) != getattr(kind(), name))
+    if both:
+        what = "load=" if kind is LoadOptions else "options="
+        raise UsageError(f"{', '.join(both)} given both in {what} and as a keyword: give it once")
+    return dataclasses.replace(given, **mine) if mine else given
+
+
+def no_other_keywords(function: str, keywords: dict[str, Any]) -> None:
+    """What is left of the keyword arguments once the options took theirs: refused as Python
+    refuses an unknown keyword argument."""
+    if keywords:
+        name = next(iter(keywords))
+        raise TypeError(f"{function}() got an unexpected keyword argument '{name}'")
+
+
+def _fields(kind: type[LoadOptions] | type[LensOptions]) -> frozenset[str]:
+    return LOAD_FIELDS if kind is LoadOptions else LENS_FIELDS
