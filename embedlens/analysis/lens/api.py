@@ -20,6 +20,7 @@ from embedlens.analysis.lens.many import EachFn
 from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import ready
 from embedlens.analysis.lens.prompt import prepare
+from embedlens.analysis.lens.site_report import check_sites, sites_report
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     threshold: float | None = None,
     tuned: str | os.PathLike[str] | None = None,
     save_states: str | os.PathLike[str] | None = None,
+    site: str | Sequence[str] | None = None,
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -101,6 +103,8 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
     tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
     save_states: a file for every layer's residual stream at every position (`lens_states`).
+    site: 'resid' (the default), 'resid_mid', 'attn_out', 'mlp_out', or several ('resid_mid,resid'
+        or a list): rows inside each block, interleaved (a `LensSitesReport`; docs/lens.md).
 
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
@@ -112,7 +116,8 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
     save = _saving(save_states, revision, pair, tuned, against)
-    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save)
+    sites = _sites(site, tuned, against)
+    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save, sites)
 
 
 def _saving(
@@ -138,8 +143,10 @@ def _one_prompt(
     target: str | None,
     tuned: str | os.PathLike[str] | None,
     save: tuple[str | os.PathLike[str], str | None] | None = None,
+    sites: tuple[str, ...] = ("resid",),
 ) -> LensReport:
-    """One prompt through the engine (a pair's, or through a tuned lens), and its report."""
+    """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
+    the sites inside the blocks, `sites`)."""
     loading, pair = models
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
@@ -150,7 +157,8 @@ def _one_prompt(
     with ready(model, tokenizer, loading, check, own_template, target) as (opened, run):
         through = _ready(lens_dir, opened)
         decoder = _tuned_decoder(through, opened, run)
-        report = one_report(opened, ask, run, run_one(opened, ask, run, decoder=decoder))
+        result = run_one(opened, ask, run, decoder=decoder)
+        report = sites_report(one_report(opened, ask, run, result), opened, ask, run, result, sites)
         if save is not None:
             from embedlens.analysis.lens.saving import save_run
 
@@ -354,6 +362,15 @@ def _models(
         )
     a, b = Side(model, tokenizer, loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]
     return loading, Pair(a, b, limit)
+
+
+def _sites(site: str | Sequence[str] | None, tuned: object, against: object) -> tuple[str, ...]:
+    """`site=` checked: the sites asked for, in block order (--tuned reads resid only)."""
+    from embedlens.analysis.lens.site_report import parse_sites
+
+    sites = parse_sites(site)
+    check_sites(sites, tuned)
+    return sites
 
 
 def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:

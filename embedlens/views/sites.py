@@ -1,0 +1,120 @@
+"""How `lens --site` is shown: a row per (layer, site), what each piece does to the lens, the
+check that the pieces add up, then the lens's own self-check."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from embedlens.reports import register_view
+from embedlens.reports.sites import BlockSums, LensSitesReport, SiteGridRow, SiteLayer
+from embedlens.views.format import Sheet, Words, prob, quoted, shown
+from embedlens.views.lens import _render_check, _runners_up
+
+GAINED_SHOWN = 3
+"""Tokens a piece raised most that its row shows."""
+
+
+def row_label(row: SiteLayer | SiteGridRow, num_layers: int) -> str:
+    """`3.attn`, `3.mid`, `3.mlp`, `3`; the embedding and the output named as the lens names
+    them."""
+    label = row.row or str(row.layer)
+    if row.site == "resid" and row.layer == 0:
+        return label + " emb"
+    if row.site == "resid" and row.layer == num_layers:
+        return label + " out"
+    return label
+
+
+def render(r: LensSitesReport) -> RenderableType:
+    """The prompt's tokens, the rows, the grid, the blocks' sums and the self-check."""
+    tokens = Words("tokens: ")
+    for i, t in enumerate(r.tokens):
+        tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
+    read = r.tokens[r.position_index].token
+    title = Words(f"Logit lens inside the blocks of {r.display_model} after ", style="table.title")
+    title.token(read).add(f" (position {r.position_index}, {r.dtype}; sites {', '.join(r.sites)})")
+    parts: list[RenderableType] = [tokens, _table(r, title)]
+    if r.grid is not None:
+        parts.append(_grid(r))
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    parts.append(_render_check(r))
+    return Group(*parts)
+
+
+def _table(r: LensSitesReport, title: Words) -> Sheet:
+    table = Sheet(title=title)
+    table.add_column("row", justify="right", no_wrap=True)
+    table.add_column("read", no_wrap=True)
+    table.add_column("top-1", no_wrap=True)
+    table.add_column("p", justify="right", no_wrap=True)
+    if r.layers and len(r.layers[0].top) > 1:
+        table.add_column("next")
+    if r.target is not None:
+        table.add_column(Words("p(").token(r.target.token).add(")"), justify="right")
+        table.add_column("rank", justify="right", no_wrap=True)
+    pieces = any(isinstance(row, SiteLayer) and row.change is not None for row in r.layers)
+    if pieces:
+        table.add_column("change: KL", justify="right", no_wrap=True)
+        table.add_column("gained")
+    for row in r.layers:
+        assert isinstance(row, SiteLayer)
+        best = row.top[0]
+        cells: list[Text | str] = [row_label(row, r.num_layers), row.decoded, quoted(best.token)]
+        cells.append(prob(best.prob, best.logprob))
+        if len(row.top) > 1:
+            cells.append(_runners_up(row.top[1:]))
+        if r.target is not None:
+            at = row.target
+            cells += ["", ""] if at is None else [prob(at.prob, at.logprob), str(at.rank)]
+        if pieces:
+            cells += _change_cells(row)
+        table.add_row(*cells, end_section=row.site == "resid")
+    return table
+
+
+def _change_cells(row: SiteLayer) -> list[Text | str]:
+    if row.change is None:
+        return ["", ""]
+    gained = Words()
+    for g in row.change.gained[:GAINED_SHOWN]:
+        gained.keep(quoted(g.token).add(f" {g.delta_logprob:+.2f}", style="dim")).add("  ")
+    return [f"{row.change.kl:.3g}", gained]
+
+
+def _grid(r: LensSitesReport) -> Sheet:
+    assert r.grid is not None
+    grid = Sheet(title="Top-1 at every row (layer and site) and position (columns)")
+    grid.add_column("row", justify="right", no_wrap=True)
+    for cell in r.grid[0].cells:
+        grid.add_column(quoted(r.tokens[cell.position].token), justify="left")
+    for row in r.grid:
+        label = row_label(row, r.num_layers) if isinstance(row, SiteGridRow) else str(row.layer)
+        cells = (
+            quoted(c.token).add(f" {prob(c.prob, c.logprob, 2)}", style="dim") for c in row.cells
+        )
+        grid.add_row(label, *cells)
+    return grid
+
+
+def sums_line(s: BlockSums) -> Text:
+    """The check that every block's pieces add up."""
+    line = Text("✓ ", style="green")
+    how = (
+        "input + attn_out + mlp_out = output"
+        if s.structure == "parallel"
+        else "input + attn_out = resid_mid, resid_mid + mlp_out = output"
+    )
+    line.append_text(
+        shown(
+            f"pieces add up in every block ({s.structure}: {how}; max |Δ| = "
+            f"{s.max_abs_error:.2g} ≤ {s.tolerance:.2g}). attn_out: {s.attn}'s output; "
+            f"mlp_out: {s.mlp}'s output. 'direct': the piece alone through the final steps; "
+            "change: KL(lens after the piece ‖ before) and the tokens it raised most."
+        )
+    )
+    return line
+
+
+register_view(LensSitesReport, render)
