@@ -45,7 +45,8 @@ EXAMPLES = (
     "  $ embedlens lens ./base --prompts prompts.jsonl --against ./instruct --plot kl.png\n\n"
     "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl\n\n"
     '  $ embedlens lens ./big-model "Hello" --save-states hello.safetensors\n\n'
-    "  $ embedlens lens ./big-model --states hello.safetensors --position all"
+    "  $ embedlens lens ./big-model --states hello.safetensors --position all\n\n"
+    '  $ embedlens lens ./my-model "The capital of France is" --site attn_out,mlp_out,resid'
 )
 
 DtypeLensOpt = Annotated[
@@ -215,6 +216,17 @@ SaveStatesOpt = Annotated[
     ),
 ]
 
+SiteOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--site",
+        metavar="SITES",
+        help="Where in each block to read: resid (the block's output, the default), resid_mid "
+        "(after attention), attn_out, mlp_out (what each adds), or several, comma-separated "
+        "(rows 3.attn, 3.mid, 3.mlp, 3). See docs/lens.md.",
+    ),
+]
+
 DeviceMapOpt = Annotated[
     DeviceMap | None,
     typer.Option(
@@ -275,6 +287,7 @@ def lens(
     states: StatesOpt = None,
     state_layers: StateLayersOpt = None,
     save_states: SaveStatesOpt = None,
+    site: SiteOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -291,7 +304,7 @@ def lens(
                 device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
                 revision=revision, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                 against=against, against_revision=against_revision, threshold=threshold,
-                tuned=tuned)  # fmt: skip
+                tuned=tuned, site=site)  # fmt: skip
     if prompts is not None or prompt is None:
         _many_ready(quiet, debug, device, save_states)
         more = {"skip_bad": skip_bad, "compare_logit": compare_logit, "dist_backend": dist_backend}

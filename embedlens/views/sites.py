@@ -7,7 +7,14 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.sites import BlockSums, LensSitesReport, SiteGridRow, SiteLayer
+from embedlens.reports.sites import (
+    BlockSums,
+    LensSitesReport,
+    LensSitesSummaryReport,
+    SiteGridRow,
+    SiteLayer,
+    SiteStats,
+)
 from embedlens.views.format import Sheet, Words, prob, quoted, shown
 from embedlens.views.lens import _render_check, _runners_up
 
@@ -15,7 +22,7 @@ GAINED_SHOWN = 3
 """Tokens a piece raised most that its row shows."""
 
 
-def row_label(row: SiteLayer | SiteGridRow, num_layers: int) -> str:
+def row_label(row: SiteLayer | SiteGridRow | SiteStats, num_layers: int) -> str:
     """`3.attn`, `3.mid`, `3.mlp`, `3`; the embedding and the output named as the lens names
     them."""
     label = row.row or str(row.layer)
@@ -117,4 +124,38 @@ def sums_line(s: BlockSums) -> Text:
     return line
 
 
+def render_summary(r: LensSitesSummaryReport) -> RenderableType:
+    """The statistics per (layer, site), a piece's change KL beside, and the blocks' sums."""
+    table = Sheet(title=shown(f"Logit lens inside the blocks of {r.display_model} over "
+                              f"{r.n_prompts} prompts ({r.n_positions} positions, {r.dtype})",
+                              "table.title"))  # fmt: skip
+    targets = r.n_targets > 0
+    names = ["KL (nats)", "entropy", "top-1 agrees", "change KL"]
+    names += ["p(target)", "log p(target)", "median rank"] if targets else []
+    table.add_column("row", justify="right", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right")
+    for row in r.layers:
+        assert isinstance(row, SiteStats)
+        cells = [row_label(row, r.num_layers), f"{row.kl:.3f}", f"{row.entropy:.3f}"]
+        cells += [f"{row.top1_agreement:.1%}", _num(row.change_kl, ".3g")]
+        if targets:
+            cells += [_num(row.target_prob, ".3g"), _num(row.target_logprob, ".3f")]
+            cells.append(_num(row.target_rank_median, "g"))
+        table.add_row(*cells, end_section=row.site == "resid")
+    line = (
+        "KL(model's output ‖ row) and the row's entropy in nats; attn_out and mlp_out rows: "
+        "the piece decoded directly, and change KL: the mean KL(lens after it ‖ before it)"
+    )
+    parts: list[RenderableType] = [table, Text(line + ".", style="dim")]
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    return Group(*parts)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 register_view(LensSitesReport, render)
+register_view(LensSitesSummaryReport, render_summary)

@@ -197,6 +197,7 @@ def lens_prompts(
     tuned: str | os.PathLike[str] | None = None,
     compare_logit: bool = False,
     dist_backend: str = "auto",
+    site: str | Sequence[str] | None = None,
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -214,6 +215,7 @@ def lens_prompts(
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `each` is called on
         rank 0 with every prompt's report in input order, every rank returns the summary.
+    site: as `lens`'s; the summary has a row of statistics per (layer, site).
     The other options are `lens`'s.
     """
     from embedlens.model.prompts import PromptSource
@@ -221,6 +223,7 @@ def lens_prompts(
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
     _not_both(tuned, against, compare_logit)
+    sites = _sites(site, tuned, against)
     source = PromptSource.of(prompts)
     session = _joined(dist_backend, device, source, against, device_map)
     with nullcontext() if session is None else session.guarded():
@@ -229,7 +232,7 @@ def lens_prompts(
         asked = (against, against_tokenizer, against_revision, threshold)
         loading, pair = _models(model, tokenizer, loads, *asked)
         return _many(model, tokenizer, (loading, pair), ask, source, each, lens_dir,
-                     compare_logit, session)  # fmt: skip
+                     compare_logit, session, sites)  # fmt: skip
 
 
 def _many(
@@ -242,6 +245,7 @@ def _many(
     lens_dir: LensFolder | None,
     compare_logit: bool,
     session: Session | None,
+    sites: tuple[str, ...] = ("resid",),
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
@@ -263,6 +267,10 @@ def _many(
     with ready(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
         through = _ready(lens_dir, opened)
         run = many.ManyRun(opened, ask, each, through, compare_logit=compare_logit)
+        if sites != ("resid",):
+            from embedlens.analysis.lens.site_many import SiteManyRun
+
+            run = SiteManyRun(opened, ask, each, through).with_sites(sites)
         return run.all(source, n_bad, bad, session)
 
 

@@ -86,7 +86,7 @@ def decode_sites(
                 for key in before_after(piece, layer, pieces):
                     if (key, full) not in wanted:
                         wanted.append((key, full))
-    logits = dict(_decoded(decoder, pieces, wanted, device, vocab))
+    logits = dict(decoded_rows(decoder, pieces, wanted, device, vocab))
     rows: dict[tuple[str, int, int], Top] = {}
     changes: dict[tuple[str, int], Change] = {}
     for layer in job.layers:
@@ -128,7 +128,7 @@ def change(before: torch.Tensor, after: torch.Tensor, k: int, real_vocab: int) -
     return Change(max(kl, 0.0), [(i, float(delta[i]), float(la[i].exp())) for i in ids])
 
 
-def _decoded(
+def decoded_rows(
     decoder: Decoder,
     pieces: Pieces,
     wanted: list[tuple[Key, int]],
