@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from embedlens.reports.lens import GridRow, LensLayer, LensLayerStats, LensReport, LensSummaryReport
+from embedlens.reports.lens_diff import LensPairReport
 
 
 @dataclass(frozen=True)
@@ -87,4 +88,29 @@ class LensSitesSummaryReport(LensSummaryReport):
     """`lens --prompts --site`: a row of statistics per (layer, site)."""
 
     sites: list[str] = field(default_factory=list)
+    block_sums: BlockSums | None = None
+
+
+@dataclass(frozen=True)
+class SiteDiff:
+    """One row inside the blocks of `lens --against --site`: KL(P_A ‖ P_B) in nats at the
+    position read, each model's row through its own decoder, and whether the top-1 agree."""
+
+    layer: int
+    site: str
+    row: str
+    kl: float
+    top1_agree: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class LensSitesPairReport(LensPairReport):
+    """`lens --against --site` on one prompt: the pair report, with `site_diff` row by row in
+    block order, the first row past the threshold (`parts_at`, e.g. '3.mid') and what it
+    blames (`parts_in`: 'the attention of block 3', 'the MLP of block 3' or 'block 3')."""
+
+    sites: list[str] = field(default_factory=list)
+    site_diff: list[SiteDiff] = field(default_factory=list)
+    parts_at: str | None = None
+    parts_in: str | None = None
     block_sums: BlockSums | None = None

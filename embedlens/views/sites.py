@@ -9,6 +9,7 @@ from rich.text import Text
 from embedlens.reports import register_view
 from embedlens.reports.sites import (
     BlockSums,
+    LensSitesPairReport,
     LensSitesReport,
     LensSitesSummaryReport,
     SiteGridRow,
@@ -17,6 +18,8 @@ from embedlens.reports.sites import (
 )
 from embedlens.views.format import Sheet, Words, prob, quoted, shown
 from embedlens.views.lens import _render_check, _runners_up
+from embedlens.views.lens_diff import nats
+from embedlens.views.lens_diff import render as render_pair
 
 GAINED_SHOWN = 3
 """Tokens a piece raised most that its row shows."""
@@ -157,5 +160,26 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def render_sites_pair(r: LensSitesPairReport) -> RenderableType:
+    """The pair's tables, then its rows inside the blocks and where the two models part."""
+    table = Sheet(title=shown(f"Inside the blocks: {r.display_model} against "
+                              f"{r.diff.against} (sites {', '.join(r.sites)})", "table.title"))  # fmt: skip
+    for name, justify in (("row", "right"), ("KL(A ‖ B)", "right"), ("top-1", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for row in r.site_diff:
+        label = row.row + (" ←" if row.row == r.parts_at else "")
+        agree = "agree" if row.top1_agree else "differ"
+        table.add_row(label, nats(row.kl), agree, end_section=row.site == "resid")
+    if r.parts_in is None:
+        line = f"No row inside the blocks parts past KL {r.diff.threshold:g} nats."
+    else:
+        line = f"The two first part at row {r.parts_at}: {r.parts_in} (KL > {r.diff.threshold:g})."
+    parts: list[RenderableType] = [render_pair(r), table, Text(line, style="bold")]
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    return Group(*parts)
+
+
 register_view(LensSitesReport, render)
+register_view(LensSitesPairReport, render_sites_pair)
 register_view(LensSitesSummaryReport, render_summary)

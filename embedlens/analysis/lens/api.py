@@ -151,7 +151,7 @@ def _one_prompt(
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask)
+        return lens_pair(pair, ask, sites)
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(prepare, ask))
     with ready(model, tokenizer, loading, check, own_template, target) as (opened, run):
@@ -223,7 +223,7 @@ def lens_prompts(
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
     _not_both(tuned, against, compare_logit)
-    sites = _sites(site, tuned, against)
+    sites = _sites(site, tuned, against, many=True)
     source = PromptSource.of(prompts)
     session = _joined(dist_backend, device, source, against, device_map)
     with nullcontext() if session is None else session.guarded():
@@ -372,12 +372,14 @@ def _models(
     return loading, Pair(a, b, limit)
 
 
-def _sites(site: str | Sequence[str] | None, tuned: object, against: object) -> tuple[str, ...]:
-    """`site=` checked: the sites asked for, in block order (--tuned reads resid only)."""
+def _sites(
+    site: str | Sequence[str] | None, tuned: object, against: object, *, many: bool = False
+) -> tuple[str, ...]:
+    """`site=` checked: the sites asked for, in block order (`site_report.check_sites`)."""
     from embedlens.analysis.lens.site_report import parse_sites
 
     sites = parse_sites(site)
-    check_sites(sites, tuned)
+    check_sites(sites, tuned, against if many else None)
     return sites
 
 

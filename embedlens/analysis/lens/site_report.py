@@ -54,8 +54,16 @@ def parse_sites(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(s for s in SITES if s in names)
 
 
-def check_sites(sites: Sequence[str], tuned: object) -> None:
-    """Before any work: a tuned lens is fitted to the residual stream only."""
+def check_sites(sites: Sequence[str], tuned: object, against_many: object = None) -> None:
+    """Before any work: a tuned lens is fitted to the residual stream only; two models over
+    many prompts are compared on the residual stream (`against_many`: --against with
+    --prompts)."""
+    if against_many is not None and tuple(sites) != ("resid",):
+        raise UsageError(
+            "--site with --against compares where inside the blocks two models part on one "
+            "prompt: give PROMPT rather than --prompts",
+            hint="run the prompts of interest one at a time with --against --site",
+        )
     if tuned is not None and tuple(sites) != ("resid",):
         raise UsageError(
             "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
