@@ -9,6 +9,7 @@ are checked against the hand-written tail of tests/test_lens.py on those referen
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -277,6 +278,20 @@ def test_plot_and_table(tiny, cli, tmp_path):
     assert (tmp_path / "h.png").stat().st_size > 0
     assert "3.attn" in out.stdout and "post_attention_layernorm's output" in out.stdout
     assert "pieces add up in every block" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain(smollm2: Path) -> tuple[Any, Any]:
+    """SmolLM2 loaded the plain transformers way, float32 (as tests/test_lens.py loads it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from embedlens.compat.transformers.gguf_patches import sharing_gguf_reads
+
+    where, name = str(smollm2.parent), str(smollm2)
+    with sharing_gguf_reads():
+        tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tok
 
 
 def test_smollm2_sums_and_pieces_as_plain_transformers(smollm2, smollm2_plain, cli):
