@@ -68,6 +68,8 @@ class BlockSums:
 class LensSitesReport(LensReport):
     """`lens --site` on one prompt: `layers` and `grid` hold a row per (layer, site)."""
 
+    layers: list[SiteLayer]  # type: ignore[assignment]  # the lens's rows, with their site
+    grid: list[SiteGridRow] | None = None  # type: ignore[assignment]
     sites: list[str] = field(default_factory=list)
     block_sums: BlockSums | None = None
 
@@ -87,6 +89,7 @@ class SiteStats(LensLayerStats):
 class LensSitesSummaryReport(LensSummaryReport):
     """`lens --prompts --site`: a row of statistics per (layer, site)."""
 
+    layers: list[SiteStats]  # type: ignore[assignment]  # the summary's rows, with their site
     sites: list[str] = field(default_factory=list)
     block_sums: BlockSums | None = None
 
