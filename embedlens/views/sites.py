@@ -17,7 +17,7 @@ from embedlens.reports.sites import (
     SiteStats,
 )
 from embedlens.views.format import Sheet, Words, prob, quoted, shown
-from embedlens.views.lens import _render_check, _runners_up
+from embedlens.views.lens import render_check, runners_up
 from embedlens.views.lens_diff import nats
 from embedlens.views.lens_diff import render as render_pair
 
@@ -49,7 +49,7 @@ def render(r: LensSitesReport) -> RenderableType:
         parts.append(_grid(r))
     if r.block_sums is not None:
         parts.append(sums_line(r.block_sums))
-    parts.append(_render_check(r))
+    parts.append(render_check(r))
     return Group(*parts)
 
 
@@ -74,7 +74,7 @@ def _table(r: LensSitesReport, title: Words) -> Sheet:
         cells: list[Text | str] = [row_label(row, r.num_layers), row.decoded, quoted(best.token)]
         cells.append(prob(best.prob, best.logprob))
         if len(row.top) > 1:
-            cells.append(_runners_up(row.top[1:]))
+            cells.append(runners_up(row.top[1:]))
         if r.target is not None:
             at = row.target
             cells += ["", ""] if at is None else [prob(at.prob, at.logprob), str(at.rank)]

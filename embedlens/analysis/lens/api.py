@@ -95,17 +95,14 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     position: the token position read (-1 = the last), or 'all' for the layer x position grid.
     chat: a user message to apply the chat template to; `prompt` then starts the answer.
     template_args: more template variables, as a dict or as 'KEY=VALUE' strings.
-    chat_template: the chat template to use instead of the tokenizer's (for a model without
-        one): a str is the template's Jinja text, a Path (any os.PathLike) a file holding it.
+    chat_template: a template instead of the tokenizer's: its Jinja text (a str) or a file (a Path).
     grid: compute the layer x position grid even when one position is read (for a heatmap).
     max_memory: with `device_map`, memory per device, as a dict or as 'cpu=8GiB,0=20GiB'.
     against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
     tuned: a lens folder (`tune`'s or tuned-lens's): each layer but the last read through it.
     save_states: a file for every layer's residual stream at every position (`lens_states`).
-    site: 'resid' (the default), 'resid_mid', 'attn_out', 'mlp_out', or several ('resid_mid,resid'
-        or a list): rows inside each block, interleaved (a `LensSitesReport`; docs/lens.md).
-
+    site: 'resid' (default), 'resid_mid', 'attn_out', 'mlp_out' or several: docs/lens.md.
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
     if prompts is not None or prompt is None:
@@ -116,8 +113,7 @@ def lens(  # type: ignore[misc]  # the overloads take options as **options
     asked = (against, against_tokenizer, against_revision, threshold)
     loading, pair = _models(model, tokenizer, loads, *asked)
     save = _saving(save_states, revision, pair, tuned, against)
-    sites = _sites(site, tuned, against)
-    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save, sites)
+    return _one_prompt(model, tokenizer, (loading, pair), ask, target, tuned, save, site)
 
 
 def _saving(
@@ -143,11 +139,12 @@ def _one_prompt(
     target: str | None,
     tuned: str | os.PathLike[str] | None,
     save: tuple[str | os.PathLike[str], str | None] | None = None,
-    sites: tuple[str, ...] = ("resid",),
+    site: str | Sequence[str] | None = None,
 ) -> LensReport:
     """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
-    the sites inside the blocks, `sites`)."""
+    the sites inside the blocks, `site`)."""
     loading, pair = models
+    sites = _sites(site, tuned)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
@@ -205,8 +202,7 @@ def lens_prompts(
     prompts: strings, or dicts with `prompt` and optional `target`, `chat` (a user message) and
         `id`; or `PromptSource.open(path)` (a file of one prompt per line or JSON Lines).
     position: -1, 'all', or a list of positions read in every prompt.
-    each: called as `each(report, line)` with each prompt's `LensReport` (what `lens` returns
-        for it) as it comes.
+    each: called as `each(report, line)` with each prompt's `LensReport` as it comes.
     skip_bad: skip (and count) bad prompts instead of stopping at the first.
     against: B (`against_tokenizer`: a loaded B's own, else A's is used); then a
         `LensPairSummaryReport`, with `each` given each prompt's `LensPairReport`.
@@ -215,15 +211,13 @@ def lens_prompts(
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `each` is called on
         rank 0 with every prompt's report in input order, every rank returns the summary.
-    site: as `lens`'s; the summary has a row of statistics per (layer, site).
-    The other options are `lens`'s.
+    site: a row of statistics per (layer, site); the other options are `lens`'s.
     """
     from embedlens.model.prompts import PromptSource
 
     ask = options.many(top_k, layers, position, no_thinking, template_args, skip_bad,
                        chat_template)  # fmt: skip
     _not_both(tuned, against, compare_logit)
-    sites = _sites(site, tuned, against, many=True)
     source = PromptSource.of(prompts)
     session = _joined(dist_backend, device, source, against, device_map)
     with nullcontext() if session is None else session.guarded():
@@ -232,7 +226,7 @@ def lens_prompts(
         asked = (against, against_tokenizer, against_revision, threshold)
         loading, pair = _models(model, tokenizer, loads, *asked)
         return _many(model, tokenizer, (loading, pair), ask, source, each, lens_dir,
-                     compare_logit, session, sites)  # fmt: skip
+                     compare_logit, session, site)  # fmt: skip
 
 
 def _many(
@@ -245,13 +239,14 @@ def _many(
     lens_dir: LensFolder | None,
     compare_logit: bool,
     session: Session | None,
-    sites: tuple[str, ...] = ("resid",),
+    site: str | Sequence[str] | None = None,
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
     from embedlens.analysis.lens import many
 
     loading, pair = models
+    sites = _sites(site, lens_dir, pair)
     if isinstance(loading, options.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
@@ -373,13 +368,14 @@ def _models(
 
 
 def _sites(
-    site: str | Sequence[str] | None, tuned: object, against: object, *, many: bool = False
+    site: str | Sequence[str] | None, tuned: object, against_many: object = None
 ) -> tuple[str, ...]:
-    """`site=` checked: the sites asked for, in block order (`site_report.check_sites`)."""
+    """`site=` checked before any model loads: the sites asked for, in block order
+    (`site_report.check_sites`; `against_many`: B, with many prompts)."""
     from embedlens.analysis.lens.site_report import parse_sites
 
     sites = parse_sites(site)
-    check_sites(sites, tuned, against if many else None)
+    check_sites(sites, tuned, against_many)
     return sites
 
 
