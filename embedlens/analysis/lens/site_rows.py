@@ -66,10 +66,8 @@ def before_after(piece: str, layer: int, pieces: Pieces) -> tuple[Key, Key]:
 def stream(key: Key, pieces: Pieces) -> torch.Tensor:
     """The rows [P, d] of one stream."""
     name, layer = key
-    if name.startswith("pre+"):
-        return pieces.pre[layer] + getattr(pieces, name.removeprefix("pre+"))[layer]
-    table: dict[int, torch.Tensor] = getattr(pieces, name)
-    return table[layer]
+    piece: dict[int, torch.Tensor] = getattr(pieces, name.removeprefix("pre+"))
+    return pieces.pre[layer] + piece[layer] if name.startswith("pre+") else piece[layer]
 
 
 def decode_sites(
