@@ -64,7 +64,7 @@ class _Call:
 def tolerance(dtype: torch.dtype, *tensors: torch.Tensor) -> float:
     """What float rounding allows a sum of these tensors to miss by: 16 ulps of the model's dtype
     at their largest magnitude (the model may add the same pieces in another order)."""
-    scale = max([1.0, *(float(t.abs().max()) for t in tensors)])
+    scale = max([1e-30, *(float(t.abs().max()) for t in tensors)])
     return 16 * torch.finfo(dtype).eps * scale
 
 
@@ -86,23 +86,44 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """The same values (a tensor passed on as it is)."""
+    return a is not None and b is not None and (a is b or (a.shape == b.shape and a.equal(b)))
+
+
+def _name(calls: list[_Call], i: int) -> str:
+    """The module a piece comes from: past modules that pass their input on unchanged (dropout
+    at inference), the one whose output they pass on."""
+    while _same(calls[i].inp, calls[i].out):
+        j = next((k for k in range(i - 1, -1, -1) if _same(calls[k].out, calls[i].inp)), None)
+        if j is None:
+            break
+        i = j
+    return calls[i].name
+
+
 def find_split(
     block: str, x: torch.Tensor, y: torch.Tensor, calls: list[_Call], dtype: torch.dtype
 ) -> tuple[Split, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The block's pieces (its `Split`, `resid_mid` or None, `attn_out`, `mlp_out`), found among
-    its children's outputs; refused when no pair adds up."""
-    tol = tolerance(dtype, x, y)
-    outs = [(i, c) for i, c in enumerate(calls) if c.out is not None and c.out.shape == y.shape]
-    found = _sequential(x, y, calls, outs, tol)
+    its children's outputs that no later child reads as they are (those go on inside the block);
+    refused when no pair adds up."""
+    outs = [
+        (i, c)
+        for i, c in enumerate(calls)
+        if c.out is not None
+        and c.out.shape == y.shape
+        and not any(_same(later.inp, c.out) for later in calls[i + 1 :])
+    ]
+    found = _sequential(x, y, calls, outs, dtype)
     if found is None:
-        found = _parallel(x, y, outs, tol)
+        found = _parallel(x, y, calls, outs, dtype)
     if isinstance(found, tuple):
         return found
     raise UnsupportedError(
         f"{block}: its pieces do not add up to its output, so its sites would be decoded "
-        f"wrongly: {found} (tolerance {tol:.3g}); the block does something besides adding its "
-        "attention's and its MLP's outputs to the residual stream (a residual scale, a norm "
-        "after the add)",
+        f"wrongly: {found}; the block does something besides adding its attention's and its "
+        "MLP's outputs to the residual stream (a residual scale, a norm after the add)",
         hint="--site resid (the block's output) still reads this model",
     )
 
@@ -115,32 +136,32 @@ def _sequential(
     y: torch.Tensor,
     calls: list[_Call],
     outs: list[tuple[int, _Call]],
-    tol: float,
+    dtype: torch.dtype,
 ) -> Found | str | None:
     """A sequential block's pieces; a str when `resid_mid` was found but no MLP piece completes
     the sum (what missed); None when no child reads `input + piece` (not sequential)."""
     for n, (i, a) in enumerate(outs):
         assert a.out is not None
         summed = x.float() + a.out.float()
+        tol = tolerance(dtype, x, a.out)
         reader = next((c for c in calls[i + 1 :] if _reads(c, summed, tol)), None)
         if reader is None or reader.inp is None:
             continue
-        mid = reader.inp
-        mid_err = _close(mid, summed)
-        misses: list[tuple[float, str]] = []
-        for _, m in outs[n + 1 :]:
+        mid, mid_err, attn = reader.inp, _close(reader.inp, summed), _name(calls, i)
+        misses: list[tuple[float, float, str]] = []
+        for j, m in outs[n + 1 :]:
             assert m.out is not None
-            err = _close(mid.float() + m.out.float(), y)
+            err, tol = _close(mid.float() + m.out.float(), y), tolerance(dtype, mid, m.out, y)
             if err <= tol:
-                split = Split(False, a.name, m.name, max(err, mid_err), tol)
+                split = Split(False, attn, _name(calls, j), max(err, mid_err), tol)
                 return split, mid, a.out, m.out
-            misses.append((err, m.name))
+            misses.append((err, tol, _name(calls, j)))
         if not misses:
-            return f"resid_mid (the input plus {a.name}'s output) is followed by no piece"
-        err, name = min(misses)
+            return f"resid_mid (its input plus {attn}'s output) is followed by no piece"
+        err, tol, name = min(misses)
         return (
-            f"resid_mid (its input plus {a.name}'s output, which {reader.name} reads) plus "
-            f"{name}'s output misses its output by {err:.3g}"
+            f"resid_mid (its input plus {attn}'s output, which {reader.name} reads) plus "
+            f"{name}'s output misses its output by {err:.3g} (tolerance {tol:.3g})"
         )
     return None
 
@@ -150,20 +171,24 @@ def _reads(c: _Call, summed: torch.Tensor, tol: float) -> bool:
 
 
 def _parallel(
-    x: torch.Tensor, y: torch.Tensor, outs: list[tuple[int, _Call]], tol: float
+    x: torch.Tensor,
+    y: torch.Tensor,
+    calls: list[_Call],
+    outs: list[tuple[int, _Call]],
+    dtype: torch.dtype,
 ) -> Found | str:
     """A parallel block's pieces (input + a + m = output); else what came closest."""
     best: tuple[float, str] = (math.inf, "none of its modules returns a tensor of its size")
-    for n, (_, a) in enumerate(outs):
-        for _, m in outs[n + 1 :]:
+    for n, (i, a) in enumerate(outs):
+        for j, m in outs[n + 1 :]:
             assert a.out is not None and m.out is not None
             err = _close(x.float() + a.out.float() + m.out.float(), y)
+            tol = tolerance(dtype, x, a.out, m.out, y)
+            names = _name(calls, i), _name(calls, j)
             if err <= tol:
-                return Split(True, a.name, m.name, err, tol), None, a.out, m.out
-            text = (
-                f"its input plus {a.name}'s and {m.name}'s outputs misses its output by {err:.3g}"
-            )
-            best = min(best, (err, text))
+                return Split(True, *names, err, tol), None, a.out, m.out
+            text = f"its input plus {names[0]}'s and {names[1]}'s outputs misses its output by "
+            best = min(best, (err, text + f"{err:.3g} (tolerance {tol:.3g})"))
     names = ", ".join(dict.fromkeys(c.name for _, c in outs)) or "none"
     return f"{best[1]} (the closest; modules of its size: {names})"
 
