@@ -246,6 +246,26 @@ def test_prompts_statistics_per_site(tiny, cli, tmp_path):
     assert table.exit_code == 0 and "1.mlp" in table.stdout and "change KL" in table.stdout
 
 
+@pytest.mark.slow
+def test_prompts_over_two_processes_give_the_statistics_of_one(tiny, cli, tmp_path):
+    from tests.test_dist import prompts_file, relative, torchrun
+
+    args = ["lens", tiny("llama-tied"), "--prompts", prompts_file(tmp_path / "p.jsonl"),
+            "--json", "--skip-bad", "--site", "attn_out,resid_mid,resid"]  # fmt: skip
+    one, two = cli(*args), torchrun(*args)
+    assert one.exit_code == 0 and two.returncode == 0, two.stderr
+    assert two.stdout.splitlines()[:-1] == one.stdout.splitlines()[:-1]
+    a, b = json.loads(one.stdout.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
+    assert a["block_sums"] == b["block_sums"]
+    for row_a, row_b in zip(a["layers"], b["layers"], strict=True):
+        assert row_a["row"] == row_b["row"]
+        for key in ("kl", "entropy", "top1_agreement", "target_prob", "change_kl"):
+            if row_a[key] is None:
+                assert row_b[key] is None
+            else:
+                assert relative(row_a[key], row_b[key]) <= 1e-6, (row_a, row_b)
+
+
 def test_against_says_which_half_parts(tiny, cli, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -23,6 +23,7 @@ from embedlens.analysis.lens.stats import median_of_counts
 from embedlens.reports.sites import BlockSums, LensSitesSummaryReport, SiteStats
 
 if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.decoder import Decoder
     from embedlens.analysis.lens.engine import LensResult
@@ -85,6 +86,17 @@ class SiteManyRun(ManyRun):
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         fields["layers"] = rows
         return LensSitesSummaryReport(**fields, sites=list(self.sites), block_sums=self._blocks)
+
+    def _merge(self, session: Session, ran: int) -> None:
+        """Under torchrun: the sites' sums of every process added (in rank order) too."""
+        super()._merge(session, ran)
+        merged: dict[tuple[str, int], _Sums] = {}
+        blocks: BlockSums | None = None
+        for theirs, part in session.all_gather((self._sums, self._blocks)):
+            for key, acc in theirs.items():
+                _add_sums(merged.setdefault(key, _Sums()), acc)
+            blocks = blocks if part is None else _worse(blocks, part)
+        self._sums, self._blocks = merged, blocks
 
     def _add(self, prompt: Prompt, result: LensResult) -> None:
         """One prompt's sites: taken apart, decoded a layer at a time, added to the sums."""
@@ -151,6 +163,16 @@ def _add_rows(
         acc.target_prob += float(top.target_prob or 0.0)
         acc.target_logprob += float(top.target_logprob or 0.0)
         acc.ranks[int(top.target_rank or 0)] += 1
+
+
+def _add_sums(into: _Sums, acc: _Sums) -> None:
+    """`acc` added into `into`."""
+    into.n, into.kl, into.entropy = into.n + acc.n, into.kl + acc.kl, into.entropy + acc.entropy
+    into.agree, into.change = into.agree + acc.agree, into.change + acc.change
+    into.n_target += acc.n_target
+    into.target_prob += acc.target_prob
+    into.target_logprob += acc.target_logprob
+    into.ranks.update(acc.ranks)
 
 
 def _means(site: str, layer: int, acc: _Sums) -> SiteStats:
