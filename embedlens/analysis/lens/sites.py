@@ -189,8 +189,8 @@ def _parallel(
                 return Split(True, *names, err, tol), None, a.out, m.out
             text = f"its input plus {names[0]}'s and {names[1]}'s outputs misses its output by "
             best = min(best, (err, text + f"{err:.3g} (tolerance {tol:.3g})"))
-    names = ", ".join(dict.fromkeys(c.name for _, c in outs)) or "none"
-    return f"{best[1]} (the closest; modules of its size: {names})"
+    sized = ", ".join(dict.fromkeys(c.name for _, c in outs)) or "none"
+    return f"{best[1]} (the closest; modules of its size: {sized})"
 
 
 def capture_pieces(
