@@ -789,6 +789,12 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(qwen), "--prompts", str(CACHE / "prompts-words.txt"), "--json"],
             [*el, "lens", str(qwen), "king queen man woman", "--json"],
             "a single-prompt lens", budget=3.0),
+        # the plain lens's run, then a forward pass taken apart and twice the rows decoded
+        Row(f"lens --site resid_mid,resid ({lens_name}, last position)",
+            [*el, "lens", str(lens_model), "The capital of France is", "--site",
+             "resid_mid,resid", "--json"],
+            [*el, "lens", str(lens_model), "The capital of France is", "--json"],
+            "the plain lens", budget=2.2),
         Row(f"lens --against ({lens_name} against {pair_name})",
             [*el, "lens", str(lens_model), "The capital of France is", "--against", str(other),
              "--json"],

@@ -87,6 +87,9 @@ class LensOptions:
     """A lens folder (`tune`'s or tuned-lens's): each layer but the last read through it."""
     compare_logit: bool = False
     """Many prompts, with `tuned`: the logit lens's statistics over the same prompts too."""
+    site: str | Sequence[str] | None = None
+    """Where in the blocks the stream is read: 'resid' (the default: each block's output),
+    'resid_mid', 'attn_out', 'mlp_out', or several (a comma list or a sequence): docs/lens.md."""
 
 
 Options = TypeVar("Options", LoadOptions, LensOptions)

@@ -158,6 +158,7 @@ _FAITHFUL_MODULES = {
     "test_tied.py",
     "test_tune.py",  # tune and lens --tuned
     "test_states.py",  # lens --states and --save-states
+    "test_sites.py",  # lens --site: the blocks' pieces against forward hooks
 }
 """The faithfulness tests: CI runs them again on the lowest releases pyproject.toml admits."""
 _GGUF_READ_BY_TRANSFORMERS = _FAITHFUL_MODULES - {"test_prompt_tokens.py"}

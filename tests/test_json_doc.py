@@ -25,6 +25,7 @@ from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
+from embedlens.reports.sites import LensSitesPairReport, LensSitesReport, LensSitesSummaryReport
 from embedlens.reports.states import StatesLensReport
 from embedlens.reports.tied import TiedReport
 from embedlens.reports.tune import TunedLensReport, TunedLensSummaryReport, TuneReport
@@ -49,6 +50,9 @@ REPORTS: dict[str, type[Report]] = {
     "lens --against": LensPairReport,
     "lens --prompts --against": LensPairSummaryReport,
     "lens --states": StatesLensReport,
+    "lens --site": LensSitesReport,
+    "lens --prompts --site": LensSitesSummaryReport,
+    "lens --against --site": LensSitesPairReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
@@ -58,12 +62,16 @@ EXTENDS = {
     "lens --against": "lens",
     "lens --prompts --against": "lens --prompts",
     "lens --states": "lens",
+    "lens --site": "lens",
+    "lens --prompts --site": "lens --prompts",
+    "lens --against --site": "lens --against",
 }
 """Sections whose report extends another section's (a subclass): they name only what it adds."""
 EACH_LINE = {
     "lens --prompts": "lens",
     "lens --prompts --tuned": "lens --tuned",
     "lens --prompts --against": "lens --against",
+    "lens --prompts --site": "lens --site",
 }
 """JSON Lines runs: the section of each prompt's line (the summary comes last)."""
 PER_PROMPT_LINE = frozenset({"id"})  # added to a --prompts line's lens object when its line has one
@@ -83,6 +91,32 @@ ARGS: dict[str, list[str]] = {
     "lens --against": ["the king of France is", "--against", "MODEL", "--target", "king"],
     "lens --prompts --against": ["--prompts", "PROMPTS", "--against", "MODEL", "-k", "2"],
     "lens --states": ["--states", "STATES", "--target", "king", "--position", "all", "-k", "2"],
+    "lens --site": [
+        "the king of France is",
+        "--site",
+        "attn_out,resid_mid,mlp_out,resid",
+        "--target",
+        "king",
+        "--position",
+        "all",
+        "-k",
+        "2",
+    ],
+    "lens --prompts --site": [
+        "--prompts",
+        "PROMPTS",
+        "--site",
+        "resid_mid,mlp_out,resid",
+        "-k",
+        "2",
+    ],
+    "lens --against --site": [
+        "the king of France is",
+        "--against",
+        "MODEL",
+        "--site",
+        "attn_out,resid_mid,resid",
+    ],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],
 }

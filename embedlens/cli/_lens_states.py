@@ -54,6 +54,7 @@ _NOT_WITH = {
     "--template-arg": "template_arg",
     "--chat-template": "chat_template",
     "--against": "against",
+    "--site": "site",
     "--device-map": "device_map",
     "--save-states": "save_states",
     "--plot": "plot",

@@ -47,7 +47,8 @@ EXAMPLES = (
     "  $ embedlens lens ./base --prompts prompts.jsonl --against ./instruct --plot kl.png\n\n"
     "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl\n\n"
     '  $ embedlens lens ./big-model "Hello" --save-states hello.safetensors\n\n'
-    "  $ embedlens lens ./big-model --states hello.safetensors --position all"
+    "  $ embedlens lens ./big-model --states hello.safetensors --position all\n\n"
+    '  $ embedlens lens ./my-model "The capital of France is" --site attn_out,mlp_out,resid'
 )
 
 DtypeLensOpt = Annotated[
@@ -218,6 +219,17 @@ SaveStatesOpt = Annotated[
     ),
 ]
 
+SiteOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--site",
+        metavar="SITES",
+        help="Where in each block to read: resid (the block's output, the default), resid_mid "
+        "(after attention), attn_out, mlp_out (what each adds), or several, comma-separated "
+        "(rows 3.attn, 3.mid, 3.mlp, 3). See docs/lens.md.",
+    ),
+]
+
 DeviceMapOpt = Annotated[
     DeviceMap | None,
     typer.Option(
@@ -278,6 +290,7 @@ def lens(
     states: StatesOpt = None,
     state_layers: StateLayersOpt = None,
     save_states: SaveStatesOpt = None,
+    site: SiteOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 

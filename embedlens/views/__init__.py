@@ -20,6 +20,7 @@ def load_views() -> None:
         lens_summary,
         neighbors,
         params,
+        sites,
         states,
         tied,
         tune,

@@ -39,7 +39,6 @@ def figure(report: LensSummaryReport) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    layers = [row.layer for row in report.layers]
     panels = [
         (key, label, scale)
         for key, label, scale in PANELS
@@ -49,7 +48,12 @@ def figure(report: LensSummaryReport) -> Any:
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
     for ax, (key, label, scale) in zip(axes.flat, panels, strict=False):
-        ax.plot(layers, [getattr(row, key) for row in report.layers], marker="o", markersize=3)
+        for site, rows in _by_site(report.layers).items():
+            named = {} if site is None else {"label": site}
+            values = [getattr(row, key) for row in rows]
+            ax.plot([row.layer for row in rows], values, marker="o", markersize=3, **named)
+        if len(_by_site(report.layers)) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("layer (0 = embedding output)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
@@ -67,6 +71,14 @@ def figure(report: LensSummaryReport) -> Any:
     title.set_parse_math(False)
     fig.tight_layout()
     return fig
+
+
+def _by_site(rows: list[Any]) -> dict[str | None, list[Any]]:
+    """The rows of each site (`lens --site`: a curve each), in order; None: the lens's rows."""
+    out: dict[str | None, list[Any]] = {}
+    for row in rows:
+        out.setdefault(getattr(row, "site", None), []).append(row)
+    return out
 
 
 def _title(report: LensSummaryReport) -> str:

@@ -280,7 +280,7 @@ def figure(report: LensReport) -> Any:
     rows = list(reversed(report.grid))
     drawn = plan(report)
     layout = _layout(drawn.columns, len(rows))
-    targets = _target_column(report, [row.layer for row in rows])
+    targets = _target_column(report, [_key(row) for row in rows])
     width = 2.2 + layout.column * drawn.columns + (1.1 if targets else 0.0)
     height = 2.0 + layout.row * len(rows)
     ratios = [drawn.columns * layout.column] + ([0.9] if targets else [])
@@ -329,7 +329,7 @@ def _draw_grid(
     for tick in ax.get_xticklabels():
         tick.set_parse_math(False)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([_layer_label(report, row.layer) for row in rows], fontsize=7)
+    ax.set_yticklabels([_layer_label(report, row.layer, row) for row in rows], fontsize=7)
     ax.set_xlabel(_x_title(drawn))
     ax.set_ylabel("layer")
     return image
@@ -372,11 +372,16 @@ def _put(ax: Any, x: int, y: int, text: str, p: float, layout: _Layout) -> None:
     )
 
 
-def _target_column(report: LensReport, layers: list[int]) -> list[TargetAt] | None:
+def _key(row: Any) -> tuple[int, str]:
+    """A row's layer and site (`lens --site` has a row per site of a layer)."""
+    return row.layer, getattr(row, "site", "resid")
+
+
+def _target_column(report: LensReport, layers: list[tuple[int, str]]) -> list[TargetAt] | None:
     """The target's probability and rank at each row's layer (top row first), if followed."""
     if report.target is None:
         return None
-    at = {row.layer: row.target for row in report.layers}
+    at = {_key(row): row.target for row in report.layers}
     column = [at.get(layer) for layer in layers]
     return None if any(t is None for t in column) else [t for t in column if t is not None]
 
@@ -400,7 +405,9 @@ def _draw_target(ax: Any, report: LensReport, column: list[TargetAt], layout: _L
     heading.set_parse_math(False)
 
 
-def _layer_label(report: LensReport, layer: int) -> str:
+def _layer_label(report: LensReport, layer: int, row: Any = None) -> str:
+    if getattr(row, "site", "resid") != "resid":
+        return str(row.row)
     if layer == 0:
         return "0 emb"
     if layer == report.num_layers:

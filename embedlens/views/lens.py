@@ -44,14 +44,14 @@ def render(r: LensReport) -> RenderableType:
         best = row.top[0]
         cells: list[Text | str] = [label, quoted(best.token), prob(best.prob, best.logprob)]
         if len(row.top) > 1:
-            cells.append(_runners_up(row.top[1:]))
+            cells.append(runners_up(row.top[1:]))
         if r.target is not None and row.target is not None:
             cells += [prob(row.target.prob, row.target.logprob), str(row.target.rank)]
         table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
     parts.append(table)
     if r.grid is not None:
         parts.append(_render_grid(r))
-    parts.append(_render_check(r))
+    parts.append(render_check(r))
     tuned = getattr(r, "tuned", None)
     if tuned is not None:
         parts.append(
@@ -65,7 +65,7 @@ def render(r: LensReport) -> RenderableType:
     return Group(*parts)
 
 
-def _runners_up(top: Sequence[Prediction]) -> Words:
+def runners_up(top: Sequence[Prediction]) -> Words:
     """The next predictions after the top-1, at most NEXT_SHOWN of them, then how many more
     there are: -k 49152 would fill a terminal with a table no one reads (and take minutes to
     lay out); `--json` lists them all. A line breaks between predictions, never inside one
@@ -96,7 +96,7 @@ def _render_grid(r: LensReport) -> Sheet:
     return grid
 
 
-def _render_check(r: LensReport) -> Text:
+def render_check(r: LensReport) -> Text:
     states = getattr(r, "states", None)
     if states is not None:  # lens --states: the check against the file, or why none was made
         return render_states_check(r, states)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,29 +56,47 @@ class Named:
     notes: list[str]
 
 
-def lens_pair(pair: Pair, ask: Ask) -> LensPairReport:
-    """One prompt through B then A (B freed first), and A's report with B's `diff`."""
+def lens_pair(pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",)) -> LensPairReport:
+    """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
+    inside the blocks the two part, with `sites` other than resid: `site_pair`)."""
     a, b = pair.a, pair.b
     check_pair(a, b)
 
-    def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named]:
+    def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named, Any]:
         run = make_prompt(ask, tok, config, template)
         with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids])) as ob:
             result = run_one(ob, ask, run, keep=True)
             named = _named(ob)
+            b_sites = _site_logits(ob, run, sites, result)
         gc.collect()  # B's weights go before A's are read
-        return run, result, named
+        return run, result, named, b_sites
 
     with _ready_a(a, b, b_first, target=ask.target) as (oa, ran):
         from embedlens.analysis.lens.pair import compare
         from embedlens.analysis.lens.pair_report import pair_report
 
-        run, rb, named = ran
+        run, rb, named, b_sites = ran
         assert rb.kept is not None
         ra = run_one(oa, ask, run, keep=True, other=rb.kept.residual)
         report = one_report(oa, ask, run, ra)
         diffs = compare(ra, rb, run.index)
-        return pair_report(report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes)
+        report = pair_report(
+            report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes
+        )
+        if b_sites is None:
+            return report
+        from embedlens.analysis.lens.site_pair import pair_sites
+
+        return pair_sites(report, _site_logits(oa, run, sites, ra), b_sites, sites)
+
+
+def _site_logits(opened: Opened, run: Prompt, sites: Sequence[str], result: LensResult) -> Any:
+    """A model's rows inside the blocks (`site_pair.site_logits`); None for resid alone."""
+    if tuple(sites) == ("resid",):
+        return None
+    from embedlens.analysis.lens.site_pair import site_logits
+
+    return site_logits(opened, run, sites, [x for x in result.layers if x >= 1])
 
 
 def lens_pair_prompts(

@@ -12,7 +12,7 @@ import functools
 import inspect
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -22,6 +22,7 @@ from embedlens.analysis.lens.many import OnReport
 from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import open_model
 from embedlens.analysis.lens.prompt import make_prompt
+from embedlens.analysis.lens.site_report import check_sites, sites_report
 from embedlens.errors import UsageError
 from embedlens.options import LensOptions, LoadOptions
 
@@ -85,7 +86,7 @@ def lens(
     against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
         is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
     save_states: a file for every layer's residual stream at every position (`lens_states`).
-
+    site: 'resid' (default), 'resid_mid', 'attn_out', 'mlp_out' or several: docs/lens.md.
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
     """
     if prompts is not None or prompt is None:
@@ -100,7 +101,8 @@ def lens(
     b = (against, against_tokenizer, against_revision, asked.threshold)
     loading, pair = given.models(model, tokenizer, load, *b)
     save = _saving(save_states, load.revision, pair, asked.tuned, against)
-    return _one_prompt(model, tokenizer, (loading, pair), ask, asked.target, asked.tuned, save)
+    return _one_prompt(model, tokenizer, (loading, pair), ask, asked.target, asked.tuned, save,
+                       asked.site)  # fmt: skip
 
 
 def _saving(
@@ -126,19 +128,23 @@ def _one_prompt(
     target: str | None,
     tuned: str | os.PathLike[str] | None,
     save: tuple[str | os.PathLike[str], str | None] | None = None,
+    site: str | Sequence[str] | None = None,
 ) -> LensReport:
-    """One prompt through the engine (a pair's, or through a tuned lens), and its report."""
+    """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
+    the sites inside the blocks, `site`)."""
     loading, pair = models
+    sites = _sites(site, tuned)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask)
+        return lens_pair(pair, ask, sites)
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(make_prompt, ask))
     with open_model(model, tokenizer, loading, check, own_template, target) as (opened, run):
         through = _through(lens_dir, opened)
         decoder = _tuned_decoder(through, opened, run)
-        report = one_report(opened, ask, run, run_one(opened, ask, run, decoder=decoder))
+        result = run_one(opened, ask, run, decoder=decoder)
+        report = sites_report(one_report(opened, ask, run, result), opened, ask, run, result, sites)
         if save is not None:
             from embedlens.analysis.lens.saving import save_run
 
@@ -184,7 +190,7 @@ def lens_prompts(
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `on_report` is called
         on rank 0 with every prompt's report in input order, every rank returns the summary.
-    The other arguments are `lens`'s.
+    The other arguments are `lens`'s (`site`: statistics per layer and site).
     """
     from embedlens.analysis import torchrun
     from embedlens.model.prompts import PromptSource
@@ -206,7 +212,7 @@ def lens_prompts(
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
         saving = _saving_many(save_states, load.revision, against, session)
         return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
-                     saving)  # fmt: skip
+                     saving, asked.site)  # fmt: skip
 
 
 def _saving_many(
@@ -234,6 +240,7 @@ def _many(
     lens_dir: LensFolder | None,
     session: Session | None,
     saving: tuple[str | os.PathLike[str], str | None] | None = None,
+    site: str | Sequence[str] | None = None,
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
@@ -241,6 +248,7 @@ def _many(
 
     loading, pair = models
     on_report, progress, compare_logit = run
+    sites = _sites(site, lens_dir, pair)
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
@@ -256,6 +264,10 @@ def _many(
     with open_model(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
         through = _through(lens_dir, opened)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
+        if sites != ("resid",):
+            from embedlens.analysis.lens.site_many import SiteManyRun
+
+            lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
         if saving is not None:
             from embedlens.analysis.lens.saving import ManySaver
 
@@ -286,6 +298,18 @@ def _deprecated_many(
         stacklevel=3,
     )
     return lens_prompts(model, prompts, **many_options)
+
+
+def _sites(
+    site: str | Sequence[str] | None, tuned: object, against_many: object = None
+) -> tuple[str, ...]:
+    """`site=` checked before any model loads: the sites asked for, in block order
+    (`site_report.check_sites`; `against_many`: B, with many prompts)."""
+    from embedlens.analysis.lens.site_report import parse_sites
+
+    sites = parse_sites(site)
+    check_sites(sites, tuned, against_many)
+    return sites
 
 
 def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:

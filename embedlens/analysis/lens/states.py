@@ -87,6 +87,7 @@ _NOT_APPLIED = {
     "skip_bad": "one file, one run",
     "threshold": "no other model",
     "compare_logit": "one file, one run",
+    "site": "the file holds each block's output alone",
 }
 """The options `lens_states` does not take, and why."""
 

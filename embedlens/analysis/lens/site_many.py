@@ -1,0 +1,198 @@
+"""`lens --prompts --site`: the lens over many prompts with statistics per (layer, site).
+
+The residual stream's rows are the plain run's (`many.ManyRun`); each prompt is then taken apart
+(`sites`, its sums checked) and its other sites decoded a layer at a time, reduced to sums at
+once: KL(model's output ‖ the row), the row's entropy, top-1 agreement, the target's place, and a
+piece's change KL(lens after it ‖ lens before it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from embedlens.analysis.lens.many import ManyRun
+from embedlens.analysis.lens.ranking import tops_from_log_softmax
+from embedlens.analysis.lens.site_report import SITES, SUFFIX, sites_report, sums, take_apart
+from embedlens.analysis.lens.site_rows import PIECE, Key, before_after, decoded_rows
+from embedlens.analysis.lens.stats import median_of_counts
+from embedlens.reports.sites import BlockSums, LensSitesSummaryReport, SiteStats
+
+if TYPE_CHECKING:
+    from embedlens.analysis.dist import Session
+    from embedlens.analysis.lens.batch import BatchOut
+    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.many import Window
+    from embedlens.analysis.lens.options import Ask
+    from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.sites import Pieces
+    from embedlens.model.prompts import BadLine
+    from embedlens.reports.lens import LensReport, LensSummaryReport
+
+
+@dataclass
+class _Sums:
+    n: int = 0
+    kl: float = 0.0
+    entropy: float = 0.0
+    agree: int = 0
+    change: float = 0.0
+    n_target: int = 0
+    target_prob: float = 0.0
+    target_logprob: float = 0.0
+    ranks: Counter[int] = field(default_factory=Counter)
+
+
+class SiteManyRun(ManyRun):
+    """`ManyRun` with the sites inside the blocks: each prompt's report a `LensSitesReport`,
+    the summary a `LensSitesSummaryReport`."""
+
+    sites: tuple[str, ...] = ("resid",)
+
+    def with_sites(self, sites: Sequence[str]) -> SiteManyRun:
+        """This run, reading `sites`."""
+        self.sites = tuple(sites)
+        self._sums: dict[tuple[str, int], _Sums] = {}
+        self._blocks: BlockSums | None = None
+        return self
+
+    def run_window(
+        self, window: Window, others: list[dict[int, torch.Tensor]] | None = None
+    ) -> list[BatchOut]:
+        outs = super().run_window(window, others)
+        for (_, (_, prompt, _)), out in zip(window, outs, strict=True):
+            self._add(prompt, out.result)
+        return outs
+
+    def report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
+        base = super().report(ask, prompt, out)
+        return sites_report(base, self.opened, ask, prompt, out.result, self.sites)
+
+    def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        base = super().summary(n_bad, bad)
+        own = {row.layer: row for row in base.layers}
+        rows: list[SiteStats] = []
+        for layer, r in own.items():
+            for site in (s for s in SITES if s in self.sites):
+                if site == "resid":
+                    rows.append(SiteStats(**dataclasses.asdict(r), site=site, row=str(layer)))
+                elif (site, layer) in self._sums:
+                    rows.append(_means(site, layer, self._sums[(site, layer)]))
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        fields["layers"] = rows
+        return LensSitesSummaryReport(**fields, sites=list(self.sites), block_sums=self._blocks)
+
+    def _merge(self, session: Session, ran: int) -> None:
+        """Under torchrun: the sites' sums of every process added (in rank order) too."""
+        super()._merge(session, ran)
+        merged: dict[tuple[str, int], _Sums] = {}
+        blocks: BlockSums | None = None
+        for theirs, part in session.all_gather((self._sums, self._blocks)):
+            for key, acc in theirs.items():
+                _add_sums(merged.setdefault(key, _Sums()), acc)
+            blocks = blocks if part is None else _worse(blocks, part)
+        self._sums, self._blocks = merged, blocks
+
+    def _add(self, prompt: Prompt, result: LensResult) -> None:
+        """One prompt's sites: taken apart, decoded a layer at a time, added to the sums."""
+        from embedlens.analysis.lens.blocks import find_blocks, input_device
+        from embedlens.analysis.lens.decoder import ModelDecoder
+
+        model = self.opened.model
+        pieces = take_apart(model, prompt.ids, result.positions, "resid_mid" in self.sites)
+        self._blocks = _worse(self._blocks, sums(pieces))
+        decoder = ModelDecoder(model, find_blocks(model), dummy_id=prompt.ids[0])
+        assert result.output is not None
+        real = torch.log_softmax(result.output.float(), -1)
+        job = _Job(pieces, decoder, input_device(model), result.vocab_size, real)
+        with torch.inference_mode():
+            for layer in (x for x in result.layers if x >= 1):
+                self._layer(job, layer, prompt.target_id)
+
+    def _layer(self, job: _Job, layer: int, target: int | None) -> None:
+        """One layer's sites at every position read, added to the sums."""
+        inner = [s for s in SITES if s in self.sites and s != "resid"]
+        n = int(job.real.shape[0])
+        keys: list[Key] = [(PIECE[s], layer) for s in inner]
+        for s in inner:
+            if s != "resid_mid":
+                keys += [k for k in before_after(PIECE[s], layer, job.pieces) if k not in keys]
+        wanted = [(key, j) for key in keys for j in range(n)]
+        got = dict(decoded_rows(job.decoder, job.pieces, wanted, job.device, job.vocab))
+        real_vocab = len(self.opened.tokenizer)
+        for s in inner:
+            x = torch.stack([got[(PIECE[s], layer), j] for j in range(n)])
+            acc = self._sums.setdefault((s, layer), _Sums())
+            _add_rows(acc, x, job.real, real_vocab, target)
+            if s != "resid_mid":
+                before, after = before_after(PIECE[s], layer, job.pieces)
+                lb = torch.stack([got[before, j] for j in range(n)]).double().log_softmax(-1)
+                la = torch.stack([got[after, j] for j in range(n)]).double().log_softmax(-1)
+                acc.change += float((la.exp() * (la - lb)).sum(-1).clamp(min=0).sum())
+
+
+@dataclass(frozen=True)
+class _Job:
+    pieces: Pieces
+    decoder: Decoder
+    device: torch.device
+    vocab: int
+    real: torch.Tensor
+    """The model's own log-probabilities at the positions read, float32 [P, V]."""
+
+
+def _add_rows(
+    acc: _Sums, x: torch.Tensor, real: torch.Tensor, real_vocab: int, target: int | None
+) -> None:
+    """One site's rows [P, V] at one layer added to its sums."""
+    lx = torch.log_softmax(x.float(), -1)
+    acc.n += int(x.shape[0])
+    acc.kl += float((real.exp() * (real - lx)).sum(-1).sum())
+    acc.entropy += float(-(lx.exp() * lx).sum(-1).sum())
+    model_top1 = real[:, :real_vocab].argmax(-1)
+    acc.agree += int((x[:, :real_vocab].argmax(-1) == model_top1).sum())
+    if target is None:
+        return
+    for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x)):
+        acc.n_target += 1
+        acc.target_prob += float(top.target_prob or 0.0)
+        acc.target_logprob += float(top.target_logprob or 0.0)
+        acc.ranks[int(top.target_rank or 0)] += 1
+
+
+def _add_sums(into: _Sums, acc: _Sums) -> None:
+    """`acc` added into `into`."""
+    into.n, into.kl, into.entropy = into.n + acc.n, into.kl + acc.kl, into.entropy + acc.entropy
+    into.agree, into.change = into.agree + acc.agree, into.change + acc.change
+    into.n_target += acc.n_target
+    into.target_prob += acc.target_prob
+    into.target_logprob += acc.target_logprob
+    into.ranks.update(acc.ranks)
+
+
+def _means(site: str, layer: int, acc: _Sums) -> SiteStats:
+    n, t = max(acc.n, 1), acc.n_target
+    return SiteStats(
+        layer=layer,
+        kl=acc.kl / n,
+        entropy=acc.entropy / n,
+        top1_agreement=acc.agree / n,
+        target_prob=acc.target_prob / t if t else None,
+        target_logprob=acc.target_logprob / t if t else None,
+        target_rank_median=median_of_counts(acc.ranks) if t else None,
+        site=site,
+        row=f"{layer}{SUFFIX[site]}",
+        change_kl=None if site == "resid_mid" else acc.change / n,
+    )
+
+
+def _worse(a: BlockSums | None, b: BlockSums) -> BlockSums:
+    """The check over every prompt: the larger miss (relative to its tolerance)."""
+    if a is None or b.max_abs_error / b.tolerance > a.max_abs_error / a.tolerance:
+        return b
+    return a

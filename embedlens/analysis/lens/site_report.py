@@ -1,0 +1,207 @@
+"""`lens --site` on one prompt: the lens's own report, its rows interleaved with the sites inside
+each block (`site_rows`), and the check that the blocks' pieces add up (`sites`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from embedlens.errors import UsageError
+from embedlens.reports.lens import GridCell, LensReport, Prediction, TargetAt
+from embedlens.reports.sites import (
+    BlockSums,
+    Gained,
+    LensSitesReport,
+    SiteChange,
+    SiteGridRow,
+    SiteLayer,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.options import Ask
+    from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.ranking import Top
+    from embedlens.analysis.lens.site_rows import Change, SiteRows
+    from embedlens.analysis.lens.sites import Pieces
+
+Tok = Callable[[int], str]
+
+SITES: tuple[str, ...] = ("attn_out", "resid_mid", "mlp_out", "resid")
+"""The sites, in the order their rows come within a block."""
+SUFFIX = {"attn_out": ".attn", "resid_mid": ".mid", "mlp_out": ".mlp", "resid": ""}
+"""A site's row label after the layer number: `3.attn`, `3.mid`, `3.mlp`, `3`."""
+
+
+def parse_sites(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """`--site`: one site or several (comma-separated, or a list), in block order."""
+    if value is None:
+        return ("resid",)
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = [str(s).strip() for s in items if str(s).strip()]
+    bad = [s for s in names if s not in SITES]
+    if bad or not names:
+        raise UsageError(
+            f"unknown --site {bad[0] if bad else repr(value)}: use one or more of "
+            f"{', '.join(SITES)}, comma-separated",
+            hint="e.g. --site resid_mid,resid",
+        )
+    return tuple(s for s in SITES if s in names)
+
+
+def check_sites(sites: Sequence[str], tuned: object, against_many: object = None) -> None:
+    """Before any work: a tuned lens is fitted to the residual stream only; two models over
+    many prompts are compared on the residual stream (`against_many`: --against with
+    --prompts)."""
+    if against_many is not None and tuple(sites) != ("resid",):
+        raise UsageError(
+            "--site with --against compares where inside the blocks two models part on one "
+            "prompt: give PROMPT rather than --prompts",
+            hint="run the prompts of interest one at a time with --against --site",
+        )
+    if tuned is not None and tuple(sites) != ("resid",):
+        raise UsageError(
+            "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
+            "the blocks' outputs, not to the stream inside a block or to what one adds",
+            hint="drop --tuned to read the other sites through the model's own decoder",
+        )
+
+
+def take_apart(model: nn.Module, ids: Sequence[int], positions: Sequence[int], mid: bool) -> Pieces:
+    """The model's blocks taken apart on one prompt (refused where the sums fail, or resid_mid
+    of a parallel block when `mid`)."""
+    from embedlens.analysis.lens.blocks import find_blocks
+    from embedlens.analysis.lens.sites import capture_pieces, refuse_mid_in_parallel
+
+    blocks = find_blocks(model)
+    pieces = capture_pieces(model, blocks, ids, positions)
+    if mid:
+        refuse_mid_in_parallel(
+            pieces.splits, lambda layer: type(blocks.modules[layer - 1]).__name__
+        )
+    return pieces
+
+
+def sites_report(
+    report: LensReport,
+    opened: Opened,
+    ask: Ask,
+    run: Prompt,
+    result: LensResult,
+    sites: Sequence[str],
+    decoder: Decoder | None = None,
+) -> LensReport:
+    """The lens's report with the sites' rows; the report itself for `resid` alone."""
+    if tuple(sites) == ("resid",):
+        return report
+    import torch
+
+    from embedlens.analysis.lens.blocks import find_blocks, input_device
+    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.prompt import token_text
+    from embedlens.analysis.lens.site_rows import SiteJob, decode_sites
+
+    model = opened.model
+    pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
+    inner = [s for s in sites if s != "resid"]
+    layers = [layer for layer in result.layers if layer >= 1]
+    job = SiteJob(inner, layers, result.positions, run.index, ask.top_k, len(opened.tokenizer),
+                  run.target_id)  # fmt: skip
+    if decoder is None:
+        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    with torch.inference_mode():
+        decoded = decode_sites(job, pieces, decoder, input_device(model), result.vocab_size)
+    cache: dict[int, str] = {}
+
+    def tok(i: int) -> str:
+        if i not in cache:
+            cache[i] = token_text(opened.tokenizer, i)
+        return cache[i]
+
+    return joined(report, sites, decoded, pieces, tok)
+
+
+def joined(
+    report: LensReport, sites: Sequence[str], decoded: SiteRows, pieces: Pieces, tok: Tok
+) -> LensSitesReport:
+    """The lens's report, a row per (layer, site asked) in block order."""
+    own = {row.layer: row for row in report.layers}
+    rows: list[SiteLayer] = []
+    for layer in own:
+        for site in (s for s in SITES if s in sites):
+            if site == "resid":
+                r = own[layer]
+                rows.append(SiteLayer(r.layer, r.top, r.target, site, str(layer)))
+            elif layer >= 1:
+                rows.append(_row(decoded, site, layer, report.position_index, tok))
+    base = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    base.update(layers=rows, grid=_grid(report, sites, decoded, tok))
+    return LensSitesReport(**base, sites=list(sites), block_sums=sums(pieces))
+
+
+def sums(pieces: Pieces) -> BlockSums:
+    """The blocks' check as the report gives it."""
+    from embedlens.analysis.lens.sites import structure
+
+    return BlockSums(*structure(pieces.splits))
+
+
+def _row(decoded: SiteRows, site: str, layer: int, index: int, tok: Tok) -> SiteLayer:
+    top = decoded.rows[(site, layer, index)]
+    change = decoded.changes.get((site, layer))
+    return SiteLayer(
+        layer,
+        predictions(top, tok),
+        target_at(top),
+        site,
+        f"{layer}{SUFFIX[site]}",
+        "lens" if site == "resid_mid" else "direct",
+        None if change is None else site_change(change, tok),
+    )
+
+
+def predictions(top: Top, tok: Tok) -> list[Prediction]:
+    """A row's top-k as the report lists them."""
+    return [
+        Prediction(i, tok(i), p, lp)
+        for i, p, lp in zip(top.ids, top.probs, top.logprobs, strict=True)
+    ]
+
+
+def target_at(top: Top) -> TargetAt | None:
+    """The target's place in a row, when followed."""
+    if top.target_prob is None or top.target_rank is None or top.target_logprob is None:
+        return None
+    return TargetAt(top.target_prob, top.target_rank, top.target_logprob)
+
+
+def site_change(change: Change, tok: Tok) -> SiteChange:
+    """A piece's change as the report gives it."""
+    return SiteChange(change.kl, [Gained(i, tok(i), d, p) for i, d, p in change.gained])
+
+
+def _grid(
+    report: LensReport, sites: Sequence[str], decoded: SiteRows, tok: Tok
+) -> list[SiteGridRow] | None:
+    """The grid with a row per (layer, site), when the report has one."""
+    if report.grid is None:
+        return None
+    out: list[SiteGridRow] = []
+    for g in report.grid:
+        for site in (s for s in SITES if s in sites):
+            if site == "resid":
+                out.append(SiteGridRow(g.layer, g.cells, site, str(g.layer)))
+            elif g.layer >= 1:
+                cells = [_cell(decoded.rows[(site, g.layer, c.position)], c.position, tok)
+                         for c in g.cells]  # fmt: skip
+                out.append(SiteGridRow(g.layer, cells, site, f"{g.layer}{SUFFIX[site]}"))
+    return out
+
+
+def _cell(top: Top, position: int, tok: Tok) -> GridCell:
+    return GridCell(position, top.ids[0], tok(top.ids[0]), top.probs[0], top.logprobs[0])
