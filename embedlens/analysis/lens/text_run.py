@@ -18,6 +18,7 @@ from embedlens.analysis.lens.blocks import find_blocks, input_device
 from embedlens.analysis.lens.capture import Capture, capture
 from embedlens.analysis.lens.decoder import Decoder
 from embedlens.analysis.lens.engine import decode_rows, tolerance
+from embedlens.analysis.lens.ranking import rowdot
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
 from embedlens.analysis.lens.threads import threads_for
 
@@ -67,15 +68,19 @@ def _lp(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _one_rows(
-    logits: torch.Tensor, out_lp: torch.Tensor, t: torch.Tensor, vocab: int
-) -> torch.Tensor:
-    """[n, len(ONE)] per row: NLL, NLL², KL(output ‖ lens), entropy, top-1 hit (float64)."""
+    logits: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None, t: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:  # fmt: skip
+    """[n, len(ONE)] per row: NLL, NLL², KL(output ‖ lens), entropy, top-1 hit (float64);
+    `out`: the output's probabilities and Σ p log p at the same rows (None: these rows are the
+    output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each a dot per row (as
+    `lens --prompts` takes it), so no [n, V] product is kept."""
     lp = _lp(logits)
     nll = -lp.gather(1, t[:, None])[:, 0]
-    kl = (out_lp.exp() * (out_lp - lp)).sum(-1)
-    entropy = -(lp.exp() * lp).sum(-1)
+    negent = rowdot(lp.exp(), lp)
+    kl = torch.zeros_like(nll) if out is None else (out[1] - rowdot(out[0], lp)).clamp_min(0)
     top1 = (logits[:, :vocab].argmax(-1) == t).float()
-    return torch.stack([nll, nll * nll, kl, entropy, top1], 1).double()
+    return torch.stack([nll, nll * nll, kl, -negent, top1], 1).double()
 
 
 def _pair_rows(
@@ -194,6 +199,8 @@ class TextRun:
     ) -> WindowSums:
         n_pos, vocab = real.shape
         out_lp = _lp(real)
+        out_p = out_lp.exp()
+        out_negent = rowdot(out_p, out_lp)
         index = {layer: i for i, layer in enumerate(self.layers)}
         one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
         logit = None if self.main.logit is None else torch.zeros_like(one)
@@ -209,7 +216,8 @@ class TextRun:
         for part, last in parts:
             at = torch.tensor([index[layer] for layer, _ in part])
             js = torch.tensor([j for _, j in part])
-            tj, oj = t[js.to(t.device)], out_lp[js.to(out_lp.device)]
+            tj = t[js.to(t.device)]
+            oj = None if last else (out_p[js.to(out_p.device)], out_negent[js.to(out_p.device)])
             if last:
                 mine = real[js.to(real.device)]
             else:
