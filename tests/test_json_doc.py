@@ -23,6 +23,7 @@ from embedlens.reports import Report
 from embedlens.reports.addr import AddrReport
 from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+from embedlens.reports.lens_text import LensTextReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
 from embedlens.reports.states import StatesLensReport
@@ -49,6 +50,7 @@ REPORTS: dict[str, type[Report]] = {
     "lens --against": LensPairReport,
     "lens --prompts --against": LensPairSummaryReport,
     "lens --states": StatesLensReport,
+    "lens --text": LensTextReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
@@ -83,6 +85,7 @@ ARGS: dict[str, list[str]] = {
     "lens --against": ["the king of France is", "--against", "MODEL", "--target", "king"],
     "lens --prompts --against": ["--prompts", "PROMPTS", "--against", "MODEL", "-k", "2"],
     "lens --states": ["--states", "STATES", "--target", "king", "--position", "all", "-k", "2"],
+    "lens --text": ["--text", "DATA", "--ctx", "16", "--max-tokens", "64", "--against", "MODEL"],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],
 }

@@ -154,7 +154,9 @@ def test_output_statistics_equal_numpy_with_llama_cpp_definitions(pair):
     f, df = mean_unc(dp)
     assert close(out.dp_mean, f) and close(out.dp_mean_err, df, 1e-3)
     mse, mse_err = mean_unc(dp * dp)
-    assert close(out.dp_rms, math.sqrt(mse)) and close(out.dp_rms_err, 0.5 / math.sqrt(mse) * mse_err, 1e-3)
+    assert close(out.dp_rms, math.sqrt(mse)) and close(
+        out.dp_rms_err, 0.5 / math.sqrt(mse) * mse_err, 1e-3
+    )
     ds = np.sort(dp)
     for name, frac in (("99", 0.99), ("75", 0.75), ("25", 0.25), ("1", 0.01)):
         assert close(out.dp_percentiles[name], pct(ds, frac), 1e-4), name
@@ -166,7 +168,9 @@ def test_output_statistics_equal_numpy_with_llama_cpp_definitions(pair):
     assert close(o.ln_ratio, b_f - a_f)
     ln_err = math.sqrt(a_df**2 + b_df**2 - 2 * cov)
     assert close(o.ln_ratio_err, ln_err, 1e-3)
-    assert close(o.ratio, math.exp(b_f - a_f)) and close(o.ratio_err, math.exp(b_f - a_f) * ln_err, 1e-3)
+    assert close(o.ratio, math.exp(b_f - a_f)) and close(
+        o.ratio_err, math.exp(b_f - a_f) * ln_err, 1e-3
+    )
     assert close(o.cor, cov / (a_df * b_df), 1e-3)
     assert close(r.perplexity, math.exp(a_f))
 

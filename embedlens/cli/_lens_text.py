@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from embedlens.cli._output import emit, note, plain_progress, warn
+from embedlens.cli._output import elapsed, emit, note, plain_progress, warn
 from embedlens.errors import UsageError
 from embedlens.runtime import world
 
@@ -151,8 +151,10 @@ def _bar(message: str) -> Iterator[Callable[[int, int], None]]:
     state: dict[str, float] = {"done": 0, "total": 0}
     if _state["quiet"] or not _err_terminal():
 
-        def line(_t: float) -> str:
+        def line(t: float) -> str:
             d, n = int(state["done"]), int(state["total"])
+            if not n:
+                return f"{message}: loading, {elapsed(t)}"
             return f"{d:,} of {n:,} tokens scored{_left(state)}: {message}"
 
         def plain(done: int, total: int) -> None:

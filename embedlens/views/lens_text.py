@@ -76,30 +76,33 @@ def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
 
 
 def _pair(r: LensTextReport) -> RenderableType:
+    """llama-perplexity's KL table per layer, then its token probability figures per layer."""
     assert r.pair is not None
-    title = f"KL(base ‖ Q) per layer: base {r.reference}, Q {r.evaluated}"
-    table = Sheet(title=shown(title, "table.title"))
-    cols = ["layer", "mean KLD", "±", "median", "90%", "99%", "99.9%", "max", "same top",
-            "mean Δp", "RMS Δp", "ln PPL ratio"]  # fmt: skip
+    kl = Sheet(title=shown(f"KL(base ‖ Q) per layer: base {r.reference}, Q {r.evaluated}",
+                           "table.title"))  # fmt: skip
+    for c in ("layer", "mean KLD", "median", "90%", "99%", "99.9%", "max"):
+        kl.add_column(c, justify="right", no_wrap=c == "layer")
     residual = r.pair[0].residual_kl is not None
-    if residual:
-        cols.append("residual KL")
-    for c in cols:
-        table.add_column(c, justify="right", no_wrap=c == "layer")
+    probs = Sheet(title=shown("Same top token and Δp of the true next token per layer",
+                              "table.title"))  # fmt: skip
+    cols = ["layer", "same top", "mean Δp", "RMS Δp", "ln PPL(Q)/PPL(base)"]
+    for c in [*cols, *(["residual KL"] if residual else [])]:
+        probs.add_column(c, justify="right", no_wrap=c == "layer")
     for p in r.pair:
         q = p.kl_percentiles
-        cells = [_label(r, p.layer), f"{p.kl:.6f}", f"{p.kl_err:.6f}", f"{q['median']:.6f}",
-                 f"{q['90']:.6f}", f"{q['99']:.6f}", f"{q['99.9']:.6f}", f"{q['max']:.6f}",
-                 f"{100 * p.same_top:.3f}%", f"{100 * p.dp_mean:.3f}%", f"{100 * p.dp_rms:.3f}%",
-                 f"{p.ln_ppl_ratio:.6f}"]  # fmt: skip
+        kl.add_row(_label(r, p.layer), f"{p.kl:.6f} ± {p.kl_err:.6f}",
+                   *(f"{q[k]:.6f}" for k in ("median", "90", "99", "99.9", "max")))  # fmt: skip
+        cells = [_label(r, p.layer), f"{100 * p.same_top:.3f} ± {100 * p.same_top_err:.3f}%",
+                 f"{100 * p.dp_mean:.3f}%", f"{100 * p.dp_rms:.3f} ± {100 * p.dp_rms_err:.3f}%",
+                 f"{p.ln_ppl_ratio:.6f} ± {p.ln_ppl_ratio_err:.6f}"]  # fmt: skip
         if residual:
             cells.append(f"{p.residual_kl:.6f}")
-        table.add_row(*cells)
+        probs.add_row(*cells)
     line = (
-        "llama-perplexity's definitions at every layer (docs/text.md): KL in nats, Δp = "
-        "p_Q(true token) - p_base(true token); ln PPL ratio: ln(PPL(Q)/PPL(base))."
+        "llama-perplexity's definitions at every layer (docs/text.md): KL in nats; Δp = "
+        "p_Q(true token) - p_base(true token)."
     )
-    return Group(table, Text(line, style="dim"))
+    return Group(kl, probs, Text(line, style="dim"))
 
 
 def figure(r: LensTextReport) -> Any:
@@ -118,7 +121,9 @@ def figure(r: LensTextReport) -> Any:
     if r.pair is not None and len(r.pair) > 1:
         pl = [p.layer for p in r.pair]
         panels.append(("mean KL(base ‖ Q), nats", pl, [p.kl for p in r.pair], "log"))
-        panels.append(("99% KL(base ‖ Q), nats", pl, [p.kl_percentiles["99"] for p in r.pair], "log"))
+        panels.append(
+            ("99% KL(base ‖ Q), nats", pl, [p.kl_percentiles["99"] for p in r.pair], "log")
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (label, xs, ys, scale) in zip(axes.flat, panels, strict=True):
         ax.plot(xs, ys, marker="o", markersize=3)

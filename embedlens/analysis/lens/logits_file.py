@@ -67,7 +67,9 @@ def save(path: str | os.PathLike[str], meta: dict[str, Any], tokens: list[int],
     head = {**meta, "format": FORMAT, "windows": n}
     text = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
     with open(path, "wb") as f:
-        np.savez(f, meta=text, tokens=np.asarray(tokens, dtype=np.int32), **data)
+        arrays: dict[str, Any] = {"meta": text, "tokens": np.asarray(tokens, dtype=np.int32)}
+        arrays.update(data)
+        np.savez(f, **arrays)
 
 
 def load(path: str | os.PathLike[str]) -> LogitsFile:

@@ -103,14 +103,16 @@ def lens_text(
 
         from embedlens.analysis.lens.opening import ready
 
-        with ready(model, tokenizer, load, check) as (opened, tokens):
-            with _other(opened, against, against_tokenizer, against_revision, load) as other:
-                run = _text_run(opened, items, other, lens_dir, save_logits, residual)
-                totals = _all(run, r, tokens, reference, session, progress)
-                report = _report(opened, run, totals, (name, r, tokens), other, reference)
-                if save_logits is not None and (session is None or session.rank == 0):
-                    _save(save_logits, opened, r, tokens, totals, run.vocab)
-                return report
+        with ExitStack() as stack:
+            opened, tokens = stack.enter_context(ready(model, tokenizer, load, check))
+            b = (against, against_tokenizer, against_revision)
+            other = stack.enter_context(_other(opened, *b, load))
+            run = _text_run(opened, items, other, lens_dir, save_logits, residual)
+            totals = _all(run, r, tokens, reference, session, progress)
+            report = _report(opened, run, totals, (name, r, tokens), other, reference)
+            if save_logits is not None and (session is None or session.rank == 0):
+                _save(save_logits, opened, r, tokens, totals, run.vocab)
+            return report
 
 
 def _loading(
@@ -167,8 +169,7 @@ def _other(
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
     b_tok = tokenizer if tokenizer is not None or isinstance(b_load, options.Load) else None
     b_tok = b_tok if b_tok is not None or isinstance(b_load, options.Load) else opened.tokenizer
-    with ExitStack() as stack:
-        other, _ = stack.enter_context(ready(against, b_tok, b_load, lambda *_: None))
+    with ready(against, b_tok, b_load, lambda *_: None) as (other, _):
         yield other
 
 
@@ -210,7 +211,8 @@ def _text_run(
 
 
 def _outputs(opened: Opened) -> int:
-    head = opened.model.get_output_embeddings()
+    get: Any = getattr(opened.model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else len(opened.tokenizer)
 
@@ -342,7 +344,9 @@ def _report(
     )
 
 
-def _save(path: Any, opened: Opened, r: Rule, tokens: Tokens, totals: TextTotals, vocab: int) -> None:
+def _save(
+    path: Any, opened: Opened, r: Rule, tokens: Tokens, totals: TextTotals, vocab: int
+) -> None:
     from embedlens.analysis.lens import logits_file
     from embedlens.analysis.lens.text_run import TOP_K
 

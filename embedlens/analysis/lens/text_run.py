@@ -204,7 +204,11 @@ class TextRun:
         index = {layer: i for i, layer in enumerate(self.layers)}
         one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
         logit = None if self.main.logit is None else torch.zeros_like(one)
-        pair = None if theirs is None else torch.zeros(len(self.layers), len(PAIR), dtype=torch.float64)
+        pair = (
+            None
+            if theirs is None
+            else torch.zeros(len(self.layers), len(PAIR), dtype=torch.float64)
+        )
         kl_v = None if theirs is None else torch.zeros(len(self.layers), n_pos)
         dp_v = None if theirs is None else torch.zeros(len(self.layers), n_pos)
         chunk = max(1, CHUNK_BYTES // (4 * vocab))
@@ -232,7 +236,11 @@ class TextRun:
                     b = theirs.logits[js.to(theirs.logits.device)].to(mine.device)
                 else:
                     b = self._decode(self.other.decoder, theirs.residual, part, device)
-                r = self._decode(self.main.decoder, theirs.residual, part, device) if self.residual else None
+                r = (
+                    self._decode(self.main.decoder, theirs.residual, part, device)
+                    if self.residual
+                    else None
+                )
                 rows, kl, dp = _pair_rows(mine, b.to(mine.device), r, tj, self.vocab)
                 pair.index_add_(0, at, rows.cpu())
                 kl_v[at, js] = kl.float().cpu()

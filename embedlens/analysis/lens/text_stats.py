@@ -28,7 +28,20 @@ from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
-PAIR = ("nll_a", "nll_a2", "nll_b", "nll_b2", "nll_ab", "kl", "kl2", "dp", "dp2", "dp4", "same", "res_kl")
+PAIR = (
+    "nll_a",
+    "nll_a2",
+    "nll_b",
+    "nll_b2",
+    "nll_ab",
+    "kl",
+    "kl2",
+    "dp",
+    "dp2",
+    "dp4",
+    "same",
+    "res_kl",
+)
 """Sums per layer of a comparison (a: the reference, b: the evaluated side)."""
 KL_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9),
          ("median", 0.5), ("10", 0.1), ("5", 0.05), ("1", 0.01), ("0.1", 0.001),
@@ -153,8 +166,12 @@ class TextTotals:
     def pair(self, residual: bool) -> list[TextPairLayer]:
         """Per layer llama.cpp's KL table (reference: this model; evaluated: the other)."""
         sums, n = self._sum("pair"), self.n
-        kl_values = np.concatenate([w.kl_values for w in self.windows if w.kl_values is not None], 1)
-        dp_values = np.concatenate([w.dp_values for w in self.windows if w.dp_values is not None], 1)
+        kl_values = np.concatenate(
+            [w.kl_values for w in self.windows if w.kl_values is not None], 1
+        )
+        dp_values = np.concatenate(
+            [w.dp_values for w in self.windows if w.dp_values is not None], 1
+        )
         out = []
         for i, layer in enumerate(self.pair_layers):
             s = dict(zip(PAIR, (float(x) for x in sums[i]), strict=True))
