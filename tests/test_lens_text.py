@@ -324,3 +324,40 @@ def test_torchrun_gives_what_one_process_gives(pair, cli):
     assert two.returncode == 0, two.stderr
     x, y = json.loads(one.stdout), json.loads(two.stdout)
     assert x == y
+
+
+def test_tuned_lens_statistics_beside_the_logit_lens(pair, tmp_path):
+    """--tuned: each layer's CE is that of unembed(h + W h + b) by hand; the logit lens's
+    statistics beside equal a run without --tuned."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from embedlens import lens_text
+    from tests.test_tune import tuned_lens_folder
+
+    a, _, text = pair
+    model = AutoModelForCausalLM.from_pretrained(a).eval()
+    lens_dir = tuned_lens_folder(tmp_path / "lens", model)
+    r = lens_text(a, text, ctx=CTX, tuned=lens_dir)
+    plain = lens_text(a, text, ctx=CTX)
+    assert r.lens == "tuned" and r.logit_layers is not None
+    for x, y in zip(r.logit_layers, plain.layers, strict=True):
+        assert close(x.cross_entropy, y.cross_entropy, 1e-6) and x.kl == pytest.approx(
+            y.kl, abs=1e-6
+        )
+    state = torch.load(lens_dir / "params.pt", weights_only=True)
+    wins, pos = windows_by_hand(a, text.read_text(), CTX)
+    n_layers = model.config.num_hidden_layers
+    nll: dict[int, list[float]] = {}
+    with torch.no_grad():
+        for w in wins:
+            out = model(torch.tensor([w]), output_hidden_states=True)
+            t = torch.tensor(w)[torch.tensor(pos) + 1]
+            for layer in range(n_layers):
+                h = out.hidden_states[layer][0, pos]
+                wt, b = state[f"{layer}.weight"], state[f"{layer}.bias"]
+                lp = model.lm_head(model.model.norm(h + h @ wt.T + b)).double().log_softmax(-1)
+                nll.setdefault(layer, []).extend((-lp.gather(1, t[:, None])[:, 0]).tolist())
+    for row in r.layers[:-1]:
+        assert close(row.cross_entropy, float(np.mean(nll[row.layer])), 1e-4), row.layer
+    assert r.layers[-1].cross_entropy == pytest.approx(plain.layers[-1].cross_entropy, rel=1e-9)
