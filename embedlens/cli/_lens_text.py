@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
-from embedlens.cli._output import elapsed, emit, note, plain_progress, warn
+from embedlens.cli._output import emit, note, tokens_bar, warn
 from embedlens.errors import UsageError
 from embedlens.runtime import world
 
@@ -84,7 +84,7 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     what = model_title(model)
     if given.get("against") is not None:
         what += f" against {model_title(str(given['against']))}"
-    with _bar(f"Scoring {given['text']} with {what}") as advance:
+    with tokens_bar(f"Scoring {given['text']} with {what}", "tokens scored") as advance:
         report = lens_text(
             model,
             given["text"],
@@ -124,63 +124,32 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     emit(report, as_json=given["as_json"])
 
 
-def _rate(state: dict[str, float], done: int) -> str:
-    """Tokens/s since the first window ended (the model's loading not counted)."""
-    now = time.monotonic()
-    if "first" not in state:
-        state["first"], state["first_done"] = now, done
-        return ""
-    rate = (done - state["first_done"]) / max(now - state["first"], 1e-9)
-    state["rate"] = rate
-    return f"{rate:,.0f} tokens/s"
+F = TypeVar("F", bound=Callable[..., Any])
+TEXT_OPTIONS = (("text", TextOpt, None), ("ctx", CtxOpt, 512), ("stride", StrideOpt, None),
+                ("max_tokens", MaxTokensOpt, None), ("score", ScoreOpt, "half"),
+                ("save_logits", SaveLogitsOpt, None),
+                ("against_logits", AgainstLogitsOpt, None))  # fmt: skip
+"""lens --text's own options: (parameter, annotation, default)."""
 
 
-def _left(state: dict[str, float]) -> str:
-    rate = state.get("rate", 0.0)
-    if not rate:
-        return ""
-    return f", {rate:,.0f} tokens/s, {int((state['total'] - state['done']) / rate)} s left"
+def text_options(fn: F) -> F:
+    """`lens` with --text's options added to its signature (Typer reads them from it): given
+    --text, --save-logits or --against-logits, the run is `run_text`'s, with every argument of
+    `lens`; else `fn` runs without them."""
+    sig = inspect.signature(fn, eval_str=True)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    extra = [inspect.Parameter(n, kind, default=d, annotation=a) for n, a, d in TEXT_OPTIONS]
 
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mine = {n: kwargs.pop(n, d) for n, _, d in TEXT_OPTIONS}
+        if all(mine[n] is None for n in ("text", "save_logits", "against_logits")):
+            return fn(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = {**bound.arguments, **mine}
+        return run_text(given["model"], given)
 
-@contextmanager
-def _bar(message: str) -> Iterator[Callable[[int, int], None]]:
-    """A progress bar on stderr: tokens scored of all, tokens/s, time left (on a terminal; off
-    one, a plain line every so often; neither with --quiet)."""
-    from embedlens.cli._output import _err, _err_terminal, _state
-
-    state: dict[str, float] = {"done": 0, "total": 0}
-    if _state["quiet"] or not _err_terminal():
-
-        def line(t: float) -> str:
-            d, n = int(state["done"]), int(state["total"])
-            if not n:
-                return f"{message}: loading, {elapsed(t)}"
-            return f"{d:,} of {n:,} tokens scored{_left(state)}: {message}"
-
-        def plain(done: int, total: int) -> None:
-            _rate(state, done)
-            state["done"], state["total"] = done, total
-
-        with plain_progress(line):
-            yield plain
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-               TextColumn("tokens"), TaskProgressColumn(),
-               TextColumn("{task.fields[rate]}"), TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, console=_err(), transient=True) as bar:
-        task = bar.add_task(message, total=None, rate="")
-
-        def advance(done: int, total: int) -> None:
-            rate = _rate(state, done)
-            bar.update(task, completed=done, total=total, rate=rate)
-
-        yield advance
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {**fn.__annotations__, **{n: a for n, a, _ in TEXT_OPTIONS}}
+    return wrapper  # type: ignore[return-value]

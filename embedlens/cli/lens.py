@@ -11,16 +11,7 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._lens_states import run_states
-from embedlens.cli._lens_text import (
-    AgainstLogitsOpt,
-    CtxOpt,
-    MaxTokensOpt,
-    SaveLogitsOpt,
-    ScoreOpt,
-    StrideOpt,
-    TextOpt,
-    run_text,
-)
+from embedlens.cli._lens_text import text_options
 from embedlens.cli._options import (
     AgainstRevisionOpt,
     DebugOpt,
@@ -252,6 +243,7 @@ OffloadFolderOpt = Annotated[
 
 
 @handles_errors
+@text_options
 def lens(
     model: ModelArg,
     prompt: PromptArg = None,
@@ -286,13 +278,6 @@ def lens(
     states: StatesOpt = None,
     state_layers: StateLayersOpt = None,
     save_states: SaveStatesOpt = None,
-    text: TextOpt = None,
-    ctx: CtxOpt = 512,
-    stride: StrideOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    score: ScoreOpt = "half",
-    save_logits: SaveLogitsOpt = None,
-    against_logits: AgainstLogitsOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -304,8 +289,6 @@ def lens(
 
     if states is not None or state_layers is not None:
         return run_states(model, dict(locals()))
-    if text is not None or save_logits is not None or against_logits is not None:
-        return run_text(model, dict(locals()))
     opts = dict(layers=layers, top_k=top_k, position=position, target=target, chat=chat,
                 no_thinking=no_thinking, template_args=template_arg, chat_template=chat_template,
                 device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,

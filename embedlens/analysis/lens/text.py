@@ -86,33 +86,49 @@ def lens_text(
     session = _joined(dist_backend, device, against)
     with nullcontext() if session is None else session.guarded():
         load = _loading(model, revision, dtype, device, trust_remote_code)
-        lens_dir = None
-        if tuned is not None:
-            from embedlens.analysis.tune.use import open_tuned
+        b = (against, against_tokenizer, against_revision)
+        return _run(model, tokenizer, load, (os.fspath(text), body, r, items), b,
+                    (tuned, reference, save_logits, residual), session, progress)  # fmt: skip
 
-            lens_dir = open_tuned(tuned)
-        name = os.fspath(text)
 
-        def check(tok: Any, config: Any, _template: str) -> Tokens:
-            if lens_dir is not None:
-                from embedlens.analysis.tune.use import before_load
+def _run(
+    model: object,
+    tokenizer: Any,
+    load: options.Load | dict[str, bool],
+    asked: tuple[str, str, Rule, Any],
+    b: tuple[Any, Any, str | None],
+    more: tuple[Any, LogitsFile | None, Any, bool],
+    session: Session | None,
+    progress: Progress | None,
+) -> LensTextReport:
+    """`lens_text` once its options are checked: the model(s) ready, every window run."""
+    from embedlens.analysis.lens.opening import ready
 
-                before_load(lens_dir, config)
-            _check_ctx(config, r)
-            return tokenise(body, tok, r, name)
+    name, body, r, items = asked
+    tuned, reference, save_logits, residual = more
+    lens_dir = None
+    if tuned is not None:
+        from embedlens.analysis.tune.use import open_tuned
 
-        from embedlens.analysis.lens.opening import ready
+        lens_dir = open_tuned(tuned)
 
-        with ExitStack() as stack:
-            opened, tokens = stack.enter_context(ready(model, tokenizer, load, check))
-            b = (against, against_tokenizer, against_revision)
-            other = stack.enter_context(_other(opened, *b, load))
-            run = _text_run(opened, items, other, lens_dir, save_logits, residual)
-            totals = _all(run, r, tokens, reference, session, progress)
-            report = _report(opened, run, totals, (name, r, tokens), other, reference)
-            if save_logits is not None and (session is None or session.rank == 0):
-                _save(save_logits, opened, r, tokens, totals, run.vocab)
-            return report
+    def check(tok: Any, config: Any, _template: str) -> Tokens:
+        if lens_dir is not None:
+            from embedlens.analysis.tune.use import before_load
+
+            before_load(lens_dir, config)
+        _check_ctx(config, r)
+        return tokenise(body, tok, r, name)
+
+    with ExitStack() as stack:
+        opened, tokens = stack.enter_context(ready(model, tokenizer, load, check))
+        other = stack.enter_context(_other(opened, *b, load))
+        run = _text_run(opened, items, other, lens_dir, save_logits, residual)
+        totals = _all(run, r, tokens, reference, session, progress)
+        report = _report(opened, run, totals, (name, r, tokens), other, reference)
+        if save_logits is not None and (session is None or session.rank == 0):
+            _save(save_logits, opened, r, tokens, totals, run.vocab)
+        return report
 
 
 def _loading(

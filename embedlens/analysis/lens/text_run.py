@@ -231,17 +231,7 @@ class TextRun:
                 plain = mine if last else self._decode(self.main.logit, cap.residual, part, device)  # type: ignore[arg-type]
                 logit.index_add_(0, at, _one_rows(plain, oj, tj, self.vocab).cpu())
             if theirs is not None and pair is not None and kl_v is not None and dp_v is not None:
-                assert self.other is not None and theirs.logits is not None
-                if last:
-                    b = theirs.logits[js.to(theirs.logits.device)].to(mine.device)
-                else:
-                    b = self._decode(self.other.decoder, theirs.residual, part, device)
-                r = (
-                    self._decode(self.main.decoder, theirs.residual, part, device)
-                    if self.residual
-                    else None
-                )
-                rows, kl, dp = _pair_rows(mine, b.to(mine.device), r, tj, self.vocab)
+                rows, kl, dp = self._pair(theirs, part, last, js, mine, tj, cap, device)
                 pair.index_add_(0, at, rows.cpu())
                 kl_v[at, js] = kl.float().cpu()
                 dp_v[at, js] = dp.float().cpu()
@@ -257,6 +247,29 @@ class TextRun:
         if self.keep_logits:
             sums.extra = kept_logits(real, t, self.vocab)
         return sums
+
+    def _pair(
+        self,
+        theirs: Capture,
+        part: list[tuple[int, int]],
+        last: bool,
+        js: torch.Tensor,
+        mine: torch.Tensor,
+        tj: torch.Tensor,
+        cap: Capture,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chunk's rows of the other model (its logits at the output, else its own lens) and,
+        with `residual`, this model's decoder on its residual: the comparison's per-row figures."""
+        assert self.other is not None and theirs.logits is not None
+        if last:
+            b = theirs.logits[js.to(theirs.logits.device)]
+        else:
+            b = self._decode(self.other.decoder, theirs.residual, part, device)
+        r = None
+        if self.residual:
+            r = self._decode(self.main.decoder, theirs.residual, part, device).to(mine.device)
+        return _pair_rows(mine, b.to(mine.device), r, tj, self.vocab)
 
     @staticmethod
     def _decode(
