@@ -273,6 +273,7 @@ def test_refusals(pair, cli, tmp_path):
     assert "logits file" in cli.fails("lens", a, "--text", text, "--ctx", CTX, "--against-logits",
                                       text, code=2)  # fmt: skip
     assert "do not combine" in cli.fails("lens", a, "Hello", "--text", text, code=2)
+    assert "apply with --text" in cli.fails("lens", a, "--save-logits", tmp_path / "x.npz", code=2)
 
 
 @pytest.mark.slow
@@ -361,3 +362,12 @@ def test_tuned_lens_statistics_beside_the_logit_lens(pair, tmp_path):
     for row in r.layers[:-1]:
         assert close(row.cross_entropy, float(np.mean(nll[row.layer])), 1e-4), row.layer
     assert r.layers[-1].cross_entropy == pytest.approx(plain.layers[-1].cross_entropy, rel=1e-9)
+
+
+def test_plot_draws_the_curves(pair, cli, tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b, text = pair
+    plot = tmp_path / "text.svg"
+    result = cli("lens", a, "--text", text, "--ctx", CTX, "--against", b, "--plot", plot)
+    assert result.exit_code == 0, result.stderr
+    assert f"wrote {plot}" in result.stderr and "<svg" in plot.read_text(encoding="utf-8")

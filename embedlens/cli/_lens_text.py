@@ -68,6 +68,8 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     from embedlens.analysis.lens.text import lens_text
     from embedlens.cli._options import common
 
+    if given["text"] is None:
+        raise UsageError("--save-logits and --against-logits apply with --text FILE")
     for key, flag in _ALONE.items():
         if given.get(key) not in (None, False, []):
             raise UsageError(f"--text and {flag} do not combine")
