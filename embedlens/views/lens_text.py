@@ -71,7 +71,7 @@ def _one(r: LensTextReport) -> RenderableType:
 
 def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
     return [_label(r, row.layer), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
-            f"{row.bits_per_byte:.3f}", f"{row.kl:.4f}", f"{row.entropy:.3f}",
+            f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
             f"{row.top1_accuracy:.1%}"]  # fmt: skip
 
 
