@@ -686,6 +686,9 @@ def embedding_args(path: Path) -> list[str]:
 
 
 def rows(quick: bool) -> tuple[list[Row], Path, Path]:
+    sys.path.insert(0, str(HERE))
+    from text_rows import text_rows
+
     el = embedlens_argv()
     qwen = qwen_checkpoint(quick, build=False)
     vocab_gguf = large_vocab_gguf(quick, build=False)
@@ -806,6 +809,8 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             [*el, "lens", str(lens_model), "--prompts", str(CACHE / "prompts-english.txt"),
              "--json"],
             "--prompts alone", budget=2.2),
+        *text_rows(Row, el, lens_model, other, (lens_name, pair_name), CACHE / "tune-text.txt",
+                   quick),
     ]  # fmt: skip
     return table, qwen, smol
 

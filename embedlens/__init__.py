@@ -25,7 +25,7 @@ import embedlens.views  # noqa: F401
 
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
-    from embedlens.analysis.lens import lens, lens_prompts, lens_states
+    from embedlens.analysis.lens import lens, lens_prompts, lens_states, lens_text
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
@@ -54,6 +54,7 @@ _EXPORTS = {
     "lens": "embedlens.analysis.lens",
     "lens_prompts": "embedlens.analysis.lens",
     "lens_states": "embedlens.analysis.lens",
+    "lens_text": "embedlens.analysis.lens",
     "vocab": "embedlens.analysis.vocab",
     "tune": "embedlens.analysis.tune",
     "Report": "embedlens.reports",
@@ -95,6 +96,7 @@ __all__ = [
     "lens",
     "lens_prompts",
     "lens_states",
+    "lens_text",
     "neighbors",
     "params",
     "tied",

@@ -22,8 +22,9 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
 
 def test_every_command_is_checked():
     commands = {n for n in embedlens.__all__ if n.islower() and not n.startswith("_")}
-    # tune writes a folder: its own test below; lens_states reads one: tests/test_states.py
-    assert {*CALLS, "tune", "lens_states"} == commands
+    # tune writes a folder: its own test below; lens_states reads one: tests/test_states.py;
+    # lens_text reads a text file (tests/test_lens_text.py runs it on Paths)
+    assert {*CALLS, "tune", "lens_states", "lens_text"} == commands
 
 
 def test_tune_takes_paths_for_the_model_the_data_and_the_folder(tiny, tmp_path):

@@ -23,6 +23,7 @@ from embedlens.reports import Report
 from embedlens.reports.addr import AddrReport
 from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+from embedlens.reports.lens_text import LensTextReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
 from embedlens.reports.sites import LensSitesPairReport, LensSitesReport, LensSitesSummaryReport
@@ -53,6 +54,7 @@ REPORTS: dict[str, type[Report]] = {
     "lens --site": LensSitesReport,
     "lens --prompts --site": LensSitesSummaryReport,
     "lens --against --site": LensSitesPairReport,
+    "lens --text": LensTextReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
@@ -117,6 +119,7 @@ ARGS: dict[str, list[str]] = {
         "--site",
         "attn_out,resid_mid,resid",
     ],
+    "lens --text": ["--text", "DATA", "--ctx", "16", "--max-tokens", "64", "--against", "MODEL"],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],
 }

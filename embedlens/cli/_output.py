@@ -394,3 +394,56 @@ def byte_bar(message: str, total: int) -> Iterator[Callable[[int], None]]:
 
 
 ranges.set_progress(byte_bar)
+
+
+@contextmanager
+def tokens_bar(message: str, unit: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr for work counted in items of a total known once it starts
+    (`lens --text`'s tokens): yields `advance(done, total)`; the rate and the time left are
+    taken from the first call on (what comes before it, a model's loading, is not counted).
+    On a terminal a bar; off one, a plain line every PLAIN_EVERY seconds; neither with --quiet."""
+    state: dict[str, float] = {"done": 0, "total": 0}
+
+    def rate(done: int) -> float:
+        now = time.monotonic()
+        if "first" not in state:
+            state["first"], state["first_done"] = now, done
+            return 0.0
+        state["rate"] = (done - state["first_done"]) / max(now - state["first"], 1e-9)
+        return state["rate"]
+
+    if _state["quiet"] or not _err_terminal():
+
+        def line(t: float) -> str:
+            done, total, per_s = int(state["done"]), int(state["total"]), state.get("rate", 0.0)
+            if not total:
+                return f"{message}: loading, {elapsed(t)}"
+            left = f", {per_s:,.0f}/s, {elapsed((total - done) / per_s)} left" if per_s else ""
+            return f"{done:,} of {total:,} {unit}{left}: {message}"
+
+        def plain(done: int, total: int) -> None:
+            rate(done)
+            state["done"], state["total"] = done, total
+
+        with plain_progress(line):
+            yield plain
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+               TextColumn(unit), TextColumn("{task.fields[rate]}"), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=_err(), transient=True) as bar:
+        task = bar.add_task(_shown(message).plain, total=None, rate="")
+
+        def advance(done: int, total: int) -> None:
+            per_s = rate(done)
+            shown = f"{per_s:,.0f} {unit.split()[0]}/s" if per_s else ""
+            bar.update(task, completed=done, total=total, rate=shown)
+
+        yield advance

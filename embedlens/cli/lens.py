@@ -12,6 +12,7 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._lens_states import run_states
+from embedlens.cli._lens_text import text_options
 from embedlens.cli._options import (
     AgainstRevisionOpt,
     DebugOpt,
@@ -43,6 +44,7 @@ EXAMPLES = (
     '  $ embedlens lens ./base.gguf "Paris" --chat "The capital of France?" --chat-template chat.jinja\n\n'
     '  $ embedlens lens ./big-model "Hello" --device-map auto --layers 20: --json\n\n'
     "  $ embedlens lens ./my-model --prompts prompts.jsonl --plot curves.png\n\n"
+    "  $ embedlens lens ./base.gguf --text wiki.test.raw --against ./model.Q4_K_M.gguf\n\n"
     '  $ embedlens lens ./model.Q4_1.gguf "The capital of France is" --against ./model.Q8_0.gguf\n\n'
     "  $ embedlens lens ./base --prompts prompts.jsonl --against ./instruct --plot kl.png\n\n"
     "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl\n\n"
@@ -256,6 +258,7 @@ OffloadFolderOpt = Annotated[
 
 
 @handles_errors
+@text_options
 def lens(
     model: ModelArg,
     prompt: PromptArg = None,

@@ -18,6 +18,7 @@ def load_views() -> None:
         lens,
         lens_diff,
         lens_summary,
+        lens_text,
         neighbors,
         params,
         sites,

@@ -10,6 +10,8 @@ One idea per module, read top-down from `api` (the functions users call):
 - `batch`: many prompts through the same engine pieces at once, with KL and entropy per row;
 - `many`: prompts files and lists: every line checked, then run a window at a time;
 - `stats`: per-layer statistics over many prompts;
+- `text`: `lens_text`, the lens over every scored token of a text (`text_input`, `text_run`,
+  `text_stats`; `logits_file` for --save-logits / --against-logits);
 - `report`: a run's result as the `LensReport` users get;
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
   --save-states`'s: `states_file`, `saving`), decoded by the model's tail alone (`tail`);
@@ -21,5 +23,6 @@ One idea per module, read top-down from `api` (the functions users call):
 from embedlens.analysis.lens.api import lens, lens_prompts
 from embedlens.analysis.lens.options import DEVICE_MAPS
 from embedlens.analysis.lens.states import lens_states
+from embedlens.analysis.lens.text import lens_text
 
-__all__ = ["DEVICE_MAPS", "lens", "lens_prompts", "lens_states"]
+__all__ = ["DEVICE_MAPS", "lens", "lens_prompts", "lens_states", "lens_text"]

@@ -1,0 +1,371 @@
+"""`lens_text`: the lens over every scored token of a text, alone or against another model (or a
+saved run's output), with llama-perplexity's statistics (`text_stats`) at every layer.
+
+The text is read and checked before any model loads, tokenised once (`text_input`), cut into
+windows, and each window run through the model(s) (`text_run`); only sums and per-token KL and
+Δp values are kept. Under torchrun, window w runs on rank w mod N and the windows' sums are
+combined in window order on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from embedlens.analysis.lens import options
+from embedlens.analysis.lens.text_input import Rule, Tokens, read_text, rule, tokenise
+from embedlens.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from embedlens.analysis.dist import Session
+    from embedlens.analysis.lens.logits_file import LogitsFile
+    from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.text_run import Side, TextRun, Window
+    from embedlens.analysis.lens.text_stats import TextTotals, WindowSums
+    from embedlens.reports.lens_text import LensTextReport
+
+Progress = Callable[[int, int], None]
+"""Called after each window with (tokens scored so far, tokens to score), on rank 0."""
+
+
+def lens_text(
+    model: str | os.PathLike[str] | nn.Module,
+    text: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    ctx: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    score: str = "half",
+    layers: str | Sequence[int] | None = None,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: Any = None,
+    against_revision: str | None = None,
+    against_logits: str | os.PathLike[str] | None = None,
+    save_logits: str | os.PathLike[str] | None = None,
+    residual: bool = True,
+    tuned: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    dist_backend: str = "auto",
+    progress: Progress | None = None,
+) -> LensTextReport:
+    """The lens over the text file `text`: per layer, cross-entropy against the true next token
+    (nats, bits per byte), KL to the model's output, entropy and top-1 accuracy; at the output
+    the perplexity.
+
+    ctx, stride: windows of `ctx` tokens every `stride` (ctx by default); score: 'half' (the
+        second half of each window, llama-perplexity's rule) or 'all'; max_tokens: the text's
+        first tokens only.
+    against: B, compared at every layer with llama-perplexity's KL table (this model is the
+        reference, llama.cpp's 'base'; B the evaluated, its 'Q'); residual: also the KL of this
+        model's decoder on B's residual.
+    against_logits: a file `save_logits` wrote (the reference); this model is evaluated.
+    save_logits: write the output's top-k log-probabilities for a later `against_logits`.
+    tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them.
+    dist_backend: under torchrun, the windows are split over the processes.
+    """
+    r = rule(ctx, stride, score, max_tokens)
+    if against is not None and against_logits is not None:
+        raise UsageError("give --against or --against-logits, not both")
+    if tuned is not None and (against is not None or against_logits is not None):
+        raise UsageError("--tuned compares the tuned lens with the logit lens: run it alone")
+    items = None if layers is None else options.layer_items(layers)
+    body = read_text(text)
+    reference = None
+    if against_logits is not None:
+        from embedlens.analysis.lens import logits_file
+
+        reference = logits_file.load(against_logits)
+    session = _joined(dist_backend, device, against)
+    with nullcontext() if session is None else session.guarded():
+        load = _loading(model, revision, dtype, device, trust_remote_code)
+        b = (against, against_tokenizer, against_revision)
+        return _run(model, tokenizer, load, (os.fspath(text), body, r, items), b,
+                    (tuned, reference, save_logits, residual), session, progress)  # fmt: skip
+
+
+def _run(
+    model: object,
+    tokenizer: Any,
+    load: options.Load | dict[str, bool],
+    asked: tuple[str, str, Rule, Any],
+    b: tuple[Any, Any, str | None],
+    more: tuple[Any, LogitsFile | None, Any, bool],
+    session: Session | None,
+    progress: Progress | None,
+) -> LensTextReport:
+    """`lens_text` once its options are checked: the model(s) ready, every window run."""
+    from embedlens.analysis.lens.opening import ready
+
+    name, body, r, items = asked
+    tuned, reference, save_logits, residual = more
+    lens_dir = None
+    if tuned is not None:
+        from embedlens.analysis.tune.use import open_tuned
+
+        lens_dir = open_tuned(tuned)
+
+    def check(tok: Any, config: Any, _template: str) -> Tokens:
+        if lens_dir is not None:
+            from embedlens.analysis.tune.use import before_load
+
+            before_load(lens_dir, config)
+        _check_ctx(config, r)
+        return tokenise(body, tok, r, name)
+
+    with ExitStack() as stack:
+        opened, tokens = stack.enter_context(ready(model, tokenizer, load, check))
+        other = stack.enter_context(_other(opened, *b, load))
+        run = _text_run(opened, items, other, lens_dir, save_logits, residual)
+        totals = _all(run, r, tokens, reference, session, progress)
+        report = _report(opened, run, totals, (name, r, tokens), other, reference)
+        if save_logits is not None and (session is None or session.rank == 0):
+            _save(save_logits, opened, r, tokens, totals, run.vocab)
+        return report
+
+
+def _loading(
+    model: object, revision: str | None, dtype: str, device: str, trust: bool
+) -> options.Load | dict[str, bool]:
+    if isinstance(model, (str, os.PathLike)):
+        return options.load_options(revision, dtype, device, None, None, None, trust)
+    return options.loading_given(revision, dtype, device, None, None, None, trust)
+
+
+def _check_ctx(config: Any, r: Rule) -> None:
+    """A window longer than the model's positions is refused."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and r.ctx > limit:
+        raise UsageError(f"--ctx {r.ctx} is longer than the model's {limit:,} positions")
+
+
+def _joined(backend: str, device: str, against: object) -> Session | None:
+    """Under torchrun: this process's part (the group joined); None alone."""
+    from embedlens.runtime import world
+
+    if world()[1] == 1:
+        return None
+    from embedlens.analysis import dist
+
+    dist.check_backend(backend)
+    if against is not None:
+        raise UsageError(
+            "under torchrun, lens --text splits the windows over processes: --against (two "
+            "models in turn) runs in one process only",
+            hint="run it without torchrun, or save the reference with --save-logits and use "
+            "--against-logits",
+        )
+    return dist.join(backend, device)
+
+
+@contextmanager
+def _other(
+    opened: Opened, against: object, tokenizer: Any, revision: str | None, load: Any
+) -> Iterator[Opened | None]:
+    """B, checked against A (vocabulary, layers, outputs) and loaded as A was (None without)."""
+    if against is None:
+        yield None
+        return
+    from embedlens.analysis.lens.opening import ready
+    from embedlens.analysis.lens.pairing import Side, check_pair
+
+    if isinstance(against, (str, os.PathLike)):
+        b_load = _loading(against, revision, *_load_args(load))
+    else:
+        b_load = options.loading_given(revision, "float32", "cpu", None, None, None, False)
+    a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
+             opened.tokenizer, load)  # fmt: skip
+    check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
+    b_tok = tokenizer if tokenizer is not None or isinstance(b_load, options.Load) else None
+    b_tok = b_tok if b_tok is not None or isinstance(b_load, options.Load) else opened.tokenizer
+    with ready(against, b_tok, b_load, lambda *_: None) as (other, _):
+        yield other
+
+
+def _load_args(load: Any) -> tuple[str, str, bool]:
+    if isinstance(load, options.Load):
+        return load.dtype, load.device, load.trust_remote_code
+    return "float32", "cpu", False
+
+
+def _text_run(
+    opened: Opened,
+    items: Any,
+    other: Opened | None,
+    lens_dir: Any,
+    save_logits: object,
+    residual: bool,
+) -> TextRun:
+    """The window runner for A (its tuned lens beside the logit lens), and B."""
+    from embedlens.analysis.lens.blocks import find_blocks
+    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.text_run import Side, TextRun
+
+    def side(o: Opened) -> Side:
+        dummy = o.tokenizer.eos_token_id or 0
+        return Side(o.model, ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy)))
+
+    main = side(opened)
+    if lens_dir is not None:
+        from embedlens.analysis.tune.use import ready as tuned_ready
+
+        wrap = tuned_ready(lens_dir, opened.model, opened.tokenizer)[0]
+        main = Side(main.model, wrap(main.decoder), logit=main.decoder)
+    n_layers = len(find_blocks(opened.model).modules)
+    layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
+    vocab = min(len(opened.tokenizer), _outputs(opened))
+    b = None if other is None else side(other)
+    return TextRun(main, layers, vocab, b, keep_logits=save_logits is not None,
+                   residual=residual)  # fmt: skip
+
+
+def _outputs(opened: Opened) -> int:
+    get: Any = getattr(opened.model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else len(opened.tokenizer)
+
+
+def windows(r: Rule, tokens: Tokens) -> list[Window]:
+    """Every window of the text (ids with the BOS first when the tokenizer adds one)."""
+    from embedlens.analysis.lens.text_run import Window
+
+    pos = r.scored()
+    out = []
+    for index, start in enumerate(r.starts(len(tokens.ids))):
+        ids = tokens.ids[start : start + r.ctx]
+        if tokens.bos is not None:
+            ids = [tokens.bos, *ids[1:]]
+        targets = [ids[j + 1] for j in pos]
+        n_bytes = sum(tokens.n_bytes[start + j + 1] for j in pos)
+        out.append(Window(index, ids, pos, targets, n_bytes))
+    return out
+
+
+def _all(
+    run: TextRun,
+    r: Rule,
+    tokens: Tokens,
+    reference: LogitsFile | None,
+    session: Session | None,
+    progress: Progress | None,
+) -> TextTotals:
+    """Every window run (this process's share under torchrun), the sums combined."""
+    from embedlens.analysis.lens.text_stats import TextTotals
+    from embedlens.runtime import heap_kept
+
+    found = windows(r, tokens)
+    if reference is not None:
+        reference.check_run(tokens.ids, r.ctx, r.stride, r.score, run.vocab)
+    totals = TextTotals(run.layers)
+    total = sum(len(w.positions) for w in found)
+    done = 0
+    mine: list[WindowSums] = []
+    with heap_kept():
+        for w in found:
+            if session is not None:
+                session.check()
+                if w.index % session.size != session.rank:
+                    continue
+            ref = None if reference is None else _reference(reference, w.index)
+            mine.append(run.run(w, ref))
+            n = len(w.positions)
+            done = done + n if session is None else session.total("text", n)
+            if progress is not None and (session is None or session.rank == 0):
+                progress(done, total)
+    if session is None:
+        for s in mine:
+            totals.add(s)
+    else:
+        totals.merged(session.all_gather(mine))
+        if run.check is not None:
+            checks = [c for c in session.all_gather(run.check) if c is not None]
+            run.check = max(checks)
+    return totals
+
+
+def _reference(reference: LogitsFile, index: int) -> Any:
+    import torch
+
+    from embedlens.analysis.lens.text_run import Reference
+
+    rows = reference.window(index)
+    return Reference(
+        torch.from_numpy(rows["ids"]).long(),
+        torch.from_numpy(rows["logp"]),
+        torch.from_numpy(rows["target_logp"]),
+        torch.from_numpy(rows["top1"]).long(),
+    )
+
+
+def _report(
+    opened: Opened,
+    run: TextRun,
+    totals: TextTotals,
+    what: tuple[str, Rule, Tokens],
+    other: Opened | None,
+    reference: LogitsFile | None,
+) -> LensTextReport:
+    from embedlens.analysis.lens.report import dtype_name
+    from embedlens.reports.lens_text import LensTextReport
+
+    name, r, tokens = what
+    ppl, ppl_err = totals.perplexity()
+    diff, tol = run.check or (0.0, 0.0)
+    tuned = run.main.logit is not None
+    report = LensTextReport(
+        model=opened.name,
+        text=name,
+        n_text_tokens=len(tokens.ids),
+        ctx=r.ctx,
+        stride=r.stride,
+        score=r.score,
+        n_windows=len(r.starts(len(tokens.ids))),
+        n_scored=totals.n,
+        n_bytes=totals.n_bytes,
+        num_layers=run.n_layers,
+        dtype=dtype_name(opened.model),
+        perplexity=ppl,
+        perplexity_err=ppl_err,
+        layers=totals.one(),
+        lens="tuned" if tuned else "logit",
+        logit_layers=totals.one(logit=True) if tuned else None,
+        check_ok=not diff > tol,
+        max_abs_logit_diff=diff,
+        notes=[*opened.before, *opened.after],
+    )
+    if other is None and reference is None:
+        return report
+    from dataclasses import replace
+
+    if reference is not None:
+        totals.pair_layers = [run.n_layers]
+        ref_name, evaluated = str(reference.meta.get("model", reference.path)), opened.name
+    else:
+        assert other is not None
+        ref_name, evaluated = opened.name, other.name
+    return replace(
+        report,
+        reference=ref_name,
+        evaluated=evaluated,
+        pair=totals.pair(residual=other is not None and run.residual),
+        pair_output=totals.pair_output(),
+    )
+
+
+def _save(
+    path: Any, opened: Opened, r: Rule, tokens: Tokens, totals: TextTotals, vocab: int
+) -> None:
+    from embedlens.analysis.lens import logits_file
+    from embedlens.analysis.lens.text_run import TOP_K
+
+    meta = {"model": opened.name, "ctx": r.ctx, "stride": r.stride, "score": r.score,
+            "vocab": vocab, "top_k": TOP_K}  # fmt: skip
+    logits_file.save(path, meta, tokens.ids, [w.extra for w in totals.windows])

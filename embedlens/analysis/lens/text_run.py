@@ -1,0 +1,279 @@
+"""One window of `lens --text` through the model(s): the residual stream captured once, every
+layer decoded in chunks of bounded size, and each chunk reduced to per-token figures at once.
+
+Memory holds one window's residual stream (layers x scored tokens x width) and one chunk of
+logits (`CHUNK_BYTES`), never the logits of every token: only sums and, for a comparison, one
+KL and one Δp per (layer, token) are kept (`text_stats.WindowSums`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from embedlens.analysis.lens.blocks import find_blocks, input_device
+from embedlens.analysis.lens.capture import Capture, capture
+from embedlens.analysis.lens.decoder import Decoder
+from embedlens.analysis.lens.engine import decode_rows, tolerance
+from embedlens.analysis.lens.ranking import rowdot
+from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
+from embedlens.analysis.lens.threads import threads_for
+
+CHUNK_BYTES = 64 * 2**20
+"""float32 logits decoded and reduced at once (the reduction holds a few such arrays)."""
+TOP_K = 256
+"""Log-probabilities a logits file keeps per token (`logits_file`)."""
+
+
+@dataclass
+class Side:
+    """A model with its decoder(s): the lens's (tuned or logit) and, with --tuned, the logit
+    lens's beside it."""
+
+    model: nn.Module
+    decoder: Decoder
+    logit: Decoder | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window: its index, its ids, the positions scored, their next tokens and bytes."""
+
+    index: int
+    ids: list[int]
+    positions: list[int]
+    targets: list[int]
+    n_bytes: int
+
+
+@dataclass
+class Reference:
+    """A logits file's rows for one window (the reference side of a comparison)."""
+
+    ids: torch.Tensor
+    """[P, k] token ids, the top-k of the reference's output."""
+    logp: torch.Tensor
+    """[P, k] their log-probabilities."""
+    target_logp: torch.Tensor
+    """[P] the true next token's log-probability."""
+    top1: torch.Tensor
+    """[P] the reference's argmax."""
+
+
+def _lp(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _one_rows(
+    logits: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None, t: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:  # fmt: skip
+    """[n, len(ONE)] per row: NLL, NLL², KL(output ‖ lens), entropy, top-1 hit (float64);
+    `out`: the output's probabilities and Σ p log p at the same rows (None: these rows are the
+    output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each a dot per row (as
+    `lens --prompts` takes it), so no [n, V] product is kept."""
+    lp = _lp(logits)
+    nll = -lp.gather(1, t[:, None])[:, 0]
+    negent = rowdot(lp.exp(), lp)
+    kl = torch.zeros_like(nll) if out is None else (out[1] - rowdot(out[0], lp)).clamp_min(0)
+    top1 = (logits[:, :vocab].argmax(-1) == t).float()
+    return torch.stack([nll, nll * nll, kl, -negent, top1], 1).double()
+
+
+def _pair_rows(
+    a: torch.Tensor, b: torch.Tensor, r: torch.Tensor | None, t: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, len(PAIR)] per row (a: the reference's logits, b: the evaluated's, r: the reference's
+    decoder on the evaluated's residual), with the per-row KL and Δp."""
+    la, lb = _lp(a), _lp(b)
+    nll_a = -la.gather(1, t[:, None])[:, 0].double()
+    nll_b = -lb.gather(1, t[:, None])[:, 0].double()
+    kl = (la.exp() * (la - lb)).sum(-1).double()
+    dp = torch.exp(-nll_b) - torch.exp(-nll_a)
+    same = (a[:, :vocab].argmax(-1) == b[:, :vocab].argmax(-1)).double()
+    res = torch.zeros_like(kl) if r is None else (la.exp() * (la - _lp(r))).sum(-1).double()
+    dp2 = dp * dp
+    cols = [nll_a, nll_a * nll_a, nll_b, nll_b * nll_b, nll_a * nll_b, kl, kl * kl, dp, dp2,
+            dp2 * dp2, same, res]  # fmt: skip
+    return torch.stack(cols, 1), kl, dp
+
+
+def file_pair_rows(
+    ref: Reference, b: torch.Tensor, t: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_pair_rows` with the reference read from a logits file: its top-k log-probabilities and
+    the rest of its mass lumped (KL over the top-k, plus r_ref·ln(r_ref/r_eval) for the mass r
+    outside them: a lower bound of the full KL)."""
+    lb = _lp(b)
+    pa = ref.logp.exp()
+    lb_k = lb.gather(1, ref.ids)
+    ra = (1 - pa.sum(-1)).clamp_min(0).double()
+    rb = (1 - lb_k.exp().sum(-1)).clamp_min(1e-30).double()
+    tail = torch.where(ra > 0, ra * (ra.clamp_min(1e-300).log() - rb.log()), 0.0)
+    kl = ((pa * (ref.logp - lb_k)).sum(-1).double() + tail).clamp_min(0)
+    nll_a = -ref.target_logp.double()
+    nll_b = -lb.gather(1, t[:, None])[:, 0].double()
+    dp = torch.exp(-nll_b) - torch.exp(-nll_a)
+    same = (ref.top1 == b[:, :vocab].argmax(-1)).double()
+    dp2 = dp * dp
+    cols = [nll_a, nll_a * nll_a, nll_b, nll_b * nll_b, nll_a * nll_b, kl, kl * kl, dp, dp2,
+            dp2 * dp2, same, torch.zeros_like(kl)]  # fmt: skip
+    return torch.stack(cols, 1), kl, dp
+
+
+def kept_logits(out: torch.Tensor, t: torch.Tensor, vocab: int) -> dict[str, np.ndarray]:
+    """What a logits file keeps of the output's rows: the top-k ids (among the `vocab` real
+    tokens) and their log-probabilities (over every row of the output, as its softmax runs),
+    the true next token's log-probability and the argmax."""
+    lp = _lp(out)
+    logp, ids = lp[:, :vocab].topk(min(TOP_K, vocab), dim=-1)
+    return {
+        "ids": ids.int().cpu().numpy(),
+        "logp": logp.cpu().numpy(),
+        "target_logp": lp.gather(1, t[:, None])[:, 0].cpu().numpy(),
+        "top1": out[:, :vocab].argmax(-1).int().cpu().numpy(),
+    }
+
+
+class TextRun:
+    """Windows through a model (and another, or a logits file, to compare with)."""
+
+    def __init__(
+        self,
+        main: Side,
+        layers: list[int],
+        vocab: int,
+        other: Side | None = None,
+        *,
+        keep_logits: bool = False,
+        residual: bool = True,
+    ) -> None:
+        self.main, self.other, self.layers, self.vocab = main, other, layers, vocab
+        self.n_layers = len(find_blocks(main.model).modules)
+        self.keep_logits = keep_logits
+        self.residual = residual
+        self.check: tuple[float, float] | None = None
+        """(max |decoded last layer - logits|, tolerance), from the first window run."""
+
+    def _capture(self, model: nn.Module, w: Window) -> Capture:
+        blocks = find_blocks(model)
+        wanted = sorted(set(self.layers) | {self.n_layers})
+        return capture(model, blocks, [w.ids], [w.positions], wanted, None, masked=False)
+
+    def run(self, w: Window, ref: Reference | None = None) -> WindowSums:
+        """One window's sums (`ref`: the rows of a logits file to compare the output with)."""
+        model = self.main.model
+        device = input_device(model)
+        with torch.inference_mode(), threads_for(model, len(w.ids)):
+            cap = self._capture(model, w)
+            theirs = None if self.other is None else self._capture(self.other.model, w)
+            assert cap.logits is not None
+            real = cap.logits
+            t = torch.tensor(w.targets, dtype=torch.long, device=real.device)
+            if self.check is None:
+                self._self_check(cap, device)
+            return self._reduce(w, cap, theirs, real, t, ref, device)
+
+    def _self_check(self, cap: Capture, device: torch.device) -> None:
+        """Decoding the last block's output at the first rows must give the model's logits."""
+        assert cap.logits is not None
+        n = min(8, cap.logits.shape[0])
+        rows = [(self.n_layers, j) for j in range(n)]
+        mine = decode_rows(self.main.decoder, cap.residual, rows, device)
+        real = cap.logits[:n].to(mine.device)
+        tol = tolerance(next(self.main.model.parameters()).dtype, real)
+        self.check = float((mine - real).abs().max()), tol
+
+    def _reduce(
+        self,
+        w: Window,
+        cap: Capture,
+        theirs: Capture | None,
+        real: torch.Tensor,
+        t: torch.Tensor,
+        ref: Reference | None,
+        device: torch.device,
+    ) -> WindowSums:
+        n_pos, vocab = real.shape
+        out_lp = _lp(real)
+        out_p = out_lp.exp()
+        out_negent = rowdot(out_p, out_lp)
+        index = {layer: i for i, layer in enumerate(self.layers)}
+        one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
+        logit = None if self.main.logit is None else torch.zeros_like(one)
+        pair = (
+            None
+            if theirs is None
+            else torch.zeros(len(self.layers), len(PAIR), dtype=torch.float64)
+        )
+        kl_v = None if theirs is None else torch.zeros(len(self.layers), n_pos)
+        dp_v = None if theirs is None else torch.zeros(len(self.layers), n_pos)
+        chunk = max(1, CHUNK_BYTES // (4 * vocab))
+        decoded = [(x, j) for x in self.layers if x != self.n_layers for j in range(n_pos)]
+        parts = [(decoded[s : s + chunk], False) for s in range(0, len(decoded), chunk)]
+        if self.n_layers in index:  # the model's own output: its logits, never decoded
+            out = [(self.n_layers, j) for j in range(n_pos)]
+            parts += [(out[s : s + chunk], True) for s in range(0, n_pos, chunk)]
+        for part, last in parts:
+            at = torch.tensor([index[layer] for layer, _ in part])
+            js = torch.tensor([j for _, j in part])
+            tj = t[js.to(t.device)]
+            oj = None if last else (out_p[js.to(out_p.device)], out_negent[js.to(out_p.device)])
+            if last:
+                mine = real[js.to(real.device)]
+            else:
+                mine = self._decode(self.main.decoder, cap.residual, part, device)
+            one.index_add_(0, at, _one_rows(mine, oj, tj, self.vocab).cpu())
+            if logit is not None:
+                plain = mine if last else self._decode(self.main.logit, cap.residual, part, device)  # type: ignore[arg-type]
+                logit.index_add_(0, at, _one_rows(plain, oj, tj, self.vocab).cpu())
+            if theirs is not None and pair is not None and kl_v is not None and dp_v is not None:
+                rows, kl, dp = self._pair(theirs, part, last, js, mine, tj, cap, device)
+                pair.index_add_(0, at, rows.cpu())
+                kl_v[at, js] = kl.float().cpu()
+                dp_v[at, js] = dp.float().cpu()
+        sums = WindowSums(w.index, n_pos, w.n_bytes, one.numpy(),
+                          None if logit is None else logit.numpy())  # fmt: skip
+        if pair is not None and kl_v is not None and dp_v is not None:
+            sums.pair, sums.kl_values, sums.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
+        if ref is not None:
+            rows, kl, dp = file_pair_rows(ref, real, t, self.vocab)
+            sums.pair = rows.sum(0, keepdim=True).cpu().numpy()
+            sums.kl_values = kl.float().cpu().numpy()[None]
+            sums.dp_values = dp.float().cpu().numpy()[None]
+        if self.keep_logits:
+            sums.extra = kept_logits(real, t, self.vocab)
+        return sums
+
+    def _pair(
+        self,
+        theirs: Capture,
+        part: list[tuple[int, int]],
+        last: bool,
+        js: torch.Tensor,
+        mine: torch.Tensor,
+        tj: torch.Tensor,
+        cap: Capture,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chunk's rows of the other model (its logits at the output, else its own lens) and,
+        with `residual`, this model's decoder on its residual: the comparison's per-row figures."""
+        assert self.other is not None and theirs.logits is not None
+        if last:
+            b = theirs.logits[js.to(theirs.logits.device)]
+        else:
+            b = self._decode(self.other.decoder, theirs.residual, part, device)
+        r = None
+        if self.residual:
+            r = self._decode(self.main.decoder, theirs.residual, part, device).to(mine.device)
+        return _pair_rows(mine, b.to(mine.device), r, tj, self.vocab)
+
+    @staticmethod
+    def _decode(
+        decoder: Decoder, residual: dict[int, torch.Tensor], part: list[tuple[int, int]],
+        device: torch.device,
+    ) -> torch.Tensor:  # fmt: skip
+        return decode_rows(decoder, residual, part, device)

@@ -1,0 +1,233 @@
+"""The statistics of `lens --text`, with llama-perplexity's definitions (tools/perplexity).
+
+Each window leaves float64 sums per layer (`WindowSums`) and, for a comparison, the per-token KL
+and Δp values (float32, tokens x layers: llama.cpp keeps the same to sort them). Windows are
+combined in window order whichever process ran them, so a split run gives the same sums.
+
+llama.cpp's definitions, as its `kl_divergence` computes them:
+- mean and uncertainty of values x over n tokens: f = Σx/n, ±sqrt((Σx²/n - f²)/(n-1)) (0 when
+  that is not positive or n <= 10);
+- PPL = exp(mean NLL), ± PPL·σ; ln(PPL(Q)/PPL(base)) = mean NLL_Q - mean NLL_base, ± sqrt(σ_Q² +
+  σ_base² - 2 cov), cov = (Σab/n - Σa/n·Σb/n)/(n-1) (0 when n < 10); the ratio exp of that, ±
+  ratio·σ; PPL(Q)-PPL(base) ± sqrt(σ²_PPL(Q) + σ²_PPL(base) - 2·PPL(Q)·PPL(base)·cov);
+- Same top p: the fraction of equal argmaxes, ± sqrt(p(1-p)/(n-1));
+- Δp = p_Q(true token) - p_base(true token): its mean ± as above; RMS = sqrt(mean Δp²), ±
+  0.5/RMS·σ(Δp²);
+- percentiles of the sorted values: at fraction f, linear between v[⌊f(n-1)⌋] and the next; the
+  median the mean of the two middle values when n is even.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
+
+ONE = ("nll", "nll2", "kl", "entropy", "top1")
+"""Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
+PAIR = (
+    "nll_a",
+    "nll_a2",
+    "nll_b",
+    "nll_b2",
+    "nll_ab",
+    "kl",
+    "kl2",
+    "dp",
+    "dp2",
+    "dp4",
+    "same",
+    "res_kl",
+)
+"""Sums per layer of a comparison (a: the reference, b: the evaluated side)."""
+KL_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9),
+         ("median", 0.5), ("10", 0.1), ("5", 0.05), ("1", 0.01), ("0.1", 0.001),
+         ("min", 0.0))  # fmt: skip
+DP_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9), ("75", 0.75),
+         ("median", 0.5), ("25", 0.25), ("10", 0.1), ("5", 0.05), ("1", 0.01), ("0.1", 0.001),
+         ("min", 0.0))  # fmt: skip
+
+
+@dataclass
+class WindowSums:
+    """What one window leaves: per layer sums (rows in `layers` order), and a comparison's
+    per-token values [layers, tokens]."""
+
+    index: int
+    n: int
+    n_bytes: int
+    one: np.ndarray
+    """[layers, len(ONE)] float64."""
+    logit: np.ndarray | None = None
+    """With --tuned: the logit lens's sums (then `one` is the tuned lens's)."""
+    pair: np.ndarray | None = None
+    """[layers, len(PAIR)] float64."""
+    kl_values: np.ndarray | None = None
+    dp_values: np.ndarray | None = None
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+    """What a logits file keeps of this window (`logits_file`)."""
+
+
+def mean_and_uncertainty(s: float, s2: float, n: int) -> tuple[float, float]:
+    """llama.cpp's `mean_and_uncertainty`."""
+    if n < 1:
+        return 0.0, 0.0
+    f = s / n
+    df = s2 / n - f * f
+    return f, math.sqrt(df / (n - 1)) if df > 0 and n > 10 else 0.0
+
+
+def covariance(sa: float, sb: float, sab: float, n: int) -> float:
+    """llama.cpp's `covariance` of two means."""
+    if n < 10:
+        return 0.0
+    return (sab / n - (sa / n) * (sb / n)) / (n - 1)
+
+
+def percentile(values: np.ndarray, fraction: float) -> float:
+    """llama.cpp's `percentile` of sorted values (float64 here, float32 there)."""
+    if fraction <= 0:
+        return float(values[0])
+    if fraction >= 1:
+        return float(values[-1])
+    p = fraction * (len(values) - 1)
+    ip = int(p)
+    p -= ip
+    return float((1 - p) * values[ip] + p * values[min(ip + 1, len(values) - 1)])
+
+
+def median(values: np.ndarray) -> float:
+    """llama.cpp's median of sorted values."""
+    n = len(values)
+    if n % 2 == 0:
+        return float(0.5 * (values[n // 2] + values[n // 2 - 1]))
+    return float(values[n // 2])
+
+
+def quantiles(values: np.ndarray, at: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    """The named percentiles of unsorted values."""
+    v = np.sort(values.astype(np.float64))
+    return {name: median(v) if name == "median" else percentile(v, f) for name, f in at}
+
+
+class TextTotals:
+    """Every window's sums, combined in window order."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.layers = layers
+        self.pair_layers = layers
+        """The layers a comparison has (a logits file: the output alone)."""
+        self.windows: list[WindowSums] = []
+
+    def add(self, w: WindowSums) -> None:
+        self.windows.append(w)
+
+    def merged(self, parts: list[list[WindowSums]]) -> None:
+        """Every process's windows (a split run), in window order."""
+        self.windows = sorted((w for part in parts for w in part), key=lambda w: w.index)
+
+    @property
+    def n(self) -> int:
+        return sum(w.n for w in self.windows)
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(w.n_bytes for w in self.windows)
+
+    def _sum(self, name: str) -> np.ndarray:
+        parts = [getattr(w, name) for w in self.windows]
+        out = np.zeros_like(parts[0])
+        for part in parts:  # in window order: the same bits however the windows were split
+            out += part
+        result: np.ndarray = out
+        return result
+
+    def one(self, logit: bool = False) -> list[TextLayer]:
+        """Per layer statistics of the lens (`logit`: the logit lens's, beside a tuned lens)."""
+        sums = self._sum("logit" if logit else "one")
+        n, n_bytes = self.n, self.n_bytes
+        out = []
+        for i, layer in enumerate(self.layers):
+            nll, nll2, kl, ent, top1 = (float(x) for x in sums[i])
+            ce, err = mean_and_uncertainty(nll, nll2, n)
+            bpb = nll / math.log(2) / n_bytes if n_bytes else math.nan
+            out.append(TextLayer(layer, ce, err, bpb, kl / n, ent / n, top1 / n))
+        return out
+
+    def perplexity(self) -> tuple[float, float]:
+        """The output's PPL ± (the last layer's NLL sums)."""
+        nll, nll2 = (float(x) for x in self._sum("one")[-1][:2])
+        f, df = mean_and_uncertainty(nll, nll2, self.n)
+        return math.exp(f), math.exp(f) * df
+
+    def pair(self, residual: bool) -> list[TextPairLayer]:
+        """Per layer llama.cpp's KL table (reference: this model; evaluated: the other)."""
+        sums, n = self._sum("pair"), self.n
+        kl_values = np.concatenate(
+            [w.kl_values for w in self.windows if w.kl_values is not None], 1
+        )
+        dp_values = np.concatenate(
+            [w.dp_values for w in self.windows if w.dp_values is not None], 1
+        )
+        out = []
+        for i, layer in enumerate(self.pair_layers):
+            s = dict(zip(PAIR, (float(x) for x in sums[i]), strict=True))
+            kl, kl_err = mean_and_uncertainty(s["kl"], s["kl2"], n)
+            same = s["same"] / n
+            same_err = math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0
+            dp, dp_err = mean_and_uncertainty(s["dp"], s["dp2"], n)
+            mse, mse_err = mean_and_uncertainty(s["dp2"], s["dp4"], n)
+            rms = math.sqrt(mse)
+            a, a_err = mean_and_uncertainty(s["nll_a"], s["nll_a2"], n)
+            b, b_err = mean_and_uncertainty(s["nll_b"], s["nll_b2"], n)
+            cov = covariance(s["nll_b"], s["nll_a"], s["nll_ab"], n)
+            ratio_err = math.sqrt(max(a_err**2 + b_err**2 - 2 * cov, 0.0))
+            out.append(
+                TextPairLayer(
+                    layer=layer,
+                    kl=kl,
+                    kl_err=kl_err,
+                    kl_percentiles=quantiles(kl_values[i], KL_AT),
+                    same_top=same,
+                    same_top_err=same_err,
+                    dp_mean=dp,
+                    dp_mean_err=dp_err,
+                    dp_rms=rms,
+                    dp_rms_err=0.5 / rms * mse_err if rms > 0 else 0.0,
+                    dp_percentiles=quantiles(dp_values[i], DP_AT),
+                    cross_entropy_evaluated=b,
+                    ln_ppl_ratio=b - a,
+                    ln_ppl_ratio_err=ratio_err,
+                    residual_kl=s["res_kl"] / n if residual else None,
+                )
+            )
+        return out
+
+    def pair_output(self) -> TextPairOutput:
+        """llama.cpp's 'Perplexity statistics' at the output."""
+        s = dict(zip(PAIR, (float(x) for x in self._sum("pair")[-1]), strict=True))
+        n = self.n
+        a, a_err = mean_and_uncertainty(s["nll_a"], s["nll_a2"], n)
+        b, b_err = mean_and_uncertainty(s["nll_b"], s["nll_b2"], n)
+        cov = covariance(s["nll_b"], s["nll_a"], s["nll_ab"], n)
+        ppl_a, ppl_b = math.exp(a), math.exp(b)
+        ppl_a_err, ppl_b_err = ppl_a * a_err, ppl_b * b_err
+        ln_err = math.sqrt(max(a_err**2 + b_err**2 - 2 * cov, 0.0))
+        ratio = math.exp(b - a)
+        diff_err = math.sqrt(max(ppl_a_err**2 + ppl_b_err**2 - 2 * ppl_a * ppl_b * cov, 0.0))
+        return TextPairOutput(
+            ppl_reference=ppl_a,
+            ppl_reference_err=ppl_a_err,
+            ppl_evaluated=ppl_b,
+            ppl_evaluated_err=ppl_b_err,
+            cor=cov / (a_err * b_err) if a_err > 0 and b_err > 0 else math.nan,
+            ln_ratio=b - a,
+            ln_ratio_err=ln_err,
+            ratio=ratio,
+            ratio_err=ratio * ln_err,
+            diff=ppl_b - ppl_a,
+            diff_err=diff_err,
+        )

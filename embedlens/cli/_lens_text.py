@@ -1,0 +1,158 @@
+"""`embedlens lens MODEL --text FILE`: the lens over a text, llama-perplexity's statistics."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from embedlens.cli._output import emit, note, tokens_bar, warn
+from embedlens.errors import UsageError
+from embedlens.runtime import world
+
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--text",
+        metavar="FILE",
+        help="Score every token of a text file (windows of --ctx, llama-perplexity's rule): per "
+        "layer cross-entropy, bits per byte, KL to the output, entropy, top-1 accuracy; with "
+        "--against, llama-perplexity's KL table at every layer. See docs/text.md.",
+    ),
+]
+CtxOpt = Annotated[int, typer.Option("--ctx", help="With --text: tokens per window.")]
+StrideOpt = Annotated[
+    int | None,
+    typer.Option("--stride", help="With --text: tokens between window starts (--ctx by default)."),
+]
+MaxTokensOpt = Annotated[
+    int | None, typer.Option("--max-tokens", help="With --text: the text's first N tokens only.")
+]
+ScoreOpt = Annotated[
+    str,
+    typer.Option(
+        "--score", help="With --text: 'half' (each window's second half) or 'all' its tokens."
+    ),
+]
+SaveLogitsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--save-logits",
+        metavar="FILE",
+        help="With --text: write the output's top-k log-probabilities, for --against-logits.",
+    ),
+]
+AgainstLogitsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--against-logits",
+        metavar="FILE",
+        help="With --text: compare the output with a --save-logits FILE (the base).",
+    ),
+]
+
+_ALONE = {"prompt": "PROMPT", "prompts": "--prompts", "target": "--target", "chat": "--chat",
+          "each": "--each", "skip_bad": "--skip-bad", "states": "--states",
+          "save_states": "--save-states", "device_map": "--device-map",
+          "template_arg": "--template-arg", "chat_template": "--chat-template",
+          "compare_logit": "--compare-logit", "threshold": "--threshold", "site": "--site",
+          "state_layers": "--state-layers"}  # fmt: skip
+"""Options of `lens` that --text does not take."""
+
+
+def run_text(model: str, given: dict[str, Any]) -> None:
+    """`lens --text`: checks, the run under a progress bar, the report, the plot."""
+    from embedlens.analysis.lens.text import lens_text
+    from embedlens.cli._options import common
+
+    if given["text"] is None:
+        raise UsageError("--save-logits and --against-logits apply with --text FILE")
+    for key, flag in _ALONE.items():
+        if given.get(key) not in (None, False, []):
+            raise UsageError(f"--text and {flag} do not combine")
+    if given.get("position") not in (None, "-1"):
+        raise UsageError("--text and --position do not combine: every scored token is read")
+    common(quiet=given["quiet"], debug=given["debug"], device=given["device"], split=True)
+    plot: Path | None = given.get("plot")
+    if plot is not None:
+        from embedlens.views.heatmap import check_plot_file
+
+        check_plot_file(plot)
+    from embedlens.text import model_title
+
+    what = model_title(model)
+    if given.get("against") is not None:
+        what += f" against {model_title(str(given['against']))}"
+    with tokens_bar(f"Scoring {given['text']} with {what}", "tokens scored") as advance:
+        report = lens_text(
+            model,
+            given["text"],
+            ctx=given["ctx"],
+            stride=given["stride"],
+            max_tokens=given["max_tokens"],
+            score=given["score"],
+            layers=given["layers"],
+            against=given["against"],
+            against_revision=given["against_revision"],
+            against_logits=given["against_logits"],
+            save_logits=given["save_logits"],
+            tuned=given["tuned"],
+            revision=given["revision"],
+            dtype=given["dtype"],
+            device=given["device"],
+            trust_remote_code=given["trust_remote_code"],
+            dist_backend=given["dist_backend"],
+            progress=advance,
+        )
+    if world()[0] != 0:
+        return
+    if not report.check_ok:
+        warn(
+            f"the lens does not reproduce this model's logits (max |Δ| = "
+            f"{report.max_abs_logit_diff:.3g}): its rows are not faithful for this architecture"
+        )
+    for text in report.notes:
+        note("note: " + text)
+    if given["save_logits"] is not None:
+        note(f"wrote {given['save_logits']}")
+    if plot is not None:
+        from embedlens.views.lens_text import save_text_curves
+
+        save_text_curves(report, plot)
+        note(f"wrote {plot}")
+    emit(report, as_json=given["as_json"])
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+TEXT_OPTIONS = (("text", TextOpt, None), ("ctx", CtxOpt, 512), ("stride", StrideOpt, None),
+                ("max_tokens", MaxTokensOpt, None), ("score", ScoreOpt, "half"),
+                ("save_logits", SaveLogitsOpt, None),
+                ("against_logits", AgainstLogitsOpt, None))  # fmt: skip
+"""lens --text's own options: (parameter, annotation, default)."""
+
+
+def text_options(fn: F) -> F:
+    """`lens` with --text's options added to its signature (Typer reads them from it): given
+    --text, --save-logits or --against-logits, the run is `run_text`'s, with every argument of
+    `lens`; else `fn` runs without them."""
+    sig = inspect.signature(fn, eval_str=True)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    extra = [inspect.Parameter(n, kind, default=d, annotation=a) for n, a, d in TEXT_OPTIONS]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mine = {n: kwargs.pop(n, d) for n, _, d in TEXT_OPTIONS}
+        if all(mine[n] is None for n in ("text", "save_logits", "against_logits")):
+            return fn(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = {**bound.arguments, **mine}
+        return run_text(given["model"], given)
+
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {**fn.__annotations__, **{n: a for n, a, _ in TEXT_OPTIONS}}
+    return wrapper  # type: ignore[return-value]

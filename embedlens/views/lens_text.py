@@ -1,0 +1,150 @@
+"""How `lens --text` is shown: a row per layer of statistics over the scored tokens, with a
+comparison llama-perplexity's KL table per layer and its perplexity lines; --plot's curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from embedlens.reports import register_view
+from embedlens.reports.lens_text import LensTextReport, TextLayer
+from embedlens.views.format import Sheet, shown
+
+
+def _label(r: LensTextReport, layer: int) -> str:
+    if layer == 0:
+        return "0 emb"
+    return f"{layer} out" if layer == r.num_layers else str(layer)
+
+
+def _over(r: LensTextReport) -> str:
+    return (
+        f"{r.n_scored:,} tokens scored in {r.n_windows} windows of {r.ctx} (stride {r.stride}, "
+        f"score {r.score}) of {r.text}, {r.dtype}"
+    )
+
+
+def render(r: LensTextReport) -> RenderableType:
+    """The per-layer table; with a comparison, the KL table and the perplexity lines."""
+    parts: list[RenderableType] = [_one(r)]
+    if r.pair is not None:
+        parts.append(_pair(r))
+    if r.pair_output is not None:
+        o = r.pair_output
+        lines = [
+            f"Mean PPL(Q)                   : {o.ppl_evaluated:10.6f} ± {o.ppl_evaluated_err:10.6f}",
+            f"Mean PPL(base)                : {o.ppl_reference:10.6f} ± {o.ppl_reference_err:10.6f}",
+            f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * o.cor:6.2f}%",
+            f"Mean ln(PPL(Q)/PPL(base))     : {o.ln_ratio:10.6f} ± {o.ln_ratio_err:10.6f}",
+            f"Mean PPL(Q)/PPL(base)         : {o.ratio:10.6f} ± {o.ratio_err:10.6f}",
+            f"Mean PPL(Q)-PPL(base)         : {o.diff:10.6f} ± {o.diff_err:10.6f}",
+        ]
+        parts.append(Text("\n".join(lines)))
+    return Group(*parts)
+
+
+def _one(r: LensTextReport) -> RenderableType:
+    name = "Tuned lens" if r.lens == "tuned" else "Logit lens"
+    title = f"{name} of {r.display_model} over a text: {_over(r)}"
+    table = Sheet(title=shown(title, "table.title"))
+    cols = ["layer", "CE (nats)", "± ", "bits/byte", "KL to output", "entropy", "top-1 acc"]
+    logit = {row.layer: row for row in r.logit_layers or []}
+    if logit:
+        cols += ["logit CE", "logit KL", "logit top-1"]
+    for c in cols:
+        table.add_column(c, justify="right", no_wrap=c == "layer")
+    for row in r.layers:
+        cells = _cells(r, row)
+        other = logit.get(row.layer)
+        if other is not None:
+            cells += [f"{other.cross_entropy:.3f}", f"{other.kl:.3f}", f"{other.top1_accuracy:.1%}"]
+        table.add_row(*cells)
+    line = (
+        f"PPL {r.perplexity:.4f} ± {r.perplexity_err:.4f} at the output; CE: -ln p(true next "
+        "token), KL(model's output ‖ lens) and entropy in nats, means over the scored tokens."
+    )
+    return Group(table, Text(line, style="dim"))
+
+
+def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
+    return [_label(r, row.layer), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
+            f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
+            f"{row.top1_accuracy:.1%}"]  # fmt: skip
+
+
+def _pair(r: LensTextReport) -> RenderableType:
+    """llama-perplexity's KL table per layer, then its token probability figures per layer."""
+    assert r.pair is not None
+    kl = Sheet(title=shown(f"KL(base ‖ Q) per layer: base {r.reference}, Q {r.evaluated}",
+                           "table.title"))  # fmt: skip
+    for c in ("layer", "mean KLD", "median", "90%", "99%", "99.9%", "max"):
+        kl.add_column(c, justify="right", no_wrap=c == "layer")
+    residual = r.pair[0].residual_kl is not None
+    probs = Sheet(title=shown("Same top token and Δp of the true next token per layer",
+                              "table.title"))  # fmt: skip
+    cols = ["layer", "same top", "mean Δp", "RMS Δp", "ln PPL(Q)/PPL(base)"]
+    for c in [*cols, *(["residual KL"] if residual else [])]:
+        probs.add_column(c, justify="right", no_wrap=c == "layer")
+    for p in r.pair:
+        q = p.kl_percentiles
+        kl.add_row(_label(r, p.layer), f"{p.kl:.6f} ± {p.kl_err:.6f}",
+                   *(f"{q[k]:.6f}" for k in ("median", "90", "99", "99.9", "max")))  # fmt: skip
+        cells = [_label(r, p.layer), f"{100 * p.same_top:.3f} ± {100 * p.same_top_err:.3f}%",
+                 f"{100 * p.dp_mean:.3f}%", f"{100 * p.dp_rms:.3f} ± {100 * p.dp_rms_err:.3f}%",
+                 f"{p.ln_ppl_ratio:.6f} ± {p.ln_ppl_ratio_err:.6f}"]  # fmt: skip
+        if residual:
+            cells.append(f"{p.residual_kl:.6f}")
+        probs.add_row(*cells)
+    line = (
+        "llama-perplexity's definitions at every layer (docs/text.md): KL in nats; Δp = "
+        "p_Q(true token) - p_base(true token)."
+    )
+    return Group(kl, probs, Text(line, style="dim"))
+
+
+def figure(r: LensTextReport) -> Any:
+    """The curves: CE, KL to the output, top-1 accuracy; with a comparison, KL(base ‖ Q)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    layers = [row.layer for row in r.layers]
+    panels: list[tuple[str, list[int], list[float], str]] = [
+        ("cross-entropy, nats", layers, [x.cross_entropy for x in r.layers], "linear"),
+        ("KL(output ‖ lens), nats", layers, [x.kl for x in r.layers], "symlog"),
+        ("top-1 accuracy", layers, [x.top1_accuracy for x in r.layers], "linear"),
+    ]
+    if r.pair is not None and len(r.pair) > 1:
+        pl = [p.layer for p in r.pair]
+        panels.append(("mean KL(base ‖ Q), nats", pl, [p.kl for p in r.pair], "log"))
+        panels.append(
+            ("99% KL(base ‖ Q), nats", pl, [p.kl_percentiles["99"] for p in r.pair], "log")
+        )
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (label, xs, ys, scale) in zip(axes.flat, panels, strict=True):
+        ax.plot(xs, ys, marker="o", markersize=3)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("layer (0 = embedding output)")
+        ax.grid(alpha=0.3)
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=0.01)
+        elif scale == "log" and all(y > 0 for y in ys):
+            ax.set_yscale("log")
+    title = fig.suptitle(f"{r.display_model}: {_over(r)}", fontsize=10)
+    title.set_parse_math(False)
+    fig.tight_layout()
+    return fig
+
+
+def save_text_curves(r: LensTextReport, path: Path) -> None:
+    """Write the curves to `path` (.png, .svg or .html)."""
+    from embedlens.views.curves import save_figure
+
+    save_figure(lambda: figure(r), f"{r.display_model}: {_over(r)}", path)
+
+
+register_view(LensTextReport, render)
