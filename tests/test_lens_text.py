@@ -288,11 +288,14 @@ def test_smollm2_against_its_q8_0_rounding(smollm2, tmp_path):
     subprocess.run([sys.executable, str(root / "bench" / "retype_gguf.py"), str(smollm2), str(q8),
                     "Q8_0"], check=True, capture_output=True)  # fmt: skip
     text = license_text(tmp_path / "text.txt")
-    r = lens_text(smollm2, text, ctx=256, max_tokens=2048, against=q8, residual=False)
+    # every third layer (0, 3, ..., 30) and the output: the suite's time, not the statistics'
+    r = lens_text(smollm2, text, ctx=256, max_tokens=2048, against=q8, residual=False,
+                  layers="0:31:3")  # fmt: skip
     kls = [p.kl for p in r.pair]
+    assert len(kls) == 12
     assert kls[0] == 0.0  # the embedding table is copied (token_embd is Q8_0 already)
     assert 0 < kls[-1] < 0.05 and r.pair[-1].same_top > 0.9
-    first, last = np.mean(kls[1:8]), np.mean(kls[-8:])
+    first, last = np.mean(kls[1:4]), np.mean(kls[-4:])
     assert last > 3 * first > 0  # the rounding's error grows with depth
     assert abs(r.pair_output.ln_ratio) < 0.05
 

@@ -12,6 +12,7 @@ import typer
 
 from embedlens.cli._output import emit, note, tokens_bar, warn
 from embedlens.errors import UsageError
+from embedlens.options import LoadOptions
 from embedlens.runtime import world
 
 TextOpt = Annotated[
@@ -101,12 +102,14 @@ def run_text(model: str, given: dict[str, Any]) -> None:
             against_logits=given["against_logits"],
             save_logits=given["save_logits"],
             tuned=given["tuned"],
-            revision=given["revision"],
-            dtype=given["dtype"],
-            device=given["device"],
-            trust_remote_code=given["trust_remote_code"],
+            load=LoadOptions(
+                revision=given["revision"],
+                dtype=given["dtype"],
+                device=given["device"],
+                trust_remote_code=given["trust_remote_code"],
+            ),
             dist_backend=given["dist_backend"],
-            progress=advance,
+            progress=lambda _stage, done, total, _unit, _detail="": advance(done, total),
         )
     if world()[0] != 0:
         return

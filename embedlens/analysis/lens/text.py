@@ -10,13 +10,14 @@ combined in window order on every rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens import options
 from embedlens.analysis.lens.text_input import Rule, Tokens, read_text, rule, tokenise
 from embedlens.errors import UsageError
+from embedlens.options import LoadOptions
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,14 +27,12 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.text_run import Side, TextRun, Window
     from embedlens.analysis.lens.text_stats import TextTotals, WindowSums
+    from embedlens.progress import Progress
     from embedlens.reports.lens_text import LensTextReport
-
-Progress = Callable[[int, int], None]
-"""Called after each window with (tokens scored so far, tokens to score), on rank 0."""
 
 
 def lens_text(
-    model: str | os.PathLike[str] | nn.Module,
+    model: str | os.PathLike[str] | nn.Module | LoadOptions,
     text: str | os.PathLike[str],
     *,
     tokenizer: Any = None,
@@ -49,12 +48,10 @@ def lens_text(
     save_logits: str | os.PathLike[str] | None = None,
     residual: bool = True,
     tuned: str | os.PathLike[str] | None = None,
-    revision: str | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    trust_remote_code: bool = False,
+    load: LoadOptions | None = None,
     dist_backend: str = "auto",
     progress: Progress | None = None,
+    **keywords: Any,
 ) -> LensTextReport:
     """The lens over the text file `text`: per layer, cross-entropy against the true next token
     (nats, bits per byte), KL to the model's output, entropy and top-1 accuracy; at the output
@@ -69,8 +66,21 @@ def lens_text(
     against_logits: a file `save_logits` wrote (the reference); this model is evaluated.
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
     tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them.
+    load: how to load the model (`LoadOptions`; its fields may be given as keywords instead:
+        `revision=`, `dtype=`, `device=`, `trust_remote_code=`; a model over several devices is
+        not taken).
     dist_backend: under torchrun, the windows are split over the processes.
+    progress: called as `progress("text", scored, to_score, "tokens")` after each window
+        (`embedlens.progress.Progress`; on rank 0 under torchrun).
     """
+    from embedlens.analysis.lens import given
+    from embedlens.options import no_other_keywords
+    from embedlens.progress import progress_of
+
+    model, load = given.model_and_load(model, load, keywords)
+    no_other_keywords("lens_text", keywords)
+    if load.device_map is not None or load.max_memory is not None or load.offload_folder:
+        raise UsageError("lens_text runs the model on one device: --device-map does not apply")
     r = rule(ctx, stride, score, max_tokens)
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
@@ -83,12 +93,13 @@ def lens_text(
         from embedlens.analysis.lens import logits_file
 
         reference = logits_file.load(against_logits)
-    session = _joined(dist_backend, device, against)
+    session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
-        load = _loading(model, revision, dtype, device, trust_remote_code)
+        loading = given.loading(model, load)
         b = (against, against_tokenizer, against_revision)
-        return _run(model, tokenizer, load, (os.fspath(text), body, r, items), b,
-                    (tuned, reference, save_logits, residual), session, progress)  # fmt: skip
+        return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
+                    (tuned, reference, save_logits, residual), session,
+                    progress_of(progress, "lens_text"))  # fmt: skip
 
 
 def _run(
@@ -99,10 +110,10 @@ def _run(
     b: tuple[Any, Any, str | None],
     more: tuple[Any, LogitsFile | None, Any, bool],
     session: Session | None,
-    progress: Progress | None,
+    progress: Progress,
 ) -> LensTextReport:
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
-    from embedlens.analysis.lens.opening import ready
+    from embedlens.analysis.lens.opening import open_model
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual = more
@@ -121,7 +132,7 @@ def _run(
         return tokenise(body, tok, r, name)
 
     with ExitStack() as stack:
-        opened, tokens = stack.enter_context(ready(model, tokenizer, load, check))
+        opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
         other = stack.enter_context(_other(opened, *b, load))
         run = _text_run(opened, items, other, lens_dir, save_logits, residual)
         totals = _all(run, r, tokens, reference, session, progress)
@@ -129,14 +140,6 @@ def _run(
         if save_logits is not None and (session is None or session.rank == 0):
             _save(save_logits, opened, r, tokens, totals, run.vocab)
         return report
-
-
-def _loading(
-    model: object, revision: str | None, dtype: str, device: str, trust: bool
-) -> options.Load | dict[str, bool]:
-    if isinstance(model, (str, os.PathLike)):
-        return options.load_options(revision, dtype, device, None, None, None, trust)
-    return options.loading_given(revision, dtype, device, None, None, None, trust)
 
 
 def _check_ctx(config: Any, r: Rule) -> None:
@@ -152,9 +155,6 @@ def _joined(backend: str, device: str, against: object) -> Session | None:
 
     if world()[1] == 1:
         return None
-    from embedlens.analysis import dist
-
-    dist.check_backend(backend)
     if against is not None:
         raise UsageError(
             "under torchrun, lens --text splits the windows over processes: --against (two "
@@ -162,7 +162,9 @@ def _joined(backend: str, device: str, against: object) -> Session | None:
             hint="run it without torchrun, or save the reference with --save-logits and use "
             "--against-logits",
         )
-    return dist.join(backend, device)
+    from embedlens.analysis import torchrun
+
+    return torchrun.split_session(backend, device)
 
 
 @contextmanager
@@ -173,26 +175,25 @@ def _other(
     if against is None:
         yield None
         return
-    from embedlens.analysis.lens.opening import ready
+    from dataclasses import replace
+
+    from embedlens.analysis.lens import given
+    from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.pairing import Side, check_pair
 
-    if isinstance(against, (str, os.PathLike)):
-        b_load = _loading(against, revision, *_load_args(load))
+    if isinstance(load, options.Load):
+        a_load = LoadOptions(dtype=load.dtype, device=load.device,
+                             trust_remote_code=load.trust_remote_code)  # fmt: skip
     else:
-        b_load = options.loading_given(revision, "float32", "cpu", None, None, None, False)
+        a_load = LoadOptions()
+    b_load = given.loading(against, replace(a_load, revision=revision))
     a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
              opened.tokenizer, load)  # fmt: skip
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
     b_tok = tokenizer if tokenizer is not None or isinstance(b_load, options.Load) else None
     b_tok = b_tok if b_tok is not None or isinstance(b_load, options.Load) else opened.tokenizer
-    with ready(against, b_tok, b_load, lambda *_: None) as (other, _):
+    with open_model(against, b_tok, b_load, lambda *_: None) as (other, _):
         yield other
-
-
-def _load_args(load: Any) -> tuple[str, str, bool]:
-    if isinstance(load, options.Load):
-        return load.dtype, load.device, load.trust_remote_code
-    return "float32", "cpu", False
 
 
 def _text_run(
@@ -214,9 +215,9 @@ def _text_run(
 
     main = side(opened)
     if lens_dir is not None:
-        from embedlens.analysis.tune.use import ready as tuned_ready
+        from embedlens.analysis.tune.use import tuned_through
 
-        wrap = tuned_ready(lens_dir, opened.model, opened.tokenizer)[0]
+        wrap = tuned_through(lens_dir, opened.model, opened.tokenizer).wrap
         main = Side(main.model, wrap(main.decoder), logit=main.decoder)
     n_layers = len(find_blocks(opened.model).modules)
     layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
@@ -255,7 +256,7 @@ def _all(
     tokens: Tokens,
     reference: LogitsFile | None,
     session: Session | None,
-    progress: Progress | None,
+    progress: Progress,
 ) -> TextTotals:
     """Every window run (this process's share under torchrun), the sums combined."""
     from embedlens.analysis.lens.text_stats import TextTotals
@@ -278,8 +279,8 @@ def _all(
             mine.append(run.run(w, ref))
             n = len(w.positions)
             done = done + n if session is None else session.total("text", n)
-            if progress is not None and (session is None or session.rank == 0):
-                progress(done, total)
+            if session is None or session.rank == 0:
+                progress("text", done, total, "tokens")
     if session is None:
         for s in mine:
             totals.add(s)
