@@ -33,10 +33,10 @@ from embedlens.errors import UsageError
 from embedlens.io.gguf import read_gguf_header
 from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import ModelSource, resolve
+from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.matrix import Table, locate, open_rows
 from embedlens.model.tokenizer import (
     Vocab,
-    byte_level_merge_results,
     check_tokenizer_json,
     load_vocab,
     vocab_from_file,
