@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embedlens.analysis.hub_reads import counts_hub_reads
 from embedlens.analysis.vocab.diff import compare
 from embedlens.analysis.vocab.facts import VocabFacts, facts_of, model_vocab
 from embedlens.analysis.vocab.fingerprint import read_fingerprint
@@ -31,7 +32,6 @@ from embedlens.analysis.vocab.signals import Matrix, ReferenceRows, Tokens
 from embedlens.analysis.vocab.undertrained import scan
 from embedlens.errors import UsageError
 from embedlens.io.gguf import read_gguf_header
-from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.matrix import Table, locate, open_rows
