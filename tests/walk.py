@@ -6,7 +6,7 @@
 Definitions (what `walk` counts):
 
 - A *call* is a Python function of embedlens starting to run (`sys.setprofile`'s 'call' event,
-  in every thread the walk starts), with the nearest embedlens frame below it on the stack as its
+  in the calling thread and every thread started during the walk), with the nearest embedlens frame below it on the stack as its
   caller; frames of other packages in between (torch, transformers running an embedlens hook or
   patch) are seen through. Import-time code is not the data path: a module's body (`<module>`)
   and everything it calls are left out.
@@ -18,7 +18,7 @@ Definitions (what `walk` counts):
   (`LAYERS`): io calling into model, model into analysis (a callback, a method of a higher
   layer's object, a generator of a higher layer resumed). Returns are no calls and never count.
 
-The layers are those of tests/test_import_graph.py (`layer_of`).
+The layers are those the import-direction test holds (tests/layers.py, `layer_of`).
 """
 
 from __future__ import annotations
