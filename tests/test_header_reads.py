@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import embedlens
+from embedlens.compat.transformers import NEWEST_TESTED, installed_transformers, release_key
 from tests.test_tune import words_file
 from tests.tiny_gguf import byte_level_vocabulary, write_tiny_gguf
 
@@ -99,7 +100,19 @@ def test_a_sharded_folder_reads_each_shard_once(tiny, reads):
     _once(reads, *(("header", s) for s in shards), ("config", "config.json"))
 
 
-@pytest.mark.parametrize("command", ["lens", "vocab", "params"])
+OLDER = release_key(installed_transformers() or "0") < release_key(NEWEST_TESTED)
+"""An older transformers reads the tiny GGUF's prompt otherwise than the file: the lens refuses
+it (tests/test_prompt_tokens.py)."""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param("lens", marks=pytest.mark.skipif(OLDER, reason="refused on this release")),
+        "vocab",
+        "params",
+    ],
+)
 def test_a_gguf_file_is_read_once(tmp_path_factory, tmp_path, reads, command):
     path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "smol.gguf", "llama",
                            byte_level_vocabulary())  # fmt: skip
