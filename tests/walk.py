@@ -102,7 +102,7 @@ def walk(func: Callable[[], Any]) -> tuple[Walk, Any]:
         result = func()
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     return record, result
 
 
