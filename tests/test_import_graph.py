@@ -1,5 +1,7 @@
-"""embedlens' imports go one way: no module imports itself back through others, and no module
-imports another's private name.
+"""embedlens' imports go one way: no module imports itself back through others, no module
+imports another's private name, and every import goes from a layer to itself or to a layer below
+it along an edge the table of tests/layers.py allows (base < io < model < reports < analysis <
+views < facade < cli; a new edge not in the table fails).
 
 The graph is read from the sources with `ast`, so it holds every import statement wherever it
 stands: at module level, inside functions (the lazy imports), and under `if TYPE_CHECKING:`.
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.layers import ALLOWED, LAYERS, layer_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,12 +182,53 @@ def test_embedlens_imports_go_one_way():
     assert not found, "imports that must go:\n" + _listing(found)
 
 
+def layer_crossings(imports: Iterable[Import]) -> dict[str, str]:
+    """Each import from one layer into another that `tests/layers.py` does not allow ('layers:
+    a (layer) imports b (layer)'), with where it is."""
+    found = {}
+    for imp in imports:
+        here, there = layer_name(imp.importer), layer_name(imp.module)
+        if there not in ALLOWED[here]:
+            key = f"layers: {imp.importer} ({here}) imports {imp.module} ({there})"
+            found[key] = f"    at {imp.where}"
+    return found
+
+
+def test_every_import_is_an_allowed_edge_between_layers():
+    """The allowed-edge table of tests/layers.py holds: an import from a layer into one its row
+    does not name fails (a new kind of edge is added to the table on purpose, or not at all)."""
+    found = layer_crossings(find_imports(ROOT, "embedlens"))
+    assert not found, "imports across layers the table does not allow:\n" + _listing(found)
+
+
+def test_the_layer_table_goes_one_way():
+    """Each layer may import only itself and layers below it, and every module is in a layer."""
+    for layer, targets in ALLOWED.items():
+        assert layer in targets
+        assert all(LAYERS.index(t) <= LAYERS.index(layer) for t in targets), layer
+    assert set(ALLOWED) == set(LAYERS)
+    for module in find_modules(ROOT, "embedlens"):
+        layer_name(module)  # KeyError for a module in no layer
+
+
+def test_a_new_edge_not_in_the_table_is_found():
+    imports = [
+        Import("embedlens.io.source", "embedlens.model.chat", "x", "io/source.py:1"),
+        Import("embedlens.views.lens", "embedlens.analysis.lens", None, "views/lens.py:2"),
+        Import("embedlens.model.loading", "embedlens.io.hub", None, "model/loading.py:3"),
+    ]
+    assert sorted(layer_crossings(imports)) == [
+        "layers: embedlens.io.source (io) imports embedlens.model.chat (model)",
+        "layers: embedlens.views.lens (views) imports embedlens.analysis.lens (analysis)",
+    ]
+
+
 def test_the_graph_sees_every_kind_of_import():
     imports = find_imports(ROOT, "embedlens")
     by = {(i.importer, i.module) for i in imports}
     assert ("embedlens.model.loading", "embedlens.model.preflight") in by  # from pkg import mod
     assert ("embedlens.views.html", "embedlens.reports") in by  # under TYPE_CHECKING
-    assert ("embedlens.model.loading", "embedlens.io.hub") in by  # inside a function
+    assert ("embedlens.model.load_errors", "embedlens.io.hub") in by  # inside a function
     assert ("embedlens.__main__", "embedlens.cli") in by
     assert len(find_modules(ROOT, "embedlens")) > 60
 

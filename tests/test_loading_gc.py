@@ -1,7 +1,7 @@
-"""Loading runs Python's garbage collector less often (embedlens.model.loading's
-`_fewer_collections`): its youngest generation holds YOUNG_OBJECTS while a tokenizer, config or
+"""Loading runs Python's garbage collector less often (embedlens.model.gc_pause's
+`fewer_collections`): its youngest generation holds YOUNG_OBJECTS while a tokenizer, config or
 model is loaded and only it is collected; a build on the meta device runs with no automatic
-collection (`_no_collections`); what survives goes to the oldest generation (unless the caller
+collection (`no_collections`); what survives goes to the oldest generation (unless the caller
 froze objects of its own), and the caller's thresholds and collection are back afterwards, after
 an error too."""
 
@@ -16,7 +16,7 @@ import pytest
 from embedlens.compat.transformers import direct
 from embedlens.errors import EmbedlensError
 from embedlens.io.source import resolve
-from embedlens.model import loading, preflight
+from embedlens.model import gc_pause, loading, preflight
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def test_tokenizer_config_and_weights_load_with_a_larger_young_generation(tiny, 
     loading.load_model(source, dtype="float32", config=config)
     assert gc.get_threshold() == (700, 10, 10)
     assert gc.isenabled()
-    young = (loading.YOUNG_OBJECTS, loading.OLDER_COLLECTIONS, 10)
+    young = (gc_pause.YOUNG_OBJECTS, gc_pause.OLDER_COLLECTIONS, 10)
     assert seen == [
         ("_direct_tokenizer", young),
         ("read_config", young),
@@ -86,10 +86,10 @@ def in_generation(obj: object, generation: int) -> bool:
 def test_what_a_load_leaves_is_in_the_oldest_generation_not_gone_through_again(tiny):
     source = resolve(str(tiny("llama-tied")))
     gc.set_threshold(700, 10, 10)
-    config = loading.hf_config(source)  # through _fewer_collections
+    config = loading.hf_config(source)  # through fewer_collections
     assert in_generation(config, 2)
     assert not in_generation(config, 1)
-    model = loading.build_meta_model(source)  # through _no_collections
+    model = loading.build_meta_model(source)  # through no_collections
     assert in_generation(model, 2)
     assert not in_generation(model, 1)
     assert gc.get_freeze_count() == 0

@@ -135,7 +135,7 @@ def test_the_header_checks_run_once_per_source_and_trust(tiny, monkeypatch):
     import gc
 
     from embedlens.io.source import resolve
-    from embedlens.model import headers, loading
+    from embedlens.model import files, headers
 
     reads: list[bool] = []
 
@@ -148,13 +148,13 @@ def test_the_header_checks_run_once_per_source_and_trust(tiny, monkeypatch):
     folder = str(tiny("llama-tied"))
     source = resolve(folder)
     for trust in (False, False, True, True):
-        loading.check_source(source, trust_remote_code=trust)
+        files.check_source(source, trust_remote_code=trust)
     assert reads == [False, True]
     again = resolve(folder)
     assert again == source
-    loading.check_source(again)
+    files.check_source(again)
     assert reads == [False, True, False]
     key = id(source)
     del source
     gc.collect()
-    assert key not in loading._PASSED
+    assert key not in files._READ

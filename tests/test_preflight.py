@@ -7,6 +7,7 @@ import pytest
 from embedlens.errors import ResourceError, UsageError
 from embedlens.io.source import resolve
 from embedlens.model import preflight
+from embedlens.model.files import check_source
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_estimate_unknown_when_there_are_no_headers(tmp_path):
 
 
 def test_check_load(tiny, monkeypatch):
-    source = resolve(str(tiny("llama-tied")))
+    source = check_source(resolve(str(tiny("llama-tied"))))
     monkeypatch.setenv(preflight.MEMORY_LIMIT_ENV, "1GiB")
     assert preflight.check_load(source, dtype="auto", device="cpu") is not None
     assert preflight.check_load(source, dtype="auto", device=None) is None  # --device-map

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedlens.analysis.token_kinds import TokenKinds
-from embedlens.analysis.vocab_layout import _NEVER_PRODUCED, reference_rows
+from embedlens.analysis.vocab.kinds import TokenKinds
+from embedlens.analysis.vocab.layout import _NEVER_PRODUCED, reference_rows
 
 KINDS = ["unmerged", "shadowed", "single_byte", "partial_utf8", "byte_fallback", "padding"]
 kinds_maps = st.dictionaries(st.integers(0, 5000), st.sampled_from(KINDS), max_size=200)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from embedlens.analysis.undertrained import EXACT_WIDTH, first_component, top_eigenvector
+from embedlens.analysis.vocab.component import EXACT_WIDTH, first_component, top_eigenvector
 
 
 def _exact_top(a: np.ndarray) -> np.ndarray:
@@ -107,19 +107,20 @@ def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypa
     """The passes split the rows between threads (one per core); the reference rows' mean adds
     the blocks' sums in order, so a machine with more cores prints the same figures. On the
     real model (49,152 Q4_1 rows; 20,000 reference rows, more than are taken one by one)."""
-    from embedlens.analysis import undertrained
+    from embedlens.analysis.vocab import component as pc
+    from embedlens.analysis.vocab import passes
     from embedlens.io.source import resolve
     from embedlens.model.matrix import locate, open_rows
 
     source = resolve(str(smollm2))
     rows = open_rows(source, locate(source, "output"))
     reference = list(range(0, 40_000, 2))
-    assert len(reference) > undertrained.SAMPLE_ROWS
+    assert len(reference) > pc.SAMPLE_ROWS
     seen = []
     for n in (1, 2, 3):
-        monkeypatch.setattr(undertrained, "workers", lambda v, n=n: n)
-        stats = undertrained.row_stats(rows, reference)
-        seen.append((undertrained.reference_mean(rows, reference), stats))
+        monkeypatch.setattr(passes, "workers", lambda v, n=n: n)
+        stats = passes.row_stats(rows, reference)
+        seen.append((passes.reference_mean(rows, reference), stats))
     (mean, first), others = seen[0], seen[1:]
     for other_mean, stats in others:
         assert np.array_equal(other_mean, mean)
@@ -261,14 +262,15 @@ def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch)
     (`Matrix.begun`), or found when the products need it."""
     import threading
 
-    from embedlens.analysis import undertrained
+    from embedlens.analysis.vocab import component as pc
+    from embedlens.analysis.vocab import passes, signals
     from embedlens.io.source import resolve
     from embedlens.model.matrix import Rows, locate, open_rows
 
     source = resolve(str(smollm2))
     rows = open_rows(source, locate(source, "output"))
     reference = list(range(1, 40_000, 2))
-    assert len(reference) > undertrained.SAMPLE_ROWS
+    assert len(reference) > pc.SAMPLE_ROWS
     converted: list[int] = []
     convert = Rows._convert
 
@@ -278,12 +280,12 @@ def test_many_reference_rows_read_the_matrix_in_two_passes(smollm2, monkeypatch)
 
     monkeypatch.setattr(Rows, "_convert", counted)
     v = rows.shape[0]
-    sample = len(range(0, v, undertrained.sample_stride(v)))
-    now = undertrained.row_stats(rows, reference)
+    sample = len(range(0, v, pc.sample_stride(v)))
+    now = passes.row_stats(rows, reference)
     assert sum(converted) == 2 * v + sample
-    matrix = undertrained.Matrix.begun(rows, "token_embd.weight", "input")
+    matrix = signals.Matrix.begun(rows, "token_embd.weight", "input")
     assert matrix.early is not None
-    early = undertrained.row_stats(rows, reference, matrix.early)
+    early = passes.row_stats(rows, reference, matrix.early)
     assert not any(t.name.startswith("embedlens-component") for t in threading.enumerate())
     assert early.component == now.component
     for name in ("indicator", "norms", "signature", "mean_distance"):
@@ -296,7 +298,7 @@ def test_a_component_thread_raises_its_error_where_its_result_is_asked():
     error, and leaves no thread."""
     import threading
 
-    from embedlens.analysis import undertrained
+    from embedlens.analysis.vocab import component as pc
     from embedlens.errors import CheckpointError
 
     class Broken:
@@ -305,7 +307,7 @@ def test_a_component_thread_raises_its_error_where_its_result_is_asked():
         def take(self, ids: list[int]) -> np.ndarray:
             raise CheckpointError("the rows could not be read")
 
-    component = undertrained.begin_component(Broken())  # type: ignore[arg-type]
+    component = pc.begin_component(Broken())  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match="could not be read"):
         component.result()
     component.wait()
@@ -315,7 +317,7 @@ def test_a_component_thread_raises_its_error_where_its_result_is_asked():
 def test_pieces_cover_a_block_and_keep_large_products_large():
     """A block is cut into pieces of at least PIECE_VALUES values (the last taking the rest),
     in order and without gaps; a block too small for two pieces stays whole."""
-    from embedlens.analysis.undertrained import PIECE_VALUES, pieces
+    from embedlens.analysis.vocab.passes import PIECE_VALUES, pieces
 
     for start, stop, d in [
         (0, 4096, 1024),
@@ -342,7 +344,7 @@ def test_a_sum_carried_from_piece_to_piece_is_the_blocks_sum_to_the_bit():
     """The reference pass sums a K-quant's 16 MiB block a piece at a time, each piece behind a
     row holding the sum so far: the bits einsum gives over the whole block, whatever the
     values (zeros of both signs, NaN, infinities, cancelling rows) and weights."""
-    from embedlens.analysis.undertrained import _Carried
+    from embedlens.analysis.vocab.passes import _Carried
 
     class Held:
         def __init__(self, table: np.ndarray) -> None:
@@ -400,18 +402,18 @@ def test_a_refused_vocabulary_leaves_no_component_thread(tmp_path, monkeypatch):
     import time
 
     import embedlens
-    from embedlens.analysis import undertrained
+    from embedlens.analysis.vocab import component as pc
     from embedlens.errors import UnsupportedError
 
     begun: list[int] = []
-    real = undertrained.component
+    real = pc.component
 
     def slow(rows: Any) -> Any:  # still running when the tokenizer is refused
         begun.append(rows.shape[0])
         time.sleep(0.5)
         return real(rows)
 
-    monkeypatch.setattr(undertrained, "component", slow)
+    monkeypatch.setattr(pc, "component", slow)
     path = _q6_k_table(tmp_path / "table.Q6_K.gguf", 20_000, 512)  # no tokenizer in it
     with pytest.raises(UnsupportedError, match="no tokenizer"):
         embedlens.vocab(path)
@@ -423,20 +425,21 @@ def test_pieces_give_the_whole_blocks_figures(tmp_path, monkeypatch):
     """On a Q6_K table (16 MiB blocks of 8,192 rows of 512, read in 2 MiB pieces, the last
     block shorter): the reference rows' mean and every row's figures are those whole blocks
     give, to the bit."""
-    from embedlens.analysis import undertrained
+    from embedlens.analysis.vocab import component as pc
+    from embedlens.analysis.vocab import passes
     from embedlens.io.source import resolve
     from embedlens.model.matrix import locate, open_rows
 
     source = resolve(str(_q6_k_table(tmp_path / "table.Q6_K.gguf", 20_000, 512)))
     rows = open_rows(source, locate(source, "input"))
     assert rows.pass_rows == 8192
-    assert len(undertrained.pieces(16384, 20_000, 512)) == 3
+    assert len(passes.pieces(16384, 20_000, 512)) == 3
     reference = list(range(0, 20_000, 3))
-    assert len(reference) > undertrained.SAMPLE_ROWS // 4
-    pieced = undertrained._reference_pass(rows, reference), undertrained.row_stats(rows, reference)
-    monkeypatch.setattr(undertrained, "PIECE_VALUES", 1 << 40)
-    assert len(undertrained.pieces(0, rows.pass_rows, rows.shape[1])) == 1
-    whole = undertrained._reference_pass(rows, reference), undertrained.row_stats(rows, reference)
+    assert len(reference) > pc.SAMPLE_ROWS // 4
+    pieced = passes._reference_pass(rows, reference), passes.row_stats(rows, reference)
+    monkeypatch.setattr(passes, "PIECE_VALUES", 1 << 40)
+    assert len(passes.pieces(0, rows.pass_rows, rows.shape[1])) == 1
+    whole = passes._reference_pass(rows, reference), passes.row_stats(rows, reference)
     assert np.array_equal(pieced[0], whole[0])
     for name in ("indicator", "norms", "signature", "mean_distance"):
         a, b = getattr(pieced[1], name), getattr(whole[1], name)
@@ -456,7 +459,7 @@ class _Table:
 def test_identical_rows_by_signature():
     """Equal signatures are compared in full (a zero of either sign is one signature); NaN
     signatures are never equal; rows past the limit are left out."""
-    from embedlens.analysis.undertrained import identical_rows
+    from embedlens.analysis.vocab.passes import identical_rows
 
     table = np.arange(40, dtype=np.float32).reshape(10, 4)
     table[7] = table[2]
@@ -482,7 +485,7 @@ def _pairs_in_stable_order(signature: np.ndarray, limit: int) -> list[tuple[int,
 def test_identical_rows_match_a_stable_order_of_every_row(monkeypatch):
     """Only the rows whose signature another row shares are put in order: the pairs compared
     are those a stable sort of every row gives, in the same order."""
-    from embedlens.analysis import undertrained
+    from embedlens.analysis.vocab import passes
 
     rng = np.random.default_rng(5)
     compared: list[tuple[int, int]] = []
@@ -498,8 +501,8 @@ def test_identical_rows_match_a_stable_order_of_every_row(monkeypatch):
         sig[rng.random(n) < 0.05] = -0.0
         limit = int(rng.integers(1, n + 1))
         compared.clear()
-        monkeypatch.setattr(undertrained.np, "array_equal", equal)
+        monkeypatch.setattr(passes.np, "array_equal", equal)
         rows: Any = _Table(np.arange(n, dtype=np.float32)[:, None])
-        undertrained.identical_rows(rows, sig, limit)
+        passes.identical_rows(rows, sig, limit)
         monkeypatch.undo()
         assert compared == _pairs_in_stable_order(sig, limit)

@@ -466,7 +466,7 @@ def test_gguf_pieces_are_what_the_tokenizer_stores(tmp_path):
     same as the tokenizer's own table, with a repeated entry and one stored as text."""
     from dataclasses import replace
 
-    from embedlens.analysis.vocab_fingerprint import pieces_by_id
+    from embedlens.analysis.vocab.fingerprint import pieces_by_id
     from embedlens.io.gguf import read_gguf_header
     from embedlens.model.tokenizer import vocab_from_gguf
 

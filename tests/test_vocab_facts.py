@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import embedlens
-from embedlens.analysis import vocab_facts
+from embedlens.analysis.vocab import facts as vocab_facts
 from embedlens.model import tokenizer, tokenizer_cache
 from tests.gemma_vocab import gemma_like_vocab
 from tests.test_vocab import _write_gguf

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from embedlens.analysis.vocab_fit import EXPECTED, EXPECTED_RISE, FIT_MARGIN, OWN_RISE
+from embedlens.analysis.vocab.fit import EXPECTED, EXPECTED_RISE, FIT_MARGIN, OWN_RISE
 
 SHIFT_FROM = 20_000  # SmolLM2's ids from here on move by 4: four tokens inserted
 

@@ -231,8 +231,9 @@ def test_verify_asks_about_candidates_of_either_signal(cli, planted_and_reset):
 
 def test_a_row_at_the_mean_of_the_others_is_flagged(tmp_path):
     """The mean signal on a table written directly: one row set to the mean of the rows."""
-    from embedlens.analysis.token_kinds import TokenKinds
-    from embedlens.analysis.undertrained import Matrix, ReferenceRows, Tokens, scan
+    from embedlens.analysis.vocab.kinds import TokenKinds
+    from embedlens.analysis.vocab.signals import Matrix, ReferenceRows, Tokens
+    from embedlens.analysis.vocab.undertrained import scan
     from embedlens.io.source import resolve
     from embedlens.model.matrix import locate, open_rows
     from embedlens.model.tokenizer import load_vocab
@@ -280,7 +281,7 @@ def _gguf(path: Path, table: np.ndarray) -> Path:
 
 
 def test_group_lines_say_each_matrix_verdict():
-    from embedlens.analysis.undertrained import group_line
+    from embedlens.analysis.vocab.groups import group_line
     from embedlens.reports.vocab import GroupMatrix
 
     def part(matrix: str, flagged: int, verdict: str, norm: float = 0.02) -> GroupMatrix:

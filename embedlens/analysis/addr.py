@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from embedlens.analysis.hub_reads import counts_hub_reads
 from embedlens.errors import UnsupportedError, UsageError
 from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, fetch_gguf_rows, fetch_rows
 from embedlens.io.gguf import GGUFHeader
-from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.reference import gguf_reader_rows, raw_row, safetensors_rows
 from embedlens.io.source import ModelSource, resolve
 from embedlens.model import words

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from embedlens.analysis.hub_reads import counts_hub_reads
 from embedlens.errors import CheckpointError, EmbedlensError, UsageError
-from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import resolve as resolve_source
 from embedlens.model import words
 from embedlens.model.gguf_words import words_vocab

@@ -85,6 +85,8 @@ class Checkpoint:
     unread: dict[str, str] = field(default_factory=dict)
     """Tensors named by the index whose shard is not in the hub cache while offline (name to
     shard); their headers were not read, so they are not in `tensors`. Only with `partial`."""
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Each safetensors file's `__metadata__` as its header holds it, by file name."""
 
 
 @dataclass(frozen=True)
@@ -309,6 +311,7 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
     if names is None:
         return None
     tensors: dict[str, TensorEntry] = {}
+    metadata: dict[str, dict[str, str]] = {}
     remote: list[str] = []
     for shard in names:
         path = source.cached(shard) if source.kind == "hub" else source.find(shard)
@@ -321,6 +324,7 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             continue
         header = read_safetensors_header(path, shard)
         tensors.update(header.tensors)
+        metadata[shard] = header.metadata
     unread: dict[str, str] = {}
     if remote:
         found, missing = _remote_headers(source, remote)
@@ -331,7 +335,7 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             index = source.cached(WEIGHT_INDEX)
             weight_map = _read_index(index) if index is not None else {}
             unread = {n: s for n, s in weight_map.items() if s in missing}
-    return Checkpoint("safetensors", tensors, tuple(names), unread=unread)
+    return Checkpoint("safetensors", tensors, tuple(names), unread=unread, metadata=metadata)
 
 
 def _remote_headers(

@@ -17,8 +17,6 @@ is read; otherwise the file is named in the error.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import re
 import threading
@@ -26,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ParamSpec, TypeVar
 from urllib.parse import quote, urlsplit
 
 from embedlens.errors import SourceError
@@ -114,30 +111,6 @@ def tally() -> Iterator[Tally]:
         yield current
     finally:
         _tallies.remove(current)
-
-
-R = TypeVar("R")
-P = ParamSpec("P")
-
-
-def counts_hub_reads(fn: Callable[P, R]) -> Callable[P, R]:
-    """Run a command's function counting its ranged reads: the report it returns (a dataclass
-    with `notes` and `hub_fetched_bytes`) gets a note per file read by range and the bytes
-    fetched."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with tally() as hub:
-            report = fn(*args, **kwargs)
-        if not hub.used:
-            return report
-        notes = [*getattr(report, "notes", []), *hub.notes()]
-        changed: R = dataclasses.replace(  # type: ignore[type-var]
-            report, notes=notes, hub_fetched_bytes=hub.fetched
-        )
-        return changed
-
-    return wrapper
 
 
 def _count(hub: HubFile, *, fetched: int = 0, data: int = 0) -> None:

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 from embedlens.io.gguf import GGUFHeader, read_gguf_header
 from embedlens.io.source import ModelSource
+from embedlens.model import gguf_vocab as gv
 from embedlens.model import tokenizer as tk
+from embedlens.model import tokenizer_build as tb
 from embedlens.model.tokens import SPACE, byte_alphabet
 
 if TYPE_CHECKING:
@@ -40,16 +42,16 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     """The vocabulary of a GGUF file, reading text with `WordReader` (its tokenizer built only
     if something else asks for it, its stored entries with it): the size, special, added and
     unknown ids of the whole one."""
-    meta = tk.gguf_tokenizer(header)
-    tk.check_gguf_kind(header, meta)
+    meta = gv.gguf_tokenizer(header)
+    gv.check_gguf_kind(header, meta)
     byte_level = meta.kind == "gpt2"
-    spelled = tk.byte_alphabet_spelling(meta.tokens) if byte_level else meta.tokens
-    first = tk.first_ids(spelled)
+    spelled = tb.byte_alphabet_spelling(meta.tokens) if byte_level else meta.tokens
+    first = gv.first_ids(spelled)
     if meta.merges is not None and not _merges_hold(meta.merges, first):
         return tk.vocab_from_gguf(header)  # the whole tokenizer's own error, or its answer
     reader = WordReader(header, meta, spelled, first, byte_level)
     control, user = reader.added_tokens()
-    special = {i for i, t in enumerate(meta.types) if t == tk.CONTROL} | control
+    special = {i for i, t in enumerate(meta.types) if t == gv.CONTROL} | control
     unk = header.meta("tokenizer.ggml.unknown_token_id")
     return tk.Vocab(
         None,
@@ -78,7 +80,7 @@ class WordReader:
     with a tokenizer of that piece alone."""
 
     header: GGUFHeader
-    meta: tk.GGUFTokenizer
+    meta: gv.GGUFTokenizer
     spelled: list[str]
     first: dict[str, int]
     byte_level: bool
@@ -96,17 +98,17 @@ class WordReader:
     def added_tokens(self) -> tuple[set[int], set[int]]:
         """The ids of the control and of the user-defined tokens the whole build adds."""
         alphabet = set(byte_alphabet().values()) if self.byte_level else None
-        tokens, marked = self.meta.tokens, (tk.CONTROL, tk.USER_DEFINED)
+        tokens, marked = self.meta.tokens, (gv.CONTROL, gv.USER_DEFINED)
         ids = [i for i, kind in enumerate(self.meta.types) if kind in marked and i < len(tokens)]
         control = {
             self.first[tokens[i]]
             for i in ids
-            if self.meta.types[i] == tk.CONTROL and (alphabet is None or set(tokens[i]) <= alphabet)
+            if self.meta.types[i] == gv.CONTROL and (alphabet is None or set(tokens[i]) <= alphabet)
         }
         user = {
             self.first[tokens[i]]
             for i in ids
-            if self.meta.types[i] == tk.USER_DEFINED and tokens[i] in self.first
+            if self.meta.types[i] == gv.USER_DEFINED and tokens[i] in self.first
         }
         return control, user
 
@@ -128,8 +130,8 @@ class WordReader:
         if not (0 <= token_id < len(self.spelled)) or self.piece(token_id) is None:
             return str(self.whole().tokenizer.decode([token_id], skip_special_tokens=False))
         raw, kind = self.meta.tokens[token_id], self._kind(token_id)
-        tok = tk.partial_tokenizer({raw: token_id}, byte_level=self.byte_level)
-        tk.add_gguf_tokens(tok, [raw], [kind], byte_level=self.byte_level)
+        tok = tb.partial_tokenizer({raw: token_id}, byte_level=self.byte_level)
+        tb.add_gguf_tokens(tok, [raw], [kind], byte_level=self.byte_level)
         return str(tok.decode([token_id], skip_special_tokens=False))
 
     def _kind(self, token_id: int) -> int:
@@ -168,13 +170,13 @@ class WordReader:
         merges = self._merges(pieces)
         if self.byte_level:
             assert merges is not None, "a byte-level vocabulary has merges (checked)"
-            tok = tk.byte_level_tokenizer(pieces, merges, self.header.meta("tokenizer.ggml.pre"))
+            tok = tb.byte_level_tokenizer(pieces, merges, self.header.meta("tokenizer.ggml.pre"))
         else:
             add_space = bool(self.header.meta("tokenizer.ggml.add_space_prefix", True))
             scores = None if merges is not None else self._scores_of(pieces)
-            tok = tk.sentencepiece_tokenizer(pieces, merges, scores, add_space=add_space)
+            tok = tb.sentencepiece_tokenizer(pieces, merges, scores, add_space=add_space)
         ids = self._ids_of(pieces)
-        tk.add_gguf_tokens(
+        tb.add_gguf_tokens(
             tok,
             [meta.tokens[i] for i in ids],
             [self._kind(i) for i in ids],

@@ -17,9 +17,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import EmbedlensError, ResourceError, UsageError
 from embedlens.io.source import ModelSource
@@ -27,6 +28,8 @@ from embedlens.text import binary_size
 
 if TYPE_CHECKING:
     from embedlens.io.checkpoint import Checkpoint
+    from embedlens.model.config import ModelConfig
+    from embedlens.model.files import ModelFiles
 
 MEMORY_LIMIT_ENV = "EMBEDLENS_MEMORY_LIMIT"
 _UNITS = {
@@ -148,10 +151,33 @@ def estimate(source: ModelSource, dtype: str) -> Estimate | None:
         return None  # the load itself will say what is wrong
     if ckpt is None or not ckpt.tensors:
         return None
+    return _estimate(
+        ckpt, dtype, lambda: _config_dtype(source), lambda: _config_or_none(source, ckpt)
+    )
+
+
+def estimate_files(files: ModelFiles, dtype: str) -> Estimate | None:
+    """`estimate` from the files as read already (`files.check_source`)."""
+    ckpt = files.checkpoint
+    if ckpt is None or not ckpt.tensors:
+        return None
+    raw = files.config_json
+    return _estimate(
+        ckpt, dtype, lambda: None if raw is None else _raw_dtype(raw), lambda: files.config
+    )
+
+
+def _estimate(
+    ckpt: Checkpoint,
+    dtype: str,
+    configured_dtype: Callable[[], str | None],
+    config: Callable[[], ModelConfig | None],
+) -> Estimate | None:
+    """`estimate` from the headers, with the config's dtype and the config read on demand."""
     target = _FLOAT_BYTES.get(dtype)
     label = dtype
     if target is None:  # auto: the config's dtype, else as stored (GGUF: dequantised to float32)
-        configured = _config_dtype(source)
+        configured = configured_dtype()
         target = _FLOAT_BYTES.get(configured or "")
         label = (
             configured
@@ -175,23 +201,32 @@ def estimate(source: ModelSource, dtype: str) -> Estimate | None:
             size = t.nbytes  # integers (packed quantisations) are not converted
         weights += size
         largest = max(largest, size)
-    beyond, matrix = _config_beyond_headers(source, ckpt)
+    beyond, matrix = _config_beyond_headers(config(), ckpt)
     weights += beyond * per_element
     largest = max(largest, matrix * per_element)
     return Estimate(weights, largest, label)
 
 
-def _config_beyond_headers(source: ModelSource, ckpt: Checkpoint) -> tuple[int, int]:
+def _config_or_none(source: ModelSource, ckpt: Checkpoint) -> ModelConfig | None:
+    """The config as `read_config` reads it (without refusing remote code), or None when it
+    cannot be read."""
+    from embedlens.model.headers import read_config
+
+    try:
+        return read_config(source, ckpt, trust_remote_code=True)
+    except EmbedlensError:
+        return None
+
+
+def _config_beyond_headers(config: ModelConfig | None, ckpt: Checkpoint) -> tuple[int, int]:
     """Elements transformers allocates beyond the stored ones when it builds the model from the
     config (a larger vocabulary, width or block count than the checkpoint stores), and the
     elements of the embedding matrix the config implies; (0, 0) when the config cannot be read.
     """
     from embedlens.model.anatomy import find_embedding, find_head
-    from embedlens.model.headers import mismatches, read_config
+    from embedlens.model.headers import mismatches
 
-    try:
-        config = read_config(source, ckpt, trust_remote_code=True)
-    except EmbedlensError:
+    if config is None:
         return 0, 0
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
     embedding = find_embedding(shapes, config.vocab_size)
@@ -224,8 +259,11 @@ def _config_dtype(source: ModelSource) -> str | None:
         raw = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
     except (OSError, ValueError, EmbedlensError):
         return None
-    if not isinstance(raw, dict):
-        return None
+    return _raw_dtype(raw) if isinstance(raw, dict) else None
+
+
+def _raw_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype config.json names (its text part's, else its own)."""
     for part in (raw.get("text_config"), raw):
         if isinstance(part, dict):
             value = part.get("dtype") or part.get("torch_dtype")
@@ -234,7 +272,7 @@ def _config_dtype(source: ModelSource) -> str | None:
     return None
 
 
-def check_load(source: ModelSource, *, dtype: str, device: str | None) -> Estimate | None:
+def check_load(files: ModelFiles, *, dtype: str, device: str | None) -> Estimate | None:
     """Refuse (ResourceError) a load onto `device` that would not fit; device None: unchecked.
 
     A CUDA load passes through host memory first (transformers builds the model there, then
@@ -242,7 +280,7 @@ def check_load(source: ModelSource, *, dtype: str, device: str | None) -> Estima
     """
     if device is None:
         return None
-    est = estimate(source, dtype)
+    est = estimate_files(files, dtype)
     if est is None:
         return None
     checks = [("cpu", est.needed)]
@@ -252,7 +290,7 @@ def check_load(source: ModelSource, *, dtype: str, device: str | None) -> Estima
         free, label = available(where)
         if free is not None and needed > free:
             raise ResourceError(
-                f"loading '{source.spec}' needs about {binary_size(needed)} of {label} "
+                f"loading '{files.source.spec}' needs about {binary_size(needed)} of {label} "
                 f"({binary_size(est.weights)} of weights at {est.dtype}), but only "
                 f"{binary_size(free)} is available",
                 hint=_hint(est),

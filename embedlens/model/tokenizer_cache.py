@@ -9,7 +9,7 @@ the `tokenizers` version. A file whose tokenizer changes gets a new name, so an 
 outlives what it was built from; a file that changes elsewhere (its weights) keeps its entry,
 which still holds. The cache is an optimisation only: a missing, unreadable or damaged entry means
 the tokenizer is rebuilt, and a cache that cannot be written is left alone. What is derived from a
-tokenizer alone (analysis.vocab_facts) is kept beside it under the same key (`store_bytes`).
+tokenizer alone (analysis.vocab.facts) is kept beside it under the same key (`store_bytes`).
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ def from_files(
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
     from embedlens.model import file_tokens, loading
+    from embedlens.model.files import check_source
 
     trust = load.trust_remote_code
     with load.offload_dir() as folder:
@@ -111,10 +112,10 @@ def from_files(
             _from_the_files(source, own_template, target, targets)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
-            loading.check_source(source, trust_remote_code=trust)
+            files = check_source(source, trust_remote_code=trust)  # headers and config, once
             loaded = tokenizer is None
             if tokenizer is None:
-                tokenizer = loading.load_tokenizer(source, trust_remote_code=trust)
+                tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
             config = loading.hf_config(source, trust_remote_code=trust)
             template = _template_name(source)
             guard = file_tokens.guard_for(source, loaded=loaded, others=others, model=name)
@@ -122,7 +123,7 @@ def from_files(
                 checked = check(tokenizer, config, template)
             notes: list[str] = []
             model = loading.load_model(
-                source,
+                files,
                 dtype=load.dtype,
                 device=load.device,
                 device_map=load.device_map,

@@ -1,7 +1,7 @@
 """Whether B can be read against A, told from tokenizers and headers before any weight is read.
 
 The same prompt ids go to both models, so B must give every id the token A gives it: the two
-vocabularies are compared id by id as `vocab --against` compares them (`vocab_diff.compare`,
+vocabularies are compared id by id as `vocab --against` compares them (`vocab.diff.compare`,
 each token by its bytes). The lenses are compared layer by layer, so B must have as many blocks
 as A, and as many output rows (the softmax runs over all of them).
 """
@@ -154,8 +154,8 @@ def _same_vocabulary(
         same = sum(1 for t, i in ma.items() if mb.get(t) == i)
         what = [f"{same:,} of {len(ma):,} tokens keep their id in '{b_name}' ({len(mb):,} tokens)"]
     else:
-        from embedlens.analysis.vocab_diff import compare
-        from embedlens.analysis.vocab_fingerprint import fingerprint
+        from embedlens.analysis.vocab.diff import compare
+        from embedlens.analysis.vocab.fingerprint import fingerprint
         from embedlens.reports.vocab import Fingerprint
 
         diff = compare(a, b, b_name, fingerprint=Fingerprint(fingerprint(a), None, None, None))

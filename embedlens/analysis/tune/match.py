@@ -141,7 +141,7 @@ def unembed_hash(model: nn.Module) -> str | None:
 def vocab_fingerprint(tokenizer: Any) -> str | None:
     """`embedlens vocab`'s fingerprint of the tokenizer's ids and bytes (None for a tokenizer
     without a fast backend)."""
-    from embedlens.analysis.vocab_fingerprint import fingerprint
+    from embedlens.analysis.vocab.fingerprint import fingerprint
     from embedlens.model.tokenizer import Vocab
 
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -150,17 +150,15 @@ def weight_files(folder: Path, config: Any) -> list[Path] | None:
     return safetensors_files(folder)
 
 
-def early_files(folder: Path | None, trust_remote_code: bool) -> list[Path] | None:
-    """`weight_files` as far as config.json read as JSON tells, before transformers is imported:
-    None also where the direct load surely does not apply (a quantised checkpoint, repository
-    code the caller trusts)."""
+def early_files(
+    folder: Path | None, raw: dict[str, Any] | None, trust_remote_code: bool
+) -> list[Path] | None:
+    """`weight_files` as far as config.json read as JSON (`raw`, as embedlens read it) tells,
+    before transformers is imported: None also where the direct load surely does not apply (a
+    quantised checkpoint, repository code the caller trusts)."""
     if not release_fits() or folder is None or (folder / "adapter_config.json").exists():
         return None
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict) or raw.get("quantization_config") is not None:
+    if raw is None or raw.get("quantization_config") is not None:
         return None
     if trust_remote_code and raw.get("auto_map"):
         return None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 
-from embedlens.analysis.token_kinds import TokenKinds
-from embedlens.analysis.undertrained import ReferenceRows
-from embedlens.analysis.vocab_fingerprint import byte_level
+from embedlens.analysis.vocab.fingerprint import byte_level
+from embedlens.analysis.vocab.kinds import TokenKinds
+from embedlens.analysis.vocab.signals import ReferenceRows
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
 from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
@@ -118,7 +118,7 @@ def find_unreachable(
 ) -> tuple[Unreachable, dict[int, str]]:
     """Ordinary tokens (ids below n) that decoding and encoding again does not give back: the
     report (the first LISTED of each kind listed) and every such id with its kind. `raw` holds
-    every id's bytes (vocab_fingerprint.entries), `pieces` its entry as stored; `merged`, when
+    every id's bytes (fingerprint.entries), `pieces` its entry as stored; `merged`, when
     known, every piece a byte-level BPE merge builds (byte_level_merge_results)."""
     skip = set(added_ids(vocab)) | vocab.special_ids
     ids = [i for i in range(n) if i not in skip]

@@ -87,8 +87,11 @@ def metadata_hash(table: Table) -> tuple[str | None, str | None]:
     if table.checkpoint.gguf is not None:
         found = dict(table.checkpoint.gguf.metadata)
     elif table.entry.path is not None:
+        kept = table.checkpoint.metadata.get(table.entry.file)  # read with the headers
         try:
-            found = dict(read_safetensors_header(table.entry.path).metadata)
+            found = dict(
+                kept if kept is not None else read_safetensors_header(table.entry.path).metadata
+            )
         except EmbedlensError:
             found = {}
     for key, value in found.items():

@@ -1,10 +1,11 @@
-"""`vocab`: is this vocabulary healthy, trained, and the one these weights were trained with?
+"""The `vocab` function: is this vocabulary healthy, trained, and the one these weights were
+trained with?
 
 The static parts read the headers, the tokenizer and the matrices (the head, then an untied
 model's embedding), never torch: the vocabulary against the matrices' rows and the tokens the
-tokenizer never produces on its own (`vocab_layout.py`), a fingerprint of the vocabulary
-(`vocab_fingerprint.py`), and the under-trained signals (`undertrained.py`); `--against` compares two vocabularies id by
-id (`vocab_diff.py`). `--verify` and `--check-fit` load the model (`vocab_fit.py`).
+tokenizer never produces on its own (`layout`), a fingerprint of the vocabulary
+(`fingerprint`), and the under-trained signals (`undertrained`); `--against` compares two
+vocabularies id by id (`diff`). `--verify` and `--check-fit` load the model (`fit`).
 """
 
 from __future__ import annotations
@@ -16,25 +17,26 @@ from pathlib import Path
 
 import numpy as np
 
-from embedlens.analysis.token_kinds import TokenKinds
-from embedlens.analysis.undertrained import Matrix, ReferenceRows, Tokens, scan
-from embedlens.analysis.vocab_diff import compare
-from embedlens.analysis.vocab_facts import VocabFacts, facts_of, model_vocab
-from embedlens.analysis.vocab_fingerprint import read_fingerprint
-from embedlens.analysis.vocab_layout import (
+from embedlens.analysis.hub_reads import counts_hub_reads
+from embedlens.analysis.vocab.diff import compare
+from embedlens.analysis.vocab.facts import VocabFacts, facts_of, model_vocab
+from embedlens.analysis.vocab.fingerprint import read_fingerprint
+from embedlens.analysis.vocab.kinds import TokenKinds
+from embedlens.analysis.vocab.layout import (
     added_ids,
     layout_problems,
     read_layout,
     reference_rows,
 )
+from embedlens.analysis.vocab.signals import Matrix, ReferenceRows, Tokens
+from embedlens.analysis.vocab.undertrained import scan
 from embedlens.errors import UsageError
 from embedlens.io.gguf import read_gguf_header
-from embedlens.io.ranges import counts_hub_reads
 from embedlens.io.source import ModelSource, resolve
+from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.matrix import Table, locate, open_rows
 from embedlens.model.tokenizer import (
     Vocab,
-    byte_level_merge_results,
     check_tokenizer_json,
     load_vocab,
     vocab_from_file,
@@ -224,7 +226,7 @@ def _loaded(
     on_progress: Progress | None,
 ) -> tuple[Undertrained, Fit | None, list[str]]:
     """--verify and --check-fit: load the model once for both (and the notes of the fit)."""
-    from embedlens.analysis import vocab_fit
+    from embedlens.analysis.vocab import fit as vocab_fit
 
     model = vocab_fit.load(
         source, dtype=how.dtype, device=how.device, trust_remote_code=how.trust_remote_code
@@ -256,7 +258,7 @@ def _finish(
     """The report with the model's answers and the comparison, their problems and notes added."""
     from dataclasses import replace
 
-    from embedlens.analysis.vocab_fit import unfit
+    from embedlens.analysis.vocab.fit import unfit
 
     problems = list(report.problems)
     if diff is not None and not diff.compatible:

@@ -20,16 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from embedlens.analysis.token_kinds import TokenKinds
-from embedlens.analysis.vocab_fingerprint import entries, fingerprint, pieces_by_id
-from embedlens.analysis.vocab_layout import find_unreachable, named_unused
+from embedlens.analysis.vocab.fingerprint import entries, fingerprint, pieces_by_id
+from embedlens.analysis.vocab.kinds import TokenKinds
+from embedlens.analysis.vocab.layout import find_unreachable, named_unused
 from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
 from embedlens.model import tokenizer_cache
+from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.tokenizer import (
     GGUF_ORIGIN,
     Vocab,
-    byte_level_merge_results,
     load_vocab,
     vocab_from_gguf,
 )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedlens.analysis.vocab_fingerprint import entries
-from embedlens.analysis.vocab_fingerprint import fingerprint as sha
+from embedlens.analysis.vocab.fingerprint import entries
+from embedlens.analysis.vocab.fingerprint import fingerprint as sha
 from embedlens.model.tokenizer import Vocab
 from embedlens.reports.tokens import TokenRef
 from embedlens.reports.vocab import Fingerprint, Renamed, Shift, VocabDiff

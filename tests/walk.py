@@ -1,0 +1,151 @@
+"""Walk a public function's data path through embedlens' modules, as a reader would follow it.
+
+    python -m tests.walk vocab MODEL            # or: lens MODEL / tune MODEL / params MODEL
+    python -m tests.walk vocab MODEL --show     # every visit, in order
+
+Definitions (what `walk` counts):
+
+- A *call* is a Python function of embedlens starting to run (`sys.setprofile`'s 'call' event,
+  in the calling thread and every thread started during the walk), with the nearest embedlens frame below it on the stack as its
+  caller; frames of other packages in between (torch, transformers running an embedlens hook or
+  patch) are seen through. Import-time code is not the data path: a module's body (`<module>`)
+  and everything it calls are left out.
+- A *visit* is a call whose function lies in another module than its caller's, counted once per
+  (caller function, called function) pair however often it runs: the reader follows each call
+  from one module into another once, a loop over 50,000 tokens does not make 50,000 visits. The
+  first call into embedlens (the public function) is the start, not a visit.
+- A *move back up* is a visit from a module of a lower layer into one of a higher layer
+  (`LAYERS`): io calling into model, model into analysis (a callback, a method of a higher
+  layer's object, a generator of a higher layer resumed). Returns are no calls and never count.
+
+The layers are those the import-direction test holds (tests/layers.py, `layer_of`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any
+
+from tests.layers import layer_of
+
+
+@dataclass
+class Walk:
+    """The visits of one walk, in the order first made: (from module, to module) each."""
+
+    visits: list[tuple[str, str]] = field(default_factory=list)
+    seen: set[tuple[CodeType, CodeType]] = field(default_factory=set)
+
+    @property
+    def modules(self) -> set[str]:
+        return {m for pair in self.visits for m in pair}
+
+    @property
+    def moves_up(self) -> list[tuple[str, str]]:
+        return [(a, b) for a, b in self.visits if layer_of(a) < layer_of(b)]
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.visits)} visits in {len(self.modules)} modules, "
+            f"{len(self.moves_up)} moves back up"
+        )
+
+
+def _module(code: CodeType, files: dict[str, str | None]) -> str | None:
+    """The embedlens module a code object belongs to, or None."""
+    name = code.co_filename
+    if name not in files:
+        found = None
+        marker = "/embedlens/"
+        at = name.rfind(marker)
+        if at >= 0 and name.endswith(".py") and "/tests/" not in name[at:]:
+            dotted = "embedlens." + name[at + len(marker) : -3].replace("/", ".")
+            found = dotted.removesuffix(".__init__")
+        files[name] = found
+    return files[name]
+
+
+def walk(func: Callable[[], Any]) -> tuple[Walk, Any]:
+    """Run func() under the walk; return the walk and what func returned."""
+    record = Walk()
+    files: dict[str, str | None] = {}
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        callee = _module(frame.f_code, files)
+        if callee is None or frame.f_code.co_name == "<module>":
+            return
+        below = frame.f_back
+        while below is not None and _module(below.f_code, files) is None:
+            below = below.f_back
+        if below is None:
+            return  # the start
+        if _importing(below, files):
+            return
+        caller = _module(below.f_code, files)
+        assert caller is not None
+        if caller == callee:
+            return
+        key = (below.f_code, frame.f_code)
+        if key not in record.seen:
+            record.seen.add(key)
+            record.visits.append((caller, callee))
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        result = func()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return record, result
+
+
+def _importing(frame: FrameType | None, files: dict[str, str | None]) -> bool:
+    """Whether an embedlens module's body is running at or below frame (an import)."""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and _module(frame.f_code, files) is not None:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _main(argv: list[str]) -> None:
+    import tempfile
+    from pathlib import Path
+
+    import embedlens
+
+    command, model = argv[0], argv[1]
+    show = "--show" in argv
+    if command == "vocab":
+        record, _ = walk(lambda: embedlens.vocab(model))
+    elif command == "params":
+        record, _ = walk(lambda: embedlens.params(model))
+    elif command == "lens":
+        record, _ = walk(lambda: embedlens.lens(model, "The capital of France is"))
+    elif command == "tune":
+        folder = Path(tempfile.mkdtemp(prefix="walk-"))
+        data = folder / "data.txt"
+        data.write_text(("the cat sat on the mat and the dog ran " * 400).strip(), "utf-8")
+        record, _ = walk(
+            lambda: embedlens.tune(
+                model, data, folder / "lens", tokens=512, eval_tokens=128, steps=1
+            )
+        )
+    else:
+        raise SystemExit(f"unknown command {command}")
+    if show:
+        for a, b in record.visits:
+            up = "  ^ UP" if layer_of(a) < layer_of(b) else ""
+            print(f"{a} -> {b}{up}")
+    print(f"{command}: {record.summary()}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
