@@ -2,8 +2,9 @@
 
 What the layers are (read from the imports, not wished):
 
-- base: errors, text, runtime and compat's release and path helpers (`compat`, `compat.paths`,
-  `compat.jinja`): what every layer may use.
+- base: errors, text, runtime, the option objects and the progress protocol (`options`,
+  `progress`), and compat's release and path helpers (`compat`, `compat.paths`, `compat.jinja`):
+  what every layer may use.
 - io: finding and reading files (a source resolved, checkpoint and GGUF headers, byte ranges).
 - model: what a model is made of (config, tokenizer, matrices, loading) and the shortcuts over
   transformers in `compat.transformers` (they build models and tokenizers: model's work).
@@ -27,6 +28,8 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("embedlens.errors", "base"),
     ("embedlens.text", "base"),
     ("embedlens.runtime", "base"),
+    ("embedlens.options", "base"),
+    ("embedlens.progress", "base"),
     ("embedlens.compat.transformers", "model"),
     ("embedlens.compat", "base"),
     ("embedlens.io", "io"),

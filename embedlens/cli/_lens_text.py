@@ -67,7 +67,6 @@ _ALONE = {"prompt": "PROMPT", "prompts": "--prompts", "target": "--target", "cha
 
 def run_text(model: str, given: dict[str, Any]) -> None:
     """`lens --text`: checks, the run under a progress bar, the report, the plot."""
-    from embedlens.analysis.lens.text import lens_text
     from embedlens.cli._options import common
 
     if given["text"] is None:
@@ -89,28 +88,7 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     if given.get("against") is not None:
         what += f" against {model_title(str(given['against']))}"
     with tokens_bar(f"Scoring {given['text']} with {what}", "tokens scored") as advance:
-        report = lens_text(
-            model,
-            given["text"],
-            ctx=given["ctx"],
-            stride=given["stride"],
-            max_tokens=given["max_tokens"],
-            score=given["score"],
-            layers=given["layers"],
-            against=given["against"],
-            against_revision=given["against_revision"],
-            against_logits=given["against_logits"],
-            save_logits=given["save_logits"],
-            tuned=given["tuned"],
-            load=LoadOptions(
-                revision=given["revision"],
-                dtype=given["dtype"],
-                device=given["device"],
-                trust_remote_code=given["trust_remote_code"],
-            ),
-            dist_backend=given["dist_backend"],
-            progress=lambda _stage, done, total, _unit, _detail="": advance(done, total),
-        )
+        report = _lens_text(model, given, advance)
     if world()[0] != 0:
         return
     if not report.check_ok:
@@ -128,6 +106,23 @@ def run_text(model: str, given: dict[str, Any]) -> None:
         save_text_curves(report, plot)
         note(f"wrote {plot}")
     emit(report, as_json=given["as_json"])
+
+
+def _lens_text(model: str, given: dict[str, Any], advance: Callable[[int, int], None]) -> Any:
+    """`lens_text` with the command's options (`advance`: the bar, given tokens done and due)."""
+    from embedlens.analysis.lens.text import lens_text
+
+    keys = ("ctx", "stride", "max_tokens", "score", "layers", "against", "against_revision",
+            "against_logits", "save_logits", "tuned", "dist_backend")  # fmt: skip
+    load = LoadOptions(revision=given["revision"], dtype=given["dtype"], device=given["device"],
+                       trust_remote_code=given["trust_remote_code"])  # fmt: skip
+    return lens_text(
+        model,
+        given["text"],
+        load=load,
+        progress=lambda _stage, done, total, _unit, _detail="": advance(done, total),
+        **{key: given[key] for key in keys},
+    )
 
 
 F = TypeVar("F", bound=Callable[..., Any])

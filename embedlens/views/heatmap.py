@@ -1,16 +1,13 @@
 """The logit-lens picture: a layer x position heatmap of top-1 probabilities, tokens in the cells.
 
-matplotlib is an optional extra (`pip install 'embedlens[plot]'`) and is imported only here,
-inside the functions. Tokens are quoted as the tables quote them; each cell holds the top-1
-token and, when it fits, its probability. PNG is drawn with DejaVu Sans and, for the glyphs it
-lacks, installed fonts that have them (CJK fonts first); characters no font has are said in a
-note. SVG and HTML keep the tokens as text, so the viewer's fonts draw every script, and fetch
-nothing from elsewhere.
-
-The work is bounded, so any grid draws in seconds (`Plan`): past TEXT_CELLS cells or
-TEXT_POSITIONS positions the cells are colours only and every n-th position is labelled; past
-MAX_COLUMNS positions, consecutive positions share a column (their mean). The figure and a note
-say so.
+matplotlib is an optional extra (`pip install 'embedlens[plot]'`), imported only in functions.
+Tokens are quoted as the tables quote them; a cell holds the top-1 token and, when it fits, its
+probability. PNG is drawn with DejaVu Sans and, for the glyphs it lacks, installed fonts that
+have them (CJK first); characters no font has are said in a note. SVG and HTML keep the tokens
+as text (the viewer's fonts draw every script) and fetch nothing from elsewhere. The work is
+bounded, so any grid draws in seconds (`Plan`): past TEXT_CELLS cells or TEXT_POSITIONS
+positions the cells are colours only and every n-th position is labelled; past MAX_COLUMNS
+positions, consecutive positions share a column (their mean). The figure and a note say so.
 """
 
 from __future__ import annotations

@@ -66,12 +66,9 @@ def lens_text(
     against_logits: a file `save_logits` wrote (the reference); this model is evaluated.
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
     tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them.
-    load: how to load the model (`LoadOptions`; its fields may be given as keywords instead:
-        `revision=`, `dtype=`, `device=`, `trust_remote_code=`; a model over several devices is
-        not taken).
+    load: `LoadOptions` (or its fields as keywords: `dtype=`, ...), on one device.
     dist_backend: under torchrun, the windows are split over the processes.
-    progress: called as `progress("text", scored, to_score, "tokens")` after each window
-        (`embedlens.progress.Progress`; on rank 0 under torchrun).
+    progress: called as `progress("text", scored, to_score, "tokens")` after each window.
     """
     from embedlens.analysis.lens import given
     from embedlens.options import no_other_keywords
@@ -79,13 +76,8 @@ def lens_text(
 
     model, load = given.model_and_load(model, load, keywords)
     no_other_keywords("lens_text", keywords)
-    if load.device_map is not None or load.max_memory is not None or load.offload_folder:
-        raise UsageError("lens_text runs the model on one device: --device-map does not apply")
+    _check(load, against, against_logits, tuned)
     r = rule(ctx, stride, score, max_tokens)
-    if against is not None and against_logits is not None:
-        raise UsageError("give --against or --against-logits, not both")
-    if tuned is not None and (against is not None or against_logits is not None):
-        raise UsageError("--tuned compares the tuned lens with the logit lens: run it alone")
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
     reference = None
@@ -100,6 +92,16 @@ def lens_text(
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
+
+
+def _check(load: LoadOptions, against: object, against_logits: object, tuned: object) -> None:
+    """What `lens_text` cannot combine, refused before any file is read."""
+    if load.device_map is not None or load.max_memory is not None or load.offload_folder:
+        raise UsageError("lens_text runs the model on one device: --device-map does not apply")
+    if against is not None and against_logits is not None:
+        raise UsageError("give --against or --against-logits, not both")
+    if tuned is not None and (against is not None or against_logits is not None):
+        raise UsageError("--tuned compares the tuned lens with the logit lens: run it alone")
 
 
 def _run(
