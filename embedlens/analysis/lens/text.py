@@ -80,11 +80,7 @@ def lens_text(
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
-    reference = None
-    if against_logits is not None:
-        from embedlens.analysis.lens import logits_file
-
-        reference = logits_file.load(against_logits)
+    reference = None if against_logits is None else _reference_file(against_logits)
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         loading = given.loading(model, load)
@@ -92,6 +88,13 @@ def lens_text(
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
+
+
+def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
+    """A `save_logits` file, read and checked (the reference run)."""
+    from embedlens.analysis.lens import logits_file
+
+    return logits_file.load(path)
 
 
 def _check(load: LoadOptions, against: object, against_logits: object, tuned: object) -> None:
