@@ -70,9 +70,10 @@ def test_every_command_has_help(name, cli):
 
 def test_every_library_command_is_a_cli_command():
     """The other way round: no command function in embedlens.__all__ lacks its command
-    (`lens_prompts` is `lens --prompts`, `lens_states` `lens --states`)."""
+    (`lens_prompts` is `lens --prompts`, `lens_states` `lens --states`, `lens_text` `lens
+    --text`)."""
     functions = {n for n in embedlens.__all__ if n.islower() and not n.startswith("_")}
-    modes = {"lens_prompts": "lens", "lens_states": "lens"}
+    modes = {"lens_prompts": "lens", "lens_states": "lens", "lens_text": "lens"}
     assert {modes.get(name, name) for name in functions} == set(APP_COMMANDS)
 
 
