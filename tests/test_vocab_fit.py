@@ -41,6 +41,15 @@ def test_random_weights_fit_not_even_their_own_tokenizer(cli, tiny):
     )
 
 
+def test_a_model_with_fewer_positions_than_a_text_is_refused(cli, tiny):
+    """The tiny GPT-2 takes 64 positions, fewer than a built-in text's tokens: refused in one
+    line (before: an IndexError from its position table)."""
+    config = json.loads((tiny("gpt2") / "config.json").read_text())
+    message = cli.fails("vocab", tiny("gpt2"), "--check-fit", code=1)
+    assert f"this model takes {config['n_positions']} positions" in message
+    assert "--check-fit scores built-in texts, one of " in message
+
+
 def test_the_own_tokenizer_given_is_the_reference(cli, tiny):
     """--tokenizer naming the model's own tokenizer: the same ids, a rise of exactly 0, and still
     no fit for random weights (their ids score no better than ids shifted by one)."""

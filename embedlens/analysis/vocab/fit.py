@@ -149,6 +149,17 @@ def own_reference(
     return own, None
 
 
+def _fits_positions(model: Any, n: int) -> None:
+    """A built-in text longer than the model's positions is refused, once the model failed on
+    it (rotary models run past `max_position_embeddings`; a learned position table cannot)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and n > limit:
+        raise UnsupportedError(
+            f"--check-fit scores built-in texts, one of {n} tokens, and this model "
+            f"takes {limit} positions"
+        )
+
+
 def check_fit(
     model: Any, vocab: Vocab, name: str, *, rows: int, own: Vocab | None, is_own: bool
 ) -> Fit:
@@ -163,7 +174,11 @@ def check_fit(
     compared = own is not None and not is_own
 
     def measured(ids: list[int]) -> float:
-        return _loss(model, torch, bos + ids, dev)
+        try:
+            return _loss(model, torch, bos + ids, dev)
+        except IndexError:  # a learned position table shorter than the text (GPT-2's wpe)
+            _fits_positions(model, len(bos + ids))
+            raise
 
     out: list[FitLanguage] = []
     for language in LANGUAGES:
