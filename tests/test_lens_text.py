@@ -214,6 +214,62 @@ def test_a_model_against_itself_and_one_block_changed(pair):
             assert p.kl > 0.0, p.layer
 
 
+def norm_changed_copy(folder: Path, out: Path) -> Path:
+    """The tiny model with block 2 and its final norm changed: another tail than A's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    changed_copy(folder, out, block=2)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
+
+
+def residual_kls(a: Path, b: Path, wins: list[list[int]], pos: list[int]) -> list[float]:
+    """Per layer below the output: mean KL(A's lens ‖ A's norm and head on B's stream), by plain
+    transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ma, mb = (AutoModelForCausalLM.from_pretrained(f).eval() for f in (a, b))
+    sums = np.zeros(ma.config.num_hidden_layers)
+    with torch.no_grad():
+        for w in wins:
+            ha = ma(torch.tensor([w]), output_hidden_states=True).hidden_states
+            hb = mb(torch.tensor([w]), output_hidden_states=True).hidden_states
+            for i in range(len(sums)):
+                la = log_softmax(ma.lm_head(ma.model.norm(ha[i][0, pos])).double().numpy())
+                lr = log_softmax(ma.lm_head(ma.model.norm(hb[i][0, pos])).double().numpy())
+                sums[i] += (np.exp(la) * (la - lr)).sum()
+    return list(sums / (len(wins) * len(pos)))
+
+
+def test_residual_kl_is_a_decoder_on_the_others_stream(pair, tmp_path):
+    """The residual KL, A's decoder on B's stream, against plain transformers: with B's tail
+    A's bit for bit (block 2 changed), the run reuses B's own lens rows (`same_tail`); with
+    another final norm, it decodes B's stream through A's tail."""
+    from transformers import AutoModelForCausalLM
+
+    from embedlens import lens_text
+    from embedlens.analysis.lens.text_run import same_tail
+
+    a, b, text = pair
+    c = norm_changed_copy(a, tmp_path / "norm")
+    ma, mb, mc = (AutoModelForCausalLM.from_pretrained(f) for f in (a, b, c))
+    assert same_tail(ma, mb) and not same_tail(ma, mc) and same_tail(ma, ma)
+    wins, pos = windows_by_hand(a, text.read_text(), CTX)
+    for other in (b, c):
+        r = lens_text(a, text, ctx=CTX, against=other)
+        expected = residual_kls(a, other, wins, pos)
+        for p, want in zip(r.pair[:-1], expected, strict=True):
+            assert close(p.residual_kl, want, 1e-4), (other.name, p.layer)
+        if other == b:  # the tail is the same: A's decoder on B's stream is B's lens
+            assert all(p.residual_kl == p.kl for p in r.pair[:-1])
+
+
 def test_saved_logits_serve_as_the_base(pair, tmp_path):
     from embedlens import lens_text
 

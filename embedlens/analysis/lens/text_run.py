@@ -157,6 +157,8 @@ class TextRun:
         self.residual = residual
         self.check: tuple[float, float] | None = None
         """(max |decoded last layer - logits|, tolerance), from the first window run."""
+        self.same_tail = other is not None and same_tail(main.model, other.model)
+        """B's tail is A's, bit for bit: A's decoder on B's residual is B's own lens."""
 
     def _capture(self, model: nn.Module, w: Window) -> Capture:
         blocks = find_blocks(model)
@@ -267,7 +269,9 @@ class TextRun:
         else:
             b = self._decode(self.other.decoder, theirs.residual, part, device)
         r = None
-        if self.residual:
+        if self.residual and self.same_tail and not last:
+            r = b.to(mine.device)  # the same computation on the same rows: the same bits
+        elif self.residual:
             r = self._decode(self.main.decoder, theirs.residual, part, device).to(mine.device)
         return _pair_rows(mine, b.to(mine.device), r, tj, self.vocab)
 
@@ -277,3 +281,30 @@ class TextRun:
         device: torch.device,
     ) -> torch.Tensor:  # fmt: skip
         return decode_rows(decoder, residual, part, device)
+
+
+def same_tail(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two models decode a residual row alike, bit for bit: the same class and config
+    (names aside), and every weight outside the blocks (embeddings, final norm, head) equal."""
+    if type(a) is not type(b):
+        return False
+
+    def config(m: nn.Module) -> dict[str, object]:
+        c = getattr(m, "config", None)
+        d = c.to_dict() if c is not None and hasattr(c, "to_dict") else {}
+        return {k: v for k, v in d.items() if not k.startswith("_") and k != "name_or_path"}
+
+    if not config(a) or config(a) != config(b):
+        return False
+
+    def outside(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        blocks = find_blocks(m).modules
+        inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+        tensors = [*m.named_parameters(), *m.named_buffers()]
+        return [(name, t) for name, t in tensors if id(t) not in inside]
+
+    mine, theirs = outside(a), outside(b)
+    return [n for n, _ in mine] == [n for n, _ in theirs] and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and torch.equal(x, y)
+        for (_, x), (_, y) in zip(mine, theirs, strict=True)
+    )
