@@ -69,32 +69,39 @@ def _lp(logits: torch.Tensor) -> torch.Tensor:
 
 def _one_rows(
     logits: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None, t: torch.Tensor,
-    vocab: int,
+    vocab: int, lp: torch.Tensor | None = None, p: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """[n, len(ONE)] per row: NLL, NLL², KL(output ‖ lens), entropy, top-1 hit (float64);
     `out`: the output's probabilities and Σ p log p at the same rows (None: these rows are the
     output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each a dot per row (as
-    `lens --prompts` takes it), so no [n, V] product is kept."""
-    lp = _lp(logits)
+    `lens --prompts` takes it), so no [n, V] product is kept. `lp`, `p`: the rows'
+    log-probabilities and probabilities when already computed (a comparison's)."""
+    lp = _lp(logits) if lp is None else lp
     nll = -lp.gather(1, t[:, None])[:, 0]
-    negent = rowdot(lp.exp(), lp)
+    negent = rowdot(lp.exp() if p is None else p, lp)
     kl = torch.zeros_like(nll) if out is None else (out[1] - rowdot(out[0], lp)).clamp_min(0)
     top1 = (logits[:, :vocab].argmax(-1) == t).float()
     return torch.stack([nll, nll * nll, kl, -negent, top1], 1).double()
 
 
 def _pair_rows(
-    a: torch.Tensor, b: torch.Tensor, r: torch.Tensor | None, t: torch.Tensor, vocab: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[n, len(PAIR)] per row (a: the reference's logits, b: the evaluated's, r: the reference's
-    decoder on the evaluated's residual), with the per-row KL and Δp."""
-    la, lb = _lp(a), _lp(b)
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b: torch.Tensor,
+    r: torch.Tensor | None, t: torch.Tensor, vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """[n, len(PAIR)] per row (ref: the reference's logits, log-probabilities and probabilities;
+    b: the evaluated's logits; r: the reference's decoder on the evaluated's residual, `b`
+    itself when the two tails are one), with the per-row KL and Δp."""
+    a, la, pa = ref
+    lb = _lp(b)
     nll_a = -la.gather(1, t[:, None])[:, 0].double()
     nll_b = -lb.gather(1, t[:, None])[:, 0].double()
-    kl = (la.exp() * (la - lb)).sum(-1).double()
+    kl = (pa * (la - lb)).sum(-1).double()
     dp = torch.exp(-nll_b) - torch.exp(-nll_a)
     same = (a[:, :vocab].argmax(-1) == b[:, :vocab].argmax(-1)).double()
-    res = torch.zeros_like(kl) if r is None else (la.exp() * (la - _lp(r))).sum(-1).double()
+    if r is None:
+        res = torch.zeros_like(kl)
+    else:
+        res = kl if r is b else (pa * (la - _lp(r))).sum(-1).double()
     dp2 = dp * dp
     cols = [nll_a, nll_a * nll_a, nll_b, nll_b * nll_b, nll_a * nll_b, kl, kl * kl, dp, dp2,
             dp2 * dp2, same, res]  # fmt: skip
@@ -228,12 +235,14 @@ class TextRun:
                 mine = real[js.to(real.device)]
             else:
                 mine = self._decode(self.main.decoder, cap.residual, part, device)
-            one.index_add_(0, at, _one_rows(mine, oj, tj, self.vocab).cpu())
+            lp = _lp(mine)
+            p = lp.exp()
+            one.index_add_(0, at, _one_rows(mine, oj, tj, self.vocab, lp, p).cpu())
             if logit is not None:
                 plain = mine if last else self._decode(self.main.logit, cap.residual, part, device)  # type: ignore[arg-type]
                 logit.index_add_(0, at, _one_rows(plain, oj, tj, self.vocab).cpu())
             if theirs is not None and pair is not None and kl_v is not None and dp_v is not None:
-                rows, kl, dp = self._pair(theirs, part, last, js, mine, tj, cap, device)
+                rows, kl, dp = self._pair(theirs, part, last, js, (mine, lp, p), tj, device)
                 pair.index_add_(0, at, rows.cpu())
                 kl_v[at, js] = kl.float().cpu()
                 dp_v[at, js] = dp.float().cpu()
@@ -256,9 +265,8 @@ class TextRun:
         part: list[tuple[int, int]],
         last: bool,
         js: torch.Tensor,
-        mine: torch.Tensor,
+        a: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         tj: torch.Tensor,
-        cap: Capture,
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk's rows of the other model (its logits at the output, else its own lens) and,
@@ -268,12 +276,14 @@ class TextRun:
             b = theirs.logits[js.to(theirs.logits.device)]
         else:
             b = self._decode(self.other.decoder, theirs.residual, part, device)
+        mine = a[0]
+        b = b.to(mine.device)
         r = None
         if self.residual and self.same_tail and not last:
-            r = b.to(mine.device)  # the same computation on the same rows: the same bits
+            r = b  # the same computation on the same rows: the same bits
         elif self.residual:
             r = self._decode(self.main.decoder, theirs.residual, part, device).to(mine.device)
-        return _pair_rows(mine, b.to(mine.device), r, tj, self.vocab)
+        return _pair_rows(a, b, r, tj, self.vocab)
 
     @staticmethod
     def _decode(
@@ -285,14 +295,19 @@ class TextRun:
 
 def same_tail(a: nn.Module, b: nn.Module) -> bool:
     """Whether two models decode a residual row alike, bit for bit: the same class and config
-    (names aside), and every weight outside the blocks (embeddings, final norm, head) equal."""
+    (names aside, and the GGUF file type a model was read from: its weights are floats), and
+    every weight outside the blocks (embeddings, final norm, head) equal."""
     if type(a) is not type(b):
         return False
 
     def config(m: nn.Module) -> dict[str, object]:
         c = getattr(m, "config", None)
         d = c.to_dict() if c is not None and hasattr(c, "to_dict") else {}
-        return {k: v for k, v in d.items() if not k.startswith("_") and k != "name_or_path"}
+        kept = {k: v for k, v in d.items() if not k.startswith("_") and k != "name_or_path"}
+        q = kept.get("quantization_config")
+        if isinstance(q, dict) and q.get("quant_method") == "gguf":  # read into float weights
+            del kept["quantization_config"]
+        return kept
 
     if not config(a) or config(a) != config(b):
         return False
