@@ -5,7 +5,10 @@ visits than the ceilings below.
 The issue's aim is 40 visits each. The ceilings are the figures measured when loading was made
 to go down once (the walk of 5cca0ce gave lens 126, tune 181, vocab 81 visits, and one move back
 up in vocab: io's hub-read counter calling the command); they hold what was reached, so a change
-that adds visits is seen, and are lowered as the path is made shorter.
+that adds visits is seen, and are lowered as the path is made shorter. `site=` added one (its
+check, `site_report`) to lens and tune. A walk in a fresh process counts a few more than one in
+a process whose caches earlier tests filled (lens 143 against 141, tune 197 against 196 on
+2026-12-03): the ceilings leave that margin.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import embedlens
 from tests.test_tune import words_file
 from tests.walk import walk
 
-CEILINGS = {"lens": 140, "tune": 195, "vocab": 92}
+CEILINGS = {"lens": 146, "tune": 200, "vocab": 95}
 
 
 def _run(command: str, model: Path, tmp: Path) -> Any:
