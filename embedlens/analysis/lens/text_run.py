@@ -250,6 +250,12 @@ class TextRun:
                           None if logit is None else logit.numpy())  # fmt: skip
         if pair is not None and kl_v is not None and dp_v is not None:
             sums.pair, sums.kl_values, sums.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
+        return self._with_file(sums, ref, real, t)
+
+    def _with_file(
+        self, sums: WindowSums, ref: Reference | None, real: torch.Tensor, t: torch.Tensor
+    ) -> WindowSums:
+        """The window's sums with a logits file's comparison and the logits kept to save."""
         if ref is not None:
             rows, kl, dp = file_pair_rows(ref, real, t, self.vocab)
             sums.pair = rows.sum(0, keepdim=True).cpu().numpy()
