@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -119,6 +120,22 @@ def no_other_keywords(function: str, keywords: dict[str, Any]) -> None:
     if keywords:
         name = next(iter(keywords))
         raise TypeError(f"{function}() got an unexpected keyword argument '{name}'")
+
+
+def renamed(
+    function: str, keywords: dict[str, Any], old: str, new: str, value: Any, what: str
+) -> Any:
+    """`value` (the argument `new`), or what `keywords` gives under its former name `old`, taken
+    out of them with a DeprecationWarning (`what`: the warning's words before `new=`)."""
+    if old not in keywords:
+        return value
+    given = keywords.pop(old)
+    if value is not None:
+        raise UsageError(f"give {new}= alone ({old}= is its former name)")
+    warnings.warn(
+        f"{function}({old}=...) is deprecated: {what} {new}=", DeprecationWarning, stacklevel=3
+    )
+    return given
 
 
 def _fields(kind: type[LoadOptions] | type[LensOptions]) -> frozenset[str]:

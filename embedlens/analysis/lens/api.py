@@ -24,7 +24,7 @@ from embedlens.analysis.lens.opening import open_model
 from embedlens.analysis.lens.prompt import make_prompt
 from embedlens.analysis.lens.site_report import check_sites, sites_report
 from embedlens.errors import UsageError
-from embedlens.options import LensOptions, LoadOptions
+from embedlens.options import LensOptions, LoadOptions, renamed
 
 if TYPE_CHECKING:
     from torch import nn
@@ -196,7 +196,8 @@ def lens_prompts(
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import progress_of
 
-    on_report = given.on_report_of("lens_prompts", on_report, keywords)
+    on_report = renamed("lens_prompts", keywords, "each", "on_report", on_report,
+                        "the callback is now named")  # fmt: skip
     model, load = given.model_and_load(model, load, keywords)
     asked = given.lens_options("lens_prompts", options, keywords)
     checks.one_prompt_only(asked.target, asked.chat, asked.grid)

@@ -8,7 +8,6 @@ keyword and in `load=`/`options=` is refused, as is a keyword neither object has
 from __future__ import annotations
 
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens import options as checks
@@ -53,21 +52,6 @@ def lens_options(
     asked = options_from(LensOptions, options, keywords)
     no_other_keywords(function, keywords)
     return asked
-
-
-def on_report_of(function: str, on_report: Any, keywords: dict[str, Any]) -> Any:
-    """`on_report`, or the former name of the same callback, `each` (deprecated)."""
-    if "each" not in keywords:
-        return on_report
-    each = keywords.pop("each")
-    if on_report is not None:
-        raise UsageError("give on_report= alone (each= is its former name)")
-    warnings.warn(
-        f"{function}(each=...) is deprecated: the callback is now named on_report=",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return each
 
 
 def loading(model: object, load: LoadOptions) -> Loading:

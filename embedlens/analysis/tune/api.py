@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from embedlens.analysis.tune import options
 from embedlens.analysis.tune.data import Sequences, read_sequences
 from embedlens.errors import UsageError
-from embedlens.options import LoadOptions, no_other_keywords
+from embedlens.options import LoadOptions, no_other_keywords, renamed
 
 FORMAT_VERSION = 1
 """The version of the `embedlens` object of a lens folder's config.json."""
@@ -91,7 +90,7 @@ def tune(
     from embedlens.analysis.torchrun import split_session
     from embedlens.progress import progress_of
 
-    eval_data = _eval_data(eval_data, keywords)
+    eval_data = renamed("tune", keywords, "eval", "eval_data", eval_data, _EVAL_NOW)
     model, load = given.model_and_load(model, load, keywords)
     no_other_keywords("tune", keywords)
     shown = progress_of(progress, "tune")
@@ -110,21 +109,8 @@ def tune(
             return _write(opened, ask, the_plan, fitted, load.revision, session)
 
 
-def _eval_data(
-    eval_data: str | os.PathLike[str] | None, keywords: dict[str, Any]
-) -> str | os.PathLike[str] | None:
-    """`eval_data`, or its former name `eval` (deprecated: it shadows the builtin)."""
-    if "eval" not in keywords:
-        return eval_data
-    old = keywords.pop("eval")
-    if eval_data is not None:
-        raise UsageError("give eval_data= alone (eval= is its former name)")
-    warnings.warn(
-        "tune(eval=...) is deprecated: the held-out text's file is now eval_data=",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old  # type: ignore[no-any-return]
+_EVAL_NOW = "the held-out text's file is now"
+"""`tune(eval=)`'s deprecation: the words before `eval_data=`."""
 
 
 def _one_device(load: LoadOptions) -> None:
