@@ -9,7 +9,7 @@ from tests.models import TOKENIZER_LEN, VOCAB
 
 
 def test_vocab_to_dict_is_the_json_object(cli, tiny):
-    """As for every command, without all=True: the JSON always holds every row's figures."""
+    """As for every command, without show_all=True: the JSON always holds every row's figures."""
     folder = tiny("llama-untied")
     report = embedlens.vocab(str(folder))
     assert isinstance(report, embedlens.Report)
@@ -17,19 +17,19 @@ def test_vocab_to_dict_is_the_json_object(cli, tiny):
     assert report.layout.padding_rows == VOCAB - TOKENIZER_LEN
     scan = report.to_dict()["undertrained"]
     assert len(scan["indicators"]) == len(scan["norms"]) == VOCAB
-    # all=True (--all) lists every candidate in the tables; the JSON is the same.
-    every = embedlens.vocab(str(folder), all=True)
+    # show_all=True (--all) lists every candidate in the tables; the JSON is the same.
+    every = embedlens.vocab(str(folder), show_all=True)
     assert every.to_dict() == report.to_dict() == cli.json("vocab", folder, "--all")
     assert "shows_all" not in report.to_dict()
 
 
 def test_vocab_all_lists_every_candidate_in_the_tables(cli, smollm2):
-    """--all (all=True) changes the tables only: SmolLM2's 59 candidates, 15 shown without it."""
+    """--all (show_all=True) changes the tables only: SmolLM2's 59 candidates, 15 shown without it."""
     import io
 
     from rich.console import Console
 
-    report = embedlens.vocab(str(smollm2), all=True)
+    report = embedlens.vocab(str(smollm2), show_all=True)
     buffer = io.StringIO()
     Console(file=buffer, width=140, color_system=None, highlight=False).print(report)
     assert buffer.getvalue() == cli("vocab", smollm2, "--all").stdout

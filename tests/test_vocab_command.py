@@ -237,6 +237,38 @@ def test_verify_asks_the_model(cli, planted):
     assert all(c["verdict"] == "candidate" for c in scan["candidates"][2:])
 
 
+def test_verify_reports_progress_and_the_former_names_still_work(cli, planted):
+    """`progress=` is called as every long call's (stage, done, total, unit); the former
+    `on_progress=(done, total)` and `all=` work for one more release, with a warning each, and
+    give the same report."""
+    import embedlens
+
+    calls: list[tuple] = []
+
+    def progress(stage: str, done: int, total: int, unit: str, detail: str = "") -> None:
+        calls.append((stage, done, total, unit))
+
+    report = embedlens.vocab(planted, verify=True, max_verify=2, progress=progress)
+    assert calls and all(c[0] == "verifying" and c[3] == "batches" for c in calls)
+    assert [c[1] for c in calls] == list(range(1, calls[-1][2] + 1))
+    old: list[tuple] = []
+    with pytest.warns(DeprecationWarning, match="on_progress"):
+        former = embedlens.vocab(
+            planted, verify=True, max_verify=2, on_progress=lambda *a: old.append(a)
+        )
+    assert old == [c[1:3] for c in calls]
+    assert (
+        former.to_dict()
+        == report.to_dict()
+        == cli.json("vocab", planted, "--verify", "--max-verify", "2")
+    )
+    with pytest.warns(DeprecationWarning, match="all="):
+        every = embedlens.vocab(planted, all=True)
+    assert every.shows_all and not embedlens.vocab(planted).shows_all
+    with pytest.raises(TypeError, match="'everything'"):
+        embedlens.vocab(planted, everything=True)
+
+
 def test_check_fit_on_a_random_model_does_not_pass(cli, tiny):
     data = cli.json("vocab", tiny("llama-tied"), "--check-fit")
     fit = data["fit"]

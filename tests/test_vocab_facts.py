@@ -59,10 +59,10 @@ def test_second_run_reads_the_kept_facts(tmp_path, cache, monkeypatch, kind):
     else:  # unmerged pieces, a repeated entry, one stored as text
         extra = ["ab", "abc", "xy", "ab", "é x", "abab"]
         path = _bpe_gguf(tmp_path / "bpe.gguf", extra, ["a b", "ab ab"])
-    first = embedlens.vocab(path, all=True).to_dict()
+    first = embedlens.vocab(path, show_all=True).to_dict()
     assert len(list(cache.glob("*.vocab*"))) == 1
     done = _tokenizer_work(monkeypatch)
-    second = embedlens.vocab(path, all=True).to_dict()
+    second = embedlens.vocab(path, show_all=True).to_dict()
     assert done == []  # no tokenizer built or loaded, no token decoded or encoded
     assert second == first
     assert first["unreachable"]["count"] and first["undertrained"]["reference_count"]

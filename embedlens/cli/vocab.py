@@ -140,12 +140,12 @@ def vocab(
                 tokenizer=tokenizer,
                 verify=verify,
                 max_verify=max_verify,
-                all=all_tokens,
+                show_all=all_tokens,
                 revision=revision,
                 dtype=dtype,
                 device=device,
                 trust_remote_code=trust_remote_code,
-                on_progress=bar.update,
+                progress=bar.update,
             )
 
     report = run_report(
@@ -183,7 +183,7 @@ class _Bar:
             return f"Verifying: loading the model, {int(seconds)} s"
         return f"Verifying: {done} of {total} batches, {int(seconds)} s"
 
-    def update(self, done: int, total: int) -> None:
+    def update(self, stage: str, done: int, total: int, unit: str, detail: str = "") -> None:
         self._done = (done, total)
         if self._quiet or not _output.err_console.is_terminal:
             return

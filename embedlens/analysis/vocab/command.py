@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,9 +42,10 @@ from embedlens.model.tokenizer import (
     load_vocab,
     vocab_from_file,
 )
+from embedlens.options import no_other_keywords, renamed
+from embedlens.progress import Progress, progress_of
 from embedlens.reports.vocab import Fit, Undertrained, VocabDiff, VocabReport
 
-Progress = Callable[[int, int], None]
 MAX_VERIFY = 20
 
 
@@ -75,19 +77,25 @@ def vocab(
     tokenizer: str | os.PathLike[str] | None = None,
     verify: bool = False,
     max_verify: int = MAX_VERIFY,
-    all: bool = False,
+    show_all: bool | None = None,
     revision: str | None = None,
     dtype: str = "auto",
     device: str = "cpu",
     trust_remote_code: bool = False,
-    on_progress: Progress | None = None,
+    progress: Progress | None = None,
+    **keywords: Any,
 ) -> VocabReport:
     """Check MODEL's vocabulary against its matrices, scan for under-trained tokens, and (on
     request) compare it with another vocabulary (`against`) or measure whether the weights fit
     it (`check_fit`, with `tokenizer` another tokenizer than the model's own); `verify` asks the
-    model to repeat the first `max_verify` candidates; `all` shows every candidate in the
-    tables (`to_dict()`, the --json object, always holds every candidate and row). MODEL,
-    `against` and `tokenizer` are text or paths (`pathlib.Path`)."""
+    model to repeat the first `max_verify` candidates (`progress`, an
+    `embedlens.progress.Progress`, is called as its batches run: stage 'verifying', unit
+    'batches'); `show_all` shows every candidate in the tables (`to_dict()`, the --json object,
+    always holds every candidate and row). MODEL, `against` and `tokenizer` are text or paths
+    (`pathlib.Path`). `all=` and `on_progress=(done, total)` are the former, deprecated names."""
+    show_all = bool(renamed("vocab", keywords, "all", "show_all", show_all, "give"))
+    progress = _progress(keywords, progress)
+    no_other_keywords("vocab", keywords)
     _check_arguments(model, max_verify)
     model, against, tokenizer = os.fspath(model), _text(against), _text(tokenizer)
     source = resolve(model, revision)
@@ -101,7 +109,7 @@ def vocab(
             (vocab_used, merged), origin = _load_other(tokenizer), tokenizer
             facts = facts_of(vocab_used, merged)
         other = load_other(against) if against is not None else None
-        report = _static(model, origin, vocab_used, facts, matrices, table, shows_all=all)
+        report = _static(model, origin, vocab_used, facts, matrices, table, shows_all=show_all)
     finally:
         for m in matrices:  # their threads end with the scan; on an error, here
             if m.early is not None:
@@ -110,11 +118,26 @@ def vocab(
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
         asked = _Asked(check_fit, verify, max_verify, tokenizer)
-        scanned, fit, notes = _loaded(source, how, asked, vocab_used, scanned, table, on_progress)
+        scanned, fit, notes = _loaded(source, how, asked, vocab_used, scanned, table, progress)
     diff = None
     if other is not None and against is not None:
         diff = compare(vocab_used, other, against, fingerprint=report.fingerprint)
     return _finish(report, scanned, diff, fit, notes)
+
+
+def _progress(keywords: dict[str, Any], progress: Progress | None) -> Progress:
+    """`progress` as a Progress; the former `on_progress(done, total)` adapted to it."""
+    old: Callable[[int, int], None] | None = renamed(
+        "vocab", keywords, "on_progress", "progress", progress,
+        "it is called as progress(stage, done, total, unit, detail=''): give",
+    )  # fmt: skip
+    if old is None or progress is not None:
+        return progress_of(progress, "vocab")
+
+    def adapted(stage: str, done: int, total: int, unit: str, detail: str = "") -> None:
+        old(done, total)
+
+    return adapted
 
 
 def _text(spec: str | os.PathLike[str] | None) -> str | None:
@@ -223,7 +246,7 @@ def _loaded(
     vocab: Vocab,
     scanned: Undertrained,
     table: Table,
-    on_progress: Progress | None,
+    progress: Progress,
 ) -> tuple[Undertrained, Fit | None, list[str]]:
     """--verify and --check-fit: load the model once for both (and the notes of the fit)."""
     from embedlens.analysis.vocab import fit as vocab_fit
@@ -233,7 +256,7 @@ def _loaded(
     )
     if asked.verify:
         scanned = vocab_fit.verify_candidates(
-            model, vocab, scanned, max_verify=asked.max_verify, on_progress=on_progress
+            model, vocab, scanned, max_verify=asked.max_verify, progress=progress
         )
     fit, notes = None, []
     if asked.check_fit:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -22,6 +21,7 @@ from embedlens.errors import CheckpointError, SourceError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
 from embedlens.model.tokenizer import Vocab, load_vocab
+from embedlens.progress import Progress, no_progress
 from embedlens.reports.vocab import Fit, FitLanguage, Undertrained
 
 CONFIRM_BELOW = 0.01
@@ -87,7 +87,7 @@ def verify_candidates(
     scanned: Undertrained,
     *,
     max_verify: int,
-    on_progress: Callable[[int, int], None] | None = None,
+    progress: Progress = no_progress,
 ) -> Undertrained:
     """The scan with the first `max_verify` candidates verified by asking the model."""
     import torch
@@ -111,8 +111,7 @@ def verify_candidates(
             for row, tok in enumerate(batch):
                 best[tok] = max(best[tok], float(logp[row, tok].exp()))
             done += 1
-            if on_progress is not None:
-                on_progress(done, total)
+            progress("verifying", done, total, "batches")
     verified = [
         dataclasses.replace(
             c,
