@@ -8,7 +8,9 @@ up in vocab: io's hub-read counter calling the command); they hold what was reac
 that adds visits is seen, and are lowered as the path is made shorter. `site=` added one (its
 check, `site_report`) to lens and tune. A walk in a fresh process counts a few more than one in
 a process whose caches earlier tests filled (lens 143 against 141, tune 197 against 196 on
-2026-12-03): the ceilings leave that margin.
+2026-12-03): the ceilings leave that margin. `vocab`'s renamed keywords (show_all=, progress=,
+the former names taken with a warning) added three to vocab; a fresh process walked lens 147,
+tune 203 and vocab 96 that evening.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import embedlens
 from tests.test_tune import words_file
 from tests.walk import walk
 
-CEILINGS = {"lens": 146, "tune": 200, "vocab": 95}
+CEILINGS = {"lens": 148, "tune": 204, "vocab": 98}
 
 
 def _run(command: str, model: Path, tmp: Path) -> Any:
