@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import preflight
+from embedlens.model import gguf_cache, preflight
 from embedlens.model.files import ModelFiles, files_of
 from embedlens.model.gc_pause import fewer_collections, no_collections
 from embedlens.model.load_errors import (
@@ -105,20 +105,35 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     """The transformers config object (class defaults applied): for a folder, from the config
     class its model type names (`direct.read_config`), else through AutoConfig."""
     _quiet_transformers()
+    kept = _gguf_entry(source)
     with _where(source) as (where, kwargs):
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
-        with translated(source, "reading the config"), gguf_reads_shared(source):
-            config = None if source.is_gguf else direct.read_config(Path(where))
-            if config is None:
-                from transformers import AutoConfig
+        config = gguf_cache.load_config(kept)
+        if config is None:
+            with translated(source, "reading the config"), gguf_reads_shared(source):
+                config = None if source.is_gguf else direct.read_config(Path(where))
+                if config is None:
+                    from transformers import AutoConfig
 
-                config = AutoConfig.from_pretrained(
-                    where, trust_remote_code=trust_remote_code, **kwargs
-                )
+                    config = AutoConfig.from_pretrained(
+                        where, trust_remote_code=trust_remote_code, **kwargs
+                    )
+            gguf_cache.store(kept, config, "config.json")
+        if kept is not None:
+            config.name_or_path = where  # as transformers names a config it read from the file
     check_rope(source, config)
     return config
+
+
+def _gguf_entry(source: ModelSource) -> Path | None:
+    """Where transformers' reading of a GGUF file's config and tokenizer is kept (gguf_cache),
+    or None (not a GGUF file, or the cache is not used)."""
+    if not source.is_gguf:
+        return None
+    ckpt = files_of(source).checkpoint
+    return None if ckpt is None or ckpt.gguf is None else gguf_cache.entry(ckpt.gguf)
 
 
 def check_rope(source: ModelSource, config: Any) -> None:
@@ -351,15 +366,22 @@ def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool 
     check_tokenizer_files(files)
     from transformers import AutoTokenizer
 
+    kept = _gguf_entry(source)
+    tokenizer = gguf_cache.load_tokenizer(kept)
     try:
         with (
             _where(source) as (where, kwargs),
             translated(source, "loading the tokenizer"),
-            gguf_reads_shared(source),
+            gguf_reads_shared(source) if tokenizer is None else nullcontext(),
         ):
-            return AutoTokenizer.from_pretrained(
-                where, trust_remote_code=trust_remote_code, **kwargs
-            )
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(
+                    where, trust_remote_code=trust_remote_code, **kwargs
+                )
+                gguf_cache.store(kept, tokenizer, "tokenizer.json")
+            if kept is not None:
+                tokenizer.name_or_path = where  # as transformers names one it built from the file
+            return tokenizer
     except CheckpointError as e:
         if "Couldn't instantiate the backend tokenizer" not in e.message:
             raise

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from embedlens.io.checkpoint import TensorEntry
+    from embedlens.io.gguf import GGUFTensorInfo
 
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -106,20 +107,22 @@ def read_folder_tensor(place: Stored, dtype: torch.dtype) -> torch.Tensor:
 
 class GGUFTensors:
     """A GGUF file's tensors by the model names transformers gives them, read one at a time
-    (dequantised and processed as transformers' GGUF loader does)."""
+    (dequantised and processed as transformers' GGUF loader does). The tensor table is the one
+    embedlens read from the header: gguf's reader, which parses every metadata field first, is
+    not needed to find two tensors."""
 
     def __init__(self, path: Path, model: Any) -> None:
-        from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
             get_gguf_hf_weights_map,
         )
 
+        from embedlens.io.gguf import read_gguf_header
+
         self.path = path
-        self.reader = GGUFReader(str(path))
-        arch_field = self.reader.fields.get("general.architecture")
-        arch = "" if arch_field is None else bytes(arch_field.parts[-1]).decode("utf-8")
+        header = read_gguf_header(path)
+        arch = str(header.meta("general.architecture", ""))
         self.config = model.config.to_dict()
         processor: Any = TENSOR_PROCESSORS.get(arch, TensorProcessor)
         self.processor = processor(config=self.config)
@@ -130,7 +133,7 @@ class GGUFTensors:
                 f"cannot map the tensors of '{path.name}' to the model's names: {e}"
             ) from e
         self.mapping = to_model
-        stored = {t.name: t for t in self.reader.tensors}
+        stored = header.tensors
         self.by_model = {hf: g for g, hf in to_model.items() if g in stored}
         self._stored = stored
 
@@ -142,11 +145,11 @@ class GGUFTensors:
         """The model tensor `name`, from its GGUF tensor alone, converted to `dtype`."""
         import numpy as np
         import torch
-        from gguf import dequantize
+        from gguf import GGMLQuantizationType, dequantize
 
         gguf_name = self.by_model[name]
-        tensor = self._stored[gguf_name]
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        info = self._stored[gguf_name]
+        weights = dequantize(gguf_data(self.path, info), GGMLQuantizationType(info.type_id))
         parsed: dict[str, Any] = {"config": self.config, "tensors": {}}
         result = self.processor.process(
             weights=weights,
@@ -155,3 +158,28 @@ class GGUFTensors:
             parsed_parameters=parsed,
         )
         return torch.from_numpy(np.copy(result.weights)).to(dtype=dtype)
+
+
+def gguf_data(path: Path, info: GGUFTensorInfo) -> Any:
+    """A GGUF tensor's bytes memory-mapped as gguf's reader presents them (`.data`): plain
+    numbers in their own dtype and shape, a quantised tensor as rows of bytes."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    qtype = GGMLQuantizationType(info.type_id)
+    plain = {
+        GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+        GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+        GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+        GGMLQuantizationType.I64: np.int64,
+    }  # fmt: skip
+    dims = tuple(reversed(info.ggml_shape))
+    n = int(np.prod(dims))
+    if qtype in plain:
+        kind: Any = plain[qtype]
+        count, shape = n, dims
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        kind, count, shape = np.uint8, n * size // block, quant_shape_to_byte_shape(dims, qtype)
+    return np.memmap(path, dtype=kind, mode="r", offset=info.offset, shape=(count,)).reshape(shape)
