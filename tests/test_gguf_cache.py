@@ -72,12 +72,18 @@ def built(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_kept_config_and_tokenizer_are_what_transformers_built(
     smollm2, built, monkeypatch, no_gguf_parse
 ):
+    """Read back without parsing the file, the same config and tokenizer; where this release's
+    tokenizer does not survive save_pretrained (transformers 5.0), a marker and no tokenizer."""
     built_config, built_tokenizer, kept = built
     (entry,) = kept.iterdir()
-    assert {"config.json", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
+    names = {p.name for p in entry.iterdir()}
+    assert "config.json" in names
+    kept_tokenizer = "embedlens-not-kept-tokenizer.json" not in names
+    assert ("tokenizer.json" in names) == kept_tokenizer
     monkeypatch.setenv("EMBEDLENS_CACHE", str(kept.parent))
-    no_gguf_parse()
     source = resolve(str(smollm2), None)
+    if kept_tokenizer:
+        no_gguf_parse()
     config = loading.hf_config(source)
     tokenizer = loading.load_tokenizer(source)
     assert config.to_dict() == built_config.to_dict()
@@ -85,19 +91,41 @@ def test_kept_config_and_tokenizer_are_what_transformers_built(
     _same_tokenizer(tokenizer, built_tokenizer)
 
 
+def test_what_reads_back_otherwise_is_not_kept(smollm2, built, cache, monkeypatch):
+    calls: list[str] = []
+
+    def differs(built: Any, back: Any, name: str) -> bool:
+        calls.append(name)
+        return False
+
+    monkeypatch.setattr(gguf_cache, "_same", differs)
+    source = resolve(str(smollm2), None)
+    header = read_gguf_header(smollm2)
+    folder = gguf_cache.entry(header)
+    assert folder is not None
+    gguf_cache.store(folder, built[1], "tokenizer.json")
+    gguf_cache.store(folder, built[1], "tokenizer.json")
+    assert calls == ["tokenizer.json"]  # the marker stops a second try
+    assert sorted(p.name for p in folder.iterdir()) == ["embedlens-not-kept-tokenizer.json"]
+    assert gguf_cache.load_tokenizer(folder) is None
+    _same_tokenizer(loading.load_tokenizer(source), built[1])
+
+
 def test_a_damaged_entry_is_built_again(smollm2, built, cache):
     import shutil
 
     (entry,) = built[2].iterdir()
     shutil.copytree(entry, cache / entry.name)
-    (cache / entry.name / "tokenizer.json").write_text("{not json", encoding="utf-8")
-    (cache / entry.name / "config.json").write_text("{not json", encoding="utf-8")
+    kept = [p for p in (cache / entry.name).iterdir() if not p.name.startswith("embedlens-")]
+    damaged = [p for p in kept if p.name.endswith(".json")]
+    assert "config.json" in {p.name for p in damaged}
+    for path in damaged:
+        path.write_text("{not json", encoding="utf-8")
     source = resolve(str(smollm2), None)
     _same_tokenizer(loading.load_tokenizer(source), built[1])
     assert loading.hf_config(source).to_dict() == built[0].to_dict()
-    assert (cache / entry.name / "tokenizer.json").read_bytes() == (
-        entry / "tokenizer.json"
-    ).read_bytes()
+    for path in damaged:
+        assert path.read_bytes() == (entry / path.name).read_bytes(), path.name
 
 
 def test_an_unwritable_cache_is_left_alone(smollm2, tmp_path, monkeypatch):
@@ -106,7 +134,7 @@ def test_an_unwritable_cache_is_left_alone(smollm2, tmp_path, monkeypatch):
     monkeypatch.setenv("EMBEDLENS_CACHE", str(blocker))
     source = resolve(str(smollm2), None)
     assert loading.hf_config(source).model_type == "llama"
-    assert len(loading.load_tokenizer(source)) == 49152
+    assert loading.load_tokenizer(source).vocab_size == 49152
 
 
 def test_the_public_path_keeps_nothing(smollm2, cache, monkeypatch):
