@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from embedlens.analysis.lens.capture import Capture
-from embedlens.analysis.lens.decoder import Decoder
+from embedlens.analysis.lens.blocks import Capture, Decoder
 from embedlens.errors import UsageError
 
 

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import find_blocks, input_device
-from embedlens.analysis.lens.capture import capture
-from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.blocks import ModelDecoder, capture, find_blocks, input_device
 from embedlens.analysis.lens.engine import tolerance
 from embedlens.analysis.lens.threads import threads_for
 from embedlens.analysis.lens.tuned import Translators, TunedDecoder
