@@ -25,8 +25,7 @@ from embedlens.io.checkpoint import (
 from embedlens.io.hub import hub_offline
 from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model import q6_k
-from embedlens.model.config import ModelConfig
-from embedlens.model.headers import check_integer_weights, read_config
+from embedlens.model.files import ModelConfig, check_integer_weights, read_config
 from embedlens.model.inventory import from_checkpoint
 
 if TYPE_CHECKING:
