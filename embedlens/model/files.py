@@ -387,11 +387,12 @@ class ModelFiles:
     source: ModelSource
     checkpoint: Checkpoint | None
     config: ModelConfig
+    config_json: dict[str, Any] | None = field(init=False, compare=False, repr=False)
+    """config.json as JSON (None for a GGUF file, whose config is its metadata)."""
 
-    @property
-    def config_json(self) -> dict[str, Any] | None:
-        """config.json as JSON (None for a GGUF file, whose config is its metadata)."""
-        return None if self.source.is_gguf else self.config.raw
+    def __post_init__(self) -> None:
+        raw = None if self.source.is_gguf else self.config.raw
+        object.__setattr__(self, "config_json", raw)
 
 
 _READ: dict[int, dict[bool, tuple[Checkpoint | None, ModelConfig]]] = {}
