@@ -53,54 +53,39 @@ class ModelConfig:
     text: dict[str, Any] = field(default_factory=dict)
     """The language-model part: `text_config` for multimodal wrappers, else the whole config."""
 
-    @property
-    def model_type(self) -> str | None:
-        """config.model_type (of the language model)."""
-        value = self.text.get("model_type") or self.raw.get("model_type")
-        return str(value) if value else None
+    model_type: str | None = field(init=False, compare=False, repr=False)
+    """config.model_type (of the language model)."""
+    vocab_size: int | None = field(init=False, compare=False, repr=False)
+    """The vocabulary size (rows of the embedding matrix)."""
+    hidden_size: int | None = field(init=False, compare=False, repr=False)
+    """The model width d."""
+    num_layers: int | None = field(init=False, compare=False, repr=False)
+    """The number of decoder blocks."""
+    tie_word_embeddings: bool | None = field(init=False, compare=False, repr=False)
+    """The tie flag as written (OLMo's weight_tying too), or None when the config is silent."""
+    num_experts: int | None = field(init=False, compare=False, repr=False)
+    """Routed experts per MoE layer, if this is a mixture-of-experts model."""
+    experts_per_token: int | None = field(init=False, compare=False, repr=False)
+    """Routed experts each token uses."""
+    dtype: str | None = field(init=False, compare=False, repr=False)
+    """The checkpoint's dtype as the config states it (`dtype` or `torch_dtype`)."""
 
-    @property
-    def vocab_size(self) -> int | None:
-        """The vocabulary size (rows of the embedding matrix)."""
-        return _first_int(self.text, _VOCAB_KEYS)
-
-    @property
-    def hidden_size(self) -> int | None:
-        """The model width d."""
-        return _first_int(self.text, _HIDDEN_KEYS)
-
-    @property
-    def num_layers(self) -> int | None:
-        """The number of decoder blocks."""
-        return _first_int(self.text, _LAYER_KEYS)
-
-    @property
-    def tie_word_embeddings(self) -> bool | None:
-        """The tie flag as written (OLMo's weight_tying too), or None when the config is silent."""
-        for source in (self.text, self.raw):
-            for key in ("tie_word_embeddings", "weight_tying"):
-                if isinstance(source.get(key), bool):
-                    return bool(source[key])
-        return None
-
-    @property
-    def num_experts(self) -> int | None:
-        """Routed experts per MoE layer, if this is a mixture-of-experts model."""
-        return _first_int(self.text, _EXPERT_KEYS)
-
-    @property
-    def experts_per_token(self) -> int | None:
-        """Routed experts each token uses."""
-        return _first_int(self.text, _TOPK_KEYS)
-
-    @property
-    def dtype(self) -> str | None:
-        """The checkpoint's dtype as the config states it (`dtype` or `torch_dtype`)."""
-        for source in (self.text, self.raw):
-            value = source.get("dtype") or source.get("torch_dtype")
-            if isinstance(value, str):
-                return value
-        return None
+    def __post_init__(self) -> None:
+        """The figures above, read once from the config when it is made."""
+        text, both = self.text, (self.text, self.raw)
+        model_type = text.get("model_type") or self.raw.get("model_type")
+        found: dict[str, Any] = {
+            "model_type": str(model_type) if model_type else None,
+            "vocab_size": _first_int(text, _VOCAB_KEYS),
+            "hidden_size": _first_int(text, _HIDDEN_KEYS),
+            "num_layers": _first_int(text, _LAYER_KEYS),
+            "tie_word_embeddings": _tie_flag(both),
+            "num_experts": _first_int(text, _EXPERT_KEYS),
+            "experts_per_token": _first_int(text, _TOPK_KEYS),
+            "dtype": _dtype_named(both),
+        }
+        for name, value in found.items():
+            object.__setattr__(self, name, value)
 
     @property
     def has_auto_map(self) -> bool:
@@ -123,6 +108,24 @@ class ModelConfig:
             f"'{self.raw.get('model_type')}' implementation was used; --trust-remote-code would "
             "run the repository's code instead"
         )
+
+
+def _tie_flag(configs: tuple[dict[str, Any], ...]) -> bool | None:
+    """The first tie flag written (tie_word_embeddings, or OLMo's weight_tying), else None."""
+    for config in configs:
+        for key in ("tie_word_embeddings", "weight_tying"):
+            if isinstance(config.get(key), bool):
+                return bool(config[key])
+    return None
+
+
+def _dtype_named(configs: tuple[dict[str, Any], ...]) -> str | None:
+    """The first dtype named (`dtype` or `torch_dtype`), else None."""
+    for config in configs:
+        value = config.get("dtype") or config.get("torch_dtype")
+        if isinstance(value, str):
+            return value
+    return None
 
 
 def _first_int(d: dict[str, Any], keys: tuple[str, ...]) -> int | None:

@@ -10,7 +10,7 @@ fetched (embedlens.io.ranges).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
@@ -63,21 +63,17 @@ class Table:
     checkpoint: Checkpoint
     config: ModelConfig
     notes: tuple[str, ...] = ()
+    name: str = field(init=False, compare=False, repr=False)
+    """The tensor's name in the checkpoint."""
+    rows: int = field(init=False, compare=False, repr=False)
+    """V: the number of rows."""
+    width: int = field(init=False, compare=False, repr=False)
+    """d: the length of a row."""
 
-    @property
-    def name(self) -> str:
-        """The tensor's name in the checkpoint."""
-        return self.entry.name
-
-    @property
-    def rows(self) -> int:
-        """V: the number of rows."""
-        return self.entry.shape[0]
-
-    @property
-    def width(self) -> int:
-        """d: the length of a row."""
-        return self.entry.shape[-1]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.entry.name)
+        object.__setattr__(self, "rows", self.entry.shape[0])
+        object.__setattr__(self, "width", self.entry.shape[-1])
 
 
 def check_row_range(row: int, total: int, noun: str = "matrix") -> None:
