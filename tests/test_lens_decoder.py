@@ -26,8 +26,7 @@ class Recording:
     and `shift` is added to every logit of the last layer."""
 
     def __init__(self, model: Any, ids: list[int], blank: int | None, shift: float) -> None:
-        from embedlens.analysis.lens.blocks import find_blocks
-        from embedlens.analysis.lens.decoder import ModelDecoder
+        from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
 
         self.own = ModelDecoder(model, find_blocks(model), ids[0])
         self.n_layers = len(find_blocks(model).modules)

@@ -1,4 +1,4 @@
-"""Loading runs Python's garbage collector less often (embedlens.model.gc_pause's
+"""Loading runs Python's garbage collector less often (embedlens.model.loading's
 `fewer_collections`): its youngest generation holds YOUNG_OBJECTS while a tokenizer, config or
 model is loaded and only it is collected; a build on the meta device runs with no automatic
 collection (`no_collections`); what survives goes to the oldest generation (unless the caller
@@ -16,7 +16,7 @@ import pytest
 from embedlens.compat.transformers import direct
 from embedlens.errors import EmbedlensError
 from embedlens.io.source import resolve
-from embedlens.model import gc_pause, loading, preflight
+from embedlens.model import loading, preflight
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def test_tokenizer_config_and_weights_load_with_a_larger_young_generation(tiny, 
     loading.load_model(source, dtype="float32", config=config)
     assert gc.get_threshold() == (700, 10, 10)
     assert gc.isenabled()
-    young = (gc_pause.YOUNG_OBJECTS, gc_pause.OLDER_COLLECTIONS, 10)
+    young = (loading.YOUNG_OBJECTS, loading.OLDER_COLLECTIONS, 10)
     assert seen == [
         ("_direct_tokenizer", young),
         ("read_config", young),

@@ -135,7 +135,7 @@ def test_the_header_checks_run_once_per_source_and_trust(tiny, monkeypatch):
     import gc
 
     from embedlens.io.source import resolve
-    from embedlens.model import files, headers
+    from embedlens.model import files
 
     reads: list[bool] = []
 
@@ -143,8 +143,8 @@ def test_the_header_checks_run_once_per_source_and_trust(tiny, monkeypatch):
         reads.append(trust_remote_code)
         return real(*args, trust_remote_code=trust_remote_code, **kwargs)
 
-    real = headers.read_config
-    monkeypatch.setattr(headers, "read_config", counted)
+    real = files.read_config
+    monkeypatch.setattr(files, "read_config", counted)
     folder = str(tiny("llama-tied"))
     source = resolve(folder)
     for trust in (False, False, True, True):

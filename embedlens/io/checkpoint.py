@@ -56,14 +56,14 @@ class TensorEntry:
     base: int = 0
     """The file offset of `path`'s first byte: a range kept from the hub holds the file's bytes
     from there on (0 for the file itself)."""
+    numel: int = field(init=False, compare=False, repr=False)
+    """Number of elements."""
 
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
+    def __post_init__(self) -> None:
         n = 1
         for d in self.shape:
             n *= d
-        return n
+        object.__setattr__(self, "numel", n)
 
     @property
     def row_bytes(self) -> int:

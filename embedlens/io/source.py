@@ -43,11 +43,11 @@ class ModelSource:
     """`path` is a sparse copy of the hub GGUF holding only its header: the tensors' bytes are
     fetched by range when read (embedlens.io.hub_gguf)."""
     _missing: set[str] = field(default_factory=set, compare=False, repr=False)
+    is_gguf: bool = field(init=False, compare=False, repr=False)
+    """Whether the model is a single GGUF file (kind 'gguf'), set when the source is made."""
 
-    @property
-    def is_gguf(self) -> bool:
-        """Whether the model is a single GGUF file."""
-        return self.kind == "gguf"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_gguf", self.kind == "gguf")
 
     @property
     def folder(self) -> Path | None:

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from embedlens.io.gguf import GGUFHeader
+from embedlens.io.source import ModelSource
+from embedlens.model.files import files_of
 
 FORMAT = 1
 """Raise when what is kept, or how it is read back, changes."""
@@ -43,6 +45,15 @@ def entry(header: GGUFHeader) -> Path | None:
     if os.environ.get("EMBEDLENS_PLAIN", "").strip() not in ("", "0"):
         return None
     return _cache_dir() / _key(header)
+
+
+def entry_of(source: ModelSource) -> Path | None:
+    """`entry` of a source's GGUF file (its header as read once), or None (not a GGUF file, or
+    the cache is not used)."""
+    if not source.is_gguf:
+        return None
+    ckpt = files_of(source).checkpoint
+    return None if ckpt is None or ckpt.gguf is None else entry(ckpt.gguf)
 
 
 def load_config(folder: Path | None) -> Any:

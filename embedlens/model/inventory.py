@@ -18,8 +18,13 @@ from embedlens.io.checkpoint import (
 )
 from embedlens.io.source import ModelSource
 from embedlens.model.anatomy import find_embedding, find_head, is_buffer_name, place
-from embedlens.model.config import ModelConfig
-from embedlens.model.headers import check_not_empty, mismatches, quantisation, read_config
+from embedlens.model.files import (
+    ModelConfig,
+    check_not_empty,
+    mismatches,
+    quantisation,
+    read_config,
+)
 
 InventoryMode = Literal["header", "meta", "weights"]
 

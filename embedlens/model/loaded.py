@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from embedlens.errors import UnsupportedError, UsageError
-from embedlens.model.config import ModelConfig, from_dict
+from embedlens.model.files import ModelConfig, from_dict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -10,7 +10,7 @@ fetched (embedlens.io.ranges).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
@@ -25,8 +25,7 @@ from embedlens.io.checkpoint import (
 from embedlens.io.hub import hub_offline
 from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model import q6_k
-from embedlens.model.config import ModelConfig
-from embedlens.model.headers import check_integer_weights, read_config
+from embedlens.model.files import ModelConfig, check_integer_weights, read_config
 from embedlens.model.inventory import from_checkpoint
 
 if TYPE_CHECKING:
@@ -64,21 +63,17 @@ class Table:
     checkpoint: Checkpoint
     config: ModelConfig
     notes: tuple[str, ...] = ()
+    name: str = field(init=False, compare=False, repr=False)
+    """The tensor's name in the checkpoint."""
+    rows: int = field(init=False, compare=False, repr=False)
+    """V: the number of rows."""
+    width: int = field(init=False, compare=False, repr=False)
+    """d: the length of a row."""
 
-    @property
-    def name(self) -> str:
-        """The tensor's name in the checkpoint."""
-        return self.entry.name
-
-    @property
-    def rows(self) -> int:
-        """V: the number of rows."""
-        return self.entry.shape[0]
-
-    @property
-    def width(self) -> int:
-        """d: the length of a row."""
-        return self.entry.shape[-1]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.entry.name)
+        object.__setattr__(self, "rows", self.entry.shape[0])
+        object.__setattr__(self, "width", self.entry.shape[-1])
 
 
 def check_row_range(row: int, total: int, noun: str = "matrix") -> None:

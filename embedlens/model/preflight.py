@@ -28,8 +28,7 @@ from embedlens.text import binary_size
 
 if TYPE_CHECKING:
     from embedlens.io.checkpoint import Checkpoint
-    from embedlens.model.config import ModelConfig
-    from embedlens.model.files import ModelFiles
+    from embedlens.model.files import ModelConfig, ModelFiles
 
 MEMORY_LIMIT_ENV = "EMBEDLENS_MEMORY_LIMIT"
 _UNITS = {
@@ -210,7 +209,7 @@ def _estimate(
 def _config_or_none(source: ModelSource, ckpt: Checkpoint) -> ModelConfig | None:
     """The config as `read_config` reads it (without refusing remote code), or None when it
     cannot be read."""
-    from embedlens.model.headers import read_config
+    from embedlens.model.files import read_config
 
     try:
         return read_config(source, ckpt, trust_remote_code=True)
@@ -224,7 +223,7 @@ def _config_beyond_headers(config: ModelConfig | None, ckpt: Checkpoint) -> tupl
     elements of the embedding matrix the config implies; (0, 0) when the config cannot be read.
     """
     from embedlens.model.anatomy import find_embedding, find_head
-    from embedlens.model.headers import mismatches
+    from embedlens.model.files import mismatches
 
     if config is None:
         return 0, 0

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.opening import Check, Opened
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
@@ -363,8 +363,7 @@ def _tuned_decoder(through: Through | None, opened: Opened, run: Prompt) -> Deco
     """The tuned lens's decoder for one prompt, built on the model's own (None without one)."""
     if through is None:
         return None
-    from embedlens.analysis.lens.blocks import find_blocks
-    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
 
     model = opened.model
     return through.wrap(ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0]))

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import find_blocks, input_device
-from embedlens.analysis.lens.capture import capture
-from embedlens.analysis.lens.decoder import Decoder, ModelDecoder
+from embedlens.analysis.lens.blocks import Decoder, ModelDecoder, capture, find_blocks, input_device
 from embedlens.analysis.lens.engine import (
     Check,
     Kept,

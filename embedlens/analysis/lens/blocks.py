@@ -1,16 +1,31 @@
-"""The model as the lens sees it: its list of decoder blocks, where its input goes, one forward.
+"""The model as the lens runs it: its decoder blocks, one forward pass that keeps the residual
+stream, and the decoder that turns a residual vector into logits.
 
-Generic by construction: the blocks are the model's ModuleList with as many entries as its config
-says (the largest such), whatever the architecture names it.
+Blocks: the model's ModuleList with as many entries as its config says (the largest such),
+whatever the architecture names it; generic by construction.
+
+Capture: layer 0 is the first block's input (the embedding output), layer i block i's output. A
+batch of prompts is padded on the right with an attention mask: in a causal model a real token
+never attends to the padding after it, and its position ids are those of a single run. A single
+prompt runs without a mask, as a plain call of the model does.
+
+Decoders: the engine captures the residual stream and asks a decoder for the logits of rows; it
+never reaches into the model's head itself. `ModelDecoder` is the logit lens's decoder, the
+model's own tail: to decode a residual h, the model's forward runs once more on a dummy batch
+with its block list cut to the last block, whose output a hook replaces with h. Whatever the
+model does after its blocks (a final norm of any name or none, OPT's project_out, the head and
+its bias, softcapping, logit scales, code that is not a module at all) then runs exactly as the
+model wrote it, once.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -119,3 +134,284 @@ def hooked(handles: list[Any]) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+@dataclass
+class Capture:
+    """What a forward pass leaves behind at the rows read: row r is (prompt bi[r], position pi[r])."""
+
+    residual: dict[int, torch.Tensor]
+    """layer -> [rows, d]."""
+    logits: torch.Tensor | None = None
+    """The model's own logits, float32 [rows, V]."""
+    head_in: torch.Tensor | None = None
+    """With a head watched: the head's input and output rows."""
+    head_out: torch.Tensor | None = None
+    steps: list[str] = field(default_factory=list)
+
+
+Watch = Callable[[Capture], list[Any]]
+"""Registers hooks that fill a capture's head_in and head_out (the decoder's `watch`)."""
+
+
+def padded(
+    prompts: Sequence[Sequence[int]], masked: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prompts' ids as one [batch, longest] tensor padded on the right, and the attention
+    mask (with `masked`; else None: one prompt, nothing padded)."""
+    if not masked:
+        assert len(prompts) == 1
+        return torch.tensor([list(prompts[0])], dtype=torch.long), None
+    width = max(len(ids) for ids in prompts)
+    ids = torch.full((len(prompts), width), prompts[0][0], dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, row in enumerate(prompts):
+        ids[b, : len(row)] = torch.tensor(list(row))
+        mask[b, : len(row)] = 1
+    return ids, mask
+
+
+def capture(
+    model: nn.Module,
+    blocks: Blocks,
+    prompts: Sequence[Sequence[int]],
+    reads: Sequence[Sequence[int]],
+    layers: Sequence[int],
+    watch: Watch | None = None,
+    *,
+    masked: bool = True,
+    logits: bool = True,
+) -> Capture:
+    """Run the model once on `prompts`, keeping the residual at each of `layers` and the logits
+    at the positions `reads[b]` of each prompt b, in that order. `masked`: pass an attention mask
+    (a batch); a single prompt may run without one (`masked=False`), as a plain call does.
+    `logits=False`: the residual stream only (the head runs on one position; `logits` is None)."""
+    device = input_device(model)
+    ids, mask = padded(prompts, masked)
+    bi = torch.tensor([b for b, read in enumerate(reads) for _ in read], dtype=torch.long)
+    pi = torch.tensor([p for read in reads for p in read], dtype=torch.long)
+    cap = Capture(residual={})
+
+    def keep(layer: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            t = first_tensor(out)
+            if t is None:
+                raise UnsupportedError(f"block {layer} returns no tensor the lens can read")
+            cap.residual[layer] = t[bi.to(t.device), pi.to(t.device)].detach()
+
+        return hook
+
+    def keep_input(_m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        t = first_tensor(args) if args else kwargs.get("hidden_states")
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedError("the first block's input is not a tensor the lens can read")
+        cap.residual[0] = t[bi.to(t.device), pi.to(t.device)].detach()
+
+    handles: list[Any] = []
+    if 0 in layers:
+        handles.append(blocks.modules[0].register_forward_pre_hook(keep_input, with_kwargs=True))
+    for layer in sorted(set(layers) - {0}):
+        handles.append(blocks.modules[layer - 1].register_forward_hook(keep(layer)))
+    if watch is not None:
+        handles += watch(cap)
+    kept = torch.unique(pi) if logits else torch.unique(pi)[-1:]
+    with hooked(handles):
+        out = forward(model, ids.to(device), kept, None if mask is None else mask.to(device))
+    for name in ("head_in", "head_out"):
+        t = getattr(cap, name)
+        if t is not None and t.shape[0] != len(kept):  # the model ignored logits_to_keep
+            setattr(cap, name, t[kept.to(t.device)])
+    if logits:
+        at = torch.searchsorted(kept, pi)
+        whole = len(prompts) == 1 and bool(torch.equal(at, torch.arange(out.shape[1])))
+        # one prompt read at every position it kept, in order: its rows as they are (no copy)
+        cap.logits = out[0] if whole else out[bi.to(out.device), at.to(out.device)]
+        cap.logits = cap.logits.float()
+    return cap
+
+
+class Decoder(Protocol):
+    """Logits for residual rows; the model's own decoder, or one built on it."""
+
+    full: bool
+    """True when the steps after the last block ran with every block in place (cutting the
+    block list failed, or changed what the model computes)."""
+
+    def logits(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+        """Logits [n, V] for residual rows [n, d]; row i was read at layer layers[i]."""
+        ...
+
+    def watch(self, cap: Capture) -> list[Any]:
+        """Hooks (to remove after the pass) that fill cap.head_in and cap.head_out."""
+        ...
+
+    def steps(self, row: torch.Tensor, tol: float) -> list[str]:
+        """What runs after the last block, found on one row (module names, then a post-head
+        step); found once per decoder."""
+        ...
+
+    def suspect(self, real: Capture, tol: float) -> str:
+        """The first step whose result differs between the real pass and the decoder's run
+        (after `steps`)."""
+        ...
+
+
+class ModelDecoder:
+    """The model's own tail after its last block, run on residual vectors of our choosing."""
+
+    def __init__(self, model: nn.Module, blocks: Blocks, dummy_id: int) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.dummy_id = dummy_id
+        self.full = False
+        self._found: tuple[list[str], Capture] | None = None
+
+    def logits(self, rows: torch.Tensor, layers: Sequence[int] = ()) -> torch.Tensor:
+        """Logits [n, V] for residual rows [n, d] (the same tail at every layer)."""
+        return self._logits(rows, None)
+
+    def _logits(self, rows: torch.Tensor, cap: Capture | None) -> torch.Tensor:
+        """The tail's logits; `cap` also receives the head's input and output."""
+        if not self.full:
+            try:
+                return self._run(rows, cap, cut=True)
+            except UnsupportedError:
+                raise
+            except Exception:
+                self.full = True
+        return self._run(rows, cap, cut=False)
+
+    def _run(self, rows: torch.Tensor, cap: Capture | None, *, cut: bool) -> torch.Tensor:
+        last = self.blocks.modules[-1]
+
+        def replace(_m: nn.Module, _args: Any, out: Any) -> Any:
+            t = first_tensor(out)
+            assert t is not None
+            h = rows.to(device=t.device, dtype=t.dtype).reshape(rows.shape[0], 1, -1)
+            return replace_first(out, h)
+
+        handles = [last.register_forward_hook(replace)]
+        if cap is not None:
+            handles += self.watch(cap)
+        ids = torch.full(
+            (rows.shape[0], 1), self.dummy_id, dtype=torch.long, device=input_device(self.model)
+        )
+        parent, attr = self.blocks.parent, self.blocks.attr
+        with hooked(handles):
+            if not cut:
+                return forward(self.model, ids, None)[:, 0]
+            setattr(parent, attr, nn.ModuleList([last]))
+            try:
+                return forward(self.model, ids, None)[:, 0]
+            finally:
+                setattr(parent, attr, self.blocks.modules)
+
+    def watch(self, cap: Capture) -> list[Any]:
+        """Hooks on the model's head that keep its input and output rows in `cap`."""
+        get_head: Any = getattr(self.model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if not isinstance(head, nn.Module):
+            return []
+
+        def pre(_m: nn.Module, args: Any) -> None:
+            t = first_tensor(args)
+            if t is not None:
+                cap.head_in = t.detach().reshape(-1, t.shape[-1])
+
+        def post(_m: nn.Module, _args: Any, out: Any) -> None:
+            t = first_tensor(out)
+            if t is not None:
+                cap.head_out = t.detach().reshape(-1, t.shape[-1])
+
+        return [head.register_forward_pre_hook(pre), head.register_forward_hook(post)]
+
+    def steps(self, row: torch.Tensor, tol: float) -> list[str]:
+        """The modules that run after the last block, then a post-head step if the model has
+        one; found on one row, the first time only."""
+        if self._found is None:
+            probe = self.probe(row)
+            steps = list(probe.steps)
+            if probe.head_out is not None and probe.logits is not None:
+                post = post_head_step(probe.head_out.float(), probe.logits, tol)
+                if post is not None:
+                    steps.append(post)
+            self._found = steps, probe
+        return self._found[0]
+
+    def probe(self, row: torch.Tensor) -> Capture:
+        """Run the tail on one row, noting the modules that run after the last block (outermost
+        only), with the head's input and output for that row."""
+        model = self.model
+        names = {id(m): n for n, m in model.named_modules()}
+        last = self.blocks.modules[-1]
+        after = [False]
+        started: list[int] = []
+        finished: list[str] = []
+
+        def pre(module: nn.Module, _args: Any) -> None:
+            if after[0] and id(module) in names:
+                started.append(id(module))
+
+        def post(module: nn.Module, _args: Any, _out: Any) -> None:
+            if module is last:
+                after[0] = True
+            elif after[0] and id(module) in started:
+                finished.append(names[id(module)])
+
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        probe = Capture(residual={})
+        with hooked([register_module_forward_pre_hook(pre), register_module_forward_hook(post)]):
+            probe.logits = self._logits(row[None], probe).float()
+        outer: list[str] = []
+        for name in finished:  # children finish before their parents
+            if not any(name.startswith(o + ".") for o in outer):
+                outer = [o for o in outer if not o.startswith(name + ".")]
+                outer.append(name)
+        probe.steps = outer
+        return probe
+
+    def suspect(self, real: Capture, tol: float) -> str:
+        """Name the first step whose result differs between the real pass and the tail."""
+        assert self._found is not None, "steps() first"
+        probe = self._found[1]
+        modules = ", ".join(probe.steps) or "none found"
+        if real.head_in is None or probe.head_in is None:
+            return f"the steps after the last block ({modules})"
+        if float((real.head_in[:1] - probe.head_in[:1]).abs().max()) > tol:
+            return f"the steps between the last block and the head ({modules})"
+        assert real.head_out is not None and probe.head_out is not None
+        if float((real.head_out[:1] - probe.head_out[:1]).abs().max()) > tol:
+            return "the head itself"
+        return "the steps after the head (code that turns the head's output into logits)"
+
+
+def post_head_step(head_out: torch.Tensor, logits: torch.Tensor, tol: float) -> str | None:
+    """Describe what the model does to the head's output, found by comparing the two.
+
+    Both come from the same tail run, so in float32 the relation holds to rounding: a candidate
+    (a scale, or a softcap c·tanh(x/c)) must fit to 1e-5 relative, or to `tol` in 16-bit dtypes.
+    """
+    x, y = head_out.double(), logits.double()
+    fit = max(min(tol, 1e-5 * max(1.0, float(y.abs().max()))), 1e-7)
+    if float((y - x).abs().max()) <= fit:
+        return None
+    denom = float((x * x).sum())
+    if denom > 0:
+        c = float((x * y).sum()) / denom
+        if float((y - c * x).abs().max()) <= fit:
+            return f"logits scaled by {c:.6g}"
+    i = int(x.abs().argmax())
+    xi, yi = abs(float(x.flatten()[i])), abs(float(y.flatten()[i]))
+    if 0 < yi < xi:
+        lo, hi = yi, yi * 1e6
+        for _ in range(200):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if mid * math.tanh(xi / mid) < yi else (lo, mid)
+        c = math.sqrt(lo * hi)
+        if float((y - c * torch.tanh(x / c)).abs().max()) <= fit:
+            return f"softcapping c·tanh(logits/c), c = {c:.4g}"
+    return "a step after the head (neither a plain scale nor a softcap)"

@@ -16,9 +16,14 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, find_blocks, input_device
-from embedlens.analysis.lens.capture import capture
-from embedlens.analysis.lens.decoder import Decoder, ModelDecoder
+from embedlens.analysis.lens.blocks import (
+    Blocks,
+    Decoder,
+    ModelDecoder,
+    capture,
+    find_blocks,
+    input_device,
+)
 from embedlens.analysis.lens.ranking import Top, exact_top1, exact_tops
 from embedlens.analysis.lens.threads import threads_for
 from embedlens.errors import NumericError, UnsupportedError

@@ -10,7 +10,7 @@ from embedlens.analysis.lens.prompt import Prompt
 if TYPE_CHECKING:
     import torch
 
-    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.opening import Opened
     from embedlens.reports.lens import LensReport

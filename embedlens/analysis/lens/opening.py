@@ -232,7 +232,7 @@ def _template_name(source: ModelSource) -> str:
 def _builtin_code_note(config: Any, *, trust_remote_code: bool) -> str | None:
     """The note for a config that maps to repository code transformers did not run (auto_map
     over a built-in model type), from the config already read."""
-    from embedlens.model.config import ModelConfig
+    from embedlens.model.files import ModelConfig
 
     raw = {
         "model_type": getattr(config, "model_type", None),

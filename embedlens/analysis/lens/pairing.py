@@ -103,7 +103,7 @@ def facts(side: Side) -> Facts:
         vocab = None if side.tokenizer is None else _tokenizer_vocab(side.tokenizer)
         return Facts(vocab, layers, None)
     from embedlens.io.checkpoint import open_checkpoint
-    from embedlens.model.headers import read_config
+    from embedlens.model.files import read_config
 
     trust = isinstance(side.loading, Load) and side.loading.trust_remote_code
     ckpt = open_checkpoint(source) if source.is_gguf else None  # the header, parsed once

@@ -43,8 +43,7 @@ def states_of(opened: Opened, run: Prompt, ask: Ask, revision: str | None) -> St
     position, on the CPU, and the model's own logits at the last position."""
     import torch
 
-    from embedlens.analysis.lens.blocks import find_blocks, hooked
-    from embedlens.analysis.lens.capture import capture
+    from embedlens.analysis.lens.blocks import capture, find_blocks, hooked
     from embedlens.analysis.lens.threads import threads_for
 
     model = opened.model

@@ -25,7 +25,7 @@ from embedlens.reports.sites import BlockSums, LensSitesSummaryReport, SiteStats
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.batch import BatchOut
-    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.many import Window
     from embedlens.analysis.lens.options import Ask
@@ -100,8 +100,7 @@ class SiteManyRun(ManyRun):
 
     def _add(self, prompt: Prompt, result: LensResult) -> None:
         """One prompt's sites: taken apart, decoded a layer at a time, added to the sums."""
-        from embedlens.analysis.lens.blocks import find_blocks, input_device
-        from embedlens.analysis.lens.decoder import ModelDecoder
+        from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
 
         model = self.opened.model
         pieces = take_apart(model, prompt.ids, result.positions, "resid_mid" in self.sites)

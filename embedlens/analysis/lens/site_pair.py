@@ -40,8 +40,7 @@ def site_logits(
     opened: Opened, run: Prompt, sites: Sequence[str], layers: Sequence[int]
 ) -> SiteLogits:
     """A model's sites at `layers` (>= 1), at the prompt's position read, through its decoder."""
-    from embedlens.analysis.lens.blocks import find_blocks, input_device
-    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
 
     model = opened.model
     pieces = take_apart(model, run.ids, [run.index], "resid_mid" in sites)

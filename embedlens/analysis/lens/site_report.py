@@ -21,7 +21,7 @@ from embedlens.reports.sites import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.options import Ask
@@ -101,8 +101,7 @@ def sites_report(
         return report
     import torch
 
-    from embedlens.analysis.lens.blocks import find_blocks, input_device
-    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
     from embedlens.analysis.lens.prompt import token_text
     from embedlens.analysis.lens.site_rows import SiteJob, decode_sites
 

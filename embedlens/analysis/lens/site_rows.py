@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embedlens.analysis.lens.decoder import Decoder
+from embedlens.analysis.lens.blocks import Decoder
 from embedlens.analysis.lens.engine import CHUNK_BYTES
 from embedlens.analysis.lens.ranking import Top, best, exact_top1, exact_tops
 from embedlens.analysis.lens.sites import Pieces

@@ -16,7 +16,7 @@ from embedlens.options import LensOptions, LoadOptions
 if TYPE_CHECKING:
     import torch
 
-    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import Check, LensResult
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.states_file import StatesFile
@@ -236,7 +236,7 @@ def _decoder(
     tail: Tail, tokenizer: Any, ids: list[int], lens_dir: Any
 ) -> tuple[Decoder, TunedLens | None]:
     """The model's own decoder on the tail, or a tuned lens's built on it."""
-    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.blocks import ModelDecoder
 
     own = ModelDecoder(tail.model, tail.blocks, dummy_id=int(ids[0]))
     if lens_dir is None:

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, find_blocks
-from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.blocks import Blocks, ModelDecoder, find_blocks
 from embedlens.errors import UnsupportedError
 
 if TYPE_CHECKING:

@@ -210,8 +210,7 @@ def _text_run(
     residual: bool,
 ) -> TextRun:
     """The window runner for A (its tuned lens beside the logit lens), and B."""
-    from embedlens.analysis.lens.blocks import find_blocks
-    from embedlens.analysis.lens.decoder import ModelDecoder
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
     from embedlens.analysis.lens.text_run import Side, TextRun
 
     def side(o: Opened) -> Side:

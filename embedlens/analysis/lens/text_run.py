@@ -14,9 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import find_blocks, input_device
-from embedlens.analysis.lens.capture import Capture, capture
-from embedlens.analysis.lens.decoder import Decoder
+from embedlens.analysis.lens.blocks import Capture, Decoder, capture, find_blocks, input_device
 from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.ranking import rowdot
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums

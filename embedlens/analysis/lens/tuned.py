@@ -9,13 +9,12 @@ layer L has no translator: it decodes as the model does, so the engine's self-ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from embedlens.analysis.lens.capture import Capture
-from embedlens.analysis.lens.decoder import Decoder
+from embedlens.analysis.lens.blocks import Capture, Decoder
 from embedlens.errors import UsageError
 
 
@@ -25,16 +24,14 @@ class Translators:
 
     weight: torch.Tensor
     bias: torch.Tensor
+    num_layers: int = field(init=False, compare=False, repr=False)
+    """L: the layers with a translator (the model's blocks)."""
+    width: int = field(init=False, compare=False, repr=False)
+    """d: the residual stream's width."""
 
-    @property
-    def num_layers(self) -> int:
-        """L: the layers with a translator (the model's blocks)."""
-        return int(self.weight.shape[0])
-
-    @property
-    def width(self) -> int:
-        """d: the residual stream's width."""
-        return int(self.weight.shape[1])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_layers", int(self.weight.shape[0]))
+        object.__setattr__(self, "width", int(self.weight.shape[1]))
 
     @classmethod
     def identity(cls, num_layers: int, width: int) -> Translators:

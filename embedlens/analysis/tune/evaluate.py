@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, input_device
-from embedlens.analysis.lens.capture import capture
-from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.blocks import Blocks, ModelDecoder, capture, input_device
 from embedlens.analysis.lens.tuned import TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.reports.tune import TuneLayer

@@ -9,8 +9,9 @@ for the run (only the translators learn) and their flags restored after.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,9 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import find_blocks, input_device
-from embedlens.analysis.lens.capture import capture
-from embedlens.analysis.lens.decoder import ModelDecoder
+from embedlens.analysis.lens.blocks import ModelDecoder, capture, find_blocks, input_device
 from embedlens.analysis.lens.engine import tolerance
 from embedlens.analysis.lens.threads import threads_for
 from embedlens.analysis.lens.tuned import Translators, TunedDecoder
@@ -86,13 +85,13 @@ class Tuning:
         self.own: ModelDecoder | None = None
         self.vocab_rows = 0
         self._counts: dict[str, int] = {}
-
-    def threads(self, n_tokens: int) -> AbstractContextManager[None]:
-        """CPU threads for work on n_tokens, as the lens chooses them (one for small work): from
+        self.threads: Callable[[int], AbstractContextManager[None]] = functools.partial(
+            threads_for, model
+        )
+        """CPU threads for work on n tokens, as the lens chooses them (one for small work): from
         the work's size alone, never from the machine's load, so that the lens folder's bytes
         do not depend on what else the machine runs (on 2 busy cores at load 5, two threads
         took 481 CPU seconds where one took 201: set OMP_NUM_THREADS=1 on a shared machine)."""
-        return threads_for(self.model, n_tokens)
 
     def fit(self, data: Sequences) -> Translators:
         """The least-squares translators over every sequence of `data` (streamed)."""

@@ -15,7 +15,7 @@ from embedlens.reports.tune import TunedLens
 if TYPE_CHECKING:
     from torch import nn
 
-    from embedlens.analysis.lens.decoder import Decoder
+    from embedlens.analysis.lens.blocks import Decoder
 
 Wrap = Callable[["Decoder"], "Decoder"]
 """Builds the lens's decoder on the model's own."""

@@ -9,6 +9,7 @@ merges that other merges always win over. All tokens go through the tokenizer in
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from embedlens.analysis.vocab.fingerprint import byte_level
 from embedlens.analysis.vocab.kinds import TokenKinds
@@ -18,6 +19,9 @@ from embedlens.model.tokenizer import Vocab
 from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
 from embedlens.reports.tokens import TokenRef
 from embedlens.reports.vocab import Layout, Unreachable, UnreachableToken
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
 # [unused7], <extra_id_3>.
@@ -123,6 +127,7 @@ def find_unreachable(
     skip = set(added_ids(vocab)) | vocab.special_ids
     ids = [i for i in range(n) if i not in skip]
     bl = byte_level(vocab)
+    tok = vocab.tokenizer
     found: dict[int, list[int] | None] = {}
     unmerged: set[int] = set()
     if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
@@ -133,14 +138,14 @@ def find_unreachable(
             unmerged = _unmerged(pieces, whole, merged)
             found.update((i, None) for i in sorted(unmerged))
             whole = [i for i in whole if i not in unmerged]
-        found.update(_round_trip(vocab, whole, [raw[i].decode("utf-8") for i in whole]))
+        found.update(_round_trip(vocab, tok, whole, [raw[i].decode("utf-8") for i in whole]))
     else:
-        texts = vocab.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
-        found.update(_round_trip(vocab, ids, texts))
+        texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        found.update(_round_trip(vocab, tok, ids, texts))
     kinds = {
         i: "unmerged" if i in unmerged else _kind(pieces[i] or "", raw[i]) for i in sorted(found)
     }
-    return _listed(vocab, found, kinds), kinds
+    return _listed(vocab, tok, found, kinds), kinds
 
 
 def _unmerged(pieces: list[str | None], ids: list[int], merged: frozenset[str]) -> set[int]:
@@ -170,18 +175,19 @@ def _not_utf8(raw: list[bytes], ids: list[int]) -> set[int]:
     return broken
 
 
-def _encode(vocab: Vocab, texts: list[str]) -> list[list[int]]:
-    tok = vocab.tokenizer
+def _encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
     return [e.ids for e in batch(texts, add_special_tokens=False)]
 
 
-def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, list[int] | None]:
-    """The ids among `ids` whose text (`texts`) does not encode back to them, with what it gives."""
-    tok = vocab.tokenizer
-    metaspace = _metaspace(vocab)
+def _round_trip(
+    vocab: Vocab, tok: Tokenizer, ids: list[int], texts: list[str]
+) -> dict[int, list[int] | None]:
+    """The ids among `ids` whose text (`texts`) does not encode back to them (through `tok`, the
+    vocabulary's tokenizer), with what it gives."""
+    metaspace = _metaspace(tok)
     found: dict[int, list[int] | None] = {}
-    for i, text, got in zip(ids, texts, _encode(vocab, texts), strict=True):
+    for i, text, got in zip(ids, texts, _encode(tok, texts), strict=True):
         if len(got) == 1 and got[0] == i:
             continue
         piece = vocab.piece(i) or ""
@@ -195,7 +201,9 @@ def _round_trip(vocab: Vocab, ids: list[int], texts: list[str]) -> dict[int, lis
     return found
 
 
-def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, str]) -> Unreachable:
+def _listed(
+    vocab: Vocab, tok: Tokenizer, found: dict[int, list[int] | None], kinds: dict[int, str]
+) -> Unreachable:
     """The report: counts by kind, and the first LISTED of each kind with what they encode as."""
     from collections import Counter
 
@@ -212,14 +220,14 @@ def _listed(vocab: Vocab, found: dict[int, list[int] | None], kinds: dict[int, s
     chosen = sorted(i for ids in firsts.values() for i in ids)
     unknown = [i for i in chosen if found[i] is None]
     if unknown:  # fragments and unmerged pieces: what their decoded text encodes as
-        texts = vocab.tokenizer.decode_batch([[i] for i in unknown], skip_special_tokens=False)
-        found.update(zip(unknown, _encode(vocab, texts), strict=True))
+        texts = tok.decode_batch([[i] for i in unknown], skip_special_tokens=False)
+        found.update(zip(unknown, _encode(tok, texts), strict=True))
     listed = [UnreachableToken(i, vocab.text(i), kinds[i], list(found[i] or [])) for i in chosen]
     return Unreachable(len(found), dict(sorted(by_kind.items())), listed)
 
 
-def _metaspace(vocab: Vocab) -> bool:
-    pre = vocab.tokenizer.pre_tokenizer
+def _metaspace(tok: Tokenizer) -> bool:
+    pre = tok.pre_tokenizer
     return pre is not None and ("Metaspace" in type(pre).__name__ or SPACE in str(pre))
 
 
