@@ -58,13 +58,6 @@ class Row:
     """The most bytes the hub may send for one run of the command, if any."""
     transferred: int = 0
     """The most bytes the hub sent for one run of the command."""
-    floor: list[str] | None = None
-    """A third command, what both must do (import torch, transformers and the model's classes),
-    timed in the same alternation: `floor_ratio` is (command - floor) / (baseline - floor)."""
-    floor_budget: float | None = None
-    """The highest acceptable `floor_ratio`, if any."""
-    floor_times: list[float] = field(default_factory=list)
-    floor_cpu_times: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     base_times: list[float] = field(default_factory=list)
     cpu_times: list[float] = field(default_factory=list)
@@ -96,15 +89,6 @@ class Row:
         return statistics.median(self.cpu_times) / statistics.median(self.base_cpu_times)
 
     @property
-    def floor_ratio(self) -> float | None:
-        """The time beyond the floor, command over baseline (wall-clock medians)."""
-        return _over(self.times, self.base_times, self.floor_times)
-
-    @property
-    def floor_cpu_ratio(self) -> float | None:
-        return _over(self.cpu_times, self.base_cpu_times, self.floor_cpu_times)
-
-    @property
     def mem_ratio(self) -> float | None:
         return self.peak_mb / self.base_peak_mb if self.base_peak_mb else None
 
@@ -121,20 +105,9 @@ class Row:
             checks.append(self.median - self.base_median <= self.over_budget)
         if self.transfer_limit is not None:
             checks.append(self.transferred <= self.transfer_limit)
-        if self.floor_budget is not None and self.floor_ratio is not None:
-            checks.append(self.floor_ratio <= self.floor_budget)
         if not checks:
             return ""
         return "ok" if all(checks) else "MISSED"
-
-
-def _over(times: list[float], base: list[float], floor: list[float]) -> float | None:
-    """(median(times) - median(floor)) / (median(base) - median(floor)), or None."""
-    if not times or not base or not floor:
-        return None
-    least = statistics.median(floor)
-    above = statistics.median(base) - least
-    return (statistics.median(times) - least) / above if above > 0 else None
 
 
 def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
@@ -172,10 +145,6 @@ def measure(row: Row, runs: int, env: dict[str, str], *, quick: bool = False) ->
             row.base_times.append(t)
             row.base_cpu_times.append(c)
             row.base_peak_mb = max(row.base_peak_mb, m)
-        if row.floor:
-            t, _, c = run(row.floor, env)
-            row.floor_times.append(t)
-            row.floor_cpu_times.append(c)
 
 
 _HUB: dict[str, str] = {}
@@ -493,20 +462,6 @@ importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}
 LENS_PLAIN = HERE / "lens_plain.py"
 
 
-def import_classes(model: Path) -> list[str]:
-    """The import floor of a lens on `model` (a folder or a GGUF file): torch, transformers and
-    the model's classes, as IMPORT_MODEL_CLASSES imports them."""
-    if model.is_dir():
-        return [sys.executable, "-c", IMPORT_MODEL_CLASSES, str(model)]
-    from embedlens.io.gguf import read_gguf_header
-
-    arch = str(read_gguf_header(model).meta("general.architecture"))
-    code = IMPORT_MODEL_CLASSES.replace(
-        'json.load(open(sys.argv[1] + "/config.json"))["model_type"]', "sys.argv[1]"
-    )
-    return [sys.executable, "-c", code, arch]
-
-
 # --- floors (in this process) ------------------------------------------------------------------
 
 
@@ -816,14 +771,12 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
              str(tuned_lens(lens_model, quick, build=False)), "--json"],
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
             "the same lens without --tuned", budget=1.1),
-        # the final norm and the head alone, no blocks run: at most half the model lens beyond
-        # what both import (on a 135M model those imports are most of either run)
+        # the final norm and the head alone, no blocks run: at most half the model lens
         Row(f"lens --states ({lens_name}, its states file, last position)",
             [*el, "lens", str(lens_model), "--states",
              str(states_file(lens_model, quick, build=False)), "--json"],
             [*el, "lens", str(lens_model), "The capital of France is", "--json"],
-            "the model lens on the same prompt", floor=import_classes(lens_model),
-            floor_budget=0.5),
+            "the model lens on the same prompt", budget=0.5),
         # Llama-3-70B's shape, its checkpoint only the norm and the head: no more memory than
         # holding them (and the imports `lens` needs) plus 10%
         Row(f"lens --states, peak memory ({big_name}, only the norm and head on disk)",
@@ -943,8 +896,7 @@ def main() -> None:
             "quick": args.quick,
             "rows": [
                 {**asdict(r), "median": r.median, "base_median": r.base_median, "ratio": r.ratio,
-                 "cpu_ratio": r.cpu_ratio, "mem_ratio": r.mem_ratio, "floor_ratio": r.floor_ratio,
-                 "floor_cpu_ratio": r.floor_cpu_ratio, "verdict": r.verdict}
+                 "cpu_ratio": r.cpu_ratio, "mem_ratio": r.mem_ratio, "verdict": r.verdict}
                 for r in table
             ],
             "floors": floor,
@@ -985,8 +937,6 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
             if r.abs_budget
             else f"+{r.over_budget}s"
             if r.over_budget
-            else f"<={r.floor_budget}x>f"
-            if r.floor_budget
             else "-"
         )
         base_mb = f"{r.base_peak_mb:.0f}" if r.base_peak_mb else "-"
@@ -998,16 +948,6 @@ def print_table(table: list[Row], floor: dict[str, str], runs: int) -> None:
             print(
                 f"{r.name}: the hub sent {r.transferred:,} bytes a run "
                 f"(budget {r.transfer_limit:,})"
-            )
-    for r in table:
-        if r.floor_times:
-            wall, cpu = r.floor_ratio, r.floor_cpu_ratio
-            ratio = "n/a (the baseline is not above it)" if wall is None else f"{wall:.2f}x"
-            cpus = f", CPU {cpu:.2f}x" if cpu is not None else ""
-            print(
-                f"{r.name}: beyond its floor ({statistics.median(r.floor_times):.2f}s, CPU "
-                f"{statistics.median(r.floor_cpu_times):.2f}s) {ratio} the baseline's{cpus} "
-                f"(budget <={r.floor_budget}x)"
             )
     print_cpu(table)
     print("\nbaselines:")
