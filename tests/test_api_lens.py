@@ -76,10 +76,12 @@ def test_smollm2_to_dict_is_the_cli_json(smollm2, cli):
     args = ["--target", "Paris", "--layers", "0,10:"]
     report = lens(smollm2, prompt, target="Paris", layers="0,10:")
     assert report.check.ok
-    assert report.to_dict() == cli.json("lens", smollm2, prompt, *args)
+    shown = cli("lens", smollm2, prompt, *args, "--json")  # one run: its stdout and its stderr
+    assert shown.exit_code == 0, (shown.exit_code, shown.stdout, shown.stderr)
+    assert report.to_dict() == json.loads(shown.stdout)
     said = [n for n in report.notes if n.startswith("--target 'Paris'")]
     assert said, report.notes
-    assert "note: " + said[0] in cli("lens", smollm2, prompt, *args).stderr
+    assert "note: " + said[0] in shown.stderr
 
 
 # --- a loaded model -------------------------------------------------------------------------
