@@ -117,7 +117,11 @@ def test_objects_the_caller_froze_stay_frozen(tiny):
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        assert frozen > 10_000
         loading.build_meta_model(source)
-        assert gc.get_freeze_count() == frozen  # not unfrozen by the load
+        # not unfrozen by the load (gc.unfreeze would empty the permanent generation); a frozen
+        # object the load frees (an entry a cache replaces) leaves it, so the count may fall by
+        # a few: seen 2 of 614,640 when other tests had run first in the same process
+        assert frozen - 1_000 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
