@@ -40,7 +40,24 @@ def _busy(seconds: float) -> None:
         time.sleep(0.01)
 
 
-def test_the_command_lines_session_interrupts_a_busy_main_thread(session: dist.Session) -> None:
+@pytest.fixture
+def sigint_handled() -> Iterator[None]:
+    """SIGINT handled by Python, as in a command started from a shell in the foreground: a job
+    started in the background without job control inherits it ignored, and then
+    `interrupt_main` does nothing. (This test failed twice in suite runs this evening, not
+    reproduced since; that inheritance is one cause it rules out.)"""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_command_lines_session_interrupts_a_busy_main_thread(
+    session: dist.Session, sigint_handled: None
+) -> None:
     session.interrupt_when_stuck = True
     session.store.set("fail", json.dumps(FAILURE))
     start = time.monotonic()

@@ -65,9 +65,13 @@ def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _transformers_reads(monkeypatch: pytest.MonkeyPatch, change: Callable[[Any], None]) -> None:
     """Every tokenizer transformers builds is changed by `change` (as an older release reads a
-    GGUF file otherwise)."""
+    GGUF file otherwise); a cache of its own, so no tokenizer kept by an earlier test
+    (model/gguf_cache) stands in for the one transformers builds."""
+    import tempfile
+
     from transformers import AutoTokenizer
 
+    monkeypatch.setenv("EMBEDLENS_CACHE", tempfile.mkdtemp(prefix="embedlens-cache-"))
     real = AutoTokenizer.from_pretrained
 
     def built(*args: Any, **kwargs: Any) -> Any:
