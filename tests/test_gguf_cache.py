@@ -107,7 +107,7 @@ def test_what_reads_back_otherwise_is_not_kept(smollm2, built, cache, monkeypatc
     gguf_cache.store(folder, built[1], "tokenizer.json")
     assert calls == ["tokenizer.json"]  # the marker stops a second try
     assert sorted(p.name for p in folder.iterdir()) == ["embedlens-not-kept-tokenizer.json"]
-    assert gguf_cache.load_tokenizer(folder) is None
+    assert gguf_cache.load(folder, "tokenizer.json") is None
     _same_tokenizer(loading.load_tokenizer(source), built[1])
 
 

@@ -25,10 +25,10 @@ from typing import Any
 from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
 from embedlens.model.files import files_of
+from embedlens.model.tokenizer_cache import cache_folder, hash_span
 
 FORMAT = 1
 """Raise when what is kept, or how it is read back, changes."""
-_CHUNK = 1 << 20
 _CLASS = "embedlens-tokenizer-class.txt"
 """The kept tokenizer's class, as `module:name`."""
 _NOT_KEPT = "embedlens-not-kept-"
@@ -44,7 +44,7 @@ def entry(header: GGUFHeader) -> Path | None:
     when the cache is not used (EMBEDLENS_PLAIN=1)."""
     if os.environ.get("EMBEDLENS_PLAIN", "").strip() not in ("", "0"):
         return None
-    return _cache_dir() / _key(header)
+    return cache_folder("gguf") / _key(header)
 
 
 def entry_of(source: ModelSource) -> Path | None:
@@ -56,23 +56,14 @@ def entry_of(source: ModelSource) -> Path | None:
     return None if ckpt is None or ckpt.gguf is None else entry(ckpt.gguf)
 
 
-def load_config(folder: Path | None) -> Any:
-    """The kept config, or None."""
-    if folder is None or not (folder / "config.json").is_file():
+def load(folder: Path | None, name: str) -> Any:
+    """The kept config ('config.json') or tokenizer ('tokenizer.json'; read back by the class that
+    built it, which `AutoTokenizer` would not always pick: transformers 5.0 builds SmolLM2's as a
+    CodeLlamaTokenizer), or None."""
+    if folder is None or not (folder / name).is_file():
         return None
     try:
-        return _read(folder, "config.json")
-    except Exception:  # a damaged entry: built again
-        return None
-
-
-def load_tokenizer(folder: Path | None) -> Any:
-    """The kept tokenizer, read back by the class that built it (which `AutoTokenizer` would not
-    always pick: transformers 5.0 builds SmolLM2's as a CodeLlamaTokenizer), or None."""
-    if folder is None or not (folder / "tokenizer.json").is_file():
-        return None
-    try:
-        return _read(folder, "tokenizer.json")
+        return _read(folder, name)
     except Exception:  # a damaged entry: built again
         return None
 
@@ -148,26 +139,10 @@ def _same(built: Any, back: Any, name: str) -> bool:
     )
 
 
-def _cache_dir() -> Path:
-    own = os.environ.get("EMBEDLENS_CACHE", "").strip()
-    if own:
-        return Path(own).expanduser() / "gguf"
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HOME) / "embedlens" / "gguf"
-
-
 def _key(header: GGUFHeader) -> str:
     from importlib.metadata import version
 
     versions = " ".join(version(name) for name in ("transformers", "tokenizers", "gguf"))
     digest = hashlib.sha256(f"embedlens-gguf {FORMAT} {versions}\0".encode())
-    with open(header.path, "rb") as fh:
-        left = header.data_offset
-        while left > 0:
-            chunk = fh.read(min(left, _CHUNK))
-            if not chunk:
-                break
-            digest.update(chunk)
-            left -= len(chunk)
+    hash_span(digest, header.path, 0, header.data_offset)
     return digest.hexdigest()

@@ -188,7 +188,7 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
-        config = gguf_cache.load_config(kept)
+        config = gguf_cache.load(kept, "config.json")
         if config is None:
             with translated(source, "reading the config"), gguf_reads_shared(source):
                 config = None if source.is_gguf else direct.read_config(Path(where))
@@ -436,7 +436,7 @@ def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool 
     from transformers import AutoTokenizer
 
     kept = gguf_cache.entry_of(source)
-    tokenizer = gguf_cache.load_tokenizer(kept)
+    tokenizer = gguf_cache.load(kept, "tokenizer.json")
     try:
         with (
             _where(source) as (where, kwargs),

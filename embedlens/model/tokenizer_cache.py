@@ -34,12 +34,17 @@ _CHUNK = 1 << 20
 def cache_dir() -> Path:
     """The folder of kept tokenizers: $EMBEDLENS_CACHE/tokenizers, else
     $HF_HOME/embedlens/tokenizers."""
+    return cache_folder("tokenizers")
+
+
+def cache_folder(name: str) -> Path:
+    """A folder of embedlens' cache: $EMBEDLENS_CACHE/NAME, else $HF_HOME/embedlens/NAME."""
     own = os.environ.get("EMBEDLENS_CACHE", "").strip()
     if own:
-        return Path(own).expanduser() / "tokenizers"
+        return Path(own).expanduser() / name
     from huggingface_hub import constants
 
-    return Path(constants.HF_HOME) / "embedlens" / "tokenizers"
+    return Path(constants.HF_HOME) / "embedlens" / name
 
 
 def tokenizer_key(header: GGUFHeader) -> str:
@@ -53,22 +58,23 @@ def tokenizer_key(header: GGUFHeader) -> str:
         digest.update(b"\0" + key.encode("utf-8", "surrogateescape") + b"\0")
         if isinstance(value, LazyArray):
             digest.update(f"array {value.item_type} {value.count}\0".encode())
-            _hash_span(digest, value)
+            hash_span(digest, value.path, value.start, value.end)
         else:
             digest.update(f"{type(value).__name__} {value!r}".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
 class _Digest(Protocol):
-    """What `_hash_span` asks of a hashlib object (typeshed's name for it is private)."""
+    """What `hash_span` asks of a hashlib object (typeshed's name for it is private)."""
 
     def update(self, data: bytes, /) -> None: ...
 
 
-def _hash_span(digest: _Digest, array: LazyArray) -> None:
-    with open(array.path, "rb") as fh:
-        fh.seek(array.start)
-        left = array.end - array.start
+def hash_span(digest: _Digest, path: Path, start: int, end: int) -> None:
+    """Feed the bytes [start, end) of a file to `digest`, a chunk at a time."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        left = end - start
         while left > 0:
             chunk = fh.read(min(left, _CHUNK))
             if not chunk:

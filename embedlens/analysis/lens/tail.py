@@ -247,9 +247,13 @@ def _reader(source: ModelSource, model: nn.Module) -> _Reader:
     from embedlens.compat.transformers import tail_tensors
 
     if source.is_gguf:
+        from embedlens.model.files import files_of
+
         assert source.path is not None
+        ckpt = files_of(source).checkpoint  # its header, read once; the same offsets as the file's
+        assert ckpt is not None and ckpt.gguf is not None
         # a hub GGUF whole (its tokenizer was built from it), never the sparse copy of its header
-        gguf = tail_tensors.GGUFTensors(source.whole_gguf(), model)
+        gguf = tail_tensors.GGUFTensors(source.whole_gguf(), ckpt.gguf, model)
         return _Reader(gguf.places(), gguf.read)
     if source.kind == "hub" and not _on_disk(source):
         return _hub_reader(source, model)

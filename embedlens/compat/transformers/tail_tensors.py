@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from embedlens.io.checkpoint import TensorEntry
-    from embedlens.io.gguf import GGUFTensorInfo
+    from embedlens.io.gguf import GGUFHeader, GGUFTensorInfo
 
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -108,20 +108,18 @@ def read_folder_tensor(place: Stored, dtype: torch.dtype) -> torch.Tensor:
 class GGUFTensors:
     """A GGUF file's tensors by the model names transformers gives them, read one at a time
     (dequantised and processed as transformers' GGUF loader does). The tensor table is the one
-    embedlens read from the header: gguf's reader, which parses every metadata field first, is
-    not needed to find two tensors."""
+    embedlens read from the header (`header`; `path` the whole file, where a hub GGUF's header
+    was read from a copy of its first bytes): gguf's reader, which parses every metadata field
+    first, is not needed to find two tensors."""
 
-    def __init__(self, path: Path, model: Any) -> None:
+    def __init__(self, path: Path, header: GGUFHeader, model: Any) -> None:
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
             get_gguf_hf_weights_map,
         )
 
-        from embedlens.io.gguf import read_gguf_header
-
         self.path = path
-        header = read_gguf_header(path)
         arch = str(header.meta("general.architecture", ""))
         self.config = model.config.to_dict()
         processor: Any = TENSOR_PROCESSORS.get(arch, TensorProcessor)
