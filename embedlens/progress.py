@@ -39,8 +39,8 @@ def progress_of(fn: Callable[..., Any] | None, function: str) -> Progress:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a callable Python cannot read the parameters of
         return fn
-    try:
-        signature.bind("stage", 0, 0, "unit", detail="")
+    try:  # the protocol's parameters are positional: a callable may name them as it likes
+        signature.bind("stage", 0, 0, "unit", "")
     except TypeError:
         try:
             signature.bind("stage", 0, 0, "detail")

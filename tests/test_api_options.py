@@ -105,9 +105,13 @@ def test_the_former_progress_shape_and_eval_name_warn(tmp_path: Path) -> None:
     def new(stage: str, done: int, total: int, unit: str, detail: str = "") -> None:
         calls.append((stage, unit))
 
-    with warnings.catch_warnings():
+    def renamed(_stage: str, done: int, total: int, _unit: str, _detail: str = "") -> None:
+        calls.append((done, total))
+
+    with warnings.catch_warnings():  # the protocol's parameters are positional: any names
         warnings.simplefilter("error")
         assert progress_of(new, "tune") is new
+        assert progress_of(renamed, "lens_text") is renamed
     missing = tmp_path / "missing.txt"
     with pytest.warns(DeprecationWarning, match="eval_data"), pytest.raises(UsageError):
         embedlens.tune("m", missing, tmp_path / "out", eval=missing)
