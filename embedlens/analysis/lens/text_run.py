@@ -61,45 +61,96 @@ class Reference:
     """[P] the reference's argmax."""
 
 
-def _lp(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1)
+def _lp(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is None:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1, out=out)
+
+
+def _top1(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's argmax among the `vocab` real tokens (the first of equal maxima, as argmax
+    gives it: torch's max along a dimension is half argmax's time on CPU)."""
+    return logits[:, :vocab].max(-1).indices
+
+
+class Scratch:
+    """[rows, V] buffers kept from one chunk to the next for the per-row reductions. A fresh
+    64 MiB array is mapped anew by the allocator and faulted in page by page, which cost as
+    much as the log-softmax or exp written into it; written into a kept buffer, the figures are
+    the same bits."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of `like`'s shape, dtype and device (its contents undefined)."""
+        buf = self._kept.get(name)
+        n = like.shape[0]
+        if (
+            buf is None
+            or buf.shape[0] < n
+            or buf.shape[1:] != like.shape[1:]
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
+            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            self._kept[name] = buf
+        return buf[:n]
+
+
+def _log_probs(
+    logits: torch.Tensor, scratch: Scratch, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' log-probabilities and probabilities, in `scratch`'s buffers `name`.lp/.p."""
+    lp = _lp(logits, scratch(f"{name}.lp", logits))
+    return lp, torch.exp(lp, out=scratch(f"{name}.p", logits))
 
 
 def _one_rows(
     logits: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None, t: torch.Tensor,
-    vocab: int, lp: torch.Tensor | None = None, p: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """[n, len(ONE)] per row: NLL, NLL², KL(output ‖ lens), entropy, top-1 hit (float64);
-    `out`: the output's probabilities and Σ p log p at the same rows (None: these rows are the
-    output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each a dot per row (as
-    `lens --prompts` takes it), so no [n, V] product is kept. `lp`, `p`: the rows'
-    log-probabilities and probabilities when already computed (a comparison's)."""
-    lp = _lp(logits) if lp is None else lp
+    vocab: int, scratch: Scratch, lp: torch.Tensor, p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """[n, len(ONE)] per row: NLL, NLL², KL(output ‖ lens), entropy, top-1 hit (float64), and
+    the rows' argmax; `out`: the output's probabilities and Σ p log p at the same rows (None:
+    these rows are the output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each
+    a dot per row (as `lens --prompts` takes it), so no [n, V] product is kept. `lp`, `p`: the
+    rows' log-probabilities and probabilities (`_log_probs`)."""
     nll = -lp.gather(1, t[:, None])[:, 0]
-    negent = rowdot(lp.exp() if p is None else p, lp)
-    kl = torch.zeros_like(nll) if out is None else (out[1] - rowdot(out[0], lp)).clamp_min(0)
-    top1 = (logits[:, :vocab].argmax(-1) == t).float()
-    return torch.stack([nll, nll * nll, kl, -negent, top1], 1).double()
+    negent = rowdot(p, lp, out=scratch("product", lp))
+    kl = (
+        torch.zeros_like(nll)
+        if out is None
+        else (out[1] - rowdot(out[0], lp, out=scratch("product", lp))).clamp_min(0)
+    )
+    top = _top1(logits, vocab)
+    top1 = (top == t).float()
+    return torch.stack([nll, nll * nll, kl, -negent, top1], 1).double(), top
+
+
+def _kl(la: torch.Tensor, pa: torch.Tensor, lb: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """Σ pa·(la - lb) per row (float64), the difference and product written into a buffer."""
+    diff = torch.sub(la, lb, out=scratch("product", la))
+    return diff.mul_(pa).sum(-1).double()
 
 
 def _pair_rows(
-    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b: torch.Tensor,
-    r: torch.Tensor | None, t: torch.Tensor, vocab: int,
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], b: torch.Tensor,
+    r: torch.Tensor | None, t: torch.Tensor, vocab: int, scratch: Scratch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """[n, len(PAIR)] per row (ref: the reference's logits, log-probabilities and probabilities;
-    b: the evaluated's logits; r: the reference's decoder on the evaluated's residual, `b`
-    itself when the two tails are one), with the per-row KL and Δp."""
-    a, la, pa = ref
-    lb = _lp(b)
+    """[n, len(PAIR)] per row (ref: the reference's logits, log-probabilities, probabilities and
+    argmax; b: the evaluated's logits; r: the reference's decoder on the evaluated's residual,
+    `b` itself when the two tails are one), with the per-row KL and Δp."""
+    _, la, pa, top_a = ref
+    lb = _lp(b, scratch("other.lp", b))
     nll_a = -la.gather(1, t[:, None])[:, 0].double()
     nll_b = -lb.gather(1, t[:, None])[:, 0].double()
-    kl = (pa * (la - lb)).sum(-1).double()
+    kl = _kl(la, pa, lb, scratch)
     dp = torch.exp(-nll_b) - torch.exp(-nll_a)
-    same = (a[:, :vocab].argmax(-1) == b[:, :vocab].argmax(-1)).double()
+    same = (top_a == _top1(b, vocab)).double()
     if r is None:
         res = torch.zeros_like(kl)
     else:
-        res = kl if r is b else (pa * (la - _lp(r))).sum(-1).double()
+        res = kl if r is b else _kl(la, pa, _lp(r, scratch("other.lp", r)), scratch)
     dp2 = dp * dp
     cols = [nll_a, nll_a * nll_a, nll_b, nll_b * nll_b, nll_a * nll_b, kl, kl * kl, dp, dp2,
             dp2 * dp2, same, res]  # fmt: skip
@@ -122,7 +173,7 @@ def file_pair_rows(
     nll_a = -ref.target_logp.double()
     nll_b = -lb.gather(1, t[:, None])[:, 0].double()
     dp = torch.exp(-nll_b) - torch.exp(-nll_a)
-    same = (ref.top1 == b[:, :vocab].argmax(-1)).double()
+    same = (ref.top1 == _top1(b, vocab)).double()
     dp2 = dp * dp
     cols = [nll_a, nll_a * nll_a, nll_b, nll_b * nll_b, nll_a * nll_b, kl, kl * kl, dp, dp2,
             dp2 * dp2, same, torch.zeros_like(kl)]  # fmt: skip
@@ -139,7 +190,7 @@ def kept_logits(out: torch.Tensor, t: torch.Tensor, vocab: int) -> dict[str, np.
         "ids": ids.int().cpu().numpy(),
         "logp": logp.cpu().numpy(),
         "target_logp": lp.gather(1, t[:, None])[:, 0].cpu().numpy(),
-        "top1": out[:, :vocab].argmax(-1).int().cpu().numpy(),
+        "top1": _top1(out, vocab).int().cpu().numpy(),
     }
 
 
@@ -160,6 +211,7 @@ class TextRun:
         self.n_layers = len(find_blocks(main.model).modules)
         self.keep_logits = keep_logits
         self.residual = residual
+        self.scratch = Scratch()
         self.check: tuple[float, float] | None = None
         """(max |decoded last layer - logits|, tolerance), from the first window run."""
         self.same_tail = other is not None and same_tail(main.model, other.model)
@@ -233,14 +285,17 @@ class TextRun:
                 mine = real[js.to(real.device)]
             else:
                 mine = self._decode(self.main.decoder, cap.residual, part, device)
-            lp = _lp(mine)
-            p = lp.exp()
-            one.index_add_(0, at, _one_rows(mine, oj, tj, self.vocab, lp, p).cpu())
+            lp, p = _log_probs(mine, self.scratch, "main")
+            rows, top = _one_rows(mine, oj, tj, self.vocab, self.scratch, lp, p)
+            one.index_add_(0, at, rows.cpu())
             if logit is not None:
                 plain = mine if last else self._decode(self.main.logit, cap.residual, part, device)  # type: ignore[arg-type]
-                logit.index_add_(0, at, _one_rows(plain, oj, tj, self.vocab).cpu())
+                plp, pp = _log_probs(plain, self.scratch, "logit")
+                logit.index_add_(
+                    0, at, _one_rows(plain, oj, tj, self.vocab, self.scratch, plp, pp)[0].cpu()
+                )
             if theirs is not None and pair is not None and kl_v is not None and dp_v is not None:
-                rows, kl, dp = self._pair(theirs, part, last, js, (mine, lp, p), tj, device)
+                rows, kl, dp = self._pair(theirs, part, last, js, (mine, lp, p, top), tj, device)
                 pair.index_add_(0, at, rows.cpu())
                 kl_v[at, js] = kl.float().cpu()
                 dp_v[at, js] = dp.float().cpu()
@@ -269,7 +324,7 @@ class TextRun:
         part: list[tuple[int, int]],
         last: bool,
         js: torch.Tensor,
-        a: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        a: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         tj: torch.Tensor,
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,7 +342,7 @@ class TextRun:
             r = b  # the same computation on the same rows: the same bits
         elif self.residual:
             r = self._decode(self.main.decoder, theirs.residual, part, device).to(mine.device)
-        return _pair_rows(a, b, r, tj, self.vocab)
+        return _pair_rows(a, b, r, tj, self.vocab, self.scratch)
 
     @staticmethod
     def _decode(
