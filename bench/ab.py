@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import CACHE, Row, rows, run_once  # noqa: E402  (bench/ beside this script)
+from run import Row, bench_env, rows, run_once  # noqa: E402  (bench/ beside this script)
 
 
 def argv(row: Row) -> list[str]:
@@ -70,9 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.old / "embedlens" / "__init__.py").is_file():
         raise SystemExit(f"error: {args.old} holds no embedlens/ package")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(CACHE / "pycache")
+    env = bench_env()
     trees = {"old": args.old.resolve(), "new": HERE.parent}
     table, _, _ = rows(False)
     seen: set[tuple[str, ...]] = set()

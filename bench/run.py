@@ -834,6 +834,17 @@ def folder_lens_rows(el: list[str], folder: Path, name: str, prompt: str) -> lis
     ]  # fmt: skip
 
 
+def bench_env() -> dict[str, str]:
+    """The environment every timed run gets: offline, and its bytecode kept."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # An installed package runs from compiled bytecode (pip writes it at install); a machine that
+    # sets PYTHONDONTWRITEBYTECODE would have every run compile embedlens' sources again, so the
+    # runs (commands and baselines alike) keep their bytecode in the cache (the warm-up writes it).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(CACHE / "pycache")
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: CI's check")
@@ -860,12 +871,7 @@ def main() -> None:
         big_paths(args.quick, build=True, cache=CACHE, tokenizer=write_word_tokenizer)
         return
     runs = 1 if args.quick else args.runs
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # An installed package runs from compiled bytecode (pip writes it at install); a machine that
-    # sets PYTHONDONTWRITEBYTECODE would have every run compile embedlens' sources again, so the
-    # runs (commands and baselines alike) keep their bytecode in the cache (the warm-up writes it).
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(CACHE / "pycache")
+    env = bench_env()
     # Build in a child: peak memory is read from each child's rusage, and a forked child starts
     # with its parent's resident pages, so this process must stay small until the floors.
     build = [sys.executable, __file__, "--build-only"] + (["--quick"] if args.quick else [])

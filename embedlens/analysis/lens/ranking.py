@@ -10,6 +10,7 @@ rows' float32 log_softmax, which the batch computes anyway for its KL statistics
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +144,5 @@ def rowdot(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
     nats by 0.01 against float64. One row is summed on one thread (`one_thread`): torch splits
     a reduction to a single value between threads, and its last bits would follow their count.
     `out`: an [n, V] buffer the products are written to (the same figures, no fresh array)."""
-    if a.shape[0] > 1:
-        return (a * b if out is None else torch.mul(a, b, out=out)).sum(dim=-1)
-    with one_thread():
+    with nullcontext() if a.shape[0] > 1 else one_thread():
         return (a * b if out is None else torch.mul(a, b, out=out)).sum(dim=-1)
