@@ -195,7 +195,6 @@ def save_states(
     the ids, the model's logits at the last position, and `about` (model, revision, dtype,
     prompt) with the layers in the metadata."""
     import torch
-    from safetensors.torch import save_file
 
     n_layers = int(residual.shape[1])
     tensors = {
@@ -215,6 +214,45 @@ def save_states(
     if logits is not None:
         metadata["logits"] = "the model's own logits at the last position, float32"
     try:
-        save_file(tensors, os.fspath(path), metadata=metadata)
+        write_safetensors(path, tensors, metadata)
     except OSError as e:
         raise EmbedlensError(f"cannot write the states to '{path}': {e.strerror or e}") from e
+
+
+_STORED = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
+"""safetensors' names of the dtypes a states file holds."""
+
+
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """`tensors` and `metadata` as a safetensors file, laid out as safetensors' own `save_file`
+    lays them out (the widest dtype first, then by name; the header padded to 8 bytes), but for
+    the metadata, written in sorted order: `save_file` keeps it in a hash map whose order
+    changes from one process to the next, and the same states would not give the same bytes."""
+    import json
+    import struct
+
+    import torch
+
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        dtype = _STORED[str(t.dtype).removeprefix("torch.")]
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)))
+        fh.write(text)
+        for name in order:
+            data = tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            fh.write(data.numpy().data)
