@@ -342,3 +342,31 @@ def test_smollm2_sums_and_pieces_as_plain_transformers(smollm2, smollm2_plain, c
         assert [t["id"] for t in row["top"]] == lp.topk(5).indices.tolist(), row["row"]
         for t in row["top"]:
             assert t["logprob"] == pytest.approx(float(lp[t["id"]]), abs=1e-4)
+
+
+def test_the_sites_are_the_same_bytes_on_one_thread_and_on_two(tiny, tmp_path):
+    """The sites' forward pass and decoding run on the threads the engine's would (one for a
+    small pass): on an AMD EPYC a prompt's attn_out rows moved in their last bits between one
+    thread and two before they did."""
+    import embedlens
+    from embedlens.model.prompts import PromptSource
+    from tests.test_dist import prompts_file
+
+    folder = tiny("llama-tied")
+    prompts = PromptSource.open(prompts_file(tmp_path / "p.jsonl"))
+    sites = "attn_out,mlp_out,resid_mid,resid"
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            seen: list[dict[str, Any]] = []
+            summary = embedlens.lens_prompts(
+                folder, prompts, site=sites, skip_bad=True,
+                on_report=lambda report, _line, seen=seen: seen.append(report.to_dict()),
+            )  # fmt: skip
+            one = embedlens.lens(folder, PROMPT, site=sites, position="all").to_dict()
+            runs.append(json.dumps([one, seen, summary.to_dict()], sort_keys=True))
+    finally:
+        torch.set_num_threads(before)
+    assert len(runs[0]) > 1000 and runs[0] == runs[1]

@@ -22,7 +22,7 @@ from embedlens.analysis.lens.many import OnReport
 from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import open_model
 from embedlens.analysis.lens.prompt import make_prompt
-from embedlens.analysis.lens.site_report import check_sites, sites_report
+from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.errors import UsageError
 from embedlens.options import LensOptions, LoadOptions, renamed
 
@@ -133,7 +133,7 @@ def _one_prompt(
     """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
     the sites inside the blocks, `site`)."""
     loading, pair = models
-    sites = _sites(site, tuned)
+    sites = sites_asked(site, tuned)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
@@ -249,7 +249,7 @@ def _many(
 
     loading, pair = models
     on_report, progress, compare_logit = run
-    sites = _sites(site, lens_dir, pair)
+    sites = sites_asked(site, lens_dir, pair)
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
@@ -299,18 +299,6 @@ def _deprecated_many(
         stacklevel=3,
     )
     return lens_prompts(model, prompts, **many_options)
-
-
-def _sites(
-    site: str | Sequence[str] | None, tuned: object, against_many: object = None
-) -> tuple[str, ...]:
-    """`site=` checked before any model loads: the sites asked for, in block order
-    (`site_report.check_sites`; `against_many`: B, with many prompts)."""
-    from embedlens.analysis.lens.site_report import parse_sites
-
-    sites = parse_sites(site)
-    check_sites(sites, tuned, against_many)
-    return sites
 
 
 def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:

@@ -101,6 +101,7 @@ class SiteManyRun(ManyRun):
     def _add(self, prompt: Prompt, result: LensResult) -> None:
         """One prompt's sites: taken apart, decoded a layer at a time, added to the sums."""
         from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
+        from embedlens.analysis.lens.threads import threads_for
 
         model = self.opened.model
         pieces = take_apart(model, prompt.ids, result.positions, "resid_mid" in self.sites)
@@ -109,7 +110,7 @@ class SiteManyRun(ManyRun):
         assert result.output is not None
         real = torch.log_softmax(result.output.float(), -1)
         job = _Job(pieces, decoder, input_device(model), result.vocab_size, real)
-        with torch.inference_mode():
+        with torch.inference_mode(), threads_for(model, len(prompt.ids)):
             for layer in (x for x in result.layers if x >= 1):
                 self._layer(job, layer, prompt.target_id)
 

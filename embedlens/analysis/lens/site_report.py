@@ -38,38 +38,39 @@ SUFFIX = {"attn_out": ".attn", "resid_mid": ".mid", "mlp_out": ".mlp", "resid": 
 """A site's row label after the layer number: `3.attn`, `3.mid`, `3.mlp`, `3`."""
 
 
-def parse_sites(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """`--site`: one site or several (comma-separated, or a list), in block order."""
+def sites_asked(
+    value: str | Sequence[str] | None, tuned: object, against_many: object = None
+) -> tuple[str, ...]:
+    """`--site` (one site or several: comma-separated, or a list) as the sites asked for, in
+    block order, checked before any model loads: a tuned lens is fitted to the residual stream
+    only; two models over many prompts are compared on the residual stream (`against_many`:
+    --against with --prompts)."""
     if value is None:
-        return ("resid",)
-    items = value.split(",") if isinstance(value, str) else list(value)
-    names = [str(s).strip() for s in items if str(s).strip()]
-    bad = [s for s in names if s not in SITES]
-    if bad or not names:
-        raise UsageError(
-            f"unknown --site {bad[0] if bad else repr(value)}: use one or more of "
-            f"{', '.join(SITES)}, comma-separated",
-            hint="e.g. --site resid_mid,resid",
-        )
-    return tuple(s for s in SITES if s in names)
-
-
-def check_sites(sites: Sequence[str], tuned: object, against_many: object = None) -> None:
-    """Before any work: a tuned lens is fitted to the residual stream only; two models over
-    many prompts are compared on the residual stream (`against_many`: --against with
-    --prompts)."""
-    if against_many is not None and tuple(sites) != ("resid",):
+        sites: tuple[str, ...] = ("resid",)
+    else:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        names = [str(s).strip() for s in items if str(s).strip()]
+        bad = [s for s in names if s not in SITES]
+        if bad or not names:
+            raise UsageError(
+                f"unknown --site {bad[0] if bad else repr(value)}: use one or more of "
+                f"{', '.join(SITES)}, comma-separated",
+                hint="e.g. --site resid_mid,resid",
+            )
+        sites = tuple(s for s in SITES if s in names)
+    if against_many is not None and sites != ("resid",):
         raise UsageError(
             "--site with --against compares where inside the blocks two models part on one "
             "prompt: give PROMPT rather than --prompts",
             hint="run the prompts of interest one at a time with --against --site",
         )
-    if tuned is not None and tuple(sites) != ("resid",):
+    if tuned is not None and sites != ("resid",):
         raise UsageError(
             "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
             "the blocks' outputs, not to the stream inside a block or to what one adds",
             hint="drop --tuned to read the other sites through the model's own decoder",
         )
+    return sites
 
 
 def take_apart(model: nn.Module, ids: Sequence[int], positions: Sequence[int], mid: bool) -> Pieces:
@@ -77,9 +78,11 @@ def take_apart(model: nn.Module, ids: Sequence[int], positions: Sequence[int], m
     of a parallel block when `mid`)."""
     from embedlens.analysis.lens.blocks import find_blocks
     from embedlens.analysis.lens.sites import capture_pieces, refuse_mid_in_parallel
+    from embedlens.analysis.lens.threads import threads_for
 
     blocks = find_blocks(model)
-    pieces = capture_pieces(model, blocks, ids, positions)
+    with threads_for(model, len(ids)):  # as the engine's pass: the same bytes on any threads
+        pieces = capture_pieces(model, blocks, ids, positions)
     if mid:
         refuse_mid_in_parallel(
             pieces.splits, lambda layer: type(blocks.modules[layer - 1]).__name__
@@ -104,6 +107,7 @@ def sites_report(
     from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
     from embedlens.analysis.lens.prompt import token_text
     from embedlens.analysis.lens.site_rows import SiteJob, decode_sites
+    from embedlens.analysis.lens.threads import threads_for
 
     model = opened.model
     pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
@@ -113,7 +117,7 @@ def sites_report(
                   run.target_id)  # fmt: skip
     if decoder is None:
         decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
-    with torch.inference_mode():
+    with torch.inference_mode(), threads_for(model, len(run.ids)):
         decoded = decode_sites(job, pieces, decoder, input_device(model), result.vocab_size)
     cache: dict[int, str] = {}
 
