@@ -78,7 +78,7 @@ def test_nothing_is_done_once_transformers_is_imported():
 @pytest.fixture
 def notes(monkeypatch, capsys):
     """The notes said on stderr since the test began (each said afresh)."""
-    from embedlens.compat import paths as plain
+    import embedlens.compat as plain
 
     plain.forget_said()
     capsys.readouterr()
@@ -122,7 +122,7 @@ def test_a_scan_not_as_known_is_left_alone_with_a_note(notes, kind):
 
 
 def test_a_release_outside_the_checked_ones_adds_no_finder(notes, monkeypatch):
-    from embedlens.compat import paths as plain
+    import embedlens.compat as plain
 
     monkeypatch.delitem(sys.modules, "transformers", raising=False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from embedlens.compat import paths as compat
+import embedlens.compat as compat
 from embedlens.compat.jinja import _jinja_fits as jinja_fits
 
 WORKING = (

@@ -66,3 +66,16 @@ def release_text(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def within(distribution: str, low: tuple[int, ...], high: tuple[int, ...]) -> bool:
+    """The installed release is at least `low` and below `high`."""
+    got = release(distribution)
+    return got is not None and low <= got < high
+
+
+def public_path(message: str) -> None:
+    """One `note:` line, once a process: a shortcut took its public path (`message` says which
+    and why). On the command line a note on stderr (silenced by --quiet); from Python a
+    `PublicPathNote` warning."""
+    say_once(message)

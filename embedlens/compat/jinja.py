@@ -15,7 +15,7 @@ import functools
 import inspect
 from typing import Any
 
-from embedlens.compat.paths import plain, public_path, within
+from embedlens.compat import plain, public_path, within
 
 JINJA_CHECKED = ((3, 1), (3, 2))
 """The Jinja releases the checks were written against: 3.1.x."""

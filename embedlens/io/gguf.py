@@ -59,7 +59,7 @@ constants module that imports nothing of the package; the reader's own methods, 
 def _gguf_constants() -> Any:
     """gguf's constants module loaded alone; with EMBEDLENS_PLAIN=1, or (one note) on a release
     outside GGUF_CHECKED, `import gguf.constants`, the package with it."""
-    from embedlens.compat.paths import plain, public_path, within
+    from embedlens.compat import plain, public_path, within
 
     spec = importlib.util.find_spec("gguf")
     if spec is None or not spec.submodule_search_locations:

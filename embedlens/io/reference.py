@@ -89,7 +89,7 @@ def gguf_reader_rows(header: GGUFHeader, name: str, rows: Sequence[int]) -> list
 
 def _reader_fits() -> bool:
     """Whether `_header_reader` may be used (see `gguf_reader_rows`)."""
-    from embedlens.compat.paths import plain, public_path, within
+    from embedlens.compat import plain, public_path, within
 
     if plain():
         return False

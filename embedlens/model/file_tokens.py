@@ -184,9 +184,12 @@ _GUARD: ContextVar[Guard | None] = ContextVar("embedlens_file_tokens", default=N
 
 
 @contextmanager
-def watching(guard: Guard | None) -> Iterator[None]:
-    """Check every text encoded by `check_ids` in this block against `guard`'s files."""
-    token = _GUARD.set(guard)
+def watching(
+    source: ModelSource | None, *, loaded: bool, others: tuple[ModelSource, ...], model: str
+) -> Iterator[None]:
+    """Check every text encoded by `check_ids` in this block against the GGUF files of the run
+    (`guard_for`: the model's own, `source`, and `others`')."""
+    token = _GUARD.set(guard_for(source, loaded=loaded, others=others, model=model))
     try:
         yield
     finally:

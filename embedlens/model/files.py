@@ -270,11 +270,15 @@ def read_config(
     return parse_config(source.file("config.json"), trust_remote_code=trust_remote_code)
 
 
-def mismatches(config: ModelConfig, ckpt: Checkpoint) -> list[tuple[str, int, int]]:
+def mismatches(
+    config: ModelConfig, ckpt: Checkpoint, embedding: str | None = None
+) -> list[tuple[str, int, int]]:
     """Where the config and the checkpoint's shapes disagree: (what, config's figure, stored
-    figure) for the embedding's rows (vocabulary size), its width, and the number of blocks."""
+    figure) for the embedding's rows (vocabulary size), its width, and the number of blocks.
+    `embedding`: the embedding's name where it was found already (`tables`)."""
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
-    embedding = find_embedding(shapes, config.vocab_size)
+    if embedding is None:
+        embedding = find_embedding(shapes, config.vocab_size)
     out: list[tuple[str, int, int]] = []
     if embedding is not None and len(shapes[embedding]) == 2:
         rows, width = shapes[embedding]
@@ -306,10 +310,13 @@ def _embedding_width(config: ModelConfig) -> int | None:
     return config.hidden_size
 
 
-def check_matches(source: ModelSource, config: ModelConfig, ckpt: Checkpoint) -> None:
+def check_matches(
+    source: ModelSource, config: ModelConfig, ckpt: Checkpoint, embedding: str | None
+) -> None:
     """Refuse (ConfigError) a config whose sizes the checkpoint's shapes contradict: transformers
-    would allocate the config's sizes, then fail or fill the difference with random values."""
-    found = mismatches(config, ckpt)
+    would allocate the config's sizes, then fail or fill the difference with random values.
+    `embedding`: as `mismatches` takes it."""
+    found = mismatches(config, ckpt, embedding)
     if not found:
         return
     label, said, stored = found[0]
@@ -322,12 +329,17 @@ def check_matches(source: ModelSource, config: ModelConfig, ckpt: Checkpoint) ->
     )
 
 
-def check_tables(ckpt: Checkpoint, config: ModelConfig) -> None:
-    """CheckpointError when the embedding or the head has no rows or rows of width 0."""
+def tables(ckpt: Checkpoint, config: ModelConfig) -> tuple[str | None, str | None]:
+    """The names of the embedding and the head among the checkpoint's tensors (None: not found;
+    a tied head has none of its own), after the check that neither has no rows or rows of width
+    0 (CheckpointError)."""
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
     embedding = find_embedding(shapes, config.vocab_size)
-    if embedding is not None:
-        check_not_empty(ckpt, embedding, find_head(shapes, embedding))
+    if embedding is None:
+        return None, None
+    head = find_head(shapes, embedding)
+    check_not_empty(ckpt, embedding, head)
+    return embedding, head
 
 
 def check_not_empty(ckpt: Checkpoint, embedding: str, head: str | None) -> None:
@@ -390,6 +402,10 @@ class ModelFiles:
     source: ModelSource
     checkpoint: Checkpoint | None
     config: ModelConfig
+    embedding: str | None = None
+    """The embedding's tensor name in the checkpoint (None: not found, or no headers read)."""
+    head: str | None = None
+    """The head's own tensor name (None: tied, not found, or no headers read)."""
     config_json: dict[str, Any] | None = field(init=False, compare=False, repr=False)
     """config.json as JSON (None for a GGUF file, whose config is its metadata)."""
 
@@ -398,12 +414,15 @@ class ModelFiles:
         object.__setattr__(self, "config_json", raw)
 
 
-_READ: dict[int, dict[bool, tuple[Checkpoint | None, ModelConfig]]] = {}
+_Read = tuple[Checkpoint | None, ModelConfig, str | None, str | None]
+"""What check_source read of a source: its headers, its config, the embedding's and head's names."""
+
+_READ: dict[int, dict[bool, _Read]] = {}
 """What check_source read, by id() of the source and trust_remote_code (an entry goes with its
 source, so an id used again starts unread; it holds no reference to the source)."""
 
 
-def _read(source: ModelSource) -> dict[bool, tuple[Checkpoint | None, ModelConfig]]:
+def _read(source: ModelSource) -> dict[bool, _Read]:
     """The files read of `source`, by the trust_remote_code they were checked with."""
     key = id(source)
     read = _READ.get(key)
@@ -417,7 +436,7 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Mod
     """The config and every checkpoint header, read with embedlens' own checks (once per source
     and trust_remote_code) before transformers reads the model: a corrupt file, an encoder-only
     config or one that needs remote code ends in embedlens' error, not in transformers' (or in a
-    crash)."""
+    crash). The config's sizes agree with the checkpoint's shapes once this has passed."""
     read = _read(source)
     kept = read.get(trust_remote_code)
     if kept is not None:
@@ -425,12 +444,13 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Mod
 
     ckpt = open_checkpoint(source)
     config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
+    embedding = head = None
     if ckpt is not None:
-        check_tables(ckpt, config)
-        check_matches(source, config, ckpt)
+        embedding, head = tables(ckpt, config)
+        check_matches(source, config, ckpt, embedding)
         check_integer_weights(ckpt, config)
-    read[trust_remote_code] = ckpt, config
-    return ModelFiles(source, ckpt, config)
+    read[trust_remote_code] = ckpt, config, embedding, head
+    return ModelFiles(source, ckpt, config, embedding, head)
 
 
 def files_of(given: ModelSource | ModelFiles, *, trust_remote_code: bool = False) -> ModelFiles:

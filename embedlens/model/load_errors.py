@@ -1,5 +1,6 @@
-"""What transformers raises while it reads a model, said as one embedlens error (`translated`),
-and what it reports after (`check_loading_info`: weights missing, mismatched or left unused)."""
+"""What transformers raises while it reads a model, said as one embedlens error (`reading`:
+`translated`, and the weights transformers could not convert named), and what it reports after
+(`check_loaded`: weights missing, mismatched or left unused, a GGUF model put on disk)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pickle
 import re
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 from embedlens.compat.transformers import fast
+from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -22,9 +24,6 @@ from embedlens.errors import (
 )
 from embedlens.io.source import ModelSource
 from embedlens.text import error_line, first_line
-
-if TYPE_CHECKING:
-    pass
 
 
 def _newer_release_hint(source: ModelSource) -> str | None:
@@ -40,6 +39,19 @@ def _newer_release_hint(source: ModelSource) -> str | None:
         f"or a transformers that builds GGUF tokenizers without it (transformers "
         f"{release_text('transformers')} is installed): pip install 'transformers>={NEWEST_TESTED}'"
     )
+
+
+@contextmanager
+def reading(source: ModelSource, what: str, *, weights: bool = False) -> Iterator[None]:
+    """While transformers reads `source` (`what`, for messages): its errors `translated`, a GGUF
+    file parsed once however often it is read (`gguf_reads_shared`), and with `weights`, the
+    weights it could not convert named (`conversion_errors_named`)."""
+    with ExitStack() as stack:
+        stack.enter_context(translated(source, what))
+        stack.enter_context(gguf_reads_shared(source))
+        if weights:
+            stack.enter_context(conversion_errors_named(source))
+        yield
 
 
 @contextmanager
@@ -110,6 +122,13 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
             return hub_error(seen, source.repo_id, "", source.revision)
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def check_loaded(source: ModelSource, model: Any, info: dict[str, Any]) -> list[str]:
+    """What the load left to check: a GGUF model put partly on disk (`refuse_gguf_on_disk`), the
+    loading info (`check_loading_info`); the notes on tensors the model does not use."""
+    refuse_gguf_on_disk(source, model)
+    return check_loading_info(source, model, info)
 
 
 def refuse_gguf_on_disk(source: ModelSource, model: Any) -> None:

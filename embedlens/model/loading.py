@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from embedlens.compat.transformers import direct, import_scan
-from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -29,18 +27,9 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import gguf_cache, preflight
-from embedlens.model.files import ModelFiles, files_of
-from embedlens.model.load_errors import (
-    check_loading_info,
-    conversion_errors_named,
-    refuse_gguf_on_disk,
-    translated,
-)
-
-if TYPE_CHECKING:
-    from embedlens.model.prefetch import Prefetch
-
+from embedlens.model import gguf_cache, prefetch, preflight
+from embedlens.model.files import ModelFiles, check_source
+from embedlens.model.load_errors import check_loaded, reading, translated
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
@@ -122,24 +111,6 @@ def _survivors_to_oldest() -> None:
         gc.unfreeze()
 
 
-def _quiet_transformers() -> None:
-    """transformers imported (its model table scanned once: `import_scan`), its warnings and
-    progress bars off."""
-    import_scan.scan_once()
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    from huggingface_hub.utils import disable_progress_bars
-
-    disable_progress_bars()
-    # accelerate warns through plain logging that offloaded weights sit on the meta device
-    import logging as stdlib_logging
-
-    stdlib_logging.getLogger("accelerate").setLevel(stdlib_logging.ERROR)
-
-
 @contextmanager
 def _where(source: ModelSource) -> Iterator[tuple[str, dict[str, Any]]]:
     """What to pass to from_pretrained: a local folder, or a repo id and revision."""
@@ -181,16 +152,17 @@ def _gguf_named(path: Path) -> Iterator[Path]:
 @fewer_collections
 def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     """The transformers config object (class defaults applied): for a folder, from the config
-    class its model type names (`direct.read_config`), else through AutoConfig."""
-    _quiet_transformers()
-    kept = gguf_cache.entry_of(source)
+    class its model type names (`direct.read_config`), else through AutoConfig; a GGUF file's
+    as kept from an earlier run (`gguf_cache`) where it reads back the same."""
+    import_scan.quiet()
+    kept = gguf_cache.entry_of(source) if source.is_gguf else None
     with _where(source) as (where, kwargs):
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
-        config = gguf_cache.load(kept, "config.json")
+        config = None if kept is None else gguf_cache.load(kept, "config.json")
         if config is None:
-            with translated(source, "reading the config"), gguf_reads_shared(source):
+            with reading(source, "reading the config"):
                 config = None if source.is_gguf else direct.read_config(Path(where))
                 if config is None:
                     from transformers import AutoConfig
@@ -198,7 +170,8 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
                     config = AutoConfig.from_pretrained(
                         where, trust_remote_code=trust_remote_code, **kwargs
                     )
-            gguf_cache.store(kept, config, "config.json")
+            if kept is not None:
+                gguf_cache.store(kept, config, "config.json")
         if kept is not None:
             config.name_or_path = where  # as transformers names a config it read from the file
     check_rope(source, config)
@@ -315,47 +288,69 @@ def load_model(
     A weight the checkpoint lacks or holds in another shape is an error (transformers would fill
     it with random values); tensors the model does not use are appended to `notes`. A folder's
     float32 model loaded whole on one device has its weights assigned directly
-    (`direct.load_float32`: the same model, without transformers' per-tensor machinery).
+    (`direct.load_folder`: the same model, without transformers' per-tensor machinery), its
+    half-precision tensors copied to float32 on a second thread meanwhile (`prefetch`).
     """
-    files = files_of(source, trust_remote_code=trust_remote_code)
+    files = _files(source, trust_remote_code)
     source = files.source
-    _quiet_transformers()
+    import_scan.quiet()
     options = _load_options(dtype, config, device_map, max_memory, offload_folder)
     preflight.check_load(files, dtype=dtype, device=None if device_map else resolve_device(device))
     direct_ok = dtype == "float32" and not device_map
     with (
-        _prefetched(files, trust_remote_code, direct_ok) as early,
+        prefetch.copies_for(_early_files(files, trust_remote_code, direct_ok)) as early,
         _where(source) as (where, kwargs),
-        translated(source, "loading the model"),
-        gguf_reads_shared(source),
-        conversion_errors_named(source),
+        reading(source, "loading the model", weights=True),
     ):
-        loaded: Any = _load_direct(source, options, trust_remote_code, early) if direct_ok else None
+        loaded: Any = None
+        if direct_ok and source.kind == "dir" and source.path is not None:
+            if config is None:
+                config = hf_config(source, trust_remote_code=trust_remote_code)
+            loaded = direct.load_folder(source.path, config, early)
         if early is not None:
             early.close()  # the copies not taken let go (all of them, before from_pretrained)
         if loaded is None:
-            from transformers import AutoModelForCausalLM
-
-            # Mismatched shapes come back in the loading info (and are refused below) instead of
-            # stopping transformers with a pointer to a report it does not show.
-            loaded = AutoModelForCausalLM.from_pretrained(
-                where,
-                trust_remote_code=trust_remote_code,
-                use_safetensors=None,
-                output_loading_info=True,
-                ignore_mismatched_sizes=True,
-                **kwargs,
-                **options,
-            )
+            loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
         model, info = loaded
-    refuse_gguf_on_disk(source, model)
-    extra = check_loading_info(source, model, info)
+    extra = check_loaded(source, model, info)
     if notes is not None:
         notes.extend(extra)
     if device_map is None:
         model.to(resolve_device(device))
     model.eval()  # autograd is left as the caller has it: the lens runs under inference_mode
     return model
+
+
+def _from_pretrained(where: str, trust_remote_code: bool, options: dict[str, Any]) -> Any:
+    """(model, loading info) from transformers' `from_pretrained`. Mismatched shapes come back in
+    the loading info (and are refused by `check_loaded`) instead of stopping transformers with a
+    pointer to a report it does not show."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        where,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=None,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,
+        **options,
+    )
+
+
+def _files(given: ModelSource | ModelFiles, trust_remote_code: bool) -> ModelFiles:
+    """`given` as read already, else its files read now (`check_source`)."""
+    if isinstance(given, ModelFiles):
+        return given
+    return check_source(given, trust_remote_code=trust_remote_code)
+
+
+def _early_files(files: ModelFiles, trust_remote_code: bool, direct_ok: bool) -> list[Path] | None:
+    """The safetensors files a folder's direct load will likely read, as far as config.json
+    tells before transformers is imported (`direct.early_files`); None where it will not."""
+    source = files.source
+    if not direct_ok or source.kind != "dir":
+        return None
+    return direct.early_files(source.path, files.config_json, trust_remote_code)
 
 
 def _load_options(
@@ -378,76 +373,32 @@ def _load_options(
     return options
 
 
-def _load_direct(
-    source: ModelSource, options: dict[str, Any], trust_remote_code: bool, early: Prefetch | None
-) -> tuple[Any, Any] | None:
-    """(model, loading info) of a folder's safetensors loaded directly, or None where
-    transformers' from_pretrained is needed (see `direct.load_float32`); `early`: the copies
-    `_prefetched` began."""
-    if source.kind != "dir" or source.path is None:
-        return None
-    config = options.get("config")
-    if config is None:
-        config = hf_config(source, trust_remote_code=trust_remote_code)
-    files = direct.weight_files(source.path, config)
-    return None if files is None else direct.load_float32(source.path, config, files, early)
-
-
-@contextmanager
-def _prefetched(
-    files: ModelFiles, trust_remote_code: bool, direct_ok: bool
-) -> Iterator[Prefetch | None]:
-    """The float32 copies of a folder's half-precision weights, begun on a second thread
-    (`prefetch.Prefetch`) where the load is likely direct and the process may use two cores:
-    None elsewhere, and where the files cannot be opened (the load then says why). Waited for
-    and let go of on the way out."""
-    source = files.source
-    found = (
-        direct.early_files(source.path, files.config_json, trust_remote_code) if direct_ok else None
-    )
-    early = None
-    if found is not None and source.kind == "dir":
-        from embedlens.model import prefetch
-
-        try:
-            early = prefetch.Prefetch(found) if prefetch.worth_it() else None
-        except Exception:  # a broken file: the load reports it as it does without this
-            early = None
-    try:
-        yield early
-    finally:
-        if early is not None:
-            early.close()
-
-
 @fewer_collections
 def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool = False) -> Any:
     """The model's tokenizer (`source`: as resolved, or as read already by `check_source`): a
     folder's tokenizer.json through the `tokenizers` library where transformers would read it
     into its generic class unchanged (`direct_tokenizer`), else through transformers (GGUF:
     rebuilt from the file's metadata)."""
-    files = files_of(source, trust_remote_code=trust_remote_code)
+    files = _files(source, trust_remote_code)
     source = files.source
-    _quiet_transformers()
+    import_scan.quiet()
     fast = _direct_tokenizer(files, trust_remote_code=trust_remote_code)
     if fast is not None:
         return fast  # tokenizer.json checked by `tokenizers` and `direct_tokenizer`
     check_tokenizer_files(files)
     from transformers import AutoTokenizer
 
-    kept = gguf_cache.entry_of(source)
-    tokenizer = gguf_cache.load(kept, "tokenizer.json")
+    kept = gguf_cache.entry_of(source) if source.is_gguf else None
+    tokenizer = None if kept is None else gguf_cache.load(kept, "tokenizer.json")
     try:
-        with (
-            _where(source) as (where, kwargs),
-            translated(source, "loading the tokenizer"),
-            gguf_reads_shared(source) if tokenizer is None else nullcontext(),
-        ):
+        with _where(source) as (where, kwargs):
             if tokenizer is None:
-                tokenizer = AutoTokenizer.from_pretrained(
-                    where, trust_remote_code=trust_remote_code, **kwargs
-                )
-                gguf_cache.store(kept, tokenizer, "tokenizer.json")
+                with reading(source, "loading the tokenizer"):
+                    tokenizer = AutoTokenizer.from_pretrained(
+                        where, trust_remote_code=trust_remote_code, **kwargs
+                    )
+                if kept is not None:
+                    gguf_cache.store(kept, tokenizer, "tokenizer.json")
             if kept is not None:
                 tokenizer.name_or_path = where  # as transformers names one it built from the file
             return tokenizer

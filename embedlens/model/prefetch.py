@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,25 @@ def worth_it() -> bool:
         return len(os.sched_getaffinity(0)) > 1
     except (AttributeError, OSError):
         return (os.cpu_count() or 1) > 1
+
+
+@contextmanager
+def copies_for(files: list[Path] | None) -> Iterator[Prefetch | None]:
+    """The float32 copies of `files`' half-precision weights (those a direct load will read:
+    `direct.early_files`), begun on a second thread where the process may use two cores
+    (`worth_it`): None elsewhere, for no files, and where the files cannot be opened (the load
+    then says why). Waited for and let go of on the way out."""
+    early = None
+    if files is not None and worth_it():
+        try:
+            early = Prefetch(files)
+        except Exception:  # a broken file: the load reports it as it does without this
+            early = None
+    try:
+        yield early
+    finally:
+        if early is not None:
+            early.close()
 
 
 BATCHED_COPY_RELEASES = ((2, 13), (2, 15))
@@ -81,7 +102,7 @@ class Prefetch:
         bound by the fresh pages it touches: see `direct._one_thread`)."""
         import torch
 
-        from embedlens.compat.paths import within
+        from embedlens.compat import within
 
         # torch's batched copy is private: taken on the releases it was measured on, else each
         # piece is copied by the public `copy_` (the same elementwise conversion, the same bits)

@@ -151,7 +151,10 @@ def estimate(source: ModelSource, dtype: str) -> Estimate | None:
     if ckpt is None or not ckpt.tensors:
         return None
     return _estimate(
-        ckpt, dtype, lambda: _config_dtype(source), lambda: _config_or_none(source, ckpt)
+        ckpt,
+        dtype,
+        lambda: _config_dtype(source),
+        lambda: _config_beyond_headers(_config_or_none(source, ckpt), ckpt),
     )
 
 
@@ -162,17 +165,30 @@ def estimate_files(files: ModelFiles, dtype: str) -> Estimate | None:
         return None
     raw = files.config_json
     return _estimate(
-        ckpt, dtype, lambda: None if raw is None else _raw_dtype(raw), lambda: files.config
+        ckpt, dtype, lambda: None if raw is None else _raw_dtype(raw), lambda: _as_stored(files)
     )
+
+
+def _as_stored(files: ModelFiles) -> tuple[int, int]:
+    """`_config_beyond_headers` of files `check_source` read: their config's sizes agree with
+    the checkpoint's, so nothing is allocated beyond the stored tensors; the embedding's
+    elements."""
+    assert files.checkpoint is not None
+    found = None if files.embedding is None else files.checkpoint.tensors.get(files.embedding)
+    if found is None or len(found.shape) != 2:
+        return 0, 0
+    rows, width = found.shape
+    return 0, rows * width
 
 
 def _estimate(
     ckpt: Checkpoint,
     dtype: str,
     configured_dtype: Callable[[], str | None],
-    config: Callable[[], ModelConfig | None],
+    beyond_headers: Callable[[], tuple[int, int]],
 ) -> Estimate | None:
-    """`estimate` from the headers, with the config's dtype and the config read on demand."""
+    """`estimate` from the headers, with the config's dtype and what the config adds to them
+    (`_config_beyond_headers`) found on demand."""
     target = _FLOAT_BYTES.get(dtype)
     label = dtype
     if target is None:  # auto: the config's dtype, else as stored (GGUF: dequantised to float32)
@@ -200,7 +216,7 @@ def _estimate(
             size = t.nbytes  # integers (packed quantisations) are not converted
         weights += size
         largest = max(largest, size)
-    beyond, matrix = _config_beyond_headers(config(), ckpt)
+    beyond, matrix = beyond_headers()
     weights += beyond * per_element
     largest = max(largest, matrix * per_element)
     return Estimate(weights, largest, label)

@@ -118,8 +118,7 @@ def from_files(
                 tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
             config = loading.hf_config(source, trust_remote_code=trust)
             template = _template_name(source)
-            guard = file_tokens.guard_for(source, loaded=loaded, others=others, model=name)
-            with file_tokens.watching(guard):
+            with file_tokens.watching(source, loaded=loaded, others=others, model=name):
                 checked = check(tokenizer, config, template)
             notes: list[str] = []
             model = loading.load_model(
@@ -133,7 +132,7 @@ def from_files(
                 config=config,
                 notes=notes,
             )
-        built_in = _builtin_code_note(config, trust_remote_code=trust)
+        built_in = files.config.builtin_code_note(trust_remote_code=trust)
         after = [] if built_in is None else [built_in]
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
 
@@ -199,8 +198,7 @@ def from_loaded(
     name = loaded_name(built)
     config = getattr(built, "config", None)
     template = f"the chat template of '{name}'"
-    guard = file_tokens.guard_for(None, loaded=False, others=others, model=name)
-    with file_tokens.watching(guard):
+    with file_tokens.watching(None, loaded=False, others=others, model=name):
         checked = check(tokenizer, config, template)
     with _eval_mode(built):
         yield Opened(name, built, tokenizer, config, template, [], []), checked
@@ -227,15 +225,3 @@ def _template_name(source: ModelSource) -> str:
         if found is not None:
             return f"the chat template in '{found}'"
     return f"the chat template of '{source.spec}'"
-
-
-def _builtin_code_note(config: Any, *, trust_remote_code: bool) -> str | None:
-    """The note for a config that maps to repository code transformers did not run (auto_map
-    over a built-in model type), from the config already read."""
-    from embedlens.model.files import ModelConfig
-
-    raw = {
-        "model_type": getattr(config, "model_type", None),
-        "auto_map": getattr(config, "auto_map", None),
-    }
-    return ModelConfig(raw=raw).builtin_code_note(trust_remote_code=trust_remote_code)

@@ -152,8 +152,7 @@ def _run_on(
         from embedlens.analysis.tune.use import before_load
 
         before_load(lens_dir, config)
-    guard = file_tokens.guard_for(source, loaded=True, others=(), model=name)
-    with file_tokens.watching(guard):
+    with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
     shown = _shown(ask, n_layers, file)
     index = position_index(ask.position, len(ids))

@@ -139,6 +139,15 @@ def build_on_meta(config: Any) -> Any | None:
         return model_class._from_config(config)
 
 
+def load_folder(
+    folder: Path, config: Any, early: Prefetch | None = None
+) -> tuple[Any, dict[str, Any]] | None:
+    """A folder's float32 model and loading info read directly (`load_float32` of its
+    `weight_files`), or None where transformers' from_pretrained is needed."""
+    files = weight_files(folder, config)
+    return None if files is None else load_float32(folder, config, files, early)
+
+
 def weight_files(folder: Path, config: Any) -> list[Path] | None:
     """The safetensors files `from_pretrained(folder)` reads, when it reads them plainly: one
     file or the shards of an index; None for anything else (an adapter, a distributed or

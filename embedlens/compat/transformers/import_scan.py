@@ -41,7 +41,7 @@ def scan_once() -> None:
     """Before transformers is first imported: its scan of the model folders will be cached
     whole (see the module's docstring). Does nothing once transformers is imported, with
     EMBEDLENS_PLAIN=1, or (one note) on a release outside CHECKED."""
-    from embedlens.compat.paths import plain, public_path, release, within
+    from embedlens.compat import plain, public_path, release, within
 
     if "transformers" in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
@@ -54,6 +54,26 @@ def scan_once() -> None:
     sys.meta_path.insert(0, _Finder())
 
 
+def quiet() -> None:
+    """transformers imported, its model table scanned once (`scan_once`), its warnings and
+    progress bars off: what every load does before it asks transformers for anything."""
+    import os
+
+    scan_once()
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+    # accelerate warns through plain logging that offloaded weights sit on the meta device
+    import logging as stdlib_logging
+
+    stdlib_logging.getLogger("accelerate").setLevel(stdlib_logging.ERROR)
+
+
 def cache_every_folder(module: ModuleType) -> bool:
     """Replace `module`'s folder scan (an `lru_cache` of 128 entries of a function of one
     `module_path`) with the same function cached without a limit; False (nothing changed, one
@@ -61,7 +81,7 @@ def cache_every_folder(module: ModuleType) -> bool:
     scan = getattr(module, SCAN, None)
     plain: Any = getattr(scan, "__wrapped__", None)
     if not _is_the_scan(scan, plain):
-        from embedlens.compat.paths import public_path
+        from embedlens.compat import public_path
 
         public_path(f"{_PUBLIC}: its {SCAN} is not the one embedlens knows")
         return False
