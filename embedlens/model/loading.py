@@ -28,7 +28,7 @@ from embedlens.errors import (
 )
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_cache, prefetch, preflight
-from embedlens.model.files import ModelFiles, check_source
+from embedlens.model.files import ModelFiles, files_of
 from embedlens.model.load_errors import check_loaded, reading, translated
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -155,12 +155,12 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     class its model type names (`direct.read_config`), else through AutoConfig; a GGUF file's
     as kept from an earlier run (`gguf_cache`) where it reads back the same."""
     import_scan.quiet()
-    kept = gguf_cache.entry_of(source) if source.is_gguf else None
+    kept = gguf_cache.entry_of(source)
     with _where(source) as (where, kwargs):
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
-        config = None if kept is None else gguf_cache.load(kept, "config.json")
+        config = gguf_cache.load(kept, "config.json")
         if config is None:
             with reading(source, "reading the config"):
                 config = None if source.is_gguf else direct.read_config(Path(where))
@@ -170,8 +170,7 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
                     config = AutoConfig.from_pretrained(
                         where, trust_remote_code=trust_remote_code, **kwargs
                     )
-            if kept is not None:
-                gguf_cache.store(kept, config, "config.json")
+            gguf_cache.store(kept, config, "config.json")
         if kept is not None:
             config.name_or_path = where  # as transformers names a config it read from the file
     check_rope(source, config)
@@ -291,7 +290,7 @@ def load_model(
     (`direct.load_folder`: the same model, without transformers' per-tensor machinery), its
     half-precision tensors copied to float32 on a second thread meanwhile (`prefetch`).
     """
-    files = _files(source, trust_remote_code)
+    files = files_of(source, trust_remote_code=trust_remote_code)
     source = files.source
     import_scan.quiet()
     options = _load_options(dtype, config, device_map, max_memory, offload_folder)
@@ -337,13 +336,6 @@ def _from_pretrained(where: str, trust_remote_code: bool, options: dict[str, Any
     )
 
 
-def _files(given: ModelSource | ModelFiles, trust_remote_code: bool) -> ModelFiles:
-    """`given` as read already, else its files read now (`check_source`)."""
-    if isinstance(given, ModelFiles):
-        return given
-    return check_source(given, trust_remote_code=trust_remote_code)
-
-
 def _early_files(files: ModelFiles, trust_remote_code: bool, direct_ok: bool) -> list[Path] | None:
     """The safetensors files a folder's direct load will likely read, as far as config.json
     tells before transformers is imported (`direct.early_files`); None where it will not."""
@@ -379,7 +371,7 @@ def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool 
     folder's tokenizer.json through the `tokenizers` library where transformers would read it
     into its generic class unchanged (`direct_tokenizer`), else through transformers (GGUF:
     rebuilt from the file's metadata)."""
-    files = _files(source, trust_remote_code)
+    files = files_of(source, trust_remote_code=trust_remote_code)
     source = files.source
     import_scan.quiet()
     fast = _direct_tokenizer(files, trust_remote_code=trust_remote_code)
@@ -388,8 +380,8 @@ def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool 
     check_tokenizer_files(files)
     from transformers import AutoTokenizer
 
-    kept = gguf_cache.entry_of(source) if source.is_gguf else None
-    tokenizer = None if kept is None else gguf_cache.load(kept, "tokenizer.json")
+    kept = gguf_cache.entry_of(source)
+    tokenizer = gguf_cache.load(kept, "tokenizer.json")
     try:
         with _where(source) as (where, kwargs):
             if tokenizer is None:
@@ -397,8 +389,7 @@ def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool 
                     tokenizer = AutoTokenizer.from_pretrained(
                         where, trust_remote_code=trust_remote_code, **kwargs
                     )
-                if kept is not None:
-                    gguf_cache.store(kept, tokenizer, "tokenizer.json")
+                gguf_cache.store(kept, tokenizer, "tokenizer.json")
             if kept is not None:
                 tokenizer.name_or_path = where  # as transformers names one it built from the file
             return tokenizer
