@@ -3,7 +3,7 @@
 One classifier serves header names (safetensors and GGUF) and module names alike, so `params`
 gives the same answer with or without torch. Embedding and head are passed in by name: in module
 mode they come from `get_input_embeddings()` / `get_output_embeddings()`, in header mode from
-`find_embedding` / `find_head` below.
+`find_tables` below.
 """
 
 from __future__ import annotations
@@ -125,3 +125,21 @@ def find_head(shapes: Mapping[str, Sequence[int]], embedding: str | None) -> str
         if name != embedding and len(shapes[name]) == 2:
             return name
     return None
+
+
+def find_tables(
+    shapes: Mapping[str, Sequence[int]], vocab: int | None
+) -> tuple[str | None, str | None]:
+    """The input embedding's and the output matrix's tensor names in a checkpoint (None: not
+    found; a tied head has none of its own, and without an embedding no head is looked for)."""
+    embedding = find_embedding(shapes, vocab)
+    return embedding, None if embedding is None else find_head(shapes, embedding)
+
+
+def stored_layers(shapes: Mapping[str, Sequence[int]]) -> int:
+    """How many blocks a checkpoint's tensors hold (buffers left out)."""
+    layers = {
+        place(n, embedding=(), head=()).layer for n, s in shapes.items() if not is_buffer_name(n, s)
+    }
+    layers.discard(None)
+    return len(layers)

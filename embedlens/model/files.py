@@ -20,7 +20,7 @@ from embedlens.errors import CheckpointError, ConfigError, RemoteCodeError
 from embedlens.io.checkpoint import Checkpoint, gguf_checkpoint, open_checkpoint
 from embedlens.io.gguf import GGUFHeader, LazyArray
 from embedlens.io.source import ModelSource
-from embedlens.model.anatomy import find_embedding, find_head, is_buffer_name, place
+from embedlens.model.anatomy import find_embedding, find_tables, is_buffer_name, stored_layers
 
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _NOT_CAUSAL_SUFFIXES = (
@@ -280,23 +280,20 @@ def mismatches(
     if embedding is None:
         embedding = find_embedding(shapes, config.vocab_size)
     out: list[tuple[str, int, int]] = []
-    if embedding is not None and len(shapes[embedding]) == 2:
+    if embedding in shapes and len(shapes[embedding]) == 2:  # not in a shard left unread
         rows, width = shapes[embedding]
         if config.vocab_size is not None and config.vocab_size != rows:
             out.append(("vocabulary size (embedding rows)", config.vocab_size, rows))
         said = _embedding_width(config)
         if said is not None and said != width:
             out.append(("width", said, width))
-    layers = {
-        place(n, embedding=(), head=()).layer for n, s in shapes.items() if not is_buffer_name(n, s)
-    }
-    layers.discard(None)
+    layers = stored_layers(shapes)
     said_layers = config.num_layers
     if layers and said_layers is not None:
         extra = config.text.get("num_nextn_predict_layers")  # DeepSeek-V3's stored MTP block
         allowed = {said_layers} | ({said_layers + extra} if isinstance(extra, int) else set())
-        if len(layers) not in allowed:
-            out.append(("layers", said_layers, len(layers)))
+        if layers not in allowed:
+            out.append(("layers", said_layers, layers))
     return out
 
 
@@ -333,12 +330,12 @@ def tables(ckpt: Checkpoint, config: ModelConfig) -> tuple[str | None, str | Non
     """The names of the embedding and the head among the checkpoint's tensors (None: not found;
     a tied head has none of its own), after the check that neither has no rows or rows of width
     0 (CheckpointError)."""
-    shapes = {name: t.shape for name, t in ckpt.tensors.items()}
-    embedding = find_embedding(shapes, config.vocab_size)
-    if embedding is None:
-        return None, None
-    head = find_head(shapes, embedding)
-    check_not_empty(ckpt, embedding, head)
+    # Tensors whose shard was not read (offline, `open_checkpoint(partial=True)`) are known by
+    # name: a matrix named as the embedding or the head is still found, shaped [?, ?] (-1, -1).
+    shapes = {**{n: (-1, -1) for n in ckpt.unread}, **{n: t.shape for n, t in ckpt.tensors.items()}}
+    embedding, head = find_tables(shapes, config.vocab_size)
+    if embedding is not None:
+        check_not_empty(ckpt, embedding, head)
     return embedding, head
 
 

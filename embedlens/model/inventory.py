@@ -17,13 +17,13 @@ from embedlens.io.checkpoint import (
     same_bytes,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model.anatomy import find_embedding, find_head, is_buffer_name, place
+from embedlens.model.anatomy import is_buffer_name, place, stored_layers
 from embedlens.model.files import (
     ModelConfig,
-    check_not_empty,
     mismatches,
     quantisation,
     read_config,
+    tables,
 )
 
 InventoryMode = Literal["header", "meta", "weights"]
@@ -74,17 +74,13 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     """Inventory from headers: buffers skipped, a tied head stored twice counted once."""
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
     skipped = sorted(n for n, s in shapes.items() if is_buffer_name(n, s))
-    # Tensors whose shard was not read (offline) are known by name: a matrix named as the
-    # embedding or the head is still found, with an unknown [?, ?] shape (-1, -1).
-    named = {**{n: (-1, -1) for n in ckpt.unread}, **shapes}
-    embedding = find_embedding(named, config.vocab_size)
+    embedding, found_head = tables(ckpt, config)  # an unread tensor's shape is [-1, -1]
     if embedding is None:
         raise CheckpointError(
             "no input embedding found among the checkpoint's tensors",
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
-    found_head = find_head(named, embedding)
-    check_not_empty(ckpt, embedding, found_head)
+    named = {**{n: (-1, -1) for n in ckpt.unread}, **shapes}
     notes: list[str] = []
     head, stored_head = _stored_head(ckpt, config, embedding, found_head, notes)
     items = [
@@ -95,8 +91,8 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     dtypes = {t.dtype for n, t in ckpt.tensors.items() if n not in skipped}
     _warn_packed(config, dtypes, notes)
     v = named[embedding][0]
-    stored_layers = _count_layers(items)
-    disagree = _disagreements(config, ckpt, notes)
+    layers = stored_layers(shapes)
+    disagree = _disagreements(config, ckpt, embedding, notes)
     hidden = config.hidden_size if config.hidden_size and "width" not in disagree else None
     return Inventory(
         items=items,
@@ -105,9 +101,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
         tied=head is None,
         vocab_size=v if v > 0 else config.vocab_size or 0,
         hidden_size=hidden or named[embedding][-1],
-        num_layers=stored_layers
-        if "layers" in disagree or not config.num_layers
-        else config.num_layers,
+        num_layers=layers if "layers" in disagree or not config.num_layers else config.num_layers,
         dtype=_header_dtype(ckpt, dtypes),
         config=config,
         stored_head=stored_head,
@@ -159,10 +153,11 @@ def _header_dtype(ckpt: Checkpoint, dtypes: set[str]) -> str | None:
 
 
 def _disagreements(
-    config: ModelConfig, ckpt: Checkpoint, notes: list[str]
+    config: ModelConfig, ckpt: Checkpoint, embedding: str, notes: list[str]
 ) -> dict[str, tuple[int, int]]:
     """What the config and the checkpoint disagree on (by label), each noted in notes."""
-    disagree = {label: (said, stored) for label, said, stored in mismatches(config, ckpt)}
+    found = mismatches(config, ckpt, embedding)
+    disagree = {label: (said, stored) for label, said, stored in found}
     for label, (said, stored) in disagree.items():
         notes.append(
             f"the config and the checkpoint disagree: the config says {label} {said:,}, the "

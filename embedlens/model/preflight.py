@@ -238,19 +238,20 @@ def _config_beyond_headers(config: ModelConfig | None, ckpt: Checkpoint) -> tupl
     config (a larger vocabulary, width or block count than the checkpoint stores), and the
     elements of the embedding matrix the config implies; (0, 0) when the config cannot be read.
     """
-    from embedlens.model.anatomy import find_embedding, find_head
+    from embedlens.model.anatomy import find_tables
     from embedlens.model.files import mismatches
 
     if config is None:
         return 0, 0
     shapes = {name: t.shape for name, t in ckpt.tensors.items()}
-    embedding = find_embedding(shapes, config.vocab_size)
+    embedding, head = find_tables(shapes, config.vocab_size)
     if embedding is None or len(shapes[embedding]) != 2:
         return 0, 0
-    said = {label.split()[0]: figure for label, figure, _ in mismatches(config, ckpt)}
+    found = mismatches(config, ckpt, embedding)
+    said = {label.split()[0]: figure for label, figure, _ in found}
     rows, width = shapes[embedding]
     implied = said.get("vocabulary", rows) * said.get("width", width)
-    matrices = 1 if find_head(shapes, embedding) is None else 2
+    matrices = 1 if head is None else 2
     beyond = max(implied - rows * width, 0) * matrices
     if "layers" in said:
         stored = {n: t.numel for n, t in ckpt.tensors.items() if _layer(n) is not None}
