@@ -75,3 +75,21 @@ def test_visits_and_moves_up_are_counted_as_defined(tmp_path):
         ("embedlens.io.low", "embedlens.analysis.high"),
     ]
     assert record.moves_up == [("embedlens.io.low", "embedlens.analysis.high")]
+
+
+def test_a_comprehension_is_read_as_part_of_its_function(tmp_path):
+    """A call made from a comprehension or a generator expression is its function's call: the
+    same pair as the function's own call of the callee (one visit), as Python 3.12 runs it."""
+    root = tmp_path / "embedlens"
+    low = _load(root / "io" / "parts.py", "def part(i):\n    return i * 2\n")
+    high = _load(
+        root / "analysis" / "whole.py",
+        "def whole(part):\n"
+        "    first = part(0)\n"
+        "    listed = [part(i) for i in range(3)]\n"
+        "    summed = sum(part(i) for i in range(3))\n"
+        "    return first, listed, summed, {i: part(i) for i in range(2)}\n",
+    )
+    record, result = walk(lambda: high.whole(low.part))
+    assert result == (0, [0, 2, 4], 6, {0: 0, 1: 2})
+    assert record.visits == [("embedlens.analysis.whole", "embedlens.io.parts")]

@@ -13,7 +13,9 @@ Definitions (what `walk` counts):
 - A *visit* is a call whose function lies in another module than its caller's, counted once per
   (caller function, called function) pair however often it runs: the reader follows each call
   from one module into another once, a loop over 50,000 tokens does not make 50,000 visits. The
-  first call into embedlens (the public function) is the start, not a visit.
+  first call into embedlens (the public function) is the start, not a visit. A comprehension or
+  generator expression is read as part of the function whose text holds it (Python 3.12 runs
+  comprehensions inside that function's frame: the count does not depend on the release).
 - A *move back up* is a visit from a module of a lower layer into one of a higher layer
   (`LAYERS`): io calling into model, model into analysis (a callback, a method of a higher
   layer's object, a generator of a higher layer resumed). Returns are no calls and never count.
@@ -55,6 +57,10 @@ class Walk:
         )
 
 
+_INLINE = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})
+"""Code objects of a comprehension or generator expression: part of the function holding them."""
+
+
 def _module(code: CodeType, files: dict[str, str | None]) -> str | None:
     """The embedlens module a code object belongs to, or None."""
     name = code.co_filename
@@ -85,6 +91,7 @@ def walk(func: Callable[[], Any]) -> tuple[Walk, Any]:
             below = below.f_back
         if below is None:
             return  # the start
+        below = _holder(below)
         if _importing(below, files):
             return
         caller = _module(below.f_code, files)
@@ -104,6 +111,20 @@ def walk(func: Callable[[], Any]) -> tuple[Walk, Any]:
         sys.setprofile(None)
         threading.setprofile(None)
     return record, result
+
+
+def _holder(frame: FrameType) -> FrameType:
+    """The frame of the function whose text holds frame's comprehension or generator expression
+    (frame itself when it runs a function, or when its holder is not on the stack)."""
+    held = frame
+    while held.f_code.co_name in _INLINE:
+        code, up = held.f_code, held.f_back
+        while up is not None and code not in up.f_code.co_consts:
+            up = up.f_back
+        if up is None:
+            return frame
+        held = up
+    return held
 
 
 def _importing(frame: FrameType | None, files: dict[str, str | None]) -> bool:
