@@ -91,8 +91,7 @@ def lens(
     """
     if prompts is not None or prompt is None:
         return _deprecated_many(model, prompt, prompts, locals())
-    model, load = given.model_and_load(model, load, keywords)
-    asked = given.lens_options("lens", options, keywords)
+    model, load, asked = given.lens_given("lens", model, load, options, keywords)
     ask = checks.ask(prompt, asked.layers, asked.top_k, asked.position, asked.target, asked.chat,
                      asked.no_thinking, asked.template_args, asked.grid,
                      asked.chat_template)  # fmt: skip
@@ -198,8 +197,7 @@ def lens_prompts(
 
     on_report = renamed("lens_prompts", keywords, "each", "on_report", on_report,
                         "the callback is now named")  # fmt: skip
-    model, load = given.model_and_load(model, load, keywords)
-    asked = given.lens_options("lens_prompts", options, keywords)
+    model, load, asked = given.lens_given("lens_prompts", model, load, options, keywords)
     checks.one_prompt_only(asked.target, asked.chat, asked.grid)
     ask = checks.many(asked.top_k, asked.layers, asked.position, asked.no_thinking,
                       asked.template_args, asked.skip_bad, asked.chat_template)  # fmt: skip

@@ -23,17 +23,46 @@ options were given (it refuses them)."""
 
 
 def model_and_load(
-    model: object, load: LoadOptions | None, keywords: dict[str, Any]
+    function: str, model: object, load: LoadOptions | None, keywords: dict[str, Any]
 ) -> tuple[Any, LoadOptions]:
     """The model (its files, or loaded) and how to load it: `model` may be a `LoadOptions` with
-    its `source`; `load=` and the loading keywords build the rest."""
-    if isinstance(model, LoadOptions):
-        if load is not None:
-            raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
-        if model.source is None:
-            raise UsageError("LoadOptions given as the model need its source")
-        load, model = model, model.source
-    load = options_from(LoadOptions, load, keywords)
+    its `source`; `load=` and the loading keywords build the rest. Any keyword left over is
+    refused as Python refuses an unknown one (`function` names the call)."""
+    model, load = _split(model, load)
+    load = _named(model, options_from(LoadOptions, load, keywords))
+    no_other_keywords(function, keywords)
+    return model, load
+
+
+def lens_given(
+    function: str,
+    model: object,
+    load: LoadOptions | None,
+    options: LensOptions | None,
+    keywords: dict[str, Any],
+) -> tuple[Any, LoadOptions, LensOptions]:
+    """`model_and_load`, and the lens's options: `options=` with the keywords of its fields set
+    on it; any keyword left over is refused."""
+    model, load = _split(model, load)
+    load = _named(model, options_from(LoadOptions, load, keywords))
+    asked = options_from(LensOptions, options, keywords)
+    no_other_keywords(function, keywords)
+    return model, load, asked
+
+
+def _split(model: object, load: LoadOptions | None) -> tuple[Any, LoadOptions | None]:
+    """A `LoadOptions` given as the model made into the model (its source) and `load`."""
+    if not isinstance(model, LoadOptions):
+        return model, load
+    if load is not None:
+        raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
+    if model.source is None:
+        raise UsageError("LoadOptions given as the model need its source")
+    return model.source, model
+
+
+def _named(model: object, load: LoadOptions) -> LoadOptions:
+    """`load`, once a source it names is the model given (UsageError where it is another)."""
     if load.source is not None:
         named = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
         if named != os.fspath(load.source):
@@ -41,17 +70,7 @@ def model_and_load(
                 "load= names another model than the one given: leave its source out, or give "
                 "it as the model"
             )
-    return model, load
-
-
-def lens_options(
-    function: str, options: LensOptions | None, keywords: dict[str, Any]
-) -> LensOptions:
-    """The lens's options: `options=` with the keywords of its fields set on it; any keyword
-    left over is refused as Python refuses an unknown one."""
-    asked = options_from(LensOptions, options, keywords)
-    no_other_keywords(function, keywords)
-    return asked
+    return load
 
 
 def loading(model: object, load: LoadOptions) -> Loading:

@@ -52,8 +52,7 @@ def lens_states(
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
-    name, load = given.model_and_load(model, load, keywords)
-    asked = given.lens_options("lens_states", options, keywords)
+    name, load, asked = given.lens_given("lens_states", model, load, options, keywords)
     _applies(load, asked)
     checks.check_top_k(asked.top_k)
     items = None if asked.layers is None else checks.layer_items(asked.layers)

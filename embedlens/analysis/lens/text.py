@@ -71,11 +71,9 @@ def lens_text(
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
     """
     from embedlens.analysis.lens import given
-    from embedlens.options import no_other_keywords
     from embedlens.progress import progress_of
 
-    model, load = given.model_and_load(model, load, keywords)
-    no_other_keywords("lens_text", keywords)
+    model, load = given.model_and_load("lens_text", model, load, keywords)
     _check(load, against, against_logits, tuned)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)

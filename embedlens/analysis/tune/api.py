@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from embedlens.analysis.tune import options
 from embedlens.analysis.tune.data import Sequences, read_sequences
 from embedlens.errors import UsageError
-from embedlens.options import LoadOptions, no_other_keywords, renamed
+from embedlens.options import LoadOptions, renamed
 
 FORMAT_VERSION = 1
 """The version of the `embedlens` object of a lens folder's config.json."""
@@ -91,8 +91,7 @@ def tune(
     from embedlens.progress import progress_of
 
     eval_data = renamed("tune", keywords, "eval", "eval_data", eval_data, _EVAL_NOW)
-    model, load = given.model_and_load(model, load, keywords)
-    no_other_keywords("tune", keywords)
+    model, load = given.model_and_load("tune", model, load, keywords)
     shown = progress_of(progress, "tune")
     session = split_session(dist_backend, load.device)
     with nullcontext() if session is None else session.guarded():
