@@ -17,7 +17,7 @@ from embedlens.model.loaded import (
     on_meta,
     spec_text,
 )
-from embedlens.model.loading import check_device, check_dtype
+from embedlens.model.loading import check_choices
 from embedlens.reports.params import (
     BlockRow,
     MoEInfo,
@@ -86,8 +86,7 @@ def check_modes(*, meta_only: bool, load: bool, dtype: str, device: str) -> None
     """UsageError for --meta-only with --load, or an unknown dtype or device."""
     if meta_only and load:
         raise UsageError("--meta-only and --load exclude each other")
-    check_dtype(dtype)
-    check_device(device)
+    check_choices(dtype, device)
 
 
 def _group_rows(

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,19 @@ def entry_of(source: ModelSource) -> Path | None:
         return None
     ckpt = files_of(source).checkpoint
     return None if ckpt is None or ckpt.gguf is None else entry(ckpt.gguf)
+
+
+def kept(source: ModelSource, name: str, build: Callable[[], Any]) -> tuple[Any, bool]:
+    """The config ('config.json') or tokenizer ('tokenizer.json') `build()` makes of a source's
+    GGUF file: read back from its entry where one was kept, else built and kept (`load`,
+    `store`); for another source, or without the cache, built. With it, whether the source has
+    an entry (what came back stands for what transformers builds from the file)."""
+    folder = entry_of(source)
+    built = load(folder, name)
+    if built is None:
+        built = build()
+        store(folder, built, name)
+    return built, folder is not None
 
 
 def load(folder: Path | None, name: str) -> Any:

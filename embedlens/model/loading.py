@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from embedlens.compat.transformers import direct, import_scan
 from embedlens.errors import (
@@ -111,6 +111,22 @@ def _survivors_to_oldest() -> None:
         gc.unfreeze()
 
 
+def reads_files(
+    func: Callable[Concatenate[ModelFiles, P], R],
+) -> Callable[Concatenate[ModelSource | ModelFiles, P], R]:
+    """`func` given its source's files as read once (`files_of`: a source is read and checked by
+    embedlens here, before transformers is imported), then transformers imported quietly
+    (`import_scan.quiet`): what a load of the model or its tokenizer does first."""
+
+    @functools.wraps(func)
+    def wrapper(source: ModelSource | ModelFiles, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        files = files_of(source, trust_remote_code=bool(kwargs.get("trust_remote_code")))
+        import_scan.quiet()
+        return func(files, *args, **kwargs)
+
+    return wrapper
+
+
 @contextmanager
 def _where(source: ModelSource) -> Iterator[tuple[str, dict[str, Any]]]:
     """What to pass to from_pretrained: a local folder, or a repo id and revision."""
@@ -155,13 +171,12 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     class its model type names (`direct.read_config`), else through AutoConfig; a GGUF file's
     as kept from an earlier run (`gguf_cache`) where it reads back the same."""
     import_scan.quiet()
-    kept = gguf_cache.entry_of(source)
     with _where(source) as (where, kwargs):
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
-        config = gguf_cache.load(kept, "config.json")
-        if config is None:
+
+        def build() -> Any:
             with reading(source, "reading the config"):
                 config = None if source.is_gguf else direct.read_config(Path(where))
                 if config is None:
@@ -170,8 +185,10 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
                     config = AutoConfig.from_pretrained(
                         where, trust_remote_code=trust_remote_code, **kwargs
                     )
-            gguf_cache.store(kept, config, "config.json")
-        if kept is not None:
+                return config
+
+        config, kept = gguf_cache.kept(source, "config.json", build)
+        if kept:
             config.name_or_path = where  # as transformers names a config it read from the file
     check_rope(source, config)
     return config
@@ -231,6 +248,12 @@ def check_dtype(name: str) -> None:
         raise UsageError(f"unknown dtype '{name}'", hint="use one of: " + ", ".join(DTYPES))
 
 
+def check_choices(dtype: str, device: str) -> None:
+    """A dtype and a device embedlens knows (`check_dtype`, `check_device`), the dtype first."""
+    check_dtype(dtype)
+    check_device(device)
+
+
 def resolve_device(device: str) -> str:
     """'auto' becomes cuda, mps or cpu, whichever is there; others are checked."""
     import torch
@@ -268,8 +291,9 @@ def torch_dtype(name: str) -> Any:
 
 
 @fewer_collections
+@reads_files
 def load_model(
-    source: ModelSource | ModelFiles,
+    files: ModelFiles,
     *,
     dtype: str = "auto",
     device: str = "cpu",
@@ -280,8 +304,8 @@ def load_model(
     config: Any = None,
     notes: list[str] | None = None,
 ) -> Any:
-    """Load the causal LM with its weights, in eval mode, from its files (`source`: as resolved,
-    or as read already by `check_source`).
+    """Load the causal LM with its weights, in eval mode, from its files (given a source as
+    resolved, or its files as read already by `check_source`: `reads_files`).
 
     `config`, a transformers config already read from the same source, saves reading it again.
     A weight the checkpoint lacks or holds in another shape is an error (transformers would fill
@@ -290,9 +314,7 @@ def load_model(
     (`direct.load_folder`: the same model, without transformers' per-tensor machinery), its
     half-precision tensors copied to float32 on a second thread meanwhile (`prefetch`).
     """
-    files = files_of(source, trust_remote_code=trust_remote_code)
     source = files.source
-    import_scan.quiet()
     options = _load_options(dtype, config, device_map, max_memory, offload_folder)
     preflight.check_load(files, dtype=dtype, device=None if device_map else resolve_device(device))
     direct_ok = dtype == "float32" and not device_map
@@ -366,31 +388,30 @@ def _load_options(
 
 
 @fewer_collections
-def load_tokenizer(source: ModelSource | ModelFiles, *, trust_remote_code: bool = False) -> Any:
-    """The model's tokenizer (`source`: as resolved, or as read already by `check_source`): a
+@reads_files
+def load_tokenizer(files: ModelFiles, *, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer (given a source, or its files as read already: `reads_files`): a
     folder's tokenizer.json through the `tokenizers` library where transformers would read it
     into its generic class unchanged (`direct_tokenizer`), else through transformers (GGUF:
     rebuilt from the file's metadata)."""
-    files = files_of(source, trust_remote_code=trust_remote_code)
     source = files.source
-    import_scan.quiet()
     fast = _direct_tokenizer(files, trust_remote_code=trust_remote_code)
     if fast is not None:
         return fast  # tokenizer.json checked by `tokenizers` and `direct_tokenizer`
     check_tokenizer_files(files)
     from transformers import AutoTokenizer
 
-    kept = gguf_cache.entry_of(source)
-    tokenizer = gguf_cache.load(kept, "tokenizer.json")
     try:
         with _where(source) as (where, kwargs):
-            if tokenizer is None:
+
+            def build() -> Any:
                 with reading(source, "loading the tokenizer"):
-                    tokenizer = AutoTokenizer.from_pretrained(
+                    return AutoTokenizer.from_pretrained(
                         where, trust_remote_code=trust_remote_code, **kwargs
                     )
-                gguf_cache.store(kept, tokenizer, "tokenizer.json")
-            if kept is not None:
+
+            tokenizer, kept = gguf_cache.kept(source, "tokenizer.json", build)
+            if kept:
                 tokenizer.name_or_path = where  # as transformers names one it built from the file
             return tokenizer
     except CheckpointError as e:

@@ -140,10 +140,9 @@ def many(
 
 def load_options(load: LoadOptions) -> Load:
     """How to load the model, checked before any file is read."""
-    from embedlens.model.loading import check_device, check_dtype
+    from embedlens.model.loading import check_choices
 
-    check_dtype(load.dtype)
-    check_device(load.device)
+    check_choices(load.dtype, load.device)
     device_map, max_memory, offload_folder = load.device_map, load.max_memory, load.offload_folder
     if device_map is None and (max_memory is not None or offload_folder is not None):
         raise UsageError("--max-memory and --offload-folder only apply with --device-map")
