@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from embedlens import compat
 from embedlens.compat import transformers as fence
 from tests.models import FAMILIES
 
@@ -122,8 +123,8 @@ def test_a_private_function_changed_takes_the_public_path(cli, tiny, where, monk
 def test_another_release_takes_the_public_path_with_one_note(cli, tiny, monkeypatch):
     folder = tiny("qwen3")
     expected, _ = _lens(cli, folder, PLAIN)
-    monkeypatch.setattr(fence, "release", lambda package: (5, 0, 0))
-    monkeypatch.setattr("embedlens.compat.transformers.direct.release_fits", lambda: False)
+    real = compat.release
+    monkeypatch.setattr(compat, "release", lambda d: (5, 0, 0) if d == "transformers" else real(d))
     fence.forget()
     result = cli("lens", folder, "the capital of France is", "--json")
     assert result.exit_code == 0, result.stderr
@@ -133,10 +134,17 @@ def test_another_release_takes_the_public_path_with_one_note(cli, tiny, monkeypa
     assert "public API" in notes[0] and "5.24" in notes[0]
 
 
-def test_the_gate_reads_releases_as_numbers():
-    assert fence.in_range((5, 24, 0)) and fence.in_range((5, 24, 3))
-    assert not fence.in_range((5, 25, 0)) and not fence.in_range((5, 0, 0))
-    assert not fence.in_range((6, 0)) and not fence.in_range(None)
+def test_the_gate_reads_releases_as_numbers(monkeypatch):
+    monkeypatch.delenv(compat.PLAIN_ENV, raising=False)
+    real = compat.release
+    for found, fits in [
+        ((5, 24, 0), True), ((5, 24, 3), True), ((5, 25, 0), False), ((5, 0, 0), False),
+        ((6, 0), False), (None, False),
+    ]:  # fmt: skip
+        monkeypatch.setattr(
+            compat, "release", lambda d, f=found: f if d == "transformers" else real(d)
+        )
+        assert fence.release_fits() is fits, found
     assert fence.signature_starts("json:dumps", ("obj",))
     assert not fence.signature_starts("json:dumps", ("object",))
     assert not fence.signature_starts("json:no_such_function", ())

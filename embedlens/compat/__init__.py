@@ -74,6 +74,13 @@ def within(distribution: str, low: tuple[int, ...], high: tuple[int, ...]) -> bo
     return got is not None and low <= got < high
 
 
+def checked_release(distribution: str, low: tuple[int, ...], high: tuple[int, ...]) -> bool | None:
+    """Whether a shortcut over `distribution` may be taken as far as its installed release tells
+    (`within` low and high); None under EMBEDLENS_PLAIN, which takes the public path everywhere
+    without a note."""
+    return None if plain() else within(distribution, low, high)
+
+
 def public_path(message: str) -> None:
     """One `note:` line, once a process: a shortcut took its public path (`message` says which
     and why). On the command line a note on stderr (silenced by --quiet); from Python a

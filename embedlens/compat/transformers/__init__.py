@@ -20,7 +20,7 @@ import inspect
 import re
 from typing import Any
 
-from embedlens.compat import forget_said, plain, release, release_text, say_once
+from embedlens.compat import checked_release, forget_said, release_text, say_once
 
 FAST_RELEASES = ((5, 24), (5, 25))
 """transformers releases the shortcuts are taken on: from the first, up to the second."""
@@ -114,7 +114,7 @@ def release_key(text: str) -> tuple[int, ...]:
 def release_fits() -> bool:
     """Whether the shortcuts may be taken as far as EMBEDLENS_PLAIN and the installed release
     tell, without importing transformers (what `fast` checks first)."""
-    return not plain() and in_range(release("transformers"))
+    return bool(checked_release("transformers", *FAST_RELEASES))
 
 
 def fast(part: str = "model") -> bool:
@@ -124,10 +124,11 @@ def fast(part: str = "model") -> bool:
     EMBEDLENS_PLAIN=1; only on a release in FAST_RELEASES whose private parts are as this module
     lists them. Where they are not, one note says so (not under EMBEDLENS_PLAIN). Decided once
     per process and part."""
-    if plain():
+    fits = checked_release("transformers", *FAST_RELEASES)
+    if fits is None:
         return False
     if part not in _verdicts:
-        why = _why_not(part)
+        why = _why_not(part, fits)
         if why is not None:
             say_once(
                 f"transformers {release_text('transformers')}: {why}; loading goes through "
@@ -137,15 +138,10 @@ def fast(part: str = "model") -> bool:
     return _verdicts[part]
 
 
-def in_range(found: tuple[int, ...] | None) -> bool:
-    """Whether a transformers release (as numbers) is one of FAST_RELEASES."""
-    low, high = FAST_RELEASES
-    return found is not None and low <= found[:2] < high
-
-
-def _why_not(part: str) -> str | None:
-    """Why a part's shortcuts may not be taken (None: they may)."""
-    if not in_range(release("transformers")):
+def _why_not(part: str, fits: bool) -> str | None:
+    """Why a part's shortcuts may not be taken (None: they may); `fits`, whether the installed
+    release is one of FAST_RELEASES."""
+    if not fits:
         low = FAST_RELEASES[0]
         return f"embedlens' loading shortcuts are checked on transformers {low[0]}.{low[1]}.x only"
     signatures: dict[str, tuple[str, ...]] = {}

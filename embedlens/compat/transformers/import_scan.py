@@ -41,13 +41,14 @@ def scan_once() -> None:
     """Before transformers is first imported: its scan of the model folders will be cached
     whole (see the module's docstring). Does nothing once transformers is imported, with
     EMBEDLENS_PLAIN=1, or (one note) on a release outside CHECKED."""
-    from embedlens.compat import plain, public_path, release, within
+    from embedlens.compat import checked_release, public_path, release
 
     if "transformers" in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
-    if plain():
+    fits = checked_release("transformers", *CHECKED)
+    if fits is None:
         return
-    if not within("transformers", *CHECKED):
+    if not fits:
         got = ".".join(map(str, release("transformers") or ())) or "not installed"
         public_path(f"{_PUBLIC}: transformers {got} is not a release from 5.0 to 5.24")
         return
