@@ -59,15 +59,16 @@ constants module that imports nothing of the package; the reader's own methods, 
 def _gguf_constants() -> Any:
     """gguf's constants module loaded alone; with EMBEDLENS_PLAIN=1, or (one note) on a release
     outside GGUF_CHECKED, `import gguf.constants`, the package with it."""
-    from embedlens.compat import plain, public_path, within
+    from embedlens.compat import checked_release, public_path
 
     spec = importlib.util.find_spec("gguf")
     if spec is None or not spec.submodule_search_locations:
         raise MissingDependencyError(
             "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
         )
-    if plain() or not within("gguf", *GGUF_CHECKED):
-        if not plain():
+    fits = checked_release("gguf", *GGUF_CHECKED)
+    if not fits:
+        if fits is False:
             public_path(
                 "gguf's table of types comes from `import gguf` (slower): gguf's release "
                 "is not one from 0.10 to 0.19"

@@ -89,12 +89,13 @@ def gguf_reader_rows(header: GGUFHeader, name: str, rows: Sequence[int]) -> list
 
 def _reader_fits() -> bool:
     """Whether `_header_reader` may be used (see `gguf_reader_rows`)."""
-    from embedlens.compat import plain, public_path, within
+    from embedlens.compat import checked_release, public_path
 
-    if plain():
+    fits = checked_release("gguf", *GGUF_CHECKED)
+    if fits is None:
         return False
     why = None
-    if not within("gguf", *GGUF_CHECKED):
+    if not fits:
         why = "gguf's release is not one from 0.10 to 0.19"
     else:
         from gguf import GGUFReader
