@@ -4,8 +4,11 @@ One idea per module, read top-down from `api` (the function users call):
 
 - `options`: what users ask for (files, token counts, the method, the refinement), checked
   before any model file is read;
-- `data`: the data file's documents, streamed, tokenised into sequences of equal length;
-- `run`: one run on a model made ready: the self-check, then `fit`, `refine`, `evaluate`;
+- `data`: the data file's documents, streamed, tokenised into sequences of equal length, and
+  shared out (`plan_sequences`: fitted, refined on, checked, held out);
+- `run`: one run on a model made ready: `fit`, `refine`, `evaluate`;
+- `reading`: the model as a run reads it: its blocks, its own decoder (self-checked), one
+  forward pass per sequence;
 - `fit`: the closed-form least-squares translators from streamed sufficient statistics;
 - `refine`: tuned-lens's KL refinement (SGD with Nesterov momentum, weight decay toward the
   identity, linear decay);

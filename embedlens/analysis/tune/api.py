@@ -8,14 +8,12 @@ one way to get a model ready). The lens folder appears at `out` only once comple
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.tune import options
-from embedlens.analysis.tune.data import Sequences, read_sequences
+from embedlens.analysis.tune.data import Plan, plan_sequences
 from embedlens.errors import UsageError
 from embedlens.options import LoadOptions, renamed
 
@@ -28,23 +26,11 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.tune.match import Identity
+    from embedlens.analysis.tune.refine import Recipe
     from embedlens.analysis.tune.run import Fitted
     from embedlens.progress import Progress
     from embedlens.reports.tune import TuneReport
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The data as run: sequences to fit, to refine on (a seeded share of those), to hold out."""
-
-    seq_len: int
-    fit: Sequences
-    refine: Sequences
-    check: Sequences
-    """A fitted sequence the refinement does not read, to keep each refined translator only
-    where it does better than its start."""
-    held_out: Sequences
-    notes: list[str]
 
 
 def tune(
@@ -120,98 +106,11 @@ def _one_device(load: LoadOptions) -> None:
         raise UsageError(f"tune loads the model on one device: {', '.join(spread)} do not apply")
 
 
-CHECKED_TEXTS = 8
-"""How many of the data's texts are checked against a GGUF file's own tokenizer: a release that
-converts the file's tokenizer otherwise reads ordinary text otherwise from the first line."""
-
-
 def plan(ask: options.TuneAsk, tokenizer: Any, config: Any) -> Plan:
-    """Tokenise the data into the sequences the run needs (before the weights load); on a GGUF,
-    the first texts' ids are checked against the file's own tokenizer."""
-    from embedlens.model import file_tokens
-
-    asked = ask.seq_len
-    context = _context(config)
-    seq_len, note = options.resolve_seq_len(asked, context, min(ask.tokens, ask.eval_tokens))
-    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
-
-    checked = [0]
-
-    def tokenize(text: str) -> list[int]:
-        ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
-        if checked[0] < CHECKED_TEXTS:  # a GGUF's own reading of the first texts (file_tokens)
-            checked[0] += 1
-            file_tokens.check_ids(text, False, ids)
-        return ids
-
-    n_fit, n_eval = ask.tokens // seq_len, ask.eval_tokens // seq_len
-    notes = [] if note is None else [note]
-    if ask.eval_file is None:
-        stream = read_sequences(ask.data, tokenize, sep, seq_len, n_fit + n_eval)
-        fit, held_out = _split(stream, n_fit, n_eval, ask, notes)
-    else:
-        fit = read_sequences(ask.data, tokenize, sep, seq_len, n_fit)
-        held_out = read_sequences(ask.eval_file, tokenize, sep, seq_len, n_eval, "--eval")
-        for what, got, want in (("--data", fit, n_fit), ("--eval", held_out, n_eval)):
-            _enough(what, got, want, seq_len, notes)
-    refine, check = _refine_share(fit, ask)
-    return Plan(seq_len, fit, refine, check, held_out, notes)
-
-
-def _context(config: Any) -> int | None:
-    """The model's context length in tokens, if its config gives one."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = getattr(text, "max_position_embeddings", None)
-    return context if isinstance(context, int) and not isinstance(context, bool) else None
-
-
-def _split(
-    stream: Sequences, n_fit: int, n_eval: int, ask: options.TuneAsk, notes: list[str]
-) -> tuple[Sequences, Sequences]:
-    """The data's sequences fitted, and its tail held out (a tenth of it, at least one
-    sequence, when the data hold fewer than asked)."""
-    have = len(stream)
-    if have < 2:
-        raise UsageError(
-            f"--data '{ask.data}' holds too little text: not one sequence of {stream.seq_len:,} "
-            "tokens to fit and one to hold out",
-            hint="give more text, a smaller --seq-len, or --eval FILE",
-        )
-    if have < n_fit + n_eval:
-        n_eval = min(n_eval, max(1, have // 10))
-        n_fit = have - n_eval
-        notes.append(
-            f"--data holds {have * stream.seq_len:,} tokens (in sequences of {stream.seq_len:,}), "
-            f"fewer than --tokens and --eval-tokens ask: fitted on {n_fit * stream.seq_len:,}, "
-            f"held out the last {n_eval * stream.seq_len:,}"
-        )
-    return stream.part(0, n_fit), stream.part(n_fit, n_fit + n_eval)
-
-
-def _enough(what: str, got: Sequences, want: int, seq_len: int, notes: list[str]) -> None:
-    if len(got) == 0:
-        raise UsageError(
-            f"{what} holds too little text: not one sequence of {seq_len:,} tokens",
-            hint="give more text, or a smaller --seq-len",
-        )
-    if len(got) < want:
-        notes.append(f"{what} holds only {got.tokens:,} tokens (in sequences of {seq_len:,})")
-
-
-def _refine_share(fit: Sequences, ask: options.TuneAsk) -> tuple[Sequences, Sequences]:
-    """The sequences the refinement reads (a seeded choice among those fitted), and the one it
-    checks its translators on: the next in that order (with a single sequence, that one)."""
-    if ask.refine_tokens == 0:
-        return fit.part(0, 0), fit.part(0, 0)
-    order = list(range(len(fit)))
-    random.Random(ask.seed).shuffle(order)
-    count = min(len(fit), -(-ask.refine_tokens // fit.seq_len))
-    chosen, check = Sequences(fit.seq_len), Sequences(fit.seq_len)
-    for i in order[:count]:
-        chosen.add(fit.ids[i], fit.text_tokens[i], fit.text_bytes[i])
-    i = order[count] if count < len(order) else order[-1]
-    check.add(fit.ids[i], fit.text_tokens[i], fit.text_bytes[i])
-    return chosen, check
+    """The sequences the run needs, tokenised before the weights load (`plan_sequences`)."""
+    counts = (ask.tokens, ask.eval_tokens, ask.refine_tokens)
+    files = (ask.data, ask.eval_file)
+    return plan_sequences(tokenizer, config, files, ask.seq_len, counts, ask.seed)
 
 
 def _run(
@@ -223,19 +122,18 @@ def _run(
 ) -> Fitted:
     """Fit, refine and evaluate on the model made ready (split over the processes of
     `session`)."""
-    from embedlens.analysis.tune.refine import Recipe
-    from embedlens.analysis.tune.run import Fitted, Tuning
+    from embedlens.analysis.tune.run import tune_model
 
-    run = Tuning(opened.model, progress, session)
-    translators = run.fit(the_plan.fit)
-    refined = None
-    if ask.method == "kl":
-        rows = min(ask.refine_tokens, the_plan.refine.tokens)
-        recipe = Recipe(rows=rows, steps=min(ask.steps, rows), lr=ask.lr)
-        refined = run.refine(translators, the_plan.refine, the_plan.check, recipe, ask.seed)
-        translators = refined.translators
-    layers = run.evaluate(translators, the_plan.held_out)
-    return Fitted(translators, layers, run.vocab_rows, refined)
+    recipe = _recipe(ask, the_plan) if ask.method == "kl" else None
+    return tune_model(opened.model, the_plan, recipe, ask.seed, progress, session)
+
+
+def _recipe(ask: options.TuneAsk, the_plan: Plan) -> Recipe:
+    """The refinement's settings: the rows it reads, its steps (at most one per row)."""
+    from embedlens.analysis.tune.refine import Recipe
+
+    rows = the_plan.refine_rows
+    return Recipe(rows=rows, steps=min(ask.steps, rows), lr=ask.lr)
 
 
 def _write(
@@ -248,17 +146,17 @@ def _write(
 ) -> TuneReport:
     """The lens folder written (by rank 0 alone under torchrun), and the report."""
     from embedlens.analysis.lens.report import dtype_name
-    from embedlens.analysis.tune.folder import lens_config, write_folder
+    from embedlens.analysis.tune.folder import write_folder
+    from embedlens.analysis.tune.match import identify
     from embedlens.reports.tune import TuneReport
 
-    ours = _recorded(opened, ask, the_plan, fitted)
-    from embedlens.analysis.tune.match import unembed_hash
-
-    unembed = unembed_hash(opened.model)
-    config = lens_config(opened.name, revision, unembed, fitted.translators, ours)
+    dtype = dtype_name(opened.model)
+    identity = identify(opened.model, opened.tokenizer)
+    ours = _recorded(ask, the_plan, fitted, identity, dtype)
     if session is None or session.rank == 0:
-        write_folder(ask.out, fitted.translators, config)
-    held = the_plan.held_out
+        write_folder(
+            ask.out, fitted.translators, opened.name, revision, identity.unembed_hash, ours
+        )
     notes = [*opened.before, *the_plan.notes, *opened.after]
     if session is not None:
         notes.append(
@@ -272,51 +170,47 @@ def _write(
         method=ask.method,
         data=str(ask.data),
         seq_len=the_plan.seq_len,
-        fit_tokens=the_plan.fit.tokens,
+        fit_tokens=the_plan.fit_tokens,
         refine_tokens=ours["refine_tokens"],
         steps=ours["steps"],
         refined_layers=None if fitted.refined is None else fitted.refined.refined_layers,
         lr=ask.lr,
         seed=ask.seed,
         eval=str(ask.eval_file) if ask.eval_file is not None else f"the tail of {ask.data}",
-        eval_tokens=held.tokens,
-        eval_bytes=sum(held.text_bytes),
+        eval_tokens=the_plan.eval_tokens,
+        eval_bytes=the_plan.eval_bytes,
         num_layers=fitted.translators.num_layers,
         hidden_size=fitted.translators.width,
-        dtype=dtype_name(opened.model),
+        dtype=dtype,
         layers=fitted.layers,
         notes=notes,
     )
 
 
 def _recorded(
-    opened: Opened, ask: options.TuneAsk, the_plan: Plan, fitted: Fitted
+    ask: options.TuneAsk, the_plan: Plan, fitted: Fitted, identity: Identity, dtype: str
 ) -> dict[str, Any]:
     """config.json's `embedlens` object: what refuses the lens on another model, how it was
     tuned."""
-    from embedlens.analysis.lens.report import dtype_name
-    from embedlens.analysis.tune import match
     from embedlens.analysis.tune.fit import RIDGE
-    from embedlens.analysis.tune.refine import Recipe
 
-    model, t = opened.model, fitted.translators
-    refine_tokens = min(ask.refine_tokens, the_plan.refine.tokens)
-    recipe = Recipe(rows=refine_tokens, steps=min(ask.steps, refine_tokens), lr=ask.lr)
+    t = fitted.translators
+    recipe = _recipe(ask, the_plan)
     return {
         "format": FORMAT_VERSION,
         "hidden_size": t.width,
         "num_layers": t.num_layers,
         "vocab_rows": fitted.vocab_rows,
-        "tokenizer_size": len(opened.tokenizer),
-        "decoder_fingerprint": match.decoder_fingerprint(model),
-        "vocab_fingerprint": match.vocab_fingerprint(opened.tokenizer),
-        "dtype": dtype_name(model),
+        "tokenizer_size": identity.tokenizer_size,
+        "decoder_fingerprint": identity.decoder_fingerprint,
+        "vocab_fingerprint": identity.vocab_fingerprint,
+        "dtype": dtype,
         "method": ask.method,
         "data": str(ask.data),
         "seq_len": the_plan.seq_len,
-        "fit_tokens": the_plan.fit.tokens,
+        "fit_tokens": the_plan.fit_tokens,
         "ridge": RIDGE,
-        "refine_tokens": refine_tokens,
+        "refine_tokens": recipe.rows,
         "steps": recipe.steps,
         "refined_layers": None if fitted.refined is None else fitted.refined.refined_layers,
         "lr": ask.lr,

@@ -1,4 +1,5 @@
-"""Text for tuning, streamed: documents from a file, tokenised into sequences of equal length.
+"""Text for tuning, streamed: documents from a file, tokenised into sequences of equal length,
+shared out as the run reads them (`plan_sequences`: fitted, refined on, checked, held out).
 
 A data file is JSON Lines when its first non-blank line starts with `{` (each line an object
 with a `text` string; other keys are ignored), else UTF-8 text whose documents are separated by
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from embedlens.errors import SourceError, UsageError
 
@@ -22,6 +25,9 @@ MAX_DOCUMENT = 1 << 20
 """Characters of text tokenised at once: a longer document is read (and tokenised) in pieces."""
 CHECK_BYTES_PER_TOKEN = 32
 """`check_file` reads the file up to this many bytes per token asked for (or to its end)."""
+SEQ_LEN = 512
+"""The longest default sequence: longer ones cost memory (a [seq_len, V] float32 array of the
+model's logits) and add little; the model's context when it is shorter."""
 
 
 @dataclass(frozen=True)
@@ -176,3 +182,149 @@ def read_sequences(
                 if len(out) >= count:
                     break
     return out
+
+
+CHECKED_TEXTS = 8
+"""How many of the data's texts are checked against a GGUF file's own tokenizer: a release that
+converts the file's tokenizer otherwise reads ordinary text otherwise from the first line."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The data as run: sequences to fit, to refine on (a seeded share of those), to hold out."""
+
+    seq_len: int
+    fit: Sequences
+    refine: Sequences
+    check: Sequences
+    """A fitted sequence the refinement does not read, to keep each refined translator only
+    where it does better than its start."""
+    held_out: Sequences
+    notes: list[str]
+    fit_tokens: int
+    refine_rows: int
+    """Rows (tokens) the refinement reads: --refine-tokens, at most those of `refine`."""
+    eval_tokens: int
+    eval_bytes: float
+    """The UTF-8 bytes of text behind the held-out tokens."""
+
+
+def plan_sequences(
+    tokenizer: Any,
+    config: Any,
+    files: tuple[Path, Path | None],
+    seq_len: int | None,
+    counts: tuple[int, int, int],
+    seed: int,
+) -> Plan:
+    """Tokenise the data into the sequences the run needs (before the weights load): `files`,
+    --data and --eval (None: the tail of --data); `counts`, --tokens, --eval-tokens and
+    --refine-tokens; `seed`, the refinement's choice of sequences. On a GGUF, the first texts'
+    ids are checked against the file's own tokenizer."""
+    from embedlens.model import file_tokens
+
+    data, eval_file = files
+    tokens, eval_tokens, refine_tokens = counts
+    context = _context(config)
+    seq_len, note = resolve_seq_len(seq_len, context, min(tokens, eval_tokens))
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+
+    checked = [0]
+
+    def tokenize(text: str) -> list[int]:
+        ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if checked[0] < CHECKED_TEXTS:  # a GGUF's own reading of the first texts (file_tokens)
+            checked[0] += 1
+            file_tokens.check_ids(text, False, ids)
+        return ids
+
+    n_fit, n_eval = tokens // seq_len, eval_tokens // seq_len
+    notes = [] if note is None else [note]
+    if eval_file is None:
+        stream = read_sequences(data, tokenize, sep, seq_len, n_fit + n_eval)
+        fit, held_out = _split(stream, n_fit, n_eval, data, notes)
+    else:
+        fit = read_sequences(data, tokenize, sep, seq_len, n_fit)
+        held_out = read_sequences(eval_file, tokenize, sep, seq_len, n_eval, "--eval")
+        for what, got, want in (("--data", fit, n_fit), ("--eval", held_out, n_eval)):
+            _enough(what, got, want, seq_len, notes)
+    refine, check = _refine_share(fit, refine_tokens, seed)
+    refine_rows = min(refine_tokens, refine.tokens)
+    return Plan(seq_len, fit, refine, check, held_out, notes, fit.tokens, refine_rows,
+                held_out.tokens, sum(held_out.text_bytes))  # fmt: skip
+
+
+def resolve_seq_len(asked: int | None, context: int | None, tokens: int) -> tuple[int, str | None]:
+    """The sequence length to use, and a note saying how it was chosen (None when asked);
+    `tokens`: the fewest tokens a part of the data is asked for (--tokens, --eval-tokens)."""
+    if asked is not None:
+        if context is not None and asked > context:
+            raise UsageError(
+                f"--seq-len {asked:,} is longer than the model's context ({context:,} tokens)"
+            )
+        return asked, None
+    if tokens < min(SEQ_LEN, context or SEQ_LEN):
+        return tokens, f"sequences of {tokens:,} tokens: all --tokens or --eval-tokens ask for"
+    if context is not None and context < SEQ_LEN:
+        return context, f"sequences of {context:,} tokens: the model's context (--seq-len)"
+    where = f"; the model's context is {context:,}" if context is not None else ""
+    return SEQ_LEN, (
+        f"sequences of {SEQ_LEN:,} tokens (--seq-len; longer ones hold a larger "
+        f"[tokens x vocabulary] array of logits in memory{where})"
+    )
+
+
+def _context(config: Any) -> int | None:
+    """The model's context length in tokens, if its config gives one."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
+
+
+def _split(
+    stream: Sequences, n_fit: int, n_eval: int, data: Path, notes: list[str]
+) -> tuple[Sequences, Sequences]:
+    """The data's sequences fitted, and its tail held out (a tenth of it, at least one
+    sequence, when the data hold fewer than asked)."""
+    have = len(stream)
+    if have < 2:
+        raise UsageError(
+            f"--data '{data}' holds too little text: not one sequence of {stream.seq_len:,} "
+            "tokens to fit and one to hold out",
+            hint="give more text, a smaller --seq-len, or --eval FILE",
+        )
+    if have < n_fit + n_eval:
+        n_eval = min(n_eval, max(1, have // 10))
+        n_fit = have - n_eval
+        notes.append(
+            f"--data holds {have * stream.seq_len:,} tokens (in sequences of {stream.seq_len:,}), "
+            f"fewer than --tokens and --eval-tokens ask: fitted on {n_fit * stream.seq_len:,}, "
+            f"held out the last {n_eval * stream.seq_len:,}"
+        )
+    return stream.part(0, n_fit), stream.part(n_fit, n_fit + n_eval)
+
+
+def _enough(what: str, got: Sequences, want: int, seq_len: int, notes: list[str]) -> None:
+    if len(got) == 0:
+        raise UsageError(
+            f"{what} holds too little text: not one sequence of {seq_len:,} tokens",
+            hint="give more text, or a smaller --seq-len",
+        )
+    if len(got) < want:
+        notes.append(f"{what} holds only {got.tokens:,} tokens (in sequences of {seq_len:,})")
+
+
+def _refine_share(fit: Sequences, tokens: int, seed: int) -> tuple[Sequences, Sequences]:
+    """The sequences the refinement reads (a seeded choice among those fitted), and the one it
+    checks its translators on: the next in that order (with a single sequence, that one)."""
+    if tokens == 0:
+        return fit.part(0, 0), fit.part(0, 0)
+    order = list(range(len(fit)))
+    random.Random(seed).shuffle(order)
+    count = min(len(fit), -(-tokens // fit.seq_len))
+    chosen, check = Sequences(fit.seq_len), Sequences(fit.seq_len)
+    for i in order[:count]:
+        chosen.add(fit.ids[i], fit.text_tokens[i], fit.text_bytes[i])
+    i = order[count] if count < len(order) else order[-1]
+    check.add(fit.ids[i], fit.text_tokens[i], fit.text_bytes[i])
+    return chosen, check

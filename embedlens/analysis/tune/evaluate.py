@@ -11,24 +11,21 @@ output (KL 0, the model's cross-entropy), for both lenses.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, ModelDecoder, capture, input_device
-from embedlens.analysis.lens.tuned import TunedDecoder
+from embedlens.analysis.lens.tuned import Translators, TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.reports.tune import TuneLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
+    from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.tune.reading import Reader
 
-Threads = Callable[[int], AbstractContextManager[None]]
-"""The CPU threads for work on n tokens (a context manager)."""
 CHUNK = 128
 """Rows decoded at once (float32 logits of CHUNK x V, a few copies)."""
 CHECK_ROWS = 256
@@ -48,36 +45,43 @@ class _Sums:
 
 
 class _Evaluation:
-    """Sums over the held-out sequences, one sequence at a time."""
+    """Sums over sequences, one sequence at a time, through the tuned lens (and the logit lens
+    beside it with `logit`; the cross-entropy with `ce`)."""
 
-    def __init__(self, model: nn.Module, blocks: Blocks, own: ModelDecoder, tuned: TunedDecoder):
-        self.model, self.blocks = model, blocks
-        self.n_layers = len(blocks.modules)
-        self.lenses = ((_Sums.zeros(self.n_layers), own), (_Sums.zeros(self.n_layers), tuned))
+    def __init__(self, reader: Reader, translators: Translators, *, logit: bool, ce: bool):
+        assert reader.own is not None
+        self.reader, self.ce = reader, ce
+        self.n_layers = n = reader.n_layers
+        decoders: list[Decoder] = [reader.own] if logit else []
+        decoders.append(TunedDecoder(reader.own, translators))
+        self.lenses = [(_Sums.zeros(n), decoder) for decoder in decoders]
         self.model_ce = 0.0
         self.n_kl = self.n_ce = 0
 
-    def add(self, ids: list[int]) -> None:
-        """One sequence: every position's KL, every next token's cross-entropy, per layer."""
-        n_layers = self.n_layers
-        cap = capture(self.model, self.blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
-        assert cap.logits is not None
-        labels = torch.tensor([*ids[1:], -1], device=cap.logits.device)
-        device = input_device(self.model)
-        for start in range(0, len(ids), CHUNK):
-            rows = slice(start, start + CHUNK)
-            real = torch.log_softmax(cap.logits[rows], dim=-1)
-            p = real.exp()
-            label = labels[rows]
-            self.model_ce += _ce(real, label)
-            for layer in range(n_layers):
-                h = cap.residual[layer][rows].to(device)
-                for sums, decoder in self.lenses:
-                    lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
-                    lq = lq.to(real.device)
-                    sums.kl[layer] += _total((p * (real - lq)).sum(-1))
-                    sums.ce[layer] += _ce(lq, label)
-        self.n_kl += len(ids)
+    def add(self, ids: list[int], read: Sequence[int] | None = None) -> None:
+        """One sequence at the positions `read` (all by default): each one's KL, and with `ce`
+        every next token's cross-entropy, per layer."""
+        n_layers, device = self.n_layers, self.reader.device
+        with self.reader.read(ids, read) as cap:
+            assert cap.logits is not None
+            labels = torch.tensor([*ids[1:], -1], device=cap.logits.device) if self.ce else None
+            rows_read = len(cap.logits)
+            for start in range(0, rows_read, CHUNK):
+                rows = slice(start, start + CHUNK)
+                real = torch.log_softmax(cap.logits[rows], dim=-1)
+                p = real.exp()
+                label = None if labels is None else labels[rows]
+                if label is not None:
+                    self.model_ce += _ce(real, label)
+                for layer in range(n_layers):
+                    h = cap.residual[layer][rows].to(device)
+                    for sums, decoder in self.lenses:
+                        lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
+                        lq = lq.to(real.device)
+                        sums.kl[layer] += _total((p * (real - lq)).sum(-1))
+                        if label is not None:
+                            sums.ce[layer] += _ce(lq, label)
+        self.n_kl += rows_read
         self.n_ce += len(ids) - 1
 
     def reduce(self, sum_floats: Callable[[list[float]], list[float]]) -> None:
@@ -108,58 +112,35 @@ class _Evaluation:
 
 
 def layer_kl(
-    model: nn.Module,
-    blocks: Blocks,
-    decoder: TunedDecoder,
-    data: Sequences,
-    threads: Threads,
-    rows: int = CHECK_ROWS,
+    reader: Reader, translators: Translators, data: Sequences, rows: int = CHECK_ROWS
 ) -> list[float]:
-    """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through `decoder`,
-    at about `rows` positions of each sequence, evenly spaced (the refinement's check of each
-    translator on rows it did not train on)."""
-    n_layers = len(blocks.modules)
-    sums, n = [0.0] * n_layers, 0
-    device = input_device(model)
+    """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through the tuned
+    lens of `translators`, at about `rows` positions of each sequence, evenly spaced (the
+    refinement's check of each translator on rows it did not train on)."""
+    run = _Evaluation(reader, translators, logit=False, ce=False)
     for ids in data.ids:
-        read = list(range(0, len(ids), -(-len(ids) // rows)))
-        with torch.inference_mode(), threads(len(ids)):
-            cap = capture(model, blocks, [ids], [read], range(n_layers + 1))
-            assert cap.logits is not None
-            for start in range(0, len(read), CHUNK):
-                part = slice(start, start + CHUNK)
-                real = torch.log_softmax(cap.logits[part], dim=-1)
-                p = real.exp()
-                for layer in range(n_layers):
-                    h = cap.residual[layer][part].to(device)
-                    lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
-                    sums[layer] += _total((p * (real - lq.to(real.device))).sum(-1))
-        n += len(read)
-    return [s / n for s in sums]
+        run.add(ids, range(0, len(ids), -(-len(ids) // rows)))
+    ((sums, _),) = run.lenses
+    return [s / run.n_kl for s in sums.kl]
 
 
 def evaluate(
-    model: nn.Module,
-    blocks: Blocks,
-    own: ModelDecoder,
-    tuned: TunedDecoder,
+    reader: Reader,
+    translators: Translators,
     data: Sequences,
-    on_sequence: Callable[[int, int], None] | None = None,
+    share: range,
+    on_sequence: Callable[[], None] | None = None,
     *,
-    threads: Threads = lambda n: nullcontext(),
     session: Session | None = None,
 ) -> list[TuneLayer]:
-    """Every layer's figures over the held-out sequences, in float64 sums (`threads`: the CPU
-    threads for work on n tokens; under torchrun, `session`: sequence s on rank s mod N, the
-    sums added over processes)."""
-    run = _Evaluation(model, blocks, own, tuned)
-    share = range(len(data)) if session is None else session.share(len(data))
-    for s, i in enumerate(share, 1):
-        ids = data.ids[i]
-        with torch.inference_mode(), threads(len(ids)):
-            run.add(ids)
+    """Every layer's figures over the held-out sequences `share` of `data` (this process's:
+    under torchrun, `session`, sequence s on rank s mod N, the sums added over processes), the
+    logit lens beside the tuned lens of `translators`, in float64 sums."""
+    run = _Evaluation(reader, translators, logit=True, ce=True)
+    for i in share:
+        run.add(data.ids[i])
         if on_sequence is not None:
-            on_sequence(s, len(data))
+            on_sequence()
     if session is not None:
         run.reduce(session.sum_floats)
     return run.layers(data.tokens_per_byte() / math.log(2))

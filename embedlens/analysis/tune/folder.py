@@ -251,11 +251,20 @@ def lens_config(
     }
 
 
-def write_folder(out: Path, translators: Translators, config: dict[str, Any]) -> None:
-    """Write the lens to `out` whole or not at all: into a temporary folder beside it, renamed
-    to `out` once complete (an interrupted run leaves nothing at `out`)."""
+def write_folder(
+    out: Path,
+    translators: Translators,
+    base_model: str,
+    revision: str | None,
+    unembed_hash: str | None,
+    ours: dict[str, Any],
+) -> None:
+    """Write the lens to `out` whole or not at all (its config.json: `lens_config`): into a
+    temporary folder beside it, renamed to `out` once complete (an interrupted run leaves
+    nothing at `out`)."""
     from safetensors.torch import save_file
 
+    config = lens_config(base_model, revision, unembed_hash, translators, ours)
     tensors = {}
     for i in range(translators.num_layers):
         tensors[f"{i}.weight"] = translators.weight[i].contiguous()

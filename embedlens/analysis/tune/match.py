@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.tune.folder import LensFolder
@@ -78,6 +79,27 @@ def _other_model(lens: LensFolder, why: str) -> UsageError:
         f"--tuned '{lens.path}' was tuned for another model ({lens.base_model or 'unnamed'}): "
         f"{why}",
         hint="tune a lens for this model with `embedlens tune MODEL --data FILE --out DIR`",
+    )
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a lens records of the model it was tuned on."""
+
+    tokenizer_size: int
+    decoder_fingerprint: str | None
+    vocab_fingerprint: str | None
+    unembed_hash: str | None
+    """tuned-lens's hash of the head (config.json's own key)."""
+
+
+def identify(model: nn.Module, tokenizer: Any) -> Identity:
+    """The model's and its tokenizer's fingerprints, as a lens folder records them."""
+    return Identity(
+        tokenizer_size=len(tokenizer),
+        decoder_fingerprint=decoder_fingerprint(model),
+        vocab_fingerprint=vocab_fingerprint(tokenizer),
+        unembed_hash=unembed_hash(model),
     )
 
 

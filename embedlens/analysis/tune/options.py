@@ -24,9 +24,6 @@ hundreds of steps of 2^18 tokens from the identity: from the least-squares start
 step, it overshoots the last layers, which start close to their best. On SmolLM2, 2,048 tokens in
 16 steps: mean held-out KL over layers 1.693 nats after least squares, 1.509 refined at 1.0 and
 1.502 at 0.3, where every layer but the last improved)."""
-SEQ_LEN = 512
-"""The longest default sequence: longer ones cost memory (a [seq_len, V] float32 array of the
-model's logits) and add little; the model's context when it is shorter."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,7 @@ class TuneAsk:
     out: Path
     eval_file: Path | None
     seq_len: int | None
-    """None: SEQ_LEN, or the model's context when shorter."""
+    """None: `data.SEQ_LEN`, or the model's context when shorter."""
     tokens: int
     eval_tokens: int
     refine_tokens: int
@@ -123,23 +120,3 @@ def _positive(name: str, value: Any) -> int:
     if _integer(value) is None or value < 1:
         raise UsageError(f"{name} must be a positive integer, not {value!r}")
     return int(value)
-
-
-def resolve_seq_len(asked: int | None, context: int | None, tokens: int) -> tuple[int, str | None]:
-    """The sequence length to use, and a note saying how it was chosen (None when asked);
-    `tokens`: the fewest tokens a part of the data is asked for (--tokens, --eval-tokens)."""
-    if asked is not None:
-        if context is not None and asked > context:
-            raise UsageError(
-                f"--seq-len {asked:,} is longer than the model's context ({context:,} tokens)"
-            )
-        return asked, None
-    if tokens < min(SEQ_LEN, context or SEQ_LEN):
-        return tokens, f"sequences of {tokens:,} tokens: all --tokens or --eval-tokens ask for"
-    if context is not None and context < SEQ_LEN:
-        return context, f"sequences of {context:,} tokens: the model's context (--seq-len)"
-    where = f"; the model's context is {context:,}" if context is not None else ""
-    return SEQ_LEN, (
-        f"sequences of {SEQ_LEN:,} tokens (--seq-len; longer ones hold a larger "
-        f"[tokens x vocabulary] array of logits in memory{where})"
-    )

@@ -14,29 +14,28 @@ data and seed give the same translators.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, ModelDecoder, capture, input_device
-from embedlens.analysis.lens.threads import one_thread
+from embedlens.analysis.lens.blocks import ModelDecoder
+from embedlens.analysis.lens.threads import one_thread, threads_for
 from embedlens.analysis.lens.tuned import Translators
 from embedlens.analysis.tune.data import Sequences
 from embedlens.errors import NumericError
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
+    from embedlens.analysis.tune.reading import Reader
+    from embedlens.progress import Progress
 
-Threads = Callable[[int], AbstractContextManager[None]]
-"""The CPU threads for work on n tokens (a context manager)."""
-StepFn = Callable[[int, int, list[float]], None]
 GRAPH_ROWS = 64
 """Rows one backward pass runs on (a step's rows are split into such parts)."""
-"""Called after each step with (step, steps, the step's KL per layer)."""
+BANDS = 3
+"""Layer bands whose mean KL the refinement's progress shows."""
 
 
 @dataclass(frozen=True)
@@ -80,31 +79,32 @@ class _Rows:
 
 
 def refine(
-    model: nn.Module,
-    blocks: Blocks,
-    own: ModelDecoder,
+    reader: Reader,
     start: Translators,
     data: Sequences,
     recipe: Recipe,
     seed: int,
     *,
-    on_step: StepFn | None = None,
-    threads: Threads = lambda n: nullcontext(),
+    progress: Progress | None = None,
     session: Session | None = None,
 ) -> Translators:
     """The translators after `recipe.steps` steps over `recipe.rows` rows of `data`, from
-    `start`. Under torchrun (`session`) every process reads the same rows, takes its part of
-    each step's and the step's gradient and KL are summed over processes: each then takes the
-    same step (the sum of every part is the whole step's, up to the order of float sums)."""
-    device = input_device(model)
+    `start`, through the model's own decoder (`reader.own`, checked); `progress` shows each
+    step's KL by bands of layers. Under torchrun (`session`) every process reads the same rows,
+    takes its part of each step's and the step's gradient and KL are summed over processes:
+    each then takes the same step (the sum of every part is the whole step's, up to the order
+    of float sums)."""
+    own, device = reader.own, reader.device
+    assert own is not None
     weight = nn.Parameter(start.weight.clone().to(device))
     bias = nn.Parameter(start.bias.clone().to(device))
     opt = _Nesterov([weight, bias], recipe)
     steps = recipe.steps
+    bands = _bands(reader.n_layers)
     sizes = [recipe.rows * (k + 1) // steps - recipe.rows * k // steps for k in range(steps)]
-    for step, rows in enumerate(_batches(model, blocks, data, sizes, seed, threads), 1):
+    for step, rows in enumerate(_batches(reader, data, sizes, seed), 1):
         mine = rows if session is None else rows.part(*session.part(len(rows)))
-        with threads(len(mine)):
+        with threads_for(reader.model, len(mine)):
             kls = _step(own, weight, bias, mine, len(rows))
         if session is not None:
             kls = _summed(session, weight, bias, kls)
@@ -115,9 +115,20 @@ def refine(
             )
         _clip(weight, bias, recipe.clip)
         opt.step(max(0.0, 1 - (step - 1) / steps))
-        if on_step is not None:
-            on_step(step, steps, kls)
+        if progress is not None:
+            progress("refining", step, steps, "steps", f"KL by layers {_by_bands(kls, bands)}")
     return Translators(weight.detach().float().cpu(), bias.detach().float().cpu())
+
+
+def _bands(n_layers: int) -> list[tuple[int, int]]:
+    """Layers 0..n_layers-1 in BANDS ranges of about equal size."""
+    edges = [round(i * n_layers / BANDS) for i in range(BANDS + 1)]
+    return [(edges[i], edges[i + 1] - 1) for i in range(BANDS) if edges[i + 1] > edges[i]]
+
+
+def _by_bands(kls: list[float], bands: list[tuple[int, int]]) -> str:
+    """Each band's mean KL, as progress shows them."""
+    return ", ".join(f"{lo}-{hi} {sum(kls[lo : hi + 1]) / (hi - lo + 1):.3f}" for lo, hi in bands)
 
 
 class _Nesterov:
@@ -193,17 +204,9 @@ def _step(
     return kls
 
 
-def _batches(
-    model: nn.Module,
-    blocks: Blocks,
-    data: Sequences,
-    sizes: list[int],
-    seed: int,
-    threads: Threads,
-) -> Iterator[_Rows]:
+def _batches(reader: Reader, data: Sequences, sizes: list[int], seed: int) -> Iterator[_Rows]:
     """Batches of rows of the given sizes, each sequence's rows in a seeded order (a batch may
     take rows from two sequences); only the sequences needed are run."""
-    n_layers = len(blocks.modules)
     generator = torch.Generator().manual_seed(seed)
     pending: _Rows | None = None
     wanted = iter(sizes)
@@ -211,8 +214,7 @@ def _batches(
     for ids in data.ids:
         if size is None:
             return
-        with threads(len(ids)):
-            rows = _sequence_rows(model, blocks, ids, n_layers, generator)
+        rows = _sequence_rows(reader, ids, generator)
         pending = rows if pending is None else pending.join(rows)
         while size is not None and len(pending) >= size:
             batch, pending = pending.take(size)
@@ -222,15 +224,13 @@ def _batches(
         yield pending
 
 
-def _sequence_rows(
-    model: nn.Module, blocks: Blocks, ids: list[int], n_layers: int, generator: torch.Generator
-) -> _Rows:
+def _sequence_rows(reader: Reader, ids: list[int], generator: torch.Generator) -> _Rows:
     """One sequence's residual rows (layers 0..L-1) and the model's log-probabilities, in a
     seeded order (without inference mode, whose tensors could not enter the refinement's
     graph; the model's parameters are frozen, so no graph is built here). One [tokens, V] array
     of log-probabilities is kept; at most two exist at once."""
-    with torch.no_grad():
-        cap = capture(model, blocks, [ids], [list(range(len(ids)))], range(n_layers + 1))
+    n_layers = reader.n_layers
+    with reader.read(ids, graph=True) as cap:
         assert cap.logits is not None
         order = torch.randperm(len(ids), generator=generator)
         logits, cap.logits = cap.logits, None

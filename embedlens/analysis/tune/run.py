@@ -1,42 +1,35 @@
-"""One tuning run on a model made ready: the least-squares start from streamed statistics, the
-refinement, the held-out evaluation.
+"""One tuning run on a model made ready (`tune_model`): the least-squares start from streamed
+statistics, the refinement, the held-out evaluation.
 
 Before any statistic is taken, the model's own decoder must reproduce the model's logits from
-the last block's output (the lens's self-check): a tuned lens decodes through it, and one fitted
-through a tail that is not the model's would not be faithful. The model's parameters are frozen
-for the run (only the translators learn) and their flags restored after.
+the last block's output (`Reader.check`). The model's parameters are frozen for the refinement
+(only the translators learn) and their flags restored after.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import ModelDecoder, capture, find_blocks, input_device
-from embedlens.analysis.lens.engine import tolerance
-from embedlens.analysis.lens.threads import threads_for
-from embedlens.analysis.lens.tuned import Translators, TunedDecoder
+from embedlens.analysis.lens.tuned import Translators
 from embedlens.analysis.tune.data import Sequences
 from embedlens.analysis.tune.evaluate import evaluate, layer_kl
 from embedlens.analysis.tune.fit import LeastSquares
+from embedlens.analysis.tune.reading import Reader
 from embedlens.analysis.tune.refine import Recipe, refine
-from embedlens.errors import UnsupportedError
 from embedlens.progress import no_progress
 from embedlens.reports.tune import TuneLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
+    from embedlens.analysis.tune.data import Plan
     from embedlens.progress import Progress
 
-BANDS = 3
-"""Layer bands whose mean KL the refinement's progress shows."""
 KEEP_MARGIN = 1e-4
 KEEP_FLOOR = 1e-6
 """A refined translator is kept where it lowers the check rows' KL by more than KEEP_MARGIN of
@@ -69,6 +62,26 @@ class Fitted:
     """None with --method affine."""
 
 
+def tune_model(
+    model: nn.Module,
+    the_plan: Plan,
+    recipe: Recipe | None,
+    seed: int,
+    progress: Progress | None = None,
+    session: Session | None = None,
+) -> Fitted:
+    """Fit on the plan's sequences, refine by `recipe` (none with --method affine) and evaluate
+    on those held out (split over the processes of `session`)."""
+    run = Tuning(model, progress, session)
+    translators = run.fit(the_plan.fit)
+    refined = None
+    if recipe is not None:
+        refined = run.refine(translators, the_plan.refine, the_plan.check, recipe, seed)
+        translators = refined.translators
+    layers = run.evaluate(translators, the_plan.held_out)
+    return Fitted(translators, layers, run.reader.vocab_rows, refined)
+
+
 class Tuning:
     """A run on one model: `fit`, then `refine`, then `evaluate`; under torchrun (`session`),
     split over processes: each fits and evaluates its share of the sequences (the sums added
@@ -79,48 +92,40 @@ class Tuning:
     ) -> None:
         self.model = model
         self.session = session
-        self.blocks = find_blocks(model)
-        self.n_layers = len(self.blocks.modules)
+        self.reader = Reader(model)
+        self.n_layers = self.reader.n_layers
         self.progress: Progress = progress or no_progress
-        self.own: ModelDecoder | None = None
-        self.vocab_rows = 0
         self._counts: dict[str, int] = {}
-        self.threads: Callable[[int], AbstractContextManager[None]] = functools.partial(
-            threads_for, model
-        )
-        """CPU threads for work on n tokens, as the lens chooses them (one for small work): from
-        the work's size alone, never from the machine's load, so that the lens folder's bytes
-        do not depend on what else the machine runs (on 2 busy cores at load 5, two threads
-        took 481 CPU seconds where one took 201: set OMP_NUM_THREADS=1 on a shared machine)."""
 
     def fit(self, data: Sequences) -> Translators:
         """The least-squares translators over every sequence of `data` (streamed)."""
+        reader = self.reader
         stats: LeastSquares | None = None
-        for s in self._share(len(data)):
+        for s in self._share(data):
             ids = data.ids[s]
-            with torch.inference_mode(), self.threads(len(ids)):
-                if self.own is None:
-                    self._self_check(ids)
-                cap = capture(
-                    self.model, self.blocks, [ids], [list(range(len(ids)))],
-                    range(self.n_layers + 1), logits=False,
-                )  # fmt: skip
+            if reader.own is None:
+                reader.check(ids)
+            with reader.read(ids, logits=False) as cap:
                 if stats is None:
                     stats = self._sums(cap.residual)
                 stats.add(cap.residual)
-            self.progress("fitting", self._done("fitting", data.seq_len), data.tokens, "tokens")
+            self._advance("fitting", data)
         if self.session is not None:
-            if self.own is None:  # a process without a sequence of its own
-                with torch.inference_mode(), self.threads(len(data.ids[0])):
-                    self._self_check(data.ids[0])
+            if reader.own is None:  # a process without a sequence of its own
+                reader.check(data.ids[0])
             stats = stats or self._sums(None)
             stats.reduce(self.session.all_reduce_)
         assert stats is not None
         return stats.solve()
 
-    def _share(self, n: int) -> range:
-        """The sequences this process runs, of n (all of them alone)."""
+    def _share(self, data: Sequences) -> range:
+        """The sequences of `data` this process runs (all of them alone)."""
+        n = len(data)
         return range(n) if self.session is None else self.session.share(n)
+
+    def _advance(self, phase: str, data: Sequences) -> None:
+        """The progress of a phase counted in tokens: one more sequence of `data` done."""
+        self.progress(phase, self._done(phase, data.seq_len), data.tokens, "tokens")
 
     def _done(self, phase: str, n: int) -> int:
         """Tokens done so far in a phase, over every process (`n` more by this one)."""
@@ -143,31 +148,6 @@ class Tuning:
         shift_x, shift_y = self.session.broadcast(shift)
         return LeastSquares(self.n_layers, int(shift_y.shape[-1]), shift=(shift_x, shift_y))
 
-    def _self_check(self, ids: list[int]) -> None:
-        """The model's own decoder reproduces its logits from the last block's output (cutting
-        the block list, else with every block in place), or UnsupportedError."""
-        model, n = self.model, self.n_layers
-        cap = capture(model, self.blocks, [ids], [list(range(len(ids)))], [n])
-        assert cap.logits is not None
-        self.vocab_rows = int(cap.logits.shape[-1])
-        own = ModelDecoder(model, self.blocks, dummy_id=int(ids[0]))
-        tol = tolerance(next(model.parameters()).dtype, cap.logits)
-        diff = math.inf
-        for full in (False, True):
-            own.full = full
-            rows = cap.residual[n][:16].to(input_device(model))
-            mine = own.logits(rows, [n] * len(rows)).float().to(cap.logits.device)
-            diff = float((mine - cap.logits[: len(rows)]).abs().max())
-            if diff <= tol:
-                self.own = own
-                return
-        raise UnsupportedError(
-            f"decoding the last block's output does not reproduce this model's logits (max |Δ| "
-            f"= {diff:.3g} > {tol:.3g}): a lens decoded through the model's own steps would not "
-            "be faithful, so none is tuned",
-            hint="`embedlens lens MODEL PROMPT` names the suspect step",
-        )
-
     def refine(
         self, start: Translators, data: Sequences, check: Sequences, recipe: Recipe, seed: int
     ) -> Refined:
@@ -187,55 +167,32 @@ class Tuning:
     def _check_kl(self, translators: Translators, check: Sequences) -> list[float]:
         """Each layer's KL through `translators` on the check rows (on rank 0 alone under
         torchrun: the others get its figures)."""
-        assert self.own is not None
         if self.session is not None and self.session.rank != 0:
             return []
-        decoder = TunedDecoder(self.own, translators)
-        return layer_kl(self.model, self.blocks, decoder, check, self.threads)
+        return layer_kl(self.reader, translators, check)
 
     def _refined(
         self, start: Translators, data: Sequences, recipe: Recipe, seed: int
     ) -> Translators:
-        assert self.own is not None
-        bands = _bands(self.n_layers)
-
-        def on_step(step: int, steps: int, kls: list[float]) -> None:
-            shown = ", ".join(
-                f"{lo}-{hi} {sum(kls[lo : hi + 1]) / (hi - lo + 1):.3f}" for lo, hi in bands
-            )
-            self.progress("refining", step, steps, "steps", f"KL by layers {shown}")
-
         with _frozen(self.model):
             return refine(
-                self.model, self.blocks, self.own, start, data, recipe, seed,
-                on_step=on_step, threads=self.threads, session=self.session,
-            )  # fmt: skip
+                self.reader, start, data, recipe, seed, progress=self.progress, session=self.session
+            )
 
     def evaluate(self, translators: Translators, data: Sequences) -> list[TuneLayer]:
         """Per layer, the logit lens and the tuned lens on held-out `data`."""
-        assert self.own is not None
-        tuned = TunedDecoder(self.own, translators)
 
-        def on_sequence(done: int, total: int) -> None:
-            self.progress(
-                "evaluating", self._done("evaluating", data.seq_len), data.tokens, "tokens"
-            )
+        def on_sequence() -> None:
+            self._advance("evaluating", data)
 
         return evaluate(
-            self.model, self.blocks, self.own, tuned, data, on_sequence, threads=self.threads,
-            session=self.session,
-        )  # fmt: skip
+            self.reader, translators, data, self._share(data), on_sequence, session=self.session
+        )
 
 
 def _better(before: float, after: float) -> bool:
     """The refined translator lowers the KL by more than rounding could (KEEP_MARGIN)."""
     return after < before - KEEP_MARGIN * abs(before) - KEEP_FLOOR
-
-
-def _bands(n_layers: int) -> list[tuple[int, int]]:
-    """Layers 0..n_layers-1 in BANDS ranges of about equal size."""
-    edges = [round(i * n_layers / BANDS) for i in range(BANDS + 1)]
-    return [(edges[i], edges[i + 1] - 1) for i in range(BANDS) if edges[i + 1] > edges[i]]
 
 
 @contextmanager
