@@ -16,20 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from embedlens.analysis.hub_reads import counts_hub_reads
 from embedlens.analysis.vocab.diff import compare
 from embedlens.analysis.vocab.facts import VocabFacts, facts_of, model_vocab
 from embedlens.analysis.vocab.fingerprint import read_fingerprint
-from embedlens.analysis.vocab.kinds import TokenKinds
-from embedlens.analysis.vocab.layout import (
-    added_ids,
-    layout_problems,
-    read_layout,
-    reference_rows,
-)
-from embedlens.analysis.vocab.signals import Matrix, ReferenceRows, Tokens
+from embedlens.analysis.vocab.layout import against_rows
+from embedlens.analysis.vocab.signals import Matrix
 from embedlens.analysis.vocab.undertrained import scan
 from embedlens.errors import UsageError
 from embedlens.io.gguf import read_gguf_header
@@ -94,7 +86,11 @@ def vocab(
     always holds every candidate and row). MODEL, `against` and `tokenizer` are text or paths
     (`pathlib.Path`). `all=` and `on_progress=(done, total)` are the former, deprecated names."""
     show_all = bool(renamed("vocab", keywords, "all", "show_all", show_all, "give"))
-    progress = _progress(keywords, progress)
+    old: Callable[[int, int], None] | None = renamed(
+        "vocab", keywords, "on_progress", "progress", progress,
+        "it is called as progress(stage, done, total, unit, detail=''): give",
+    )  # fmt: skip
+    progress = _progress(progress, old)
     no_other_keywords("vocab", keywords)
     _check_arguments(model, max_verify)
     model, against, tokenizer = os.fspath(model), _text(against), _text(tokenizer)
@@ -110,10 +106,11 @@ def vocab(
             facts = facts_of(vocab_used, merged)
         other = load_other(against) if against is not None else None
         report = _static(model, origin, vocab_used, facts, matrices, table, shows_all=show_all)
-    finally:
+    except BaseException:
         for m in matrices:  # their threads end with the scan; on an error, here
             if m.early is not None:
                 m.early.wait()
+        raise
     scanned, fit, notes = report.undertrained, None, list[str]()
     if check_fit or (verify and scanned.candidates):
         how = _Load(dtype, device, trust_remote_code)
@@ -125,12 +122,8 @@ def vocab(
     return _finish(report, scanned, diff, fit, notes)
 
 
-def _progress(keywords: dict[str, Any], progress: Progress | None) -> Progress:
-    """`progress` as a Progress; the former `on_progress(done, total)` adapted to it."""
-    old: Callable[[int, int], None] | None = renamed(
-        "vocab", keywords, "on_progress", "progress", progress,
-        "it is called as progress(stage, done, total, unit, detail=''): give",
-    )  # fmt: skip
+def _progress(progress: Progress | None, old: Callable[[int, int], None] | None) -> Progress:
+    """`progress` as a Progress; the former `on_progress(done, total)` (`old`) adapted to it."""
     if old is None or progress is not None:
         return progress_of(progress, "vocab")
 
@@ -168,18 +161,15 @@ def _static(
     """Everything that reads headers, the tokenizer's facts and the matrices. Unreachable
     tokens are the tokenizer's, all of them (the same whatever weights it is checked against);
     the scan reads the rows there are."""
-    layout = read_layout(vocab, table)
-    problems = layout_problems(layout)
-    kinds = facts.kinds.below(table.rows)
+    rows = against_rows(vocab, table, facts.kinds, facts.named_unused)
+    problems = list(rows.problems)
     prints = read_fingerprint(facts.fingerprint, table)
     if prints.matches is False:
         problems.append(
             f"the weights' metadata names tokenizer hash {prints.metadata_value} "
             "but this vocabulary's fingerprint differs"
         )
-    reference = reference_rows(vocab.size, kinds, table.rows, facts.named_unused)
-    tokens = _tokens(vocab, reference, kinds, table.rows)
-    scanned = scan(matrices, vocab, tokens, all_tokens=True)
+    scanned = scan(matrices, vocab, rows.tokens, all_tokens=True)
     problems.extend(_untrained_added(scanned))
     notes = [] if table.tied else list(table.notes)
     if vocab.size > table.rows:
@@ -187,7 +177,7 @@ def _static(
     return VocabReport(
         model=model,
         tokenizer=origin,
-        layout=layout,
+        layout=rows.layout,
         fingerprint=prints,
         unreachable=facts.unreachable,
         undertrained=scanned,
@@ -223,20 +213,6 @@ def _matrices(source: ModelSource, table: Table) -> list[Matrix]:
     if embedding is not None and rows is not None:
         out.append(Matrix.begun(rows, embedding.name, "input"))
     return out
-
-
-def _tokens(vocab: Vocab, reference: ReferenceRows, kinds: TokenKinds, rows: int) -> Tokens:
-    """The rows known unused, the tokens that are not ordinary, and the groups of rows added at
-    the end: added tokens past the last ordinary id (not named unused), rows past the tokenizer."""
-    added = added_ids(vocab)
-    taken = set(added)
-    base = vocab.size
-    while base > 0 and base - 1 in taken:
-        base -= 1
-    known = set(reference.kinds.ids[np.searchsorted(reference.kinds.ids, base) :].tolist())
-    late = [i for i in range(base, vocab.size) if i not in known] if base else []
-    groups = [("added_tokens", late), ("past_tokenizer", list(range(vocab.size, rows)))]
-    return Tokens(reference, kinds.ids, frozenset(taken | vocab.special_ids), groups)
 
 
 def _loaded(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedlens.analysis.vocab.fingerprint import entries
 from embedlens.analysis.vocab.fingerprint import fingerprint as sha
+from embedlens.analysis.vocab.fingerprint import read_entries
 from embedlens.model.tokenizer import Vocab
 from embedlens.reports.tokens import TokenRef
 from embedlens.reports.vocab import Fingerprint, Renamed, Shift, VocabDiff
@@ -72,7 +72,7 @@ def _summary(
 def compare(mine: Vocab, other: Vocab, name: str, *, fingerprint: Fingerprint) -> VocabDiff:
     """Compare `mine` (the model's) with `other`, id by id. When most tokens both hold moved one
     by one rather than in blocks, the two are unrelated: counts are given, not the shifts."""
-    a, b = entries(mine), entries(other)
+    a, b = read_entries(mine).raw, read_entries(other).raw
     where_b: dict[bytes, int] = {}
     for j, t in enumerate(b):
         where_b.setdefault(t, j)

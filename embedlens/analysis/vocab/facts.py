@@ -12,6 +12,7 @@ tokenizer (which is then built only if something else asks for it: --against, --
 from __future__ import annotations
 
 import json
+import re
 import sys
 from array import array
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from embedlens.analysis.vocab.fingerprint import entries, fingerprint, pieces_by_id
+from embedlens.analysis.vocab.fingerprint import fingerprint, read_entries
 from embedlens.analysis.vocab.kinds import TokenKinds
-from embedlens.analysis.vocab.layout import find_unreachable, named_unused
+from embedlens.analysis.vocab.layout import find_unreachable
 from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
 from embedlens.model import tokenizer_cache
@@ -38,6 +39,10 @@ from embedlens.reports.vocab import Unreachable, UnreachableToken
 FORMAT = 1
 """Raise when what is kept, or how it is found, changes."""
 
+# Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
+# [unused7], <extra_id_3>.
+_UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
+
 
 @dataclass(frozen=True)
 class VocabFacts:
@@ -51,13 +56,18 @@ class VocabFacts:
 
 
 def facts_of(vocab: Vocab, merged: frozenset[str] | None) -> VocabFacts:
-    """Find the facts (`merged`: what a byte-level GGUF's merges build, when known)."""
-    pieces = pieces_by_id(vocab)
-    raw = entries(vocab, pieces)
-    unreachable, kinds = find_unreachable(vocab, vocab.size, pieces, raw, merged)
+    """Find the facts (`merged`: what a byte-level GGUF's merges build, when known), the
+    vocabulary's entries read once for all of them."""
+    read = read_entries(vocab)
+    unreachable, kinds = find_unreachable(vocab, read, merged)
     return VocabFacts(
-        fingerprint(vocab, raw), unreachable, TokenKinds.of(kinds), named_unused(pieces)
+        fingerprint(vocab, read.raw), unreachable, TokenKinds.of(kinds), named_unused(read.pieces)
     )
+
+
+def named_unused(pieces: list[str | None]) -> list[int]:
+    """The ids whose entry names itself unused or reserved (<unused12>, [unused7], ...)."""
+    return [i for i, p in enumerate(pieces) if p and p[0] in "<[" and _UNUSED_NAME.match(p)]
 
 
 def model_vocab(source: ModelSource, gguf: GGUFHeader | None) -> tuple[Vocab, VocabFacts]:

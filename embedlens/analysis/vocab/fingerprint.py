@@ -1,4 +1,5 @@
-"""A vocabulary's bytes and fingerprint: SHA-256 of its id -> token-bytes list and special ids.
+"""A vocabulary's entries and bytes (`read_entries`: the tokenizer asked once) and its fingerprint:
+SHA-256 of its id -> token-bytes list and special ids.
 
 Each entry is hashed as the bytes it stands for (byte-level 'Ġking' as b' king', SentencePiece
 '▁king' as b' king', '<0x41>' as b'A'), so a model's GGUF and tokenizer.json forms, which spell
@@ -11,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from embedlens.errors import EmbedlensError
 from embedlens.io.checkpoint import read_safetensors_header
@@ -19,37 +22,57 @@ from embedlens.model.tokenizer import Vocab
 from embedlens.model.tokens import tokens_bytes
 from embedlens.reports.vocab import Fingerprint
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 _HASH_KEY = re.compile(r"tokeni[sz]er.*(hash|sha|fingerprint)", re.IGNORECASE)
 _PREFIX = b"embedlens-vocab-v1\n"
 
 
-def byte_level(vocab: Vocab) -> bool:
-    """Whether the vocabulary spells bytes in GPT-2's byte alphabet ('Ġking')."""
-    return "ByteLevel" in str(vocab.tokenizer.decoder)
+@dataclass(frozen=True)
+class Entries:
+    """A vocabulary's entries, read with its tokenizer once: every id's entry as stored (None for
+    an id without one) and the bytes it stands for, in id order."""
+
+    tokenizer: Tokenizer
+    """The tokenizer they were read with (built, when only kept facts were read): the search
+    for the tokens it never produces asks this one."""
+    byte_level: bool
+    """Whether the entries spell bytes in GPT-2's byte alphabet ('Ġking')."""
+    pieces: list[str | None]
+    raw: list[bytes]
+
+
+def read_entries(vocab: Vocab) -> Entries:
+    """Every id's entry and bytes, the tokenizer asked once."""
+    whole = vocab.whole()
+    tok = whole.tokenizer
+    bl = "ByteLevel" in str(tok.decoder)
+    pieces = _pieces(whole, tok)
+    return Entries(tok, bl, pieces, tokens_bytes([p or "" for p in pieces], bl))
 
 
 def pieces_by_id(vocab: Vocab) -> list[str | None]:
     """Every id's vocabulary entry as stored (None for an id without one), in one call."""
-    vocab = vocab.whole()
-    if vocab.pieces is not None:  # read with the GGUF: asking the tokenizer takes 0.5 s at 262k
-        return list(vocab.pieces)
-    pieces: list[str | None] = [None] * vocab.size
-    for piece, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items():
-        if 0 <= i < vocab.size:
+    whole = vocab.whole()
+    return _pieces(whole, whole.tokenizer)
+
+
+def _pieces(whole: Vocab, tok: Tokenizer) -> list[str | None]:
+    """`pieces_by_id` of a vocabulary with its tokenizer built (`tok`, its tokenizer)."""
+    if whole.pieces is not None:  # read with the GGUF: asking the tokenizer takes 0.5 s at 262k
+        return list(whole.pieces)
+    pieces: list[str | None] = [None] * whole.size
+    for piece, i in tok.get_vocab(with_added_tokens=True).items():
+        if 0 <= i < whole.size:
             pieces[i] = piece
     return pieces
 
 
-def entries(vocab: Vocab, pieces: list[str | None] | None = None) -> list[bytes]:
-    """Every id's bytes, in id order."""
-    bl = byte_level(vocab)
-    pieces = pieces if pieces is not None else pieces_by_id(vocab)
-    return tokens_bytes([p or "" for p in pieces], bl)
-
-
 def fingerprint(vocab: Vocab, raw: list[bytes] | None = None) -> str:
-    """SHA-256 of the ids in order with each token's bytes, then the special tokens' ids."""
-    raw = raw if raw is not None else entries(vocab)
+    """SHA-256 of the ids in order with each token's bytes (`raw`, when read already: as
+    `read_entries` gives), then the special tokens' ids."""
+    raw = raw if raw is not None else read_entries(vocab).raw
     blob = _entries_blob(raw)
     specials = b"".join(struct.pack("<I", i) for i in sorted(vocab.special_ids))
     return hashlib.sha256(_PREFIX + blob + b"special" + specials).hexdigest()

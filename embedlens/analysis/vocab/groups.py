@@ -13,6 +13,14 @@ from embedlens.reports.vocab import (
 )
 
 
+def row_groups(
+    groups: list[tuple[str, list[int]]], v: int, scanned: list[Scanned]
+) -> list[RowGroup]:
+    """Each group's rows that every matrix has (below `v`), checked together in every matrix
+    (`group`); groups left empty dropped."""
+    return [group(kind, ids, scanned) for kind, ids in within(groups, v)]
+
+
 def within(groups: list[tuple[str, list[int]]], v: int) -> list[tuple[str, list[int]]]:
     """The groups' rows that every matrix has, groups left empty dropped."""
     kept = [(kind, [i for i in ids if i < v]) for kind, ids in groups]

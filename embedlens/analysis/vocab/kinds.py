@@ -57,9 +57,11 @@ class TokenKinds:
         """id -> kind, ascending by id."""
         return dict(zip(self.ids.tolist(), self._named(), strict=True))
 
-    def counts(self) -> dict[str, int]:
-        """How many ids of each kind, by kind name (kinds with none left out)."""
-        n = np.bincount(self.codes, minlength=len(self.names))
+    def counts(self, below: int | None = None) -> dict[str, int]:
+        """How many ids of each kind (of the ids below `below`, when given), by kind name (kinds
+        with none left out)."""
+        codes = self.codes if below is None else self.below(below).codes
+        n = np.bincount(codes, minlength=len(self.names))
         return {name: int(n[k]) for k, name in enumerate(self.names) if n[k]}
 
     def below(self, stop: int) -> TokenKinds:

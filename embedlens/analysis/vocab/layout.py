@@ -1,5 +1,6 @@
 """The vocabulary against the matrices: sizes, padding and missing rows, where added tokens sit,
-the tokens the tokenizer never produces as themselves, and the rows known to be unused.
+the rows known to be unused and what the scan is told of each row (`against_rows`, one call),
+and the tokens the tokenizer never produces as themselves (`find_unreachable`).
 
 A token is unreachable when decoding it and encoding the text again does not give it back: byte
 fragments of a multi-byte character, SentencePiece byte pieces of bytes that have their own token,
@@ -9,11 +10,14 @@ merges that other merges always win over. All tokens go through the tokenizer in
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from embedlens.analysis.vocab.fingerprint import byte_level
+import numpy as np
+
+from embedlens.analysis.vocab.fingerprint import Entries
 from embedlens.analysis.vocab.kinds import TokenKinds
-from embedlens.analysis.vocab.signals import ReferenceRows
+from embedlens.analysis.vocab.signals import ReferenceRows, Tokens
 from embedlens.model.matrix import Table
 from embedlens.model.tokenizer import Vocab
 from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
@@ -23,10 +27,7 @@ from embedlens.reports.vocab import Layout, Unreachable, UnreachableToken
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-# Entries a vocabulary itself names as unused or reserved: <unused12>, <|reserved_special_token_5|>,
-# [unused7], <extra_id_3>.
 BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
-_UNUSED_NAME = re.compile(r"^[<\[]\|?(unused|reserved|extra_id)[\w-]*\|?[>\]]$", re.IGNORECASE)
 LISTED = 100  # unreachable tokens listed per kind (all are counted)
 _NEVER_PRODUCED = frozenset({"single_byte", "shadowed", "unmerged", "byte_fallback"})
 
@@ -36,11 +37,34 @@ def added_ids(vocab: Vocab) -> list[int]:
     return sorted(vocab.added)
 
 
-def read_layout(vocab: Vocab, table: Table) -> Layout:
-    """Sizes, padding and missing rows, special tokens, and where the added tokens sit."""
+@dataclass(frozen=True)
+class AgainstRows:
+    """The vocabulary against the matrices' rows: the layout, what in it makes the model
+    misbehave, and what the vocabulary says of the rows (the scan's `Tokens`)."""
+
+    layout: Layout
+    problems: list[str]
+    tokens: Tokens
+
+
+def against_rows(
+    vocab: Vocab, table: Table, unreachable: TokenKinds, named: list[int]
+) -> AgainstRows:
+    """The vocabulary against `table`'s rows, with every token it never produces
+    (`unreachable`, each with its kind) and the ids of the entries named unused (`named`). The
+    scan leaves out the ids past the rows each matrix has."""
+    added = added_ids(vocab)
+    layout = read_layout(vocab, table, added)
+    reference = reference_rows(vocab.size, unreachable, table.rows, named)
+    tokens = _tokens(vocab, added, reference, unreachable, table.rows)
+    return AgainstRows(layout, layout_problems(layout), tokens)
+
+
+def read_layout(vocab: Vocab, table: Table, added: list[int]) -> Layout:
+    """Sizes, padding and missing rows, special tokens, and where the added tokens (`added`,
+    `added_ids`) sit."""
     inv = table.checkpoint.tensors
     embedding = _embedding_entry(table)
-    added = added_ids(vocab)
     placement, inserted = _placement(added, vocab.size)
     specials = sorted(vocab.special_ids | set(added))
     return Layout(
@@ -58,6 +82,21 @@ def read_layout(vocab: Vocab, table: Table) -> Layout:
         added_placement=placement,
         inserted=[TokenRef(i, vocab.text(i)) for i in inserted],
     )
+
+
+def _tokens(
+    vocab: Vocab, added: list[int], reference: ReferenceRows, unreachable: TokenKinds, rows: int
+) -> Tokens:
+    """The rows known unused, the tokens that are not ordinary, and the groups of rows added at
+    the end: added tokens past the last ordinary id (not named unused), rows past the tokenizer."""
+    taken = set(added)
+    base = vocab.size
+    while base > 0 and base - 1 in taken:
+        base -= 1
+    known = set(reference.kinds.ids[np.searchsorted(reference.kinds.ids, base) :].tolist())
+    late = [i for i in range(base, vocab.size) if i not in known] if base else []
+    groups = [("added_tokens", late), ("past_tokenizer", list(range(vocab.size, rows)))]
+    return Tokens(reference, unreachable.ids, frozenset(taken | vocab.special_ids), groups)
 
 
 def _embedding_entry(table: Table) -> str:
@@ -114,20 +153,15 @@ def layout_problems(layout: Layout) -> list[str]:
 
 
 def find_unreachable(
-    vocab: Vocab,
-    n: int,
-    pieces: list[str | None],
-    raw: list[bytes],
-    merged: frozenset[str] | None = None,
+    vocab: Vocab, entries: Entries, merged: frozenset[str] | None = None
 ) -> tuple[Unreachable, dict[int, str]]:
-    """Ordinary tokens (ids below n) that decoding and encoding again does not give back: the
-    report (the first LISTED of each kind listed) and every such id with its kind. `raw` holds
-    every id's bytes (fingerprint.entries), `pieces` its entry as stored; `merged`, when
+    """Ordinary tokens that decoding and encoding again does not give back: the report (the
+    first LISTED of each kind listed) and every such id with its kind. `entries` holds every
+    id's entry and bytes and the tokenizer they were read with (`read_entries`); `merged`, when
     known, every piece a byte-level BPE merge builds (byte_level_merge_results)."""
     skip = set(added_ids(vocab)) | vocab.special_ids
-    ids = [i for i in range(n) if i not in skip]
-    bl = byte_level(vocab)
-    tok = vocab.tokenizer
+    ids = [i for i in range(vocab.size) if i not in skip]
+    bl, tok, pieces, raw = entries.byte_level, entries.tokenizer, entries.pieces, entries.raw
     found: dict[int, list[int] | None] = {}
     unmerged: set[int] = set()
     if bl:  # a token whose bytes are not UTF-8 decodes to U+FFFD: it never comes back
@@ -241,16 +275,11 @@ def _kind(piece: str, raw: bytes) -> str:
     return "shadowed"
 
 
-def named_unused(pieces: list[str | None]) -> list[int]:
-    """The ids whose entry names itself unused or reserved (<unused12>, [unused7], ...)."""
-    return [i for i, p in enumerate(pieces) if p and p[0] in "<[" and _UNUSED_NAME.match(p)]
-
-
 def reference_rows(
     size: int, unreachable: TokenKinds, rows: int, named: list[int]
 ) -> ReferenceRows:
     """Rows known unused: padding (rows from the tokenizer's `size` on), tokens never produced
-    as themselves, tokens named unused (`named`, from named_unused); a row's kind is the last
+    as themselves, tokens named unused (`named`, facts.named_unused); a row's kind is the last
     of these that names it."""
     padding = TokenKinds.one(range(size, rows), "padding")  # after every token's id
     unused = TokenKinds.one(sorted({i for i in named if i < rows}), "named_unused")

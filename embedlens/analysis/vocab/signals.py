@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,29 +101,20 @@ class Scanned:
     """Per signal, over every row: the indicator never flags a reference row."""
 
 
-def scan_matrix(
-    matrix: Matrix,
-    vocab: Vocab,
-    reference: npt.NDArray[np.int64],
-    not_ordinary: npt.NDArray[np.int64],
-    *,
-    all_tokens: bool,
-) -> Scanned:
-    """The three signals over one matrix's rows (`reference` sorted, as Tokens.arrays gives).
-    The identical rows and the long lists are found on threads of their own meanwhile."""
+def scan_matrix(matrix: Matrix, vocab: Vocab, tokens: Tokens, *, all_tokens: bool) -> Scanned:
+    """The three signals over one matrix's rows, with what the vocabulary says of them. The
+    identical rows and the long lists are found meanwhile, on a pool of two threads that has
+    ended when this returns or raises."""
     rows = matrix.rows
     v = rows.shape[0]
+    reference, not_ordinary = tokens.arrays()
     ref_ids = reference[: np.searchsorted(reference, v)]
     stats = row_stats(rows, ref_ids, matrix.early)
     real = min(vocab.size, v)
-    same = Aside("identical-rows", identical_rows, rows, stats.signature, real)
-    lists = Aside("lists", _lists, stats) if all_tokens else None
-    try:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="embedlens-signals") as pool:
+        same = pool.submit(identical_rows, rows, stats.signature, real)
+        lists = pool.submit(_lists, stats) if all_tokens else None
         return _signals(matrix, stats, ref_ids, not_ordinary, real, (same, lists))
-    finally:
-        same.wait()
-        if lists is not None:
-            lists.wait()
 
 
 def _signals(
@@ -131,7 +123,7 @@ def _signals(
     ref_ids: npt.NDArray[np.int64],
     not_ordinary: npt.NDArray[np.int64],
     real: int,
-    aside: tuple[Aside[list[list[int]]], Aside[tuple[list[float], list[float]]] | None],
+    aside: tuple[Future[list[list[int]]], Future[tuple[list[float], list[float]]] | None],
 ) -> Scanned:
     """`scan_matrix` once the rows' figures are in (`aside`: the identical rows, the lists)."""
     values, norms = stats.indicator, stats.norms

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from embedlens.analysis.vocab.groups import group, within
+from embedlens.analysis.vocab.groups import row_groups
 from embedlens.analysis.vocab.signals import SIGNALS, Matrix, Scanned, Tokens, scan_matrix
 from embedlens.model.tokenizer import Vocab
 from embedlens.reports.vocab import (
@@ -53,10 +53,8 @@ from embedlens.reports.vocab import (
 def scan(matrices: list[Matrix], vocab: Vocab, tokens: Tokens, *, all_tokens: bool) -> Undertrained:
     """Every signal over every matrix given (the head first, or the tied embedding alone), the
     candidates of all of them, and the groups' verdicts."""
-    reference, not_ordinary = tokens.arrays()
-    scanned = [
-        scan_matrix(m, vocab, reference, not_ordinary, all_tokens=all_tokens) for m in matrices
-    ]
+    reference = tokens.reference.kinds.ids
+    scanned = [scan_matrix(m, vocab, tokens, all_tokens=all_tokens) for m in matrices]
     main = scanned[0]
     v = min(s.flags["norm"].shape[0] for s in scanned)
     real = min(vocab.size, v)
@@ -65,7 +63,7 @@ def scan(matrices: list[Matrix], vocab: Vocab, tokens: Tokens, *, all_tokens: bo
     is_ref[ref_ids[ref_ids < real]] = True
     order = _taking_turns(scanned, real, is_ref)
     candidates = [_candidate(i, vocab, scanned) for i in order]
-    by_kind = tokens.reference.kinds.below(main.flags["norm"].shape[0]).counts()
+    by_kind = tokens.reference.kinds.counts(below=main.flags["norm"].shape[0])
     counts = {
         "reference": len(ref_ids),
         "candidate": len(candidates),
@@ -99,7 +97,7 @@ def scan(matrices: list[Matrix], vocab: Vocab, tokens: Tokens, *, all_tokens: bo
         by_signal={k: sum(k in c.signals for c in candidates) for k in SIGNALS},
         input=scanned[1].report if len(scanned) > 1 else None,
         one_matrix=_one_matrix(candidates) if len(scanned) > 1 else None,
-        groups=[group(kind, ids, scanned) for kind, ids in within(tokens.groups, v)],
+        groups=row_groups(tokens.groups, v, scanned),
     )
 
 
