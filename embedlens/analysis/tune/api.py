@@ -151,7 +151,7 @@ def _write(
     from embedlens.reports.tune import TuneReport
 
     dtype = dtype_name(opened.model)
-    identity = identify(opened.model, opened.tokenizer)
+    identity = identify(opened.model, fitted.blocks, opened.tokenizer)
     ours = _recorded(ask, the_plan, fitted, identity, dtype)
     if session is None or session.rank == 0:
         write_folder(

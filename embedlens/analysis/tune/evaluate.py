@@ -49,7 +49,6 @@ class _Evaluation:
     beside it with `logit`; the cross-entropy with `ce`)."""
 
     def __init__(self, reader: Reader, translators: Translators, *, logit: bool, ce: bool):
-        assert reader.own is not None
         self.reader, self.ce = reader, ce
         self.n_layers = n = reader.n_layers
         decoders: list[Decoder] = [reader.own] if logit else []

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from embedlens.analysis.lens.blocks import Blocks
+
 SHOWN = 12
 """Hex digits of a fingerprint shown in messages."""
 
@@ -46,20 +48,21 @@ def check_config(lens: LensFolder, config: Any) -> None:
         )
 
 
-def check_model(lens: LensFolder, model: nn.Module, blocks: int, tokenizer: Any) -> None:
-    """Refuse, once the model is loaded, a lens tuned on another: its block count, then the
-    fingerprints its config.json holds (the decoder's weights and the vocabulary for embedlens'
-    lenses, the head's hash for tuned-lens's)."""
-    if blocks != lens.num_layers:
+def check_model(lens: LensFolder, model: nn.Module, blocks: Blocks, tokenizer: Any) -> None:
+    """Refuse, once the model is loaded, a lens tuned on another: its block count (`blocks`:
+    the model's decoder blocks), then the fingerprints its config.json holds (the decoder's
+    weights and the vocabulary for embedlens' lenses, the head's hash for tuned-lens's)."""
+    count = len(blocks.modules)
+    if count != lens.num_layers:
         raise _other_model(
-            lens, f"it has translators for {lens.num_layers} layers; this model has {blocks} blocks"
+            lens, f"it has translators for {lens.num_layers} layers; this model has {count} blocks"
         )
     ours = lens.ours or {}
     checks: list[tuple[str, object, Callable[[], str | None]]] = [
         ("the decoder's weights have fingerprint", ours.get("decoder_fingerprint"),
-         lambda: decoder_fingerprint(model)),
+         lambda: decoder_fingerprint(model, blocks)),
         ("the vocabulary has fingerprint", ours.get("vocab_fingerprint"),
-         lambda: vocab_fingerprint(tokenizer)),
+         lambda: vocab_fingerprint(tokenizer, len(tokenizer))),
     ]  # fmt: skip
     if lens.ours is None:
         checks = [("the head's unembed_hash is", lens.unembed_hash, lambda: unembed_hash(model))]
@@ -93,29 +96,29 @@ class Identity:
     """tuned-lens's hash of the head (config.json's own key)."""
 
 
-def identify(model: nn.Module, tokenizer: Any) -> Identity:
-    """The model's and its tokenizer's fingerprints, as a lens folder records them."""
+def identify(model: nn.Module, blocks: Blocks, tokenizer: Any) -> Identity:
+    """The model's (`blocks`: its decoder blocks) and its tokenizer's fingerprints, as a lens
+    folder records them."""
+    size = len(tokenizer)
     return Identity(
-        tokenizer_size=len(tokenizer),
-        decoder_fingerprint=decoder_fingerprint(model),
-        vocab_fingerprint=vocab_fingerprint(tokenizer),
+        tokenizer_size=size,
+        decoder_fingerprint=decoder_fingerprint(model, blocks),
+        vocab_fingerprint=vocab_fingerprint(tokenizer, size),
         unembed_hash=unembed_hash(model),
     )
 
 
-def _weights(model: nn.Module) -> list[torch.Tensor] | None:
+def _weights(model: nn.Module, blocks: Blocks) -> list[torch.Tensor] | None:
     """The weights the decoder can read, in a fixed order: the head's, then every parameter
     outside the block list and the input embedding (final norms, projections); None when one
     is not in memory (offloaded)."""
     from torch import nn
 
-    from embedlens.analysis.lens.blocks import find_blocks
-
     get_head: Any = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     get_input: Any = getattr(model, "get_input_embeddings", None)
     embedding = get_input() if callable(get_input) else None
-    skip = {id(p) for p in find_blocks(model).modules.parameters()}
+    skip = {id(p) for p in blocks.modules.parameters()}
     if isinstance(embedding, nn.Module):
         skip |= {id(p) for p in embedding.parameters()}
     found: list[torch.Tensor] = list(head.parameters()) if isinstance(head, nn.Module) else []
@@ -129,12 +132,13 @@ def _weights(model: nn.Module) -> list[torch.Tensor] | None:
     return found
 
 
-def decoder_fingerprint(model: nn.Module) -> str | None:
-    """SHA-256 of the decoder's weights rounded to bfloat16 (the same for a float32 and a
-    bfloat16 load of one checkpoint), shapes included; None when they are not in memory."""
+def decoder_fingerprint(model: nn.Module, blocks: Blocks) -> str | None:
+    """SHA-256 of the decoder's weights (those outside `blocks`) rounded to bfloat16 (the same
+    for a float32 and a bfloat16 load of one checkpoint), shapes included; None when they are
+    not in memory."""
     import torch
 
-    weights = _weights(model)
+    weights = _weights(model, blocks)
     if weights is None:
         return None
     digest = hashlib.sha256(b"embedlens-decoder-v1\n")
@@ -160,9 +164,9 @@ def unembed_hash(model: nn.Module) -> str | None:
     return hashlib.sha256(str.encode(np.array_str(array, precision=1))).hexdigest()
 
 
-def vocab_fingerprint(tokenizer: Any) -> str | None:
-    """`embedlens vocab`'s fingerprint of the tokenizer's ids and bytes (None for a tokenizer
-    without a fast backend)."""
+def vocab_fingerprint(tokenizer: Any, size: int) -> str | None:
+    """`embedlens vocab`'s fingerprint of the tokenizer's ids and bytes (`size`: its length;
+    None for a tokenizer without a fast backend)."""
     from embedlens.analysis.vocab.fingerprint import fingerprint
     from embedlens.model.tokenizer import Vocab
 
@@ -171,7 +175,7 @@ def vocab_fingerprint(tokenizer: Any) -> str | None:
         return None
     vocab = Vocab(
         built=backend,
-        size=len(tokenizer),
+        size=size,
         special_ids=frozenset(int(i) for i in tokenizer.all_special_ids),
         unk_id=tokenizer.unk_token_id,
         origin="tokenizer",

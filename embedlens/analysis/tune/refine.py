@@ -95,7 +95,6 @@ def refine(
     each then takes the same step (the sum of every part is the whole step's, up to the order
     of float sums)."""
     own, device = reader.own, reader.device
-    assert own is not None
     weight = nn.Parameter(start.weight.clone().to(device))
     bias = nn.Parameter(start.bias.clone().to(device))
     opt = _Nesterov([weight, bias], recipe)

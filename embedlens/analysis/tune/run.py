@@ -2,8 +2,9 @@
 statistics, the refinement, the held-out evaluation.
 
 Before any statistic is taken, the model's own decoder must reproduce the model's logits from
-the last block's output (`Reader.check`). The model's parameters are frozen for the refinement
-(only the translators learn) and their flags restored after.
+the last block's output (the `Reader`, made on the first sequence fitted). The model's
+parameters are frozen for the refinement (only the translators learn) and their flags restored
+after.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from embedlens.reports.tune import TuneLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
+    from embedlens.analysis.lens.blocks import Blocks
     from embedlens.analysis.tune.data import Plan
     from embedlens.progress import Progress
 
@@ -58,6 +60,9 @@ class Fitted:
     layers: list[TuneLayer]
     vocab_rows: int
     """Rows of the model's output."""
+    blocks: Blocks
+    """The model's decoder blocks, as the run found them (the decoder's fingerprint leaves
+    them out: `match.identify`)."""
     refined: Refined | None = None
     """None with --method affine."""
 
@@ -79,7 +84,7 @@ def tune_model(
         refined = run.refine(translators, the_plan.refine, the_plan.check, recipe, seed)
         translators = refined.translators
     layers = run.evaluate(translators, the_plan.held_out)
-    return Fitted(translators, layers, run.reader.vocab_rows, refined)
+    return Fitted(translators, layers, run.reader.vocab_rows, run.reader.blocks, refined)
 
 
 class Tuning:
@@ -87,33 +92,31 @@ class Tuning:
     split over processes: each fits and evaluates its share of the sequences (the sums added
     over processes), and takes its part of each refinement step's rows (the gradients added)."""
 
+    reader: Reader
+    """The model as the run reads it, made by `fit` on the first sequence fitted (on every
+    process the same one, so that all find the model's own decoder faithful or none does)."""
+
     def __init__(
         self, model: nn.Module, progress: Progress | None = None, session: Session | None = None
     ) -> None:
         self.model = model
         self.session = session
-        self.reader = Reader(model)
-        self.n_layers = self.reader.n_layers
         self.progress: Progress = progress or no_progress
         self._counts: dict[str, int] = {}
 
     def fit(self, data: Sequences) -> Translators:
-        """The least-squares translators over every sequence of `data` (streamed)."""
-        reader = self.reader
+        """The least-squares translators over every sequence of `data` (streamed), once the
+        model's own decoder is checked on the first."""
+        self.reader = reader = Reader(self.model, data.ids[0])
         stats: LeastSquares | None = None
         for s in self._share(data):
-            ids = data.ids[s]
-            if reader.own is None:
-                reader.check(ids)
-            with reader.read(ids, logits=False) as cap:
+            with reader.read(data.ids[s], logits=False) as cap:
                 if stats is None:
                     stats = self._sums(cap.residual)
                 stats.add(cap.residual)
             self._advance("fitting", data)
         if self.session is not None:
-            if reader.own is None:  # a process without a sequence of its own
-                reader.check(data.ids[0])
-            stats = stats or self._sums(None)
+            stats = stats or self._sums(None)  # a process without a sequence of its own
             stats.reduce(self.session.all_reduce_)
         assert stats is not None
         return stats.solve()
@@ -138,15 +141,16 @@ class Tuning:
     def _sums(self, residual: dict[int, torch.Tensor] | None) -> LeastSquares:
         """The least-squares sums, shifted by the first sequence's means: under torchrun, rank
         0's (the run's first sequence), which every process takes."""
+        n_layers = self.reader.n_layers
         if self.session is None:
             assert residual is not None
-            return LeastSquares(self.n_layers, int(residual[0].shape[-1]))
+            return LeastSquares(n_layers, int(residual[0].shape[-1]))
         shift = None
         if self.session.rank == 0:
             assert residual is not None
-            shift = LeastSquares.means(residual, self.n_layers)
+            shift = LeastSquares.means(residual, n_layers)
         shift_x, shift_y = self.session.broadcast(shift)
-        return LeastSquares(self.n_layers, int(shift_y.shape[-1]), shift=(shift_x, shift_y))
+        return LeastSquares(n_layers, int(shift_y.shape[-1]), shift=(shift_x, shift_y))
 
     def refine(
         self, start: Translators, data: Sequences, check: Sequences, recipe: Recipe, seed: int
@@ -158,8 +162,9 @@ class Tuning:
         after = self._check_kl(refined, check)
         if self.session is not None:  # rank 0's figures, so that every process keeps the same
             before, after = self.session.broadcast((before, after))
-        better = [layer for layer in range(self.n_layers) if _better(before[layer], after[layer])]
-        keep = torch.tensor([layer in better for layer in range(self.n_layers)])
+        n_layers = self.reader.n_layers
+        better = [layer for layer in range(n_layers) if _better(before[layer], after[layer])]
+        keep = torch.tensor([layer in better for layer in range(n_layers)])
         weight = torch.where(keep[:, None, None], refined.weight, start.weight)
         bias = torch.where(keep[:, None], refined.bias, start.bias)
         return Refined(Translators(weight, bias), better, before, after)

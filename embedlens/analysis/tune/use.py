@@ -47,7 +47,7 @@ def tuned_through(lens: LensFolder, model: nn.Module, tokenizer: Any) -> Through
     from embedlens.analysis.lens.blocks import find_blocks
     from embedlens.analysis.lens.tuned import TunedDecoder
 
-    check_model(lens, model, len(find_blocks(model).modules), tokenizer)
+    check_model(lens, model, find_blocks(model), tokenizer)
     translators = load_translators(lens)
 
     def wrap(own: Decoder) -> Decoder:
