@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,17 +36,30 @@ def argv(row: Row) -> list[str]:
 
 
 def compare(row: Row, trees: dict[str, Path], runs: int, env: dict[str, str]) -> dict:
-    """`runs` timed runs of the row's command from each tree, alternating."""
+    """`runs` timed runs of the row's command from each tree, alternating. Each runs in its
+    tree's folder: `python -m` and `python -c` put the working folder first on sys.path, before
+    PYTHONPATH, so run from this tree both would import this tree's embedlens."""
     envs = {k: {**env, "PYTHONPATH": str(tree)} for k, tree in trees.items()}
-    for k in trees:
-        run_once(argv(row), envs[k])
+    for k, tree in trees.items():
+        check_imports(tree, envs[k])
+        run_once(argv(row), envs[k], cwd=tree)
     got: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
     for i in range(runs):
         for k in ("old", "new") if i % 2 == 0 else ("new", "old"):
             load = os.getloadavg()[0]
-            wall, peak, cpu = run_once(argv(row), envs[k])
+            wall, peak, cpu = run_once(argv(row), envs[k], cwd=trees[k])
             got[k].append({"wall": wall, "cpu": cpu, "peak_mb": peak, "load": load})
     return got
+
+
+def check_imports(tree: Path, env: dict[str, str]) -> None:
+    """Stop unless a process run as `compare` runs one imports embedlens from `tree`."""
+    code = "import embedlens; print(embedlens.__file__)"
+    found = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"error: a run meant for {tree} imports embedlens from {found}")
 
 
 def line(name: str, got: dict[str, list[dict[str, float]]]) -> str:

@@ -110,11 +110,15 @@ class Row:
         return "ok" if all(checks) else "MISSED"
 
 
-def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
-    """Run a process to the end; return (seconds, peak RSS in MB, CPU seconds). It must
-    succeed."""
+def run_once(
+    argv: list[str], env: dict[str, str], cwd: Path | None = None
+) -> tuple[float, float, float]:
+    """Run a process to the end (in `cwd`, else this one's working folder); return (seconds,
+    peak RSS in MB, CPU seconds). It must succeed."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd
+    )
     assert proc.stderr is not None
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
