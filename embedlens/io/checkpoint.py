@@ -248,30 +248,18 @@ def safetensors_files(source: ModelSource) -> list[str] | None:
 
     Only the index (a small JSON file) is ever downloaded here; weight files are not.
     """
-    found = _shards(source)
-    return None if found is None else [name for name, _ in found]
-
-
-def _shards(source: ModelSource, *, paths: bool = False) -> list[tuple[str, Path | None]] | None:
-    """The safetensors files holding the weights (`safetensors_files`), each with its path when
-    `paths` asks (a hub file: where the hub cache holds it; None: not there)."""
     index = source.find(WEIGHT_INDEX)
     if index is not None:
-        names = sorted(set(_read_index(index).values()))
-    elif source.kind == "hub":
-        single = source.cached(WEIGHT_SINGLE) is not None or _hub_has(source, WEIGHT_SINGLE)
-        names = [WEIGHT_SINGLE] if single else []
-    else:
-        names = [WEIGHT_SINGLE] if source.find(WEIGHT_SINGLE) is not None else []
-    if not names:
-        listing = source.listing() or []
-        names = [n for n in listing if n.endswith(".safetensors") and "adapter" not in n]
-    if not names:
-        return None
-    if not paths:
-        return [(name, None) for name in names]
-    where = source.cached if source.kind == "hub" else source.find
-    return list(zip(names, map(where, names), strict=True))
+        weight_map = _read_index(index)
+        return sorted(set(weight_map.values()))
+    if source.kind == "hub":
+        if source.cached(WEIGHT_SINGLE) is not None or _hub_has(source, WEIGHT_SINGLE):
+            return [WEIGHT_SINGLE]
+    elif source.find(WEIGHT_SINGLE) is not None:
+        return [WEIGHT_SINGLE]
+    listing = source.listing() or []
+    shards = [n for n in listing if n.endswith(".safetensors") and "adapter" not in n]
+    return shards or None
 
 
 def _hub_has(source: ModelSource, name: str) -> bool:
@@ -319,14 +307,14 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             return ckpt
         # A hub GGUF's sparse copy holds its header alone: its tensors are fetched when read.
         return replace(ckpt, tensors={n: replace(t, path=None) for n, t in ckpt.tensors.items()})
-    shards = _shards(source, paths=True)
-    if shards is None:
+    names = safetensors_files(source)
+    if names is None:
         return None
-    names = [name for name, _ in shards]
     tensors: dict[str, TensorEntry] = {}
     metadata: dict[str, dict[str, str]] = {}
     remote: list[str] = []
-    for shard, path in shards:
+    for shard in names:
+        path = source.cached(shard) if source.kind == "hub" else source.find(shard)
         if path is None:
             if source.kind != "hub":
                 raise CheckpointError(

@@ -17,7 +17,7 @@ from embedlens.io.checkpoint import (
     same_bytes,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model.anatomy import is_buffer_name, place, stored_layers
+from embedlens.model.anatomy import is_buffer_name, stored_layers
 from embedlens.model.files import (
     ModelConfig,
     mismatches,
@@ -80,7 +80,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
             "no input embedding found among the checkpoint's tensors",
             hint="expected a tensor named like 'model.embed_tokens.weight' of shape [V, d]",
         )
-    named = {**{n: (-1, -1) for n in ckpt.unread}, **shapes}
+    stored = shapes.get(embedding, (-1, -1))  # [?, ?] in a shard left unread
     notes: list[str] = []
     head, stored_head = _stored_head(ckpt, config, embedding, found_head, notes)
     items = [
@@ -90,7 +90,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
     ]
     dtypes = {t.dtype for n, t in ckpt.tensors.items() if n not in skipped}
     _warn_packed(config, dtypes, notes)
-    v = named[embedding][0]
+    v = stored[0]
     layers = stored_layers(shapes)
     disagree = _disagreements(config, ckpt, embedding, notes)
     hidden = config.hidden_size if config.hidden_size and "width" not in disagree else None
@@ -100,7 +100,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
         head=head,
         tied=head is None,
         vocab_size=v if v > 0 else config.vocab_size or 0,
-        hidden_size=hidden or named[embedding][-1],
+        hidden_size=hidden or stored[-1],
         num_layers=layers if "layers" in disagree or not config.num_layers else config.num_layers,
         dtype=_header_dtype(ckpt, dtypes),
         config=config,
@@ -176,13 +176,6 @@ def _warn_packed(config: ModelConfig, dtypes: set[str], notes: list[str]) -> Non
         )
 
 
-def _count_layers(items: list[Item]) -> int:
-
-    layers = {place(i.name, embedding=(), head=()).layer for i in items}
-    layers.discard(None)
-    return len(layers)
-
-
 def from_model(model: Any, config: ModelConfig, *, loaded: bool) -> Inventory:
     """Inventory from built modules (meta or loaded); tied weights appear once."""
     embed_module = model.get_input_embeddings()
@@ -213,7 +206,7 @@ def from_model(model: Any, config: ModelConfig, *, loaded: bool) -> Inventory:
         tied=tied,
         vocab_size=v,
         hidden_size=d,
-        num_layers=config.num_layers or _count_layers(items),
+        num_layers=config.num_layers or stored_layers({i.name: i.shape for i in items}),
         dtype=dtype,
         config=config,
     )
