@@ -726,3 +726,37 @@ def test_a_chat_template_that_loops_without_writing(cli, tiny, tmp_path, monkeyp
     (folder / "chat_template.jinja").write_text(loop)
     err = cli.fails("lens", folder, "the king", "--chat", "hello", code=1)
     assert f"'{folder / 'chat_template.jinja'}' is still rendering after 0.5 s" in err, err
+
+
+HEADER_CASES = sorted(b for b in BROKEN if b.startswith(("st-", "gguf-", "shard-", "index-")))
+
+
+def test_a_broken_file_is_refused_before_torch_or_transformers_is_imported(tiny, smollm2, tmp_path):
+    """What a file's header tells (a truncated or corrupt safetensors or GGUF file, a missing
+    shard) is refused by `lens` from embedlens' own reading, before torch or transformers is
+    imported: a broken file is answered in well under a second, on any release."""
+    import os
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    late = {}
+    for broken in HEADER_CASES:
+        work = tmp_path / broken
+        work.mkdir()
+        model = MAKERS[broken](work, tiny, smollm2)
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "embedlens", "lens", str(model), "the king"],
+            capture_output=True, text=True, env=env, cwd=work, timeout=120,
+        )  # fmt: skip
+        lines = [x for x in result.stderr.splitlines() if not x.startswith("import time:")]
+        imported = {
+            x.split("|")[-1].strip().split(".")[0]
+            for x in result.stderr.splitlines()
+            if x.startswith("import time:")
+        }
+        assert result.returncode == 1, (broken, result.stderr[-2000:])
+        assert BROKEN[broken].format(model=model) in lines[0], (broken, lines)
+        if imported & {"torch", "transformers"}:
+            late[broken] = sorted(imported & {"torch", "transformers"})
+    assert late == {}

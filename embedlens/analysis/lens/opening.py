@@ -110,9 +110,13 @@ def from_files(
         source = resolve(name, load.revision)
         if tokenizer is None:
             _from_the_files(source, own_template, target, targets)
+        # headers, config and a GGUF file's tokenizer, read once by embedlens, before
+        # transformers is imported
+        files = check_source(source, trust_remote_code=trust)
+        if tokenizer is None and source.is_gguf:
+            loading.check_tokenizer_files(files)
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
-            files = check_source(source, trust_remote_code=trust)  # headers and config, once
             loaded = tokenizer is None
             if tokenizer is None:
                 tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)

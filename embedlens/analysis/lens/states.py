@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
-    from embedlens.io.source import ModelSource
+    from embedlens.model.files import ModelFiles
     from embedlens.reports.states import StatesLensReport
     from embedlens.reports.tune import TunedLens
 
@@ -115,11 +115,18 @@ def _run(
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.ranges import tally
     from embedlens.io.source import resolve
+    from embedlens.model.files import check_source
+    from embedlens.model.loading import check_tokenizer_files
 
     source = resolve(name, revision)
     # a GGUF file parsed once for tokenizer, config and tail; a hub repo's tail read by range
-    with tally() as hub, gguf_reads_shared(source):
-        report = _run_on(name, source, dtype, trust, file, ask, lens_dir)
+    with tally() as hub:
+        # the headers, config and a GGUF file's tokenizer, read before transformers is imported
+        files = check_source(source, trust_remote_code=trust)
+        if source.is_gguf:
+            check_tokenizer_files(files)
+        with gguf_reads_shared(source):
+            report = _run_on(name, files, dtype, trust, file, ask, lens_dir)
     if not hub.used:
         return report
     return dataclasses.replace(report, notes=[*report.notes, *hub.notes()])
@@ -127,7 +134,7 @@ def _run(
 
 def _run_on(
     name: str,
-    source: ModelSource,
+    files: ModelFiles,
     dtype: str,
     trust: bool,
     file: StatesFile,
@@ -142,7 +149,8 @@ def _run_on(
     from embedlens.analysis.lens.tail import open_tail
     from embedlens.model import file_tokens, loading
 
-    tokenizer = loading.load_tokenizer(source, trust_remote_code=trust)
+    source = files.source
+    tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
     n_layers = _check_fits(file, config, len(tokenizer))
     ids = file.token_ids()
