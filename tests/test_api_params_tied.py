@@ -142,11 +142,18 @@ def test_tied_on_a_model_built_on_meta(cli, tiny):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
         report = tied(model)
-        expected = cli.json("tied", folder, "--meta-only")
-        assert report.tied is expected["tied"]
-        assert report.evidence == type(report.evidence)(**expected["evidence"])
+        # transformers 5.0's from_config on meta leaves the two parameters apart (5.24 ties
+        # them): the answer is the object's, whatever the config says
+        same = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        assert report.tied is same
         assert "identity" in report.verdict
         assert params(model).source == "meta"
+        expected = cli.json("tied", folder, "--meta-only")
+        if same is expected["tied"]:
+            assert report.evidence == type(report.evidence)(**expected["evidence"])
+        else:  # the config ties them, the object does not
+            assert not report.consistent
+            assert "the evidence disagrees: config=True, same_storage=False" in report.notes
 
 
 @pytest.mark.parametrize(
