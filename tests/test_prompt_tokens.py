@@ -419,3 +419,17 @@ def test_tune_checks_its_first_texts_against_the_file(ggufs, monkeypatch, no_loa
     with pytest.raises(UnsupportedError) as refused:
         embedlens.tune(ggufs["smol"], data=data, out=tmp_path / "out", tokens=256, eval_tokens=64)
     assert refused.value.message.startswith("transformers 5.0.0 reads 'The king and the queen")
+
+
+@newest_only
+def test_lens_text_checks_its_first_lines_against_the_file(ggufs, monkeypatch, no_load, tmp_path):
+    """lens --text on a GGUF whose transformers reading differs from the file's own is refused
+    before any weight is read, as the lens on a prompt and tune are (it ran, with other
+    figures, before)."""
+    text = tmp_path / "text.txt"
+    text.write_text("The king and the queen live in the capital city.\n" * 64, encoding="utf-8")
+    _transformers_reads(monkeypatch, _every_text_misread)
+    monkeypatch.setattr(file_tokens, "installed_transformers", lambda: "5.0.0")
+    with pytest.raises(UnsupportedError) as refused:
+        embedlens.lens_text(ggufs["smol"], text, ctx=16)
+    assert refused.value.message.startswith("transformers 5.0.0 reads 'The king and the queen")
