@@ -132,6 +132,17 @@ def test_connection_refused(tmp_path):
     assert "hint: check the network" in err
 
 
+def test_a_retry_on_a_closed_client_is_a_refused_connection():
+    """huggingface_hub 1.3 closes its client on a refused connection and retries on the closed
+    one: httpx's RuntimeError then stands for the connection (it was an internal error)."""
+    from embedlens.io.hub import hub_error
+
+    closed = RuntimeError("Cannot send a request, as the client has been closed.")
+    said = hub_error(closed, "org/ok", "config.json", None)
+    assert said is not None and said.message.startswith("could not connect to the hub at")
+    assert hub_error(RuntimeError("something else"), "org/ok", "config.json", None) is None
+
+
 def test_headers_read_over_ranges_without_downloading_weights(hub, tmp_path, tiny, cli):
     result = run(hub.url, tmp_path, "params", "org/ok", "--json")
     assert result.returncode == 0, result.stderr

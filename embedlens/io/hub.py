@@ -154,12 +154,18 @@ def _cases() -> tuple[_Case, ...]:
         (http(lambda s: s == 429), _rate_limited),
         (http(lambda s: s in (401, 403)), _refused),
         (HfHubHTTPError, _http_error),
-        (connect, _no_connection),
+        (lambda e: isinstance(e, connect) or closed_client(e), _no_connection),
         (timeout, _timed_out),
         (FileMetadataError, _not_a_hub),
         (lambda e: isinstance(e, transport) or _inconsistent(e), _cut_off),
         (OSError, _os_error),
     )
+
+
+def closed_client(e: BaseException) -> bool:
+    """huggingface_hub 1.x closing its HTTP client on a connection error and retrying on the
+    closed client: the error of the retry (httpx's RuntimeError) stands for the connection's."""
+    return isinstance(e, RuntimeError) and "client has been closed" in str(e)
 
 
 def _inconsistent(e: BaseException) -> bool:

@@ -111,14 +111,14 @@ def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None
     says it elsewhere."""
     if source.kind != "hub" or source.repo_id is None:
         return None
-    from embedlens.io.hub import hub_error
+    from embedlens.io.hub import closed_client, hub_error
 
     seen: BaseException | None = e
     for _ in range(8):
         if seen is None:
             return None
         module = type(seen).__module__.split(".")[0]
-        if module in ("huggingface_hub", "httpx", "httpx2", "httpcore"):
+        if module in ("huggingface_hub", "httpx", "httpx2", "httpcore") or closed_client(seen):
             return hub_error(seen, source.repo_id, "", source.revision)
         seen = seen.__cause__ or seen.__context__
     return None
