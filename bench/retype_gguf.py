@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 KEPT = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
 """Tensor types copied as they are (float and integer tensors are not quantised)."""
@@ -25,6 +26,7 @@ def retype(source: Path, target: Path, type_name: str) -> dict[str, int]:
     import numpy as np
     from gguf import quants
 
+    _check_release(gguf)
     qtype = gguf.GGMLQuantizationType[type_name]
     reader = gguf.GGUFReader(source)
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
@@ -50,6 +52,30 @@ def retype(source: Path, target: Path, type_name: str) -> dict[str, int]:
     writer.write_tensors_to_file()
     writer.close()
     return done
+
+
+def _check_release(gguf: Any) -> None:
+    """SystemExit naming what is missing where the installed gguf cannot copy a file's
+    metadata as read (gguf 0.11, the lowest release embedlens admits, has neither)."""
+    import inspect
+
+    missing = []
+    if not hasattr(gguf.ReaderField, "contents"):
+        missing.append("ReaderField.contents()")
+    if "sub_type" not in inspect.signature(gguf.GGUFWriter.add_key_value).parameters:
+        missing.append("GGUFWriter.add_key_value(sub_type=)")
+    if missing:
+        version = getattr(gguf, "__version__", None) or _installed("gguf")
+        raise SystemExit(
+            f"error: retype_gguf.py copies metadata with gguf's {' and '.join(missing)}, which "
+            f"gguf {version} lacks\nhint: run it with a newer gguf (pip install -U gguf)"
+        )
+
+
+def _installed(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
 
 
 def main() -> int:
