@@ -158,3 +158,21 @@ def test_the_header_checks_run_once_per_source_and_trust(tiny, monkeypatch):
     del source
     gc.collect()
     assert key not in files._READ
+
+
+def test_a_protobuf_lookup_does_not_hide_transformers_own_error(tiny):
+    """transformers 5.0, failing to build a tokenizer, names protobuf's error class in an
+    `except`; without protobuf that lookup raises ImportError over its own ValueError. The
+    error said is the ValueError's (a folder without tokenizer.json), not a missing package."""
+    from embedlens.errors import CheckpointError
+    from embedlens.io.source import resolve
+    from embedlens.model.load_errors import translated
+
+    source = resolve(str(tiny("llama-tied")))
+    own = "Couldn't instantiate the backend tokenizer from one of: (1) a tokenizers file"
+    with pytest.raises(CheckpointError) as said, translated(source, "loading the tokenizer"):
+        try:
+            raise ValueError(own)
+        except ValueError:
+            raise ImportError("requires the protobuf library but it was not found") from None
+    assert said.value.message == f"loading the tokenizer failed: {own}"

@@ -62,6 +62,11 @@ def translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
     except (SourceError, ConfigError, CheckpointError, UsageError):
         raise
     except ImportError as e:
+        hidden = e.__context__
+        if "protobuf" in str(e) and isinstance(hidden, ValueError):
+            # transformers 5.0 names protobuf's error class in an `except` while its own error
+            # is handled: without protobuf, that lookup's ImportError hides the error
+            raise _value_error(source, what, hidden) from hidden
         if "gguf" in str(e).lower():
             raise MissingDependencyError(
                 "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
@@ -77,17 +82,7 @@ def translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
             hint="try --dtype bfloat16, --device-map auto, or --meta-only",
         ) from e
     except ValueError as e:
-        text = str(e)
-        if "Unrecognized configuration class" in text or "not supported" in text.lower():
-            raise ConfigError(
-                f"'{source.spec}' is not a causal LM that transformers can build ({first_line(text)})"
-            ) from e
-        if "trust_remote_code" in text:
-            raise ConfigError(
-                f"'{source.spec}' needs code from its repository",
-                hint="embedlens never runs a model's own code unless you pass --trust-remote-code",
-            ) from e
-        raise CheckpointError(f"{what} failed: {first_line(text)}") from e
+        raise _value_error(source, what, e) from e
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         raise CheckpointError(
@@ -104,6 +99,22 @@ def translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
         ):
             raise
         raise CheckpointError(f"{what} failed: {error_line(e, limit=None)}") from e
+
+
+def _value_error(source: ModelSource, what: str, e: ValueError) -> EmbedlensError:
+    """What a ValueError of transformers' says: not a causal LM, code it would run, or a
+    checkpoint it could not read."""
+    text = str(e)
+    if "Unrecognized configuration class" in text or "not supported" in text.lower():
+        return ConfigError(
+            f"'{source.spec}' is not a causal LM that transformers can build ({first_line(text)})"
+        )
+    if "trust_remote_code" in text:
+        return ConfigError(
+            f"'{source.spec}' needs code from its repository",
+            hint="embedlens never runs a model's own code unless you pass --trust-remote-code",
+        )
+    return CheckpointError(f"{what} failed: {first_line(text)}")
 
 
 def _hub_failure(source: ModelSource, e: BaseException) -> EmbedlensError | None:
