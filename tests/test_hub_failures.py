@@ -12,11 +12,15 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import release_note
 from tests.hubserver import COMMIT, FakeHub, closed_port
+
+_HUB_MAJOR = int(version("huggingface_hub").split(".")[0])
 
 _NO_WAIT = (
     "import sys, time, types\n"
@@ -66,7 +70,7 @@ def fails(result: subprocess.CompletedProcess[str], code: int = 1) -> str:
     """Assert the error contract on a finished run; return its stderr."""
     assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
     assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not release_note(line)]
     assert lines and lines[0].startswith("error: "), result.stderr
     assert len(lines) <= 2 and all(line.startswith(("error: ", "hint: ")) for line in lines), (
         result.stderr
@@ -173,6 +177,8 @@ def test_a_cut_download_never_looks_complete(hub, tmp_path, tiny, command, name)
     assert f"error: the download of '{repo}/{name}' was cut off before the end" in err
     original = (folder / name).read_bytes()
     for f in _cache_files(tmp_path, repo):
+        if f.name.endswith(".incomplete") and _HUB_MAJOR < 2:
+            continue  # huggingface_hub 1.x keeps what it read, to resume from, under this name
         assert not f.name.endswith(".incomplete"), f
         assert f.read_bytes() != original[: len(original) // 2], f
     snapshot = tmp_path / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / COMMIT
@@ -189,10 +195,12 @@ def test_lens_reports_a_cut_download_of_the_weights(hub, tmp_path, tiny):
     hub.add("org/drop-lens", tiny("llama-tied"), behaviour="drop:model.safetensors")
     err = fails(run(hub.url, tmp_path, "lens", "org/drop-lens", "the king"))
     assert "error: the download of 'org/drop-lens' was cut off before the end" in err
-    assert not list(tmp_path.rglob("*.incomplete"))
+    if _HUB_MAJOR >= 2:  # huggingface_hub 1.x keeps what it read under *.incomplete
+        assert not list(tmp_path.rglob("*.incomplete"))
     assert not [p for p in tmp_path.rglob("model.safetensors") if p.is_file()]
 
 
+@pytest.mark.skipif(_HUB_MAJOR < 2, reason="huggingface_hub 1.x does not retry a cut download")
 def test_a_retried_download_is_whole(hub, tmp_path, tiny):
     """The first try is cut mid-file; huggingface_hub tries again and the file cached is whole.
 

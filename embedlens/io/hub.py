@@ -267,7 +267,7 @@ def _not_a_hub(f: _Failure) -> SourceError:
 def _cut_off(f: _Failure) -> SourceError:
     return SourceError(
         f"the download of {f.where} was cut off before the end",
-        hint="run the command again; the partial file was not kept in the hub cache",
+        hint="run the command again; the hub cache does not take the cut file for the whole",
     )
 
 
