@@ -168,7 +168,8 @@ _FAITHFUL_MODULES = {
     "test_states.py",  # lens --states and --save-states
     "test_sites.py",  # lens --site: the blocks' pieces against forward hooks
 }
-"""The faithfulness tests: CI runs them again on the lowest releases pyproject.toml admits."""
+"""The faithfulness tests: CI runs them, with the quick suite, again on the lowest releases
+pyproject.toml admits."""
 _GGUF_READ_BY_TRANSFORMERS = _FAITHFUL_MODULES - {"test_prompt_tokens.py"}
 _OLD_GGUF = (
     "this transformers converts SmolLM2's GGUF tokenizer otherwise than the file's own "
