@@ -65,17 +65,12 @@ def _check_release(gguf: Any) -> None:
     if "sub_type" not in inspect.signature(gguf.GGUFWriter.add_key_value).parameters:
         missing.append("GGUFWriter.add_key_value(sub_type=)")
     if missing:
-        version = getattr(gguf, "__version__", None) or _installed("gguf")
+        from importlib.metadata import version
+
         raise SystemExit(
             f"error: retype_gguf.py copies metadata with gguf's {' and '.join(missing)}, which "
-            f"gguf {version} lacks\nhint: run it with a newer gguf (pip install -U gguf)"
+            f"gguf {version('gguf')} lacks\nhint: run it with a newer gguf (pip install -U gguf)"
         )
-
-
-def _installed(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def main() -> int:

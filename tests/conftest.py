@@ -266,6 +266,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     `pytest -m "not slow"` is a quick check while editing (the whole suite runs in CI); mark
     `faithful` the tests CI runs again on the lowest releases pyproject.toml admits."""
     old = _older_than_tested()
+    shortcuts_off = not _shortcuts_checked()
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         callspec = getattr(item, "callspec", None)
@@ -275,10 +276,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if item.path.name in _FAITHFUL_MODULES:
             item.add_marker(pytest.mark.faithful)
-        if "smollm2" in fixtures and item.path.name in _GGUF_READ_BY_TRANSFORMERS and old:
-            item.add_marker(pytest.mark.skip(reason=_OLD_GGUF))
         name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
-        if old and _smollm2_through_transformers(name, callspec):
+        faithful_gguf = "smollm2" in fixtures and item.path.name in _GGUF_READ_BY_TRANSFORMERS
+        if old and (faithful_gguf or _smollm2_through_transformers(name, callspec)):
             item.add_marker(pytest.mark.skip(reason=_OLD_GGUF))
-        if name in _SHORTCUT_TESTS and not _shortcuts_checked():
+        if name in _SHORTCUT_TESTS and shortcuts_off:
             item.add_marker(pytest.mark.skip(reason=_SHORTCUTS_OFF))

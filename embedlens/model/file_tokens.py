@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from embedlens.io.source import ModelSource
     from embedlens.model.tokenizer import Vocab
 
+CHECKED_TEXTS = 8
+"""How many of a run's first texts (tune's, the lines of --text) are checked against a GGUF
+file's own tokenizer: a release that converts the file's tokenizer otherwise reads ordinary text
+otherwise from the first line."""
 _KEEP = 2
 """GGUF vocabularies kept built in this process (a run reads one, or two with --against)."""
 _KEPT: OrderedDict[tuple[str, int, int], tuple[Vocab, GGUFHeader]] = OrderedDict()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from embedlens.compat.transformers import FAST_RELEASES, fast
+from embedlens.compat.transformers import fast
 from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
@@ -247,13 +247,11 @@ def conversion_errors_named(source: ModelSource) -> Iterator[None]:
         except RuntimeError as e:
             if "entries of the above report" not in str(e):
                 raise
-            low = ".".join(map(str, FAST_RELEASES[0]))
             raise CheckpointError(
                 f"'{source.spec}': transformers could not convert some of the checkpoint's "
                 "weights, and on this path does not tell embedlens which",
-                hint="compare the checkpoint's tensor shapes with its config; with embedlens' "
-                f"loading shortcuts (transformers {low}.x, without EMBEDLENS_PLAIN) the error "
-                "names them",
+                hint="compare the checkpoint's tensor shapes with its config; where embedlens' "
+                "loading shortcuts are taken, the error names them",
             ) from e
         return
     original = modeling_utils.log_state_dict_report

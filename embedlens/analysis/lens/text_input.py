@@ -84,14 +84,15 @@ class Tokens:
 
 def tokenise(text: str, tokenizer: Any, r: Rule, name: str) -> Tokens:
     """The text tokenised once (special tokens as the tokenizer adds them), cut to --max-tokens;
-    shorter than one window is refused."""
+    shorter than one window is refused. Its first lines are checked against a GGUF model's own
+    reading first (`_check_lines`)."""
+    _check_lines(text, tokenizer)
     bos = _bos(tokenizer)
     try:
         enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True, verbose=False)
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
     except (NotImplementedError, ValueError, TypeError, KeyError):
         ids, offsets = list(tokenizer(text, add_special_tokens=True)["input_ids"]), None
-    _check_lines(text, tokenizer)
     if r.max_tokens is not None:
         ids = ids[: r.max_tokens]
     if len(ids) < r.ctx:
@@ -102,20 +103,17 @@ def tokenise(text: str, tokenizer: Any, r: Rule, name: str) -> Tokens:
     return Tokens(ids, _bytes(text, ids, offsets, tokenizer), bos)
 
 
-CHECKED_LINES = 8
-"""How many of the text's first lines are checked against a GGUF file's own tokenizer, each
-read alone (`file_tokens.check_ids`): a release that converts the file's tokenizer otherwise
-reads ordinary text otherwise from the first line (as tune checks its first texts)."""
 CHECKED_CHARS = 2000
 """A longer line is checked on its first characters, cut at a space."""
 
 
 def _check_lines(text: str, tokenizer: Any) -> None:
-    """The first lines' ids from `tokenizer` checked against the files being watched (a GGUF
-    model's own reading of them; nothing outside `file_tokens.watching`)."""
+    """The first lines' ids from `tokenizer`, each read alone, checked against the files being
+    watched (a GGUF model's own reading of them, as tune checks its first texts; nothing outside
+    `file_tokens.watching`)."""
     from embedlens.model import file_tokens
 
-    lines = [line for line in text.splitlines() if line.strip()][:CHECKED_LINES]
+    lines = [line for line in text.splitlines() if line.strip()][: file_tokens.CHECKED_TEXTS]
     for line in lines:
         if len(line) > CHECKED_CHARS:
             cut = line.rfind(" ", 0, CHECKED_CHARS)

@@ -184,11 +184,6 @@ def read_sequences(
     return out
 
 
-CHECKED_TEXTS = 8
-"""How many of the data's texts are checked against a GGUF file's own tokenizer: a release that
-converts the file's tokenizer otherwise reads ordinary text otherwise from the first line."""
-
-
 @dataclass(frozen=True)
 class Plan:
     """The data as run: sequences to fit, to refine on (a seeded share of those), to hold out."""
@@ -233,7 +228,7 @@ def plan_sequences(
 
     def tokenize(text: str) -> list[int]:
         ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
-        if checked[0] < CHECKED_TEXTS:  # a GGUF's own reading of the first texts (file_tokens)
+        if checked[0] < file_tokens.CHECKED_TEXTS:  # a GGUF's own reading of the first texts
             checked[0] += 1
             file_tokens.check_ids(text, False, ids)
         return ids
