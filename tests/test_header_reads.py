@@ -11,6 +11,7 @@ those are not embedlens' reads and are not counted.
 from __future__ import annotations
 
 import builtins
+import importlib.util
 import io
 from collections import Counter
 from collections.abc import Callable
@@ -23,6 +24,14 @@ import embedlens
 from embedlens.compat.transformers import NEWEST_TESTED, installed_transformers, release_key
 from tests.test_tune import words_file
 from tests.tiny_gguf import byte_level_vocabulary, write_tiny_gguf
+from tests.walk import package_module, package_prefixes
+
+PREFIXES = package_prefixes()
+"""The installed package's folder: its files are embedlens' own, wherever the clone and venv lie."""
+_SPEC = importlib.util.find_spec("transformers")
+assert _SPEC is not None and _SPEC.submodule_search_locations
+TRANSFORMERS = package_prefixes(Path(_SPEC.submodule_search_locations[0]))
+"""transformers' own folder, found from the installed package as embedlens' is."""
 
 
 @pytest.fixture
@@ -63,9 +72,9 @@ def _embedlens_caller() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
-        if "/embedlens/" in name and "/tests/" not in name:
+        if package_module(name, PREFIXES) is not None:
             return True
-        if "/transformers/" in name:
+        if name.startswith(TRANSFORMERS):
             return False
         frame = frame.f_back
     return False

@@ -45,7 +45,7 @@ def test_the_walk_goes_down_and_is_short(tiny, tmp_path, command):
 
 
 def _load(path: Path, text: str) -> Any:
-    """A module of a made-up embedlens tree (its file lies under an `embedlens` folder)."""
+    """A module of a made-up embedlens tree (walked as the package when walk is told its root)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(f"walked_{path.stem}", path)
@@ -69,7 +69,7 @@ def test_visits_and_moves_up_are_counted_as_defined(tmp_path):
         "def run(read):\n    return [read(3, _row) for _ in range(5)]\n"
         "def _row(i):\n    return i\n",
     )
-    record, result = walk(lambda: high.run(low.read))
+    record, result = walk(lambda: high.run(low.read), package=root)
     assert result == [[0, 1, 2, 3]] * 5
     assert record.visits == [
         ("embedlens.analysis.high", "embedlens.io.low"),
@@ -91,6 +91,6 @@ def test_a_comprehension_is_read_as_part_of_its_function(tmp_path):
         "    summed = sum(part(i) for i in range(3))\n"
         "    return first, listed, summed, {i: part(i) for i in range(2)}\n",
     )
-    record, result = walk(lambda: high.whole(low.part))
+    record, result = walk(lambda: high.whole(low.part), package=root)
     assert result == (0, [0, 2, 4], 6, {0: 0, 1: 2})
     assert record.visits == [("embedlens.analysis.whole", "embedlens.io.parts")]

@@ -25,14 +25,40 @@ The layers are those the import-direction test holds (tests/layers.py, `layer_of
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+import embedlens
 from tests.layers import layer_of
+
+PACKAGE = Path(embedlens.__file__).resolve().parent
+"""The package's own folder: its files are the project's code, wherever the clone and its venv lie
+(a venv inside a clone named `embedlens` holds numpy under `embedlens/.venv/`)."""
+
+
+def package_prefixes(package: Path = PACKAGE) -> tuple[str, ...]:
+    """The prefixes a file of the package starts with: its folder as given and as resolved."""
+    given = str(package.absolute()).replace("\\", "/").rstrip("/") + "/"
+    real = os.path.realpath(package).replace("\\", "/").rstrip("/") + "/"
+    return tuple(dict.fromkeys((given, real)))
+
+
+def package_module(filename: str, prefixes: tuple[str, ...]) -> str | None:
+    """The dotted module of the package a file holds (under one of prefixes), or None."""
+    name = filename.replace("\\", "/")
+    if not name.endswith(".py"):
+        return None
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            dotted = "embedlens." + name[len(prefix) : -3].replace("/", ".")
+            return dotted.removesuffix(".__init__")
+    return None
 
 
 @dataclass
@@ -61,40 +87,36 @@ _INLINE = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})
 """Code objects of a comprehension or generator expression: part of the function holding them."""
 
 
-def _module(code: CodeType, files: dict[str, str | None]) -> str | None:
+def _module(code: CodeType, files: dict[str, str | None], prefixes: tuple[str, ...]) -> str | None:
     """The embedlens module a code object belongs to, or None."""
     name = code.co_filename
     if name not in files:
-        found = None
-        marker = "/embedlens/"
-        at = name.rfind(marker)
-        if at >= 0 and name.endswith(".py") and "/tests/" not in name[at:]:
-            dotted = "embedlens." + name[at + len(marker) : -3].replace("/", ".")
-            found = dotted.removesuffix(".__init__")
-        files[name] = found
+        files[name] = package_module(name, prefixes)
     return files[name]
 
 
-def walk(func: Callable[[], Any]) -> tuple[Walk, Any]:
-    """Run func() under the walk; return the walk and what func returned."""
+def walk(func: Callable[[], Any], package: Path = PACKAGE) -> tuple[Walk, Any]:
+    """Run func() under the walk; return the walk and what func returned. package: the folder
+    whose files are embedlens' modules (the installed package's own unless told)."""
     record = Walk()
     files: dict[str, str | None] = {}
+    prefixes = package_prefixes(package)
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event != "call":
             return
-        callee = _module(frame.f_code, files)
+        callee = _module(frame.f_code, files, prefixes)
         if callee is None or frame.f_code.co_name == "<module>":
             return
         below = frame.f_back
-        while below is not None and _module(below.f_code, files) is None:
+        while below is not None and _module(below.f_code, files, prefixes) is None:
             below = below.f_back
         if below is None:
             return  # the start
         below = _holder(below)
-        if _importing(below, files):
+        if _importing(below, files, prefixes):
             return
-        caller = _module(below.f_code, files)
+        caller = _module(below.f_code, files, prefixes)
         assert caller is not None
         if caller == callee:
             return
@@ -127,10 +149,15 @@ def _holder(frame: FrameType) -> FrameType:
     return held
 
 
-def _importing(frame: FrameType | None, files: dict[str, str | None]) -> bool:
+def _importing(
+    frame: FrameType | None, files: dict[str, str | None], prefixes: tuple[str, ...]
+) -> bool:
     """Whether an embedlens module's body is running at or below frame (an import)."""
     while frame is not None:
-        if frame.f_code.co_name == "<module>" and _module(frame.f_code, files) is not None:
+        if (
+            frame.f_code.co_name == "<module>"
+            and _module(frame.f_code, files, prefixes) is not None
+        ):
             return True
         frame = frame.f_back
     return False
@@ -138,9 +165,6 @@ def _importing(frame: FrameType | None, files: dict[str, str | None]) -> bool:
 
 def _main(argv: list[str]) -> None:
     import tempfile
-    from pathlib import Path
-
-    import embedlens
 
     command, model = argv[0], argv[1]
     show = "--show" in argv
