@@ -132,6 +132,56 @@ def test_passes_give_the_same_figures_on_any_number_of_threads(smollm2, monkeypa
     assert np.allclose(mean, single, rtol=1e-5, atol=1e-7)
 
 
+def _openblas() -> tuple[Any, Any] | None:
+    """numpy's OpenBLAS thread count getter and setter, or None where its BLAS is another."""
+    import ctypes
+
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        paths = [line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line]
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        for prefix in ("scipy_openblas_", "openblas_"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+                put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    return get, put
+    return None
+
+
+def test_the_scan_gives_the_same_figures_on_any_number_of_blas_threads(tmp_path):
+    """The scan's sums are its own (`sums`), not BLAS's matrix-vector kernels, whose order
+    depends on their threads: every row's figures and the component are the same bits on one
+    BLAS thread and on four, on a Q6_K table read in pieces of 683 rows of 768 (products BLAS
+    splits between threads). BLAS's thread count is set for the test and set back."""
+    from embedlens.analysis.vocab import component as pc
+    from embedlens.analysis.vocab import passes
+    from embedlens.io.source import resolve
+    from embedlens.model.matrix import locate, open_rows
+
+    blas = _openblas()
+    if blas is None:
+        pytest.skip("numpy's BLAS is not an OpenBLAS whose threads this test can set")
+    get, put = blas
+    source = resolve(str(_q6_k_table(tmp_path / "table.Q6_K.gguf", 20_000, 768)))
+    rows = open_rows(source, locate(source, "input"))
+    assert passes.pieces(0, rows.pass_rows, 768)[0] == (0, 683)
+    reference = list(range(0, 20_000, 3))
+    before = get()
+    seen = []
+    try:
+        for threads in (1, 4):
+            put(threads)
+            seen.append((pc.component(rows), passes.row_stats(rows, reference)))
+    finally:
+        put(before)
+    (one, first), (four, other) = seen
+    assert np.array_equal(one[0], four[0]) and one[1] == four[1]
+    for name in ("indicator", "norms", "signature", "mean_distance"):
+        a, b = getattr(first, name), getattr(other, name)
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+
+
 _SCALE_BYTES = {  # where a block keeps its float16 scales
     "Q6_K": slice(-2, None),
     "Q4_K": slice(0, 4),

@@ -16,8 +16,9 @@ The package, a file a part:
 - `fit`: the checks that load the model (`--verify`, `--check-fit`).
 - `undertrained`: the under-trained scan over every matrix, its candidates ranked; its parts:
   `signals` (the three signals over one matrix), `passes` (the threaded block passes over the
-  rows), `component` (the first principal component, Lanczos on its own), `groups` (the rows
-  added at the end of the table, and their sentence).
+  rows), `component` (the first principal component, Lanczos on its own), `sums` (their dot
+  products, summed in an order of their own rather than BLAS's), `groups` (the rows added at the
+  end of the table, and their sentence).
 """
 
 from embedlens.analysis.vocab.command import vocab

@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from embedlens.analysis.vocab.sums import dot, matvec, norm, vecmat
 from embedlens.model.matrix import Rows
 
 SAMPLE_ROWS = 16384
@@ -99,26 +100,27 @@ def top_eigenvector(
 
     Lanczos with full reorthogonalisation from a fixed start: it stops when the residual is
     below `tol` (the angle to the true vector is at most the residual over the gap to the second
-    eigenvalue), and is exact after d steps."""
+    eigenvalue), and is exact after d steps. Its products are summed in a fixed order (`sums`),
+    so the steps taken and the vector found do not depend on BLAS's threads."""
     d = a.shape[0]
     basis = np.zeros((d + 1, d))
-    start = np.random.default_rng(0).standard_normal(d)
-    basis[0] = start / np.linalg.norm(start)
+    start = np.asarray(np.random.default_rng(0).standard_normal(d), dtype=np.float64)
+    basis[0] = start / norm(start)
     alphas: list[float] = []
     betas: list[float] = []
     for k in range(d):
-        w = a @ basis[k]
-        alphas.append(float(w @ basis[k]))
+        w = matvec(a, basis[k])
+        alphas.append(dot(w, basis[k]))
         for _ in range(2):  # twice is enough to keep the basis orthogonal in floating point
-            w -= basis[: k + 1].T @ (basis[: k + 1] @ w)
-        beta = float(np.linalg.norm(w))
+            w -= vecmat(matvec(basis[: k + 1], w), basis[: k + 1])
+        beta = norm(w)
         last = k + 1 == d or beta == 0.0
         if (k + 1) % CHECK_EVERY == 0 or last:  # each check is an eigh of the tridiagonal
             theta, ritz = _top_ritz(alphas, betas)
             residual = beta * abs(float(ritz[-1])) / theta if theta > 0 else 0.0
             if residual <= tol or last:
-                y = basis[: k + 1].T @ ritz
-                return y / np.linalg.norm(y), k + 1, residual
+                y = vecmat(ritz, basis[: k + 1])
+                return y / norm(y), k + 1, residual
         betas.append(beta)
         basis[k + 1] = w / beta
     raise AssertionError("unreachable: Lanczos ends after d steps")

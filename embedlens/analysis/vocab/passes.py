@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedlens.analysis.vocab.component import SAMPLE_ROWS, Aside, Found, component
+from embedlens.analysis.vocab.sums import dot, dot_rows, norm
 from embedlens.model.matrix import Rows
 
 MAX_WORKERS = 8
@@ -166,20 +167,21 @@ def row_stats(
     block by block (after the reference rows' pass, when they are many), with the component
     `early` found (else found now): cosine to the reference rows' mean with the first principal
     component u removed, from |x - (x.u)u|^2 = |x|^2 - (x.u)^2 and (x - (x.u)u).r = x.r (r is orthogonal to
-    u); the distance to the mean m from |x - m|^2 = |x|^2 - 2 x.m + |m|^2, in float64."""
+    u); the distance to the mean m from |x - m|^2 = |x|^2 - 2 x.m + |m|^2, in float64.
+
+    Every product of a row is summed in an order of its own (`dot_rows`), never by BLAS: BLAS's
+    matrix-vector kernels sum in an order that depends on its threads and on where the arrays
+    lie, and a row's figure moved in its last bit with the process's history."""
     v, d = rows.shape
     ref = reference_mean(rows, reference)  # while `early` is still being found
     u, how, centre = early.result() if early is not None else component(rows)
-    ref = ref - float(ref @ u) * u
-    ref_norm = float(np.linalg.norm(ref))
+    ref = ref - dot(ref, u) * u
+    ref_norm = norm(ref)
     probe = np.random.default_rng(0).standard_normal(d)
     direction = ref / ref_norm if ref_norm else ref
-    # Three columns, and the mean apart: OpenBLAS multiplies by four columns twice as slowly,
-    # and by one (a matrix-vector product) faster than by any.
-    weights = np.stack([u, direction, probe], axis=1).astype(np.float32)
-    mean = centre.astype(np.float32)
-    products = np.empty((v, 3), dtype=np.float32)
-    to_mean = np.empty(v, dtype=np.float32)
+    # One vector a row of `vectors`: u, the direction, the probe and the mean.
+    vectors = np.stack([u, direction, probe, centre]).astype(np.float32)
+    products = np.empty((4, v), dtype=np.float32)
     squares = np.empty(v, dtype=np.float32)
     step = rows.pass_rows
 
@@ -187,23 +189,22 @@ def row_stats(
         for start in range(first, last, step):
             for a, b in pieces(start, min(last, start + step), d):
                 block = own.block(a, b)
-                np.matmul(block, weights, out=products[a:b])
-                np.matmul(block, mean, out=to_mean[a:b])
+                dot_rows(block, vectors, products[:, a:b])
                 np.einsum("ij,ij->i", block, block, out=squares[a:b])
 
     in_shares(rows, step, share)
     norms = np.sqrt(squares)
-    proj, dots = products[:, 0], products[:, 1]
+    proj, dots, to_mean = products[0], products[1], products[3]
     residual = np.sqrt(np.maximum(squares - proj * proj, 0.0))
     if ref_norm == 0.0:
         values = np.full(v, np.nan, dtype=np.float32)
     else:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(residual > 1e-12 * (norms + 1e-30), dots / residual, np.nan)
-    m = mean.astype(np.float64)
-    apart = squares.astype(np.float64) - 2.0 * to_mean + float(m @ m)
+    m = vectors[3].astype(np.float64)
+    apart = squares.astype(np.float64) - 2.0 * to_mean + dot(m, m)
     distance = np.sqrt(np.maximum(apart, 0.0))
-    return RowStats(values.astype(np.float32), norms, products[:, 2].copy(), how, distance)
+    return RowStats(values.astype(np.float32), norms, products[2].copy(), how, distance)
 
 
 def identical_rows(rows: Rows, signature: npt.NDArray[np.float32], limit: int) -> list[list[int]]:
