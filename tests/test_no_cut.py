@@ -1,5 +1,8 @@
 """No number or token is ever cut or wrapped: every command's output at 60, 80 and 120 columns
-holds every figure and every token that the same output at 1,000 columns holds, whole.
+holds every figure and every token that the same output at 1,000 columns holds, whole; every lens
+mode too (one prompt, --prompts, --against on a prompt and on prompts, --site, --text, --states),
+and in a process of its own whose output goes to a pipe and to a file (what a newcomer's
+`embedlens ... > out.txt` or `| less` meets).
 
 A figure is a word holding a digit (a count, an id, a probability with its exponent, a size, a
 `sha256:...` fingerprint, a file name with its numbers); a token is a token of the command's JSON
@@ -11,7 +14,10 @@ a token at its leading space makes one of them disappear from the narrow output.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,7 +71,7 @@ def assert_nothing_cut(cli: Any, args: list[Any]) -> None:
     assert as_json.exit_code == 0, as_json.stderr
     quoted = {visible("'" + t + "'") for t in tokens(_json(as_json))}
     shown = {q: wide.stdout.count(q) for q in quoted if q in wide.stdout}
-    summary = args[0] in ("params", "tied", "vocab") or "--prompts" in args
+    summary = args[0] in ("params", "tied", "vocab") or "--prompts" in args or "--text" in args
     assert shown or summary, "no token of the JSON is shown"
     for width in WIDTHS:
         narrow = cli(*args, env={"COLUMNS": str(width)})
@@ -110,6 +116,128 @@ def test_nothing_is_cut_against_another_vocabulary(cli, tiny):
     assert_nothing_cut(cli, ["vocab", tiny("llama-untied"), "--against", other])
 
 
+def lens_modes(tiny: Any, cli: Any, tmp_path: Path) -> dict[str, list[Any]]:
+    """Every lens mode on a tiny model (B, for --against, shares its vocabulary)."""
+    a, b = tiny("llama-untied"), tiny("llama-tied")
+    prompts = _prompts(tmp_path, PROMPTS)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the king is a man and the queen is a woman"] * 8) + "\n", "utf-8")
+    states = tmp_path / "states.safetensors"
+    saved = cli("lens", a, "the king is a", "--save-states", states, "--json")
+    assert saved.exit_code == 0, saved.stderr
+    prompt = ["the king is a", "--target", "queen"]
+    return {
+        "prompt": ["lens", a, *prompt, "-k", "3"],
+        "prompts": ["lens", a, "--prompts", prompts],
+        "against": ["lens", a, *prompt, "--against", b],
+        "against-prompts": ["lens", a, "--prompts", prompts, "--against", b],
+        "site": ["lens", a, *prompt, "--site", "resid,attn_out,mlp_out"],
+        "text": ["lens", a, "--text", text, "--ctx", "16"],
+        "text-against": ["lens", a, "--text", text, "--ctx", "16", "--against", b],
+        "states": ["lens", a, "--states", states, "--target", "queen"],
+    }
+
+
+MODES = [
+    "prompt",
+    "prompts",
+    "against",
+    "against-prompts",
+    "site",
+    "text",
+    "text-against",
+    "states",
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_is_cut_in_any_lens_mode(cli, tiny, tmp_path, mode):
+    assert_nothing_cut(cli, lens_modes(tiny, cli, tmp_path)[mode])
+
+
+# Runs each case in this one process, its stdout (file descriptor 1) a pipe or a file, at the
+# width COLUMNS gives: argv[1] the cases as JSON, argv[2] where to write what each printed.
+_SINKS = """\
+import json, os, sys, tempfile, threading
+from embedlens.cli import app
+from embedlens.cli._scratch import make_scratch, remove_scratch
+cases, out, printed = json.loads(sys.argv[1]), sys.argv[2], {}
+for key, args, width, sink in cases:
+    os.environ["COLUMNS"] = str(width)
+    sys.stdout.flush()
+    kept = os.dup(1)
+    if sink == "file":
+        path = tempfile.mktemp()
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    else:
+        read, target = os.pipe()
+        chunks = []
+        reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read, 65536), b"")))
+        reader.start()
+    os.dup2(target, 1)
+    os.close(target)
+    sys.argv = ["embedlens", *args]
+    scratch = make_scratch()
+    try:
+        app()  # the entry point's body, without its os._exit at the end
+    except SystemExit as e:
+        assert not e.code, (key, e.code)
+    finally:
+        remove_scratch(scratch)
+    sys.stdout.flush()
+    os.dup2(kept, 1)
+    os.close(kept)
+    if sink == "file":
+        with open(path, encoding="utf-8") as f:
+            printed[key] = f.read()
+        os.unlink(path)
+    else:
+        reader.join()
+        os.close(read)
+        printed[key] = b"".join(chunks).decode("utf-8")
+with open(out, "w", encoding="utf-8") as f:
+    json.dump(printed, f)
+"""
+
+
+def printed_to(cases: list[tuple[str, list[Any], int, str]], out: Path) -> dict[str, str]:
+    """What each case printed with its stdout a pipe or a file, in a process of its own."""
+    wire = json.dumps([(key, [str(a) for a in args], w, sink) for key, args, w, sink in cases])
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    done = subprocess.run(
+        [sys.executable, "-c", _SINKS, wire, str(out)], capture_output=True, env=env, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    printed: dict[str, str] = json.loads(out.read_text(encoding="utf-8"))
+    return printed
+
+
+def test_nothing_is_cut_to_a_pipe_or_a_file(cli, tiny, tmp_path):
+    """Every command and lens mode, its stdout a pipe and a file (no terminal) at each width."""
+    model = tiny("llama-untied")
+    runs = {" ".join(args): [args[0], model, *args[1:]] for args in TINY}
+    runs.update(lens_modes(tiny, cli, tmp_path))
+    cases = [
+        (f"{name}|{width}|{sink}", args, width, sink)
+        for name, args in runs.items()
+        for width in WIDTHS
+        for sink in ("pipe", "file")
+    ]
+    printed = printed_to(cases, tmp_path / "printed.json")
+    for name, args in runs.items():
+        wide = cli(*args, env={"COLUMNS": str(WIDE)})
+        assert wide.exit_code == 0, wide.stderr
+        quoted = {visible("'" + t + "'") for t in tokens(_json(cli(*args, "--json")))}
+        shown = {q: wide.stdout.count(q) for q in quoted if q in wide.stdout}
+        for width in WIDTHS:
+            for sink in ("pipe", "file"):
+                narrow = printed[f"{name}|{width}|{sink}"]
+                missing = figures(wide.stdout) - figures(narrow)
+                assert not missing, (name, width, sink, sorted(missing), narrow)
+                broken = [q for q, n in shown.items() if narrow.count(q) < n]
+                assert not broken, (name, width, sink, broken, narrow)
+
+
 SMOL = [
     ["params"],
     ["tied"],
@@ -118,12 +246,13 @@ SMOL = [
     ["vocab"],
     ["lens", "The capital of France is", "--target", " Paris", "--layers", "0,8,16,24,28:"],
     ["lens", "The capital of France is", "--position", "all", "--layers", "0,28:"],
+    ["lens", "The capital of France is", "--target", " Paris", "--against", "SMOL"],
 ]
 
 
 @pytest.mark.parametrize("args", SMOL, ids=lambda a: " ".join(a))
 def test_nothing_is_cut_on_smollm2(cli, smollm2, args):
-    assert_nothing_cut(cli, [args[0], smollm2, *args[1:]])
+    assert_nothing_cut(cli, [args[0], smollm2, *(smollm2 if a == "SMOL" else a for a in args[1:])])
 
 
 def test_nothing_is_cut_in_the_prompts_summary_of_smollm2(cli, smollm2, tmp_path):

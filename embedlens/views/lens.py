@@ -103,8 +103,8 @@ def render_check(r: LensReport) -> Text:
     c = r.check
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
     if c.ok:
-        line = Text("✓ ", style="green")
-        line.append_text(
+        line = Words().add("✓ ", style="green")
+        line.add(
             shown(
                 f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
                 f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
@@ -112,8 +112,8 @@ def render_check(r: LensReport) -> Text:
             )
         )
     else:
-        line = Text("✗ NOT FAITHFUL ", style="bold red")
-        line.append_text(
+        line = Words().add("✗ NOT FAITHFUL ", style="bold red")
+        line.add(
             shown(
                 f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
                 f"suspect: {c.suspect}. Decode: {steps}."
@@ -136,14 +136,14 @@ def render_states_check(r: LensReport, states: StatesSource) -> Text:
     )
     c = r.check
     if not states.checked:
-        line = Text("? ", style="yellow")
-        line.append_text(shown(f"self-check {states.check}. {where}"))
+        line = Words().add("? ", style="yellow")
+        line.add(shown(f"self-check {states.check}. {where}"))
     elif c.ok:
-        line = Text("✓ ", style="green")
-        line.append_text(shown(f"self-check {states.check}. {where}"))
+        line = Words().add("✓ ", style="green")
+        line.add(shown(f"self-check {states.check}. {where}"))
     else:
-        line = Text("✗ NOT FAITHFUL ", style="bold red")
-        line.append_text(
+        line = Words().add("✗ NOT FAITHFUL ", style="bold red")
+        line.add(
             shown(f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}. {where}")
         )
     return line

@@ -8,13 +8,12 @@ per-layer means. Every figure is shown whole (KL with three significant digits).
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensCheck
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
-from embedlens.views.format import prob, quoted, shown
+from embedlens.views.format import Sheet, Words, prob, quoted, shown
 
 MARK = " ◀"
 """After the layer label of the first divergent layer."""
@@ -34,18 +33,15 @@ def layer_label(layer: int, num_layers: int, first: int | None) -> str:
 def render(r: LensPairReport) -> RenderableType:
     """The prompt's tokens, the table of A against B, and both self-checks."""
     d = r.diff
-    tokens = Text("tokens: ")
+    tokens = Words("tokens: ")
     for i, t in enumerate(r.tokens):
-        piece = quoted(t.token)
-        if i == r.position_index:
-            piece.stylize("bold reverse")
-        tokens.append_text(piece).append(" ")
+        tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
     read = r.tokens[r.position_index].token
-    title = (
-        f"Logit lens of {r.display_model} (A) against {d.against} (B) after '{read}' "
-        f"(position {r.position_index}, {r.dtype})"
-    )
-    table = Table(title=shown(title, "table.title"))
+    title = Words(
+        f"Logit lens of {r.display_model} (A) against {d.against} (B) after ", style="table.title"
+    ).token(read)
+    title.add(f" (position {r.position_index}, {r.dtype})")
+    table = Sheet(title=title)
     for name, right in (
         ("layer", True),
         ("A top-1", False),
@@ -56,9 +52,9 @@ def render(r: LensPairReport) -> RenderableType:
         ("KL(A‖B)", True),
         ("residual KL", True),
     ):
-        table.add_column(name, justify="right" if right else "left")  # fmt: skip
+        table.add_column(name, justify="right" if right else "left", no_wrap=True)  # fmt: skip
     if r.target is not None:
-        table.add_column("Δ log p", justify="right")
+        table.add_column("Δ log p", justify="right", no_wrap=True)
     for mine, theirs in zip(r.layers, d.layers, strict=True):
         a, b = mine.top[0], theirs.against_top[0]
         cells: list[Text | str] = [
@@ -77,7 +73,8 @@ def render(r: LensPairReport) -> RenderableType:
     delta = None
     if r.target is not None:
         delta = f"Δ log p: B's log-probability of '{r.target.token}' minus A's"
-    legend = _legend(d.first_divergent_layer, d.threshold, delta=delta)
+    shown_layers = {row.layer for row in r.layers}
+    legend = _legend(d.first_divergent_layer, d.threshold, delta=delta, shown_layers=shown_layers)
     lines = [legend, _checks(r.check, d.against_check)]
     return Group(tokens, table, *lines)
 
@@ -89,12 +86,12 @@ def render_summary(r: LensPairSummaryReport) -> RenderableType:
         f"Logit lens of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
         f"prompts ({r.n_positions} positions, {r.dtype})"
     )
-    table = Table(title=shown(title, "table.title"))
+    table = Sheet(title=shown(title, "table.title"))
     for name in ("layer", "KL(A‖B)", "residual KL", "top-1 agrees"):
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", no_wrap=True)
     targets = any(row.target_logprob_delta is not None for row in d.layers)
     if targets:
-        table.add_column("Δ log p", justify="right")
+        table.add_column("Δ log p", justify="right", no_wrap=True)
     for row in d.layers:
         cells = [
             layer_label(row.layer, r.num_layers, d.first_divergent_layer),
@@ -119,11 +116,21 @@ def render_summary(r: LensPairSummaryReport) -> RenderableType:
     return Group(*parts)
 
 
-def _legend(first: int | None, threshold: float, mean: str = "", delta: str | None = None) -> Text:
-    """What the columns mean, and where the two models part."""
+def _legend(
+    first: int | None,
+    threshold: float,
+    mean: str = "",
+    delta: str | None = None,
+    shown_layers: set[int] | None = None,
+) -> Text:
+    """What the columns mean, and where the two models part (among every layer, shown or not)."""
+    hidden = first is not None and shown_layers is not None and first not in shown_layers
     where = (
         f"First divergent layer: {first}{MARK} ({mean}KL > {threshold:.3g} nats)"
-        if first is not None
+        if first is not None and not hidden
+        else f"First divergent layer: {first} ({mean}KL > {threshold:.3g} nats), not among the "
+        "layers shown"
+        if hidden
         else f"No layer diverges ({mean}KL ≤ {threshold:.3g} nats at every layer)"
     )
     more = "" if delta is None else f"; {delta}"
@@ -145,8 +152,8 @@ def _checks(a: LensCheck, b: LensCheck) -> Text:
         return f"{name} {verdict} (max |Δ| = {c.max_abs_logit_diff:.2g} {sign} {c.tolerance:.0e})"
 
     ok = a.ok and b.ok
-    line = Text("✓ " if ok else "✗ NOT FAITHFUL ", style="green" if ok else "bold red")
-    return line.append_text(shown(f"self-check: {one('A', a)}; {one('B', b)}."))
+    line = Words().add("✓ " if ok else "✗ NOT FAITHFUL ", style="green" if ok else "bold red")
+    return line.add(shown(f"self-check: {one('A', a)}; {one('B', b)}."))
 
 
 register_view(LensPairReport, render)

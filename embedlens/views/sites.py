@@ -110,13 +110,13 @@ def _grid(r: LensSitesReport) -> Sheet:
 
 def sums_line(s: BlockSums) -> Text:
     """The check that every block's pieces add up."""
-    line = Text("✓ ", style="green")
+    line = Words().add("✓ ", style="green")
     how = (
         "input + attn_out + mlp_out = output"
         if s.structure == "parallel"
         else "input + attn_out = resid_mid, resid_mid + mlp_out = output"
     )
-    line.append_text(
+    line.add(
         shown(
             f"pieces add up in every block ({s.structure}: {how}; max |Δ| = "
             f"{s.max_abs_error:.2g} ≤ {s.tolerance:.2g}). attn_out: {s.attn}'s output; "
