@@ -455,6 +455,29 @@ def test_cli_json_table_and_threshold(pairs, cli):
     assert "First divergent layer: 2 ◀ (KL > 1e-06 nats)" in " ".join(table.stdout.split())
 
 
+def test_the_first_divergent_layer_is_found_among_layers_not_shown(pairs, cli):
+    """--layers picks the rows shown, not where the models part: the block pair parts at layer
+    BLOCK + 1 and the norm pair at 0 whatever --layers shows; the table says the layer is not
+    among its rows, and the rows shown hold the figures of a run showing every layer."""
+    p = pairs("llama-untied")
+    every = lens(p["a"], PROMPT, against=p["block"], target="Paris")
+    for pair, layers, first in (("block", "3:", BLOCK + 1), ("norm", "2:", 0)):
+        data = cli.json("lens", p["a"], PROMPT, "--against", p[pair], "--layers", layers)
+        assert data["diff"]["first_divergent_layer"] == first
+        assert [row["layer"] for row in data["diff"]["layers"]] == list(range(int(layers[0]), 4))
+        table = cli("lens", p["a"], PROMPT, "--against", p[pair], "--layers", layers)
+        assert table.exit_code == 0, table.stderr
+        assert "◀" not in table.stdout
+        said = " ".join(table.stdout.split())
+        assert f"First divergent layer: {first} (KL > 1e-06 nats), not among the layers shown" in (
+            said
+        )
+    late = lens(p["a"], PROMPT, against=p["block"], target="Paris", layers="3:").to_dict()
+    whole = every.to_dict()
+    assert late["diff"]["layers"] == whole["diff"]["layers"][3:]
+    assert late["layers"] == whole["layers"][3:]
+
+
 def test_cli_prompts_lines_and_summary(pairs, cli, tmp_path):
     p = pairs("llama-untied")
     path = tmp_path / "p.jsonl"

@@ -17,6 +17,7 @@ A model given already loaded is in memory whatever is done, and is never freed h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import tempfile
@@ -62,12 +63,14 @@ def lens_pair(pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",)) -> LensPa
     a, b = pair.a, pair.b
     check_pair(a, b)
 
+    every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
+
     def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named, Any]:
         run = make_prompt(ask, tok, config, template)
         with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids])) as ob:
-            result = run_one(ob, ask, run, keep=True)
+            result = run_one(ob, every, run, keep=True)
             named = _named(ob)
-            b_sites = _site_logits(ob, run, sites, result)
+            b_sites = _site_logits(ob, run, sites, _shown(result, ask))
         gc.collect()  # B's weights go before A's are read
         return run, result, named, b_sites
 
@@ -77,17 +80,25 @@ def lens_pair(pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",)) -> LensPa
 
         run, rb, named, b_sites = ran
         assert rb.kept is not None
-        ra = run_one(oa, ask, run, keep=True, other=rb.kept.residual)
+        ra_every = run_one(oa, every, run, keep=True, other=rb.kept.residual)
+        ra = _shown(ra_every, ask)
         report = one_report(oa, ask, run, ra)
-        diffs = compare(ra, rb, run.index)
+        diffs = compare(ra_every, rb, run.index)
         report = pair_report(
-            report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes
+            report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes, ra.layers
         )
         if b_sites is None:
             return report
         from embedlens.analysis.lens.site_pair import pair_sites
 
         return pair_sites(report, _site_logits(oa, run, sites, ra), b_sites, sites)
+
+
+def _shown(result: LensResult, ask: Ask) -> LensResult:
+    """A result at every layer cut to the layers `ask` shows (what its report and table hold)."""
+    shown = resolve_layers(ask.layers, result.num_layers)
+    rows = {key: top for key, top in result.rows.items() if key[0] in shown}
+    return dataclasses.replace(result, layers=sorted(set(shown)), rows=rows)
 
 
 def _site_logits(opened: Opened, run: Prompt, sites: Sequence[str], result: LensResult) -> Any:

@@ -29,9 +29,11 @@ def pair_report(
     threshold: float,
     tokenizer: Any,
     notes: list[str],
+    shown: list[int] | None = None,
 ) -> LensPairReport:
     """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
-    `pair.compare`; `b`: B's result); `notes` (B's) follow A's."""
+    `pair.compare`; `b`: B's result); `notes` (B's) follow A's. `shown`: the layers the report
+    holds when `diffs` has more (the first divergent layer is found among all of `diffs`)."""
     cache: dict[int, str] = {}
 
     def tok(i: int) -> str:
@@ -52,6 +54,7 @@ def pair_report(
             ],
         )
         for d in diffs
+        if shown is None or d.layer in shown
     ]
     first = first_above([d.layer for d in diffs], [d.kl for d in diffs], threshold)
     c = b.check
