@@ -259,6 +259,41 @@ def test_the_same_data_and_seed_give_the_same_lens(tiny, tmp_path):
     assert first.out == str(tmp_path / "a") and first.method == "kl"
 
 
+def test_progress_says_each_stage_and_how_far_it_is(tiny, tmp_path):
+    """Every stage is said as it starts and as it advances: fitting (tokens), solving (layers),
+    checking the fitted translators (sequences), refining (steps, from 0), checking the refined
+    ones, evaluating (held-out tokens); each stage's count rises to its total."""
+    from embedlens import tune
+
+    told: list[tuple[str, int, int, str, str]] = []
+
+    def progress(stage: str, done: int, total: int, unit: str, detail: str = "") -> None:
+        told.append((stage, done, total, unit, detail))
+
+    folder = tiny("llama-tied")
+    tune(folder, words_file(tmp_path / "w.txt"), tmp_path / "lens", tokens=512, eval_tokens=128,
+         refine_tokens=128, steps=2, progress=progress)  # fmt: skip
+    stages = [stage for stage, *_ in told]
+    order = [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s]
+    assert order == ["fitting", "solving", "checking", "refining", "checking", "evaluating"]
+    units = {stage: unit for stage, _, _, unit, _ in told}
+    assert units == {
+        "fitting": "tokens",
+        "solving": "layers",
+        "checking": "sequences",
+        "refining": "steps",
+        "evaluating": "tokens",
+    }
+    assert [(d, t) for s, d, t, *_ in told if s == "solving"] == [(n, 3) for n in (1, 2, 3)]
+    assert [d for s, d, *_ in told if s == "refining"] == [0, 1, 2]
+    checks = [(d, t, detail) for s, d, t, _, detail in told if s == "checking"]
+    assert checks[0][0] == 0 and checks[0][2] == "the fitted translators"
+    assert checks[-1][0] == checks[-1][1] and checks[-1][2] == "the refined translators"
+    for stage in ("fitting", "evaluating"):
+        last = [(d, t) for s, d, t, *_ in told if s == stage][-1]
+        assert last[0] == last[1] > 0, (stage, last)
+
+
 def test_the_refinement_follows_its_seed(tiny, tmp_path):
     """The same seed, the same steps to the bit; another seed, another order of rows."""
     from embedlens.analysis.tune.api import plan

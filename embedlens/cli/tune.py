@@ -161,8 +161,8 @@ def tune(
 
 @contextmanager
 def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
-    """Bars on stderr, one per phase (tokens fitted, refinement steps with the KL of each band
-    of layers, tokens evaluated) on a terminal; off one, a plain line of the latest phase every
+    """Bars on stderr, one per phase (tokens fitted, layers solved, check sequences, refinement
+    steps with the KL of each band of layers, tokens evaluated) on a terminal; off one, a plain line of the latest phase every
     PLAIN_EVERY seconds (`plain_progress`); nothing with --quiet."""
     if quiet:
         yield None
@@ -172,7 +172,7 @@ def _progress(quiet: bool, model: str) -> Iterator[Progress | None]:
         what = f"Tuning a lens on {model_title(model)}"
 
         def seen(phase: str, done: int, total: int, unit: str, detail: str = "") -> None:
-            latest[0] = f"{phase} {done:,}/{total:,}" + (f" ({detail})" if detail else "")
+            latest[0] = f"{phase} {done:,}/{total:,} {unit}" + (f" ({detail})" if detail else "")
 
         with plain_progress(lambda t: f"{latest[0]}, {elapsed(t)}: {what}"):
             yield seen

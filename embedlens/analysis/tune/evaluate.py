@@ -111,14 +111,21 @@ class _Evaluation:
 
 
 def layer_kl(
-    reader: Reader, translators: Translators, data: Sequences, rows: int = CHECK_ROWS
+    reader: Reader,
+    translators: Translators,
+    data: Sequences,
+    rows: int = CHECK_ROWS,
+    on_sequence: Callable[[int], None] | None = None,
 ) -> list[float]:
     """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through the tuned
     lens of `translators`, at about `rows` positions of each sequence, evenly spaced (the
-    refinement's check of each translator on rows it did not train on)."""
+    refinement's check of each translator on rows it did not train on); `on_sequence(done)`
+    after each sequence."""
     run = _Evaluation(reader, translators, logit=False, ce=False)
-    for ids in data.ids:
+    for done, ids in enumerate(data.ids, 1):
         run.add(ids, range(0, len(ids), -(-len(ids) // rows)))
+        if on_sequence is not None:
+            on_sequence(done)
     ((sums, _),) = run.lenses
     return [s / run.n_kl for s in sums.kl]
 

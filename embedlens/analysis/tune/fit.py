@@ -73,8 +73,11 @@ class LeastSquares:
             all_reduce(total)
         self.n = int(count)
 
-    def solve(self, ridge: float = RIDGE) -> Translators:
-        """The translators that minimise the squared error (with the ridge toward identity)."""
+    def solve(
+        self, ridge: float = RIDGE, on_layer: Callable[[int], None] | None = None
+    ) -> Translators:
+        """The translators that minimise the squared error (with the ridge toward identity);
+        `on_layer(done)` after each layer's."""
         assert self.n > 0 and self.shift_x is not None and self.shift_y is not None
         d, n = self.width, self.n
         weight = torch.zeros(self.num_layers, d, d, dtype=torch.float32)
@@ -92,6 +95,8 @@ class LeastSquares:
             y0 = mean_y + self.shift_y.double()
             weight[layer] = w.float()
             bias[layer] = (y0 - x0 - w @ x0).float()
+            if on_layer is not None:
+                on_layer(layer + 1)
         return Translators(weight, bias)
 
 

@@ -119,7 +119,8 @@ class Tuning:
             stats = stats or self._sums(None)  # a process without a sequence of its own
             stats.reduce(self.session.all_reduce_)
         assert stats is not None
-        return stats.solve()
+        n_layers = stats.num_layers
+        return stats.solve(on_layer=lambda done: self.progress("solving", done, n_layers, "layers"))
 
     def _share(self, data: Sequences) -> range:
         """The sequences of `data` this process runs (all of them alone)."""
@@ -157,9 +158,10 @@ class Tuning:
     ) -> Refined:
         """The translators refined on `recipe.rows` rows of `data` (KL to the model's output),
         each layer's kept only where it beats its start on `check` (rows not trained on)."""
-        before = self._check_kl(start, check)
+        before = self._check_kl(start, check, "the fitted translators")
+        self.progress("refining", 0, recipe.steps, "steps")
         refined = self._refined(start, data, recipe, seed)
-        after = self._check_kl(refined, check)
+        after = self._check_kl(refined, check, "the refined translators")
         if self.session is not None:  # rank 0's figures, so that every process keeps the same
             before, after = self.session.broadcast((before, after))
         n_layers = self.reader.n_layers
@@ -169,12 +171,18 @@ class Tuning:
         bias = torch.where(keep[:, None], refined.bias, start.bias)
         return Refined(Translators(weight, bias), better, before, after)
 
-    def _check_kl(self, translators: Translators, check: Sequences) -> list[float]:
-        """Each layer's KL through `translators` on the check rows (on rank 0 alone under
-        torchrun: the others get its figures)."""
+    def _check_kl(self, translators: Translators, check: Sequences, which: str) -> list[float]:
+        """Each layer's KL through `translators` (`which`, as progress names them) on the check
+        rows (on rank 0 alone under torchrun: the others get its figures)."""
         if self.session is not None and self.session.rank != 0:
             return []
-        return layer_kl(self.reader, translators, check)
+        n = len(check)
+
+        def on_sequence(done: int) -> None:
+            self.progress("checking", done, n, "sequences", which)
+
+        on_sequence(0)
+        return layer_kl(self.reader, translators, check, on_sequence=on_sequence)
 
     def _refined(
         self, start: Translators, data: Sequences, recipe: Recipe, seed: int
