@@ -136,6 +136,32 @@ def test_connection_refused(tmp_path):
     assert "hint: check the network" in err
 
 
+@pytest.mark.parametrize("where", ["closed port", "no such host"])
+def test_an_unreachable_hub_is_said_within_5_seconds(tmp_path, monkeypatch, where):
+    """A file not in the cache from a hub that cannot be reached (a misspelled id offline): the
+    error comes at once, not after huggingface_hub's five retries over 23 s (its own waits, not
+    skipped here as `run` skips them). A cached file is still read from the cache meanwhile."""
+    import time
+
+    from huggingface_hub import constants
+
+    from embedlens.errors import SourceError
+    from embedlens.io import hub
+
+    endpoint = f"http://127.0.0.1:{closed_port()}" if where == "closed port" else "http://x.invalid"
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub._probe.cache_clear()
+    start = time.monotonic()
+    with pytest.raises(SourceError, match=f"could not connect to the hub at {endpoint}"):
+        hub.hub_file("org/misspeled", "config.json", None, required=True)
+    assert time.monotonic() - start < 5.0
+    hub._probe.cache_clear()
+
+
 def test_a_retry_on_a_closed_client_is_a_refused_connection():
     """huggingface_hub 1.3 closes its client on a refused connection and retries on the closed
     one: httpx's RuntimeError then stands for the connection (it was an internal error)."""

@@ -47,6 +47,7 @@ def hub_file(repo_id: str, filename: str, revision: str | None, *, required: boo
 
     quiet_hub()
     try:
+        _reachable_unless_cached(repo_id, filename, revision)
         return Path(hf_hub_download(repo_id, filename, revision=revision))
     except LocalEntryNotFoundError as e:
         # Offline (no cause): a file that is not cached counts as absent unless it is needed.
@@ -63,6 +64,39 @@ def hub_file(repo_id: str, filename: str, revision: str | None, *, required: boo
         if error is None:
             raise
         raise error from e
+
+
+PROBE_SECONDS = 4.0
+"""How long a file not in the cache waits for the hub to answer at all: huggingface_hub retries
+a failed connection five times over 23 s before it says so, while a refused connection, a name
+that does not resolve (offline) or no answer in this time is told at once."""
+
+
+def _reachable_unless_cached(repo_id: str, filename: str, revision: str | None) -> None:
+    """Raise the hub's connection error at once where the file is not cached (where it is,
+    huggingface_hub falls back to the cache without retrying): one request to the endpoint,
+    through huggingface_hub's own client (its proxies and headers), once per process."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if hub_offline() or try_to_load_from_cache(repo_id, filename, revision=revision) is not None:
+        return
+    failure = _probe(str(constants.ENDPOINT))
+    if failure is not None:
+        raise failure
+
+
+@cache
+def _probe(endpoint: str) -> BaseException | None:
+    """What connecting to the endpoint raised (a connection, timeout or transport error); None
+    when it answered anything at all."""
+    from huggingface_hub.utils import get_session
+
+    connect, timeout, transport = http_errors()
+    try:
+        get_session().head(endpoint, timeout=PROBE_SECONDS, follow_redirects=False)
+    except (connect, timeout, transport) as e:
+        return e
+    return None
 
 
 def hub_error(
