@@ -286,6 +286,20 @@ def test_ci_runs_the_readme_commands():
     assert ci.index("readme_commands.py test") < ci.index("python -m tests.busy 3 python -m pytest")
 
 
+def test_the_tour_links_the_model_file_in_any_shell(smollm2, tmp_path):
+    """The tour's link line finds the SmolLM2 file from the installed package alone (no SMOL
+    left from the set-up's shell): run by bash in an empty folder with this environment's
+    python first on PATH, it links the file there."""
+    line = re.search(r"`(ln -s .*?SmolLM2-135M-Instruct\.Q4_1\.gguf\" \.)`", README)
+    assert line is not None, "README's tour has no line that links the model file"
+    assert "$SMOL" not in line.group(1)
+    env = {k: v for k, v in os.environ.items() if k != "SMOL"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(["bash", "-c", line.group(1)], cwd=tmp_path, env=env, check=False)
+    assert done.returncode == 0
+    assert (tmp_path / SMOLLM2).resolve() == smollm2.resolve()
+
+
 def test_readme_commands_refuses_a_readme_without_them():
     with pytest.raises(ValueError, match="Set-up"):
         _readme_commands().commands("# embedlens\n\n```bash\npytest\n```\n")
