@@ -68,6 +68,23 @@ def test_every_command_has_help(name, cli):
     assert result.stderr == ""
 
 
+@pytest.mark.parametrize("name", sorted(APP_COMMANDS))
+def test_help_never_breaks_an_option_name(name, cli):
+    """At 80 columns every option name the help mentions is whole on its line: a line is never
+    broken at a hyphen (`--chat-` / `template`), only at spaces."""
+    result = cli(name, "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.stderr
+    broken = [line for line in result.stdout.splitlines() if re.search(r"\w-$", line.rstrip())]
+    assert not broken, broken
+
+
+def test_an_option_without_its_value_points_to_the_command_s_help(cli, tiny):
+    said = cli.fails("lens", tiny("llama-tied"), "the king", "--target", code=2)
+    assert "requires an argument" in said and "hint: see 'embedlens lens --help'" in said
+    said = cli.fails("neighbors", tiny("llama-tied"), "king", "-k", code=2)
+    assert "hint: see 'embedlens neighbors --help'" in said
+
+
 def test_every_library_command_is_a_cli_command():
     """The other way round: no command function in embedlens.__all__ lacks its command
     (`lens_prompts` is `lens --prompts`, `lens_states` `lens --states`, `lens_text` `lens

@@ -231,6 +231,13 @@ def test_bad_line_stops_before_the_model_loads(tiny, cli, tmp_path, monkeypatch,
     assert loads == []
 
 
+def test_a_binary_prompts_file_is_named_in_its_error(tiny, cli, tmp_path):
+    path = tmp_path / "prompts.bin"
+    path.write_bytes(b"\xff\xfe\x00binary\n")
+    err = cli.fails("lens", tiny("llama-tied"), "--prompts", path, code=2)
+    assert f"error: --prompts '{path}' line 1: not UTF-8 text" in err
+
+
 @pytest.mark.parametrize(
     ("text", "args", "says"),
     [

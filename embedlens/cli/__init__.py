@@ -18,6 +18,7 @@ try:
     from embedlens.cli import tune as _tune
     from embedlens.cli import vocab as _vocab
     from embedlens.cli._errors import report_error, report_terminated
+    from embedlens.cli._help import help_text
     from embedlens.cli._output import silence_stdout, write_stdout
     from embedlens.cli._scratch import (
         TERMINATED,
@@ -34,7 +35,7 @@ def _show_help(ctx: Any, param: Any, value: bool) -> None:
     """--help: the help written as the commands write their output, so that a stdout that
     cannot take it (closed with `>&-`, full) is an error, not a silent exit 0."""
     if value and not ctx.resilient_parsing:
-        write_stdout(ctx.get_help() + "\n")
+        write_stdout(help_text(ctx) + "\n")
         ctx.exit()
 
 
@@ -91,13 +92,13 @@ class _Group(_HelpChecked, TyperGroup):
             ctx = getattr(e, "ctx", None)
             if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
                 try:
-                    write_stdout(ctx.get_help() + "\n")
+                    write_stdout(help_text(ctx) + "\n")
                     code = 0
                 except EmbedlensError as failed:
                     report_error(failed.message, failed.hint, failed.exit_code)
                     code = failed.exit_code
             else:
-                command = ctx.command_path if ctx is not None else "embedlens"
+                command = ctx.command_path if ctx is not None else self._named(args)
                 report_error(e.format_message(), f"see '{command} --help'", code)
             if not standalone_mode:
                 raise
@@ -105,6 +106,13 @@ class _Group(_HelpChecked, TyperGroup):
         if standalone_mode:
             sys.exit(rv if isinstance(rv, int) else 0)
         return rv
+
+    def _named(self, args: Any) -> str:
+        """'embedlens COMMAND' for the command the words name (Click's error for an option's
+        missing value carries no context), else 'embedlens'."""
+        words = list(args) if args is not None else sys.argv[1:]
+        name = next((w for w in words if not str(w).startswith("-")), None)
+        return f"embedlens {name}" if name in self.commands else "embedlens"
 
 
 app = typer.Typer(

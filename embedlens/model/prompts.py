@@ -38,8 +38,10 @@ class PromptLine:
 class BadLine(UsageError):
     """A line that is not a prompt (exit 2), its number in `line`."""
 
-    def __init__(self, line: int, message: str, *, hint: str | None = None) -> None:
-        super().__init__(f"line {line}: {message}", hint=hint)
+    def __init__(
+        self, line: int, message: str, *, hint: str | None = None, where: str | None = None
+    ) -> None:
+        super().__init__(f"{where + ' ' if where else ''}line {line}: {message}", hint=hint)
         self.line = line
         self.reason = message
 
@@ -92,7 +94,8 @@ class PromptSource:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
-                yield BadLine(n, "not UTF-8 text")
+                where = f"--prompts '{self.path}'" if self.path is not None else "--prompts -"
+                yield BadLine(n, "not UTF-8 text", where=where)
                 continue
             text = text.rstrip("\r\n")
             if not text.strip() and (mode is not False or not text):

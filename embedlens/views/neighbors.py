@@ -44,22 +44,9 @@ def _caption(q: QueryResult) -> list[Text]:
         parts.append(
             Text(f"unit rows {rows} combined and normalised; those rows are left out", style="dim")
         )
-    for t in q.terms if q.kind == "expression" else []:
-        if len(t.tokens) > 1:
-            parts.append(_split_note(t.text, [x.token for x in t.tokens], q.pool))
-    if q.kind == "word" and len(q.tokens) > 1:
-        parts.append(_split_note(q.query, [x.token for x in q.tokens], q.pool))
+    # A word split into several tokens is said once, in the run's note on stderr (what was
+    # queried, and --pool); the table's caption does not say it again.
     return parts
-
-
-_QUERIED = {"first": "the first", "last": "the last", "mean": "the mean of their unit rows"}
-
-
-def _split_note(word: str, tokens: list[str], pool: str) -> Words:
-    line = Words(style="yellow").token(word).add(f" splits into {len(tokens)} tokens:")
-    for tok in tokens:
-        line.add(" ").token(tok)
-    return line.add(f"; {_QUERIED.get(pool, pool)} is queried")
 
 
 def render(r: NeighborsReport) -> RenderableType:
