@@ -71,8 +71,8 @@ def render(r: LensPairReport) -> RenderableType:
             cells.append(nats(theirs.target_logprob_delta))
         table.add_row(*cells, end_section=mine.layer == r.num_layers - 1)
     delta = None
-    if r.target is not None:
-        delta = f"Δ log p: B's log-probability of '{r.target.token}' minus A's"
+    if r.target is not None:  # the token kept whole: a line never breaks at its leading space
+        delta = Words("Δ log p: B's log-probability of ").token(r.target.token).add(" minus A's")
     shown_layers = {row.layer for row in r.layers}
     legend = _legend(d.first_divergent_layer, d.threshold, delta=delta, shown_layers=shown_layers)
     lines = [legend, _checks(r.check, d.against_check)]
@@ -120,7 +120,7 @@ def _legend(
     first: int | None,
     threshold: float,
     mean: str = "",
-    delta: str | None = None,
+    delta: str | Words | None = None,
     shown_layers: set[int] | None = None,
 ) -> Text:
     """What the columns mean, and where the two models part (among every layer, shown or not)."""
@@ -133,12 +133,14 @@ def _legend(
         if hidden
         else f"No layer diverges ({mean}KL ≤ {threshold:.3g} nats at every layer)"
     )
-    more = "" if delta is None else f"; {delta}"
-    return shown(
-        f"KL in nats, each model's lens through its own decoder; residual KL: A's decoder on "
-        f"B's residual stream (0 where the two streams are equal){more}. {where}.",
+    line = shown(
+        "KL in nats, each model's lens through its own decoder; residual KL: A's decoder on "
+        "B's residual stream (0 where the two streams are equal)",
         style="dim",
     )
+    if delta is not None:
+        line.add("; ").add(delta)
+    return line.add(f". {where}.")
 
 
 def _checks(a: LensCheck, b: LensCheck) -> Text:
