@@ -63,9 +63,8 @@ def tune(
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
     progress: called as `progress(stage, done, total, unit, detail)` as work advances
-        (`embedlens.progress.Progress`), stage by stage: 'fitting' counts tokens, 'solving'
-        layers, 'checking' sequences (before and after the refinement; the detail: which
-        translators), 'refining' steps from 0 (the detail: the KL of bands of layers),
+        (`Progress`): 'fitting' tokens, 'solving' layers, 'checking' sequences (the detail:
+        which translators), 'refining' steps from 0 (the detail: KL by bands of layers), then
         'evaluating' held-out tokens.
     load: `LoadOptions` (or its fields as keywords, `dtype=`...); it loads on one device.
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
