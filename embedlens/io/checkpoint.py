@@ -87,6 +87,22 @@ class Checkpoint:
     shard); their headers were not read, so they are not in `tensors`. Only with `partial`."""
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
     """Each safetensors file's `__metadata__` as its header holds it, by file name."""
+    index_metadata: dict[str, object] = field(default_factory=dict)
+    """The `metadata` object of model.safetensors.index.json (`total_size`,
+    `total_parameters`), empty without an index."""
+
+    @property
+    def stated_total(self) -> int | None:
+        """The parameter count the index's or a header's metadata states (`total_parameters`),
+        None where none states one."""
+        found = [self.index_metadata.get("total_parameters")]
+        found += [m.get("total_parameters") for m in self.metadata.values()]
+        for value in found:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.isdigit():
+                return int(value)
+        return None
 
 
 @dataclass(frozen=True)
@@ -335,7 +351,25 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             index = source.cached(WEIGHT_INDEX)
             weight_map = _read_index(index) if index is not None else {}
             unread = {n: s for n, s in weight_map.items() if s in missing}
-    return Checkpoint("safetensors", tensors, tuple(names), unread=unread, metadata=metadata)
+    index = source.cached(WEIGHT_INDEX)
+    return Checkpoint(
+        "safetensors",
+        tensors,
+        tuple(names),
+        unread=unread,
+        metadata=metadata,
+        index_metadata=_index_metadata(index) if index is not None else {},
+    )
+
+
+def _index_metadata(path: Path) -> dict[str, object]:
+    """The index's `metadata` object (read when the index is; {} where it has none)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    meta = data.get("metadata") if isinstance(data, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _remote_headers(
@@ -443,6 +477,21 @@ def offline_error(source: ModelSource, shard: str, count: int = 1) -> SourceErro
         hint="unset HF_HUB_OFFLINE to download it, or use --meta-only to count from the config "
         "alone",
     )
+
+
+def small_tensor_bytes(entry: TensorEntry, *, limit: int = 64) -> bytes | None:
+    """A small tensor's bytes where they are on disk (a packed weight's stored shape, a
+    quantiser's state); None when they are not, are over `limit`, or are all zero (a sparse
+    file's hole)."""
+    if entry.path is None or entry.file_offset is None or entry.nbytes > limit:
+        return None
+    try:
+        with open(entry.path, "rb") as fh:
+            fh.seek(entry.file_offset - entry.base)
+            raw = fh.read(entry.nbytes)
+    except OSError:
+        return None
+    return raw if len(raw) == entry.nbytes and any(raw) else None
 
 
 def same_bytes(a: TensorEntry, b: TensorEntry, *, chunk: int = 1 << 20) -> bool | None:

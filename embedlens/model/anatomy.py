@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Role = Literal["embedding", "lm_head", "position_embedding", "blocks", "final_norm", "other"]
+Role = Literal[
+    "embedding", "lm_head", "position_embedding", "blocks", "final_norm", "towers", "other"
+]
 Part = Literal["attention", "mlp", "experts", "router", "norms", "other"]
 
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer|blk|decoder_layers)\.(\d+)\.(.+)$")
@@ -27,6 +29,14 @@ _POSITION = re.compile(r"(?:^|\.|_)(?:wpe|embed_positions|position_embeddings|po
 _BUFFER_SUFFIXES = (
     "inv_freq", "position_ids", "masked_bias", "cos_cached", "sin_cached", "_float_tensor",
 )  # fmt: skip
+_VISION = re.compile(
+    r"(?:^|\.)(?:vision_tower|vision_model|visual|vision_encoder|vision_embed_tokens|image_newline"
+    r"|multi_modal_projector|mm_projector|vision_projection)(?:\.|$)"
+)
+_AUDIO = re.compile(
+    r"(?:^|\.)(?:audio_tower|audio_model|audio_encoder|audio_projection|audio_embed|"
+    r"embed_audio|audio_projector)(?:\.|$)"
+)
 _EXPERTS = re.compile(r"(?:^|\.)experts\.|_exps\.|(?:^|\.)experts$")
 _ROUTER = re.compile(r"(?:^|\.)(?:gate|router|ffn_gate_inp|switch)(?:\.|$)")
 _NORM_SEGMENT = re.compile(r"norm|^ln_?\w*$|^ln\d*$")
@@ -59,6 +69,8 @@ def place(name: str, *, embedding: Iterable[str], head: Iterable[str]) -> Placem
         return Placement("embedding")
     if name in set(head) or _is_head_bias(name, head):
         return Placement("lm_head")
+    if tower(name) is not None:
+        return Placement("towers")
     block = _BLOCK.search(name)
     if block is not None:
         return Placement("blocks", int(block.group(1)), block_part(block.group(2)))
@@ -68,6 +80,16 @@ def place(name: str, *, embedding: Iterable[str], head: Iterable[str]) -> Placem
     if _NORM_SEGMENT.search(last) or last in {"ln_f", "norm_f"}:
         return Placement("final_norm")
     return Placement("other")
+
+
+def tower(name: str) -> str | None:
+    """'vision' or 'audio' for a tensor of a vision or audio tower (or its projector) stored
+    beside the language model, else None."""
+    if _VISION.search(name):
+        return "vision"
+    if _AUDIO.search(name):
+        return "audio"
+    return None
 
 
 def _is_head_bias(name: str, head: Iterable[str]) -> bool:
