@@ -72,7 +72,9 @@ def calibrate(model: torch.nn.Module) -> None:
         low, high = _reduce(module.weight.data, args.strategy, args)
         global_scale = None
         if args.strategy == QuantizationStrategy.TENSOR_GROUP:
-            global_scale = generate_gparam(module.weight.data.float().amin(), module.weight.data.float().amax())
+            global_scale = generate_gparam(
+                module.weight.data.float().amin(), module.weight.data.float().amax()
+            )
             module.weight_global_scale.data.copy_(global_scale)
         scale, zero = calculate_qparams(low, high, args, global_scale=global_scale)
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))

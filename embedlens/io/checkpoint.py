@@ -192,7 +192,7 @@ def _entry(
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in SAFETENSORS_BITS:
         raise CheckpointError(f"{bad}: unknown dtype {_short(dtype)}")
-    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _U64 for d in shape):
         raise CheckpointError(f"{bad}: shape {_short(shape)}")
     if (
         not isinstance(offsets, list)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 Role = Literal[
@@ -65,10 +66,17 @@ def is_buffer_name(name: str, shape: Sequence[int] = ()) -> bool:
 
 def place(name: str, *, embedding: Iterable[str], head: Iterable[str]) -> Placement:
     """Classify a parameter name given the names of the embedding and head weights."""
-    if name in set(embedding):
+    if name in embedding:
         return Placement("embedding")
-    if name in set(head) or _is_head_bias(name, head):
+    if name in head or _is_head_bias(name, head):
         return Placement("lm_head")
+    return _place_by_name(name)
+
+
+@lru_cache(maxsize=1 << 18)
+def _place_by_name(name: str) -> Placement:
+    """The role of a tensor that is neither the embedding nor the head, from its name alone
+    (kept: a 90,000-tensor checkpoint asks for each name three times)."""
     if tower(name) is not None:
         return Placement("towers")
     block = _BLOCK.search(name)

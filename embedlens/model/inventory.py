@@ -21,6 +21,7 @@ from embedlens.model.anatomy import is_buffer_name, stored_layers
 from embedlens.model.files import (
     ModelConfig,
     mismatches,
+    quant_settings,
     quantisation,
     read_config,
     tables,
@@ -66,6 +67,8 @@ class Inventory:
     """Quantisation state stored beside the parameters (scales, zero points, indices)."""
     quantised: bool = False
     """Whether any parameter is stored quantised (or, on the meta device, priced so)."""
+    packed: frozenset[str] = frozenset()
+    """The parameters stored quantised (their values packed or scaled), by name."""
     stated_total: int | None = None
     """The parameter count the checkpoint's metadata states, where it states one."""
     bookkeeping_known: bool = True
@@ -79,11 +82,6 @@ class Inventory:
             if item.name == self.embedding:
                 return item.shape
         return (self.vocab_size, self.hidden_size)
-
-
-def quant_settings(config: ModelConfig) -> Any:
-    """The config's quantisation settings: quantization_config, else MLX's `quantization`."""
-    return quantisation(config) or config.raw.get("quantization")
 
 
 def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
@@ -131,6 +129,7 @@ def from_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> Inventory:
         notes=notes,
         bookkeeping=unpacked.bookkeeping,
         quantised=unpacked.quantised,
+        packed=frozenset(labels),
         stated_total=ckpt.stated_total,
     )
 
@@ -244,6 +243,13 @@ def from_model(model: Any, config: ModelConfig, *, loaded: bool) -> Inventory:
         dtype=dtype,
         config=config,
     )
+    mtp = config.text.get("num_nextn_predict_layers")
+    if not loaded and isinstance(mtp, int) and mtp > 0:
+        inv.notes.append(
+            f"the config names {mtp} multi-token-prediction layer{'s' if mtp > 1 else ''} "
+            "(num_nextn_predict_layers) that transformers does not build: not counted here; a "
+            "checkpoint that stores them counts them from its headers"
+        )
     if priced is not None:
         inv.items, inv.bookkeeping, note = priced
         inv.quantised = any(b for b in inv.bookkeeping) or any(i.dtype != dtype for i in inv.items)
@@ -271,22 +277,12 @@ def _priced(
             "config: they are at the config's dtype, as if unquantised"
         )
         return items, [], note
-    kinds = {
-        f"{name}.weight" if name else "weight": type(m).__name__
-        for name, m in model.named_modules()
-    }
+    classes = {name: type(m).__name__ for name, m in model.named_modules()}
     base = DTYPE_BYTES.get(_config_dtype(config), 2)
     out: list[Item] = []
     book: list[Bookkeeping] = []
     for item in items:
-        kind = kinds.get(item.name, "")
-        kind = (
-            "Linear"
-            if kind.endswith("Linear")
-            else "Embedding"
-            if kind.endswith("Embedding")
-            else kind
-        )
+        kind = _kind(classes.get(item.name.rpartition(".")[0], ""), item)
         p = price(item.name, item.shape, kind, quant, base)
         if p is None:
             out.append(item)
@@ -294,6 +290,18 @@ def _priced(
         out.append(Item(item.name, item.shape, item.numel, p.nbytes, p.label))
         book.extend(Bookkeeping(item.name, k, b, item.name) for k, b in p.book if b)
     return out, book, None
+
+
+def _kind(owner: str, item: Item) -> str:
+    """What pricing needs of a parameter's module: 'Linear', 'Embedding', 'Experts' (fused
+    3-D expert projections), else ''."""
+    if owner.endswith("Linear") and item.name.endswith(".weight"):
+        return "Linear"
+    if owner.endswith("Embedding") and item.name.endswith(".weight"):
+        return "Embedding"
+    if owner.endswith("Experts") and len(item.shape) == 3:
+        return "Experts"
+    return ""
 
 
 def _config_dtype(config: ModelConfig) -> str:

@@ -124,6 +124,14 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
             )
     if name in ckpt.unread:
         raise offline_error(source, ckpt.unread[name])
+    if name in inv.packed:
+        label = next(i.dtype for i in inv.items if i.name == name)
+        raise UnsupportedError(
+            f"'{name}' is stored quantised ({label}); embedlens reads its rows only where it "
+            "can dequantise them (GGUF)",
+            hint="use the unquantised checkpoint the quantisation was made from; "
+            "`embedlens params` counts this one",
+        )
     entry = ckpt.tensors[name]
     if len(entry.shape) != 2:
         raise CheckpointError(f"'{name}' has shape {list(entry.shape)}, not [V, d]")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from embedlens.io.checkpoint import Checkpoint, TensorEntry
-from embedlens.model.quant.formats import FORMATS, Found, loose
+from embedlens.model.quant.formats import FORMATS, Ctx, Found, index_bookkeeping, loose
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ def unpack(ckpt: Checkpoint, quant: Any) -> Unpacked:
     taken: set[str] = set()
     found: list[Found] = []
     formats: list[str] = []
+    ctx = Ctx(tensors, config, taken, index_bookkeeping(tensors))
     for name, reader in FORMATS:
-        got = reader(tensors, config, taken)
+        got = reader(ctx)
         if got:
             formats.append(name)
             found.extend(got)
@@ -73,7 +74,10 @@ def unpack(ckpt: Checkpoint, quant: Any) -> Unpacked:
     for f in found:
         first = f.values[0]
         nbytes = sum(v.nbytes for v in f.values)
-        logical[f.name] = replace(first, name=f.name, shape=f.shape, nbytes=nbytes)
+        logical[f.name] = TensorEntry(
+            f.name, first.dtype, f.shape, first.file, first.path, first.file_offset, nbytes,
+            base=first.base,
+        )  # fmt: skip
         labels[f.name] = f.label
         book.extend(Bookkeeping(t.name, kind, t.nbytes, f.name) for t, kind in f.book)
     book.extend(Bookkeeping(t.name, kind, t.nbytes, t.name) for t, kind in loose(tensors, taken))

@@ -28,12 +28,39 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, small_tensor_bytes
 from embedlens.model.quant.config import ct_scheme, mlx_settings, plain_bits
 
 Tensors = dict[str, TensorEntry]
+
+
+@dataclass
+class Ctx:
+    """What every reader reads: the tensors, the config's settings, the names taken so far and
+    the bookkeeping tensors stored beside each module (indexed once)."""
+
+    tensors: Tensors
+    quant: dict[str, Any]
+    taken: set[str]
+    beside: dict[str, list[tuple[str, TensorEntry]]]
+    """Module name to (suffix, tensor) of each bookkeeping tensor stored beside its weight."""
+
+
+def index_bookkeeping(tensors: Tensors) -> dict[str, list[tuple[str, TensorEntry]]]:
+    """Every tensor whose name ends with a bookkeeping suffix, by the module it serves."""
+    out: dict[str, list[tuple[str, TensorEntry]]] = {}
+    for name, t in tensors.items():
+        head, _, last = name.rpartition(".")
+        if last in _KINDS:
+            out.setdefault(head, []).append((last, t))
+            continue
+        module, _, mid = head.rpartition(".")
+        if f"{mid}.{last}" in _KINDS:
+            out.setdefault(module, []).append((f"{mid}.{last}", t))
+    return out
 
 
 @dataclass(frozen=True)
@@ -61,26 +88,20 @@ _KINDS = {
     "weight_shape": "state", "weight.quant_map": "state", "weight.nested_quant_map": "state",
     "weight_format": "state",
 }  # fmt: skip
-_STATE_PREFIX = "weight.quant_state."
+_STATE_PREFIX = "quant_state."
 
 
 def _name(dtype: str) -> str:
     return {"F8_E8M0": "e8m0"}.get(dtype, TORCH_DTYPE_NAMES.get(dtype, dtype.lower()))
 
 
-def _attached(tensors: Tensors, module: str, taken: set[str]) -> list[tuple[TensorEntry, str]]:
+def _attached(ctx: Ctx, module: str) -> list[tuple[TensorEntry, str]]:
     """The bookkeeping tensors stored beside a module's weight, marked taken."""
     out = []
-    for suffix, kind in _KINDS.items():
-        t = tensors.get(f"{module}.{suffix}")
-        if t is not None and t.name not in taken:
-            out.append((t, kind))
-            taken.add(t.name)
-    prefix = f"{module}.{_STATE_PREFIX}"
-    for name, t in tensors.items():
-        if name.startswith(prefix) and name not in taken:
-            out.append((t, "state"))
-            taken.add(name)
+    for suffix, t in ctx.beside.get(module, ()):
+        if t.name not in ctx.taken:
+            out.append((t, _KINDS[suffix]))
+            ctx.taken.add(t.name)
     return out
 
 
@@ -89,16 +110,24 @@ def _scale_words(book: list[tuple[TensorEntry, str]], shape: tuple[int, ...]) ->
     scale = next((t for t, kind in book if kind == "scales"), None)
     if scale is None:
         return ""
-    if scale.numel == 1:
+    biases = any(t.name.endswith(".biases") for t, _ in book)
+    return _words(scale.dtype, scale.shape, shape, biases)
+
+
+@lru_cache(maxsize=4096)
+def _words(dtype: str, scale: tuple[int, ...], shape: tuple[int, ...], biases: bool) -> str:
+    n = 1
+    for d in scale:
+        n *= d
+    if n == 1:
         how = "tensor scale"
-    elif len(shape) >= 2 and len(scale.shape) >= 2 and 1 < scale.shape[-2] < shape[-2]:
+    elif len(shape) >= 2 and len(scale) >= 2 and 1 < scale[-2] < shape[-2]:
         how = "block scales"
-    elif scale.numel == (shape[-2] if len(shape) >= 2 else 1):
+    elif n == (shape[-2] if len(shape) >= 2 else 1):
         how = "channel scales"
     else:
         how = "group scales"
-    extra = " and biases" if any(t.name.endswith(".biases") for t, _ in book) else ""
-    return f" + {_name(scale.dtype)} {how}{extra}"
+    return f" + {_name(dtype)} {how}{' and biases' if biases else ''}"
 
 
 def _found(
@@ -111,8 +140,9 @@ def _found(
     return Found(name, shape, values, book, what + _scale_words(book, shape))
 
 
-def mxfp4(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def mxfp4(ctx: Ctx) -> list[Found]:
     """gpt-oss's MXFP4 experts: `X_blocks` and `X_scales`."""
+    tensors, taken = ctx.tensors, ctx.taken
     out = []
     for name, t in tensors.items():
         if not name.endswith("_blocks") or name in taken or len(t.shape) < 2 or t.dtype != "U8":
@@ -142,8 +172,9 @@ def _logical_shape(t: TensorEntry, per: int, stored: TensorEntry | None) -> tupl
     return said if fits and shape[-1] - per < said[-1] <= shape[-1] else shape
 
 
-def ct_packed(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def ct_packed(ctx: Ctx) -> list[Found]:
     """compressed-tensors' `weight_packed` (pack-quantized, nvfp4-pack-quantized)."""
+    tensors, quant, taken = ctx.tensors, ctx.quant, ctx.taken
     out = []
     for name, t in tensors.items():
         if not name.endswith(".weight_packed") or name in taken or not t.shape:
@@ -164,34 +195,35 @@ def ct_packed(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[
         stored = tensors.get(module + ".weight_shape")
         shape = _logical_shape(t, per, stored)
         taken.add(name)
-        book = _attached(tensors, module, taken)
+        book = _attached(ctx, module)
         out.append(_found(module + ".weight", shape, [t], book, f"{what} ({fmt})"))
     return out
 
 
-def gptq_awq(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
-    """GPTQ and AWQ: `qweight` with `scales`, `qzeros` and GPTQ's `g_idx`."""
+def gptq_awq(ctx: Ctx) -> list[Found]:
+    """GPTQ and AWQ: `qweight` with `scales`, `qzeros` and GPTQ's `g_idx` (any bits: GPTQ's
+    3-bit words hold values across their boundaries, so its rows are in·bits/32)."""
+    tensors, quant, taken = ctx.tensors, ctx.quant, ctx.taken
     out = []
     bits = plain_bits(quant)
     method = str(quant.get("quant_method") or "").lower()
     for name, t in tensors.items():
         if not name.endswith(".qweight") or name in taken or len(t.shape) != 2 or not bits:
             continue
-        if t.dtype not in ("I32", "U32") or 32 % bits:
+        if t.dtype not in ("I32", "U32"):
             continue
         module = name.removesuffix(".qweight")
-        per = 32 // bits
         scales, g_idx = tensors.get(module + ".scales"), tensors.get(module + ".g_idx")
         awq = method == "awq" or (
             method != "gptq" and scales is not None and scales.shape[-1] != t.shape[1]
         )
         if awq:
-            rows, cols = t.shape[1] * per, t.shape[0]
+            rows, cols = t.shape[1] * 32 // bits, t.shape[0]
         else:
             rows = t.shape[1]
-            cols = g_idx.shape[0] if g_idx is not None and g_idx.shape else t.shape[0] * per
+            cols = g_idx.shape[0] if g_idx is not None and g_idx.shape else t.shape[0] * 32 // bits
         taken.add(name)
-        book = _attached(tensors, module, taken)
+        book = _attached(ctx, module)
         what = f"int{bits} ({'awq' if awq else 'gptq'})"
         out.append(_found(module + ".weight", (rows, cols), [t], book, what))
     return out
@@ -209,20 +241,22 @@ def _bnb_shape(state: TensorEntry | None) -> tuple[int, ...] | None:
     return None
 
 
-def bnb(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def bnb(ctx: Ctx) -> list[Found]:
     """bitsandbytes: 4-bit (`weight.absmax`, `weight.quant_state.*`) and 8-bit (`SCB`)."""
+    tensors, taken = ctx.tensors, ctx.taken
     out = []
+    states: dict[str, list[TensorEntry]] = {}
+    for name, t in tensors.items():  # bitsandbytes' packed state, by the weight it serves
+        weight, sep, _ = name.partition("." + _STATE_PREFIX)
+        if sep:
+            states.setdefault(weight, []).append(t)
     for name, t in tensors.items():
         if not name.endswith(".weight") or name in taken:
             continue
         module = name.removesuffix(".weight")
+        kept = states.get(name, [])
         state = next(
-            (
-                (s, n.rsplit("__", 1)[-1])
-                for n, s in tensors.items()
-                if n.startswith(f"{name}.quant_state.bitsandbytes__")
-            ),
-            None,
+            ((s, s.name.rsplit("__", 1)[-1]) for s in kept if "bitsandbytes__" in s.name), None
         )
         if t.dtype == "U8" and (state is not None or f"{name}.absmax" in tensors):
             kind = state[1] if state is not None else "4-bit"
@@ -235,7 +269,9 @@ def bnb(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]
         else:
             continue
         taken.add(name)
-        book = _attached(tensors, module, taken)
+        book = _attached(ctx, module)
+        book += [(s, "state") for s in kept if s.name not in taken]
+        taken.update(s.name for s in kept)
         out.append(_found(name, shape, [t], book, what))
     return out
 
@@ -247,8 +283,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def mlx(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def mlx(ctx: Ctx) -> list[Found]:
     """MLX: `weight` U32 with `scales` (and `biases`), bits and group size from the config."""
+    tensors, quant, taken = ctx.tensors, ctx.quant, ctx.taken
     out = []
     for name, t in tensors.items():
         if not name.endswith(".weight") or name in taken or t.dtype != "U32" or not t.shape:
@@ -262,14 +299,15 @@ def mlx(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]
         bits, group = settings
         taken.add(name)
         shape = (*t.shape[:-1], t.shape[-1] * 32 // bits)
-        book = _attached(tensors, module, taken)
+        book = _attached(ctx, module)
         out.append(_found(name, shape, [t], book, f"int{bits} (mlx, groups of {group})"))
     return out
 
 
-def modelopt_nvfp4(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def modelopt_nvfp4(ctx: Ctx) -> list[Found]:
     """ModelOpt's NVFP4: `weight` U8 (two fp4 values a byte) with fp8 `weight_scale` and
     `weight_scale_2`."""
+    tensors, taken = ctx.tensors, ctx.taken
     out = []
     for name, t in tensors.items():
         if not name.endswith(".weight") or name in taken or t.dtype != "U8" or not t.shape:
@@ -284,13 +322,14 @@ def modelopt_nvfp4(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> 
             continue
         taken.add(name)
         shape = (*t.shape[:-1], t.shape[-1] * 2)
-        book = _attached(tensors, module, taken)
+        book = _attached(ctx, module)
         out.append(_found(name, shape, [t], book, "nvfp4 (modelopt)"))
     return out
 
 
-def fp8(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def fp8(ctx: Ctx) -> list[Found]:
     """FP8 weights with their scales (`weight_scale_inv`, `weight_scale`)."""
+    tensors, taken = ctx.tensors, ctx.taken
     out = []
     for name, t in tensors.items():
         if not name.endswith("weight") or name in taken or not t.dtype.startswith("F8_E"):
@@ -299,13 +338,14 @@ def fp8(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]
             continue
         module = name.removesuffix(".weight") if name.endswith(".weight") else name
         taken.add(name)
-        book = _attached(tensors, module, taken) if name.endswith(".weight") else []
+        book = _attached(ctx, module) if name.endswith(".weight") else []
         out.append(_found(name, t.shape, [t], book, _name(t.dtype)))
     return out
 
 
-def ct_int(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Found]:
+def ct_int(ctx: Ctx) -> list[Found]:
     """compressed-tensors' int-quantized: `weight` I8 with `weight_scale`."""
+    tensors, quant, taken = ctx.tensors, ctx.quant, ctx.taken
     out = []
     for name, t in tensors.items():
         if not name.endswith(".weight") or name in taken or t.dtype not in ("I8", "I16"):
@@ -316,12 +356,12 @@ def ct_int(tensors: Tensors, quant: dict[str, Any], taken: set[str]) -> list[Fou
         scheme = ct_scheme(module, quant) or {}
         bits = scheme.get("num_bits") or 8
         taken.add(name)
-        book = _attached(tensors, module, taken)
+        book = _attached(ctx, module)
         out.append(_found(name, t.shape, [t], book, f"int{bits} (int-quantized)"))
     return out
 
 
-FORMATS: tuple[tuple[str, Callable[[Tensors, dict[str, Any], set[str]], list[Found]]], ...] = (
+FORMATS: tuple[tuple[str, Callable[[Ctx], list[Found]]], ...] = (
     ("mxfp4", mxfp4),
     ("compressed-tensors packed", ct_packed),
     ("gptq/awq", gptq_awq),

@@ -4,6 +4,7 @@ the quantisers write by (the layouts of `formats.py`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,8 @@ def price(
 ) -> Priced | None:
     """How `name` is stored: None where the config leaves it at the model's dtype.
 
-    kind: the module's class ('Linear', 'Embedding', or '' for a parameter of another module);
+    kind: the module's class ('Linear', 'Embedding', 'Experts' for fused [E, out, in] experts,
+        or '' for a parameter of another module);
     base: bytes of a value at the model's dtype (scales are often stored so).
     """
     method = method_of(quant)
@@ -58,6 +60,12 @@ def price(
         return _mxfp4(name, shape)
     if method == "mlx":
         return _mlx(name, shape, kind, quant, base)
+    if kind == "Experts" and len(shape) == 3:  # fused experts: one Linear each, stacked
+        one = price(name + ".weight", shape[1:], "Linear", quant, base)
+        if one is None:
+            return None
+        e = shape[0]
+        return Priced(one.nbytes * e, tuple((k, b * e) for k, b in one.book), one.label)
     if kind != "Linear" or len(shape) != 2 or not name.endswith(".weight"):
         return None
     module = name.removesuffix(".weight")
@@ -132,7 +140,7 @@ def _compressed_tensors(
         return None
     bits = _int(scheme.get("num_bits"), 8)
     fmt = str(scheme.get("format") or "")
-    strategy = str(scheme.get("strategy") or "tensor")
+    strategy = str(scheme.get("strategy") or ("group" if scheme.get("group_size") else "tensor"))
     group = _int(scheme.get("group_size"), inn)
     if strategy == "channel":
         scales = out
@@ -166,19 +174,18 @@ def _compressed_tensors(
 
 
 def _gptq_awq(method: str, out: int, inn: int, quant: dict[str, Any]) -> Priced | None:
+    """GPTQ packs bits·in/32 words a column (any bits: 3-bit values cross words), AWQ
+    bits·out/32 a row; zero points packed along the output, float16 scales, GPTQ's g_idx."""
     bits = plain_bits(quant) or 4
-    if 32 % bits:
-        return None
-    per = 32 // bits
     group = _int(quant.get("group_size") or quant.get("q_group_size"), -1)
     groups = _cdiv(inn, group) if group > 0 else 1
-    zeros = groups * _cdiv(out, per) * 4
+    zeros = groups * _cdiv(out * bits, 32) * 4
     book: tuple[tuple[str, int], ...] = (("scales", groups * out * 2), ("zero points", zeros))
     if method == "gptq":
-        values = _cdiv(inn, per) * out * 4
+        values = _cdiv(inn * bits, 32) * out * 4
         book = (*book, ("indices", inn * 4))
     else:
-        values = inn * _cdiv(out, per) * 4
+        values = inn * _cdiv(out * bits, 32) * 4
     return Priced(values, book, f"int{bits} ({method}) + float16 group scales")
 
 
@@ -192,7 +199,12 @@ def _bnb(out: int, inn: int, quant: dict[str, Any]) -> Priced | None:
         return None
     blocks = _cdiv(n, 64)
     kind = str(quant.get("bnb_4bit_quant_type") or "fp4")
-    book: tuple[tuple[str, int], ...] = (("scales", blocks * 4), ("state", 64))
+    # the packed state: quant_map (16 float32) and the JSON bitsandbytes writes beside it
+    said = {"quant_type": kind, "blocksize": 64, "dtype": "bfloat16", "shape": [out, inn]}
+    state = 64 + len(json.dumps(said))
+    book: tuple[tuple[str, int], ...] = (("scales", blocks * 4), ("state", state))
     if quant.get("bnb_4bit_use_double_quant"):
-        book = (("scales", blocks + _cdiv(blocks, 256) * 4 + 4), ("state", 64 + 1024))
+        nested = {"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.0}
+        state += 1024 + len(json.dumps(nested))
+        book = (("scales", blocks + _cdiv(blocks, 256) * 4), ("state", state))
     return Priced(_cdiv(n, 2), book, f"{kind} (bitsandbytes) + float32 absmax")
