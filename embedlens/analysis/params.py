@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.params_parts import main_model, parts_of
 from embedlens.errors import CheckpointError, UsageError
@@ -139,16 +139,21 @@ def _forward_flops(by_role: dict[str, list[Entry]], used: int, head_flops: int) 
     return 2 * (used - gathered - head_weights) + head_flops
 
 
+def _placed(inv: Inventory) -> list[tuple[Placement, Entry]]:
+    """Each item's placement, with its parameters, bytes and dtype."""
+    head_names = [inv.head] if inv.head else []
+    embed_names = [inv.embedding] if inv.embedding else []
+    return [
+        (place(i.name, embedding=embed_names, head=head_names), (i.numel, i.nbytes, i.dtype))
+        for i in inv.items
+    ]
+
+
 def params_report(
     model: str, inv: Inventory, source: ParamsSource, *, per_block: bool = False
 ) -> ParamsReport:
     """Count the inventory by role; shares are of the unique total (tied weights once)."""
-    head_names = [inv.head] if inv.head else []
-    embed_names = [inv.embedding] if inv.embedding else []
-    placed: list[tuple[Placement, Entry]] = [
-        (place(i.name, embedding=embed_names, head=head_names), (i.numel, i.nbytes, i.dtype))
-        for i in inv.items
-    ]
+    placed = _placed(inv)
     total = sum(e[0] for _, e in placed)
     if total <= 0:
         raise CheckpointError("the model has no parameters")
@@ -176,10 +181,6 @@ def params_report(
         by_role, moe.active_params if moe is not None else main_total, head_flops
     )
     total_bytes = sum(e[1] or 0 for _, e in placed) if bytes_known else None
-    book = kinds(inv.bookkeeping)
-    book_bytes = sum(b for _, b in book.values()) if inv.bookkeeping_known else None
-    notes = list(inv.notes)
-    _stated(inv.stated_total, total, notes)
     return ParamsReport(
         model=model,
         source=source,
@@ -202,26 +203,35 @@ def params_report(
         moe=moe,
         blocks=_block_rows(per_layer) if per_block else [],
         skipped=list(inv.skipped),
-        notes=notes,
-        quantised=inv.quantised,
-        bookkeeping=[BookkeepingRow(k, n, b) for k, (n, b) in book.items()],
-        bookkeeping_bytes=book_bytes,
-        stored_bytes=None
-        if total_bytes is None or book_bytes is None
-        else total_bytes + book_bytes,
+        notes=[*inv.notes, *_stated(inv.stated_total, total)],
         parts=parts_of(inv, placed, bytes_known=bytes_known),
         stated_total=inv.stated_total,
+        **_bookkeeping(inv, total_bytes),
     )
 
 
-def _stated(stated: int | None, total: int, notes: list[str]) -> None:
+def _bookkeeping(inv: Inventory, total_bytes: int | None) -> dict[str, Any]:
+    """The report's quantisation fields: the bookkeeping by kind, its bytes, all bytes stored."""
+    book = kinds(inv.bookkeeping)
+    book_bytes = sum(b for _, b in book.values()) if inv.bookkeeping_known else None
+    both = None if total_bytes is None or book_bytes is None else total_bytes + book_bytes
+    return {
+        "quantised": inv.quantised,
+        "bookkeeping": [BookkeepingRow(k, n, b) for k, (n, b) in book.items()],
+        "bookkeeping_bytes": book_bytes,
+        "stored_bytes": both,
+    }
+
+
+def _stated(stated: int | None, total: int) -> list[str]:
     """A note where the checkpoint's metadata states another parameter count."""
-    if stated is not None and stated != total:
-        notes.append(
-            f"the checkpoint's metadata states total_parameters {stated:,}; its tensors hold "
-            f"{total:,} parameters (a quantiser's count of stored elements differs from the "
-            "parameters packed values hold)"
-        )
+    if stated is None or stated == total:
+        return []
+    return [
+        f"the checkpoint's metadata states total_parameters {stated:,}; its tensors hold "
+        f"{total:,} parameters (a quantiser's count of stored elements differs from the "
+        "parameters packed values hold)"
+    ]
 
 
 def _moe(

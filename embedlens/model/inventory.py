@@ -14,9 +14,9 @@ from embedlens.io.checkpoint import (
     TORCH_DTYPE_NAMES,
     Checkpoint,
     open_checkpoint,
-    same_bytes,
 )
 from embedlens.io.source import ModelSource
+from embedlens.io.tensor_bytes import same_bytes
 from embedlens.model.anatomy import is_buffer_name, stored_layers
 from embedlens.model.files import (
     ModelConfig,

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry, small_tensor_bytes
+from embedlens.io.checkpoint import TORCH_DTYPE_NAMES, TensorEntry
+from embedlens.io.tensor_bytes import small_tensor_bytes
 from embedlens.model.quant.config import ct_scheme, mlx_settings, plain_bits
 
 Tensors = dict[str, TensorEntry]
