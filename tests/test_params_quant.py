@@ -502,3 +502,39 @@ def test_llama_3_1_8b_w4a16_full_size(cli, tmp_path):
     assert data["total"] == sum(numel(s) for s in shapes.values()) == 8_030_261_248
     meta = cli.json("params", folder, "--meta-only")
     assert abs(meta["stored_bytes"] - data["stored_bytes"]) <= data["stored_bytes"] / 100
+
+
+def test_table_shows_bits_and_bookkeeping(cli):
+    result = cli("params", DATA / "w4a16")
+    assert result.exit_code == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    for said in ("bits/param", "stored as", "bookkeeping: scales (14 tensors)", "stored in all"):
+        assert said in out, said
+    assert "dtype ?" not in out
+
+
+def test_unquantised_table_is_unchanged(cli, tiny):
+    result = cli("params", tiny("llama-untied"))
+    assert "bits/param" not in result.stdout and "bookkeeping" not in result.stdout
+
+
+def test_towers_stored_in_a_causal_lm_checkpoint(cli, tmp_path, tiny_shapes):
+    """A vision tower and an audio tower stored beside the language model are their own group
+    and parts, not decoder blocks."""
+    towers = {
+        "model.vision_tower.blocks.0.attn.qkv.weight": (192, 64),
+        "model.vision_tower.blocks.1.attn.qkv.weight": (192, 64),
+        "model.multi_modal_projector.linear_1.weight": (64, 64),
+        "model.audio_tower.layers.0.fc1.weight": (128, 64),
+    }
+    stored = quantise({**tiny_shapes, **towers}, lambda n, s: False, lambda n, s: [])
+    folder = _layout(tmp_path / "towers", stored, TINY)
+    data = cli.json("params", folder, "--per-block")
+    vision = 2 * 192 * 64 + 64 * 64
+    assert data["total"] == TINY_TOTAL + vision + 128 * 64
+    parts = {p["name"]: p["params"] for p in data["parts"]}
+    assert parts == {"vision": vision, "audio": 128 * 64}
+    groups = {g["name"]: g["params"] for g in data["groups"]}
+    assert groups["towers"] == vision + 128 * 64
+    assert data["num_layers"] == 2 and [b["layer"] for b in data["blocks"]] == [0, 1]
+    assert data["quantised"] is False and data["bookkeeping"] == []
