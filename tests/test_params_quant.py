@@ -538,3 +538,14 @@ def test_towers_stored_in_a_causal_lm_checkpoint(cli, tmp_path, tiny_shapes):
     assert groups["towers"] == vision + 128 * 64
     assert data["num_layers"] == 2 and [b["layer"] for b in data["blocks"]] == [0, 1]
     assert data["quantised"] is False and data["bookkeeping"] == []
+
+
+def test_meta_only_says_where_it_cannot_price(cli, tmp_path, tiny_shapes):
+    stored = quantise(tiny_shapes, lambda n, s: False, lambda n, s: [])
+    quant = {"quant_method": "hqq", "nbits": 4}
+    folder = _layout(tmp_path / "hqq", stored, {**TINY, "quantization_config": quant})
+    result = cli("params", folder, "--meta-only", "--json")
+    data = json.loads(result.stdout)
+    assert data["total"] == TINY_TOTAL
+    assert data["bookkeeping_bytes"] is None and data["stored_bytes"] is None
+    assert "cannot price the bytes of quant_method 'hqq'" in " ".join(result.stderr.split())
