@@ -186,33 +186,36 @@ def _check_layout(
 def _entry(
     tname: str, info: object, name: str, path: Path | None, base: int, data_size: int | None
 ) -> TensorEntry:
-    bad = f"'{name}' has a corrupt header entry for {_short(tname)}"
     if not isinstance(info, dict):
-        raise CheckpointError(bad)
+        raise CheckpointError(_bad(name, tname))
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in SAFETENSORS_BITS:
-        raise CheckpointError(f"{bad}: unknown dtype {_short(dtype)}")
+        raise CheckpointError(f"{_bad(name, tname)}: unknown dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _U64 for d in shape):
-        raise CheckpointError(f"{bad}: shape {_short(shape)}")
+        raise CheckpointError(f"{_bad(name, tname)}: shape {_short(shape)}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(_is_u64(o) for o in offsets)
+        or not all(type(o) is int and 0 <= o < _U64 for o in offsets)
         or not offsets[0] <= offsets[1]
     ):
-        raise CheckpointError(f"{bad}: data_offsets {_short(offsets)}")
+        raise CheckpointError(f"{_bad(name, tname)}: data_offsets {_short(offsets)}")
     numel = 0 if 0 in shape else 1
     for d in shape if numel else ():
         numel *= d
         if numel >= _U64:  # checked as the safetensors library does: no giant products
-            raise CheckpointError(f"{bad}: shape {_short(shape)} has over 2**64 elements")
+            raise CheckpointError(
+                f"{_bad(name, tname)}: shape {_short(shape)} has over 2**64 elements"
+            )
     bits = numel * SAFETENSORS_BITS[dtype]
     if bits % 8:
-        raise CheckpointError(f"{bad}: {numel} {dtype} elements do not fill whole bytes")
+        raise CheckpointError(
+            f"{_bad(name, tname)}: {numel} {dtype} elements do not fill whole bytes"
+        )
     begin, end = offsets
     if end - begin != bits // 8:
         raise CheckpointError(
-            f"{bad}: {end - begin} bytes for a {dtype} tensor of shape {_short(shape)} "
+            f"{_bad(name, tname)}: {end - begin} bytes for a {dtype} tensor of shape {_short(shape)} "
             f"({bits // 8} needed)"
         )
     if data_size is not None and end > data_size:
@@ -231,8 +234,9 @@ def _entry(
     )
 
 
-def _is_u64(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U64
+def _bad(name: str, tname: str) -> str:
+    """The start of a corrupt header entry's error (made only when one is raised)."""
+    return f"'{name}' has a corrupt header entry for {_short(tname)}"
 
 
 def _short(value: object, limit: int = 80) -> str:

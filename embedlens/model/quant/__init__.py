@@ -79,7 +79,8 @@ def unpack(ckpt: Checkpoint, quant: Any) -> Unpacked:
             base=first.base,
         )  # fmt: skip
         labels[f.name] = f.label
-        book.extend(Bookkeeping(t.name, kind, t.nbytes, f.name) for t, kind in f.book)
+        for t, kind in f.book:
+            book.append(Bookkeeping(t.name, kind, t.nbytes, f.name))
     book.extend(Bookkeeping(t.name, kind, t.nbytes, t.name) for t, kind in loose(tensors, taken))
     out = {name: t for name, t in tensors.items() if name not in taken}
     out.update(logical)

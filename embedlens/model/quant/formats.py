@@ -108,11 +108,12 @@ def _attached(ctx: Ctx, module: str) -> list[tuple[TensorEntry, str]]:
 
 def _scale_words(book: list[tuple[TensorEntry, str]], shape: tuple[int, ...]) -> str:
     """' + bfloat16 block scales': the scales' dtype and how they cover the weight."""
-    scale = next((t for t, kind in book if kind == "scales"), None)
-    if scale is None:
-        return ""
-    biases = any(t.name.endswith(".biases") for t, _ in book)
-    return _words(scale.dtype, scale.shape, shape, biases)
+    scale, biases = None, False
+    for t, kind in book:
+        if kind == "scales" and scale is None:
+            scale = t
+        biases = biases or t.name.endswith(".biases")
+    return "" if scale is None else _words(scale.dtype, scale.shape, shape, biases)
 
 
 @lru_cache(maxsize=4096)
