@@ -102,6 +102,10 @@ def test_compressed_tensors_own_decompression_agrees(cli, scheme):
     weights = {n: p for n, p in model.named_parameters() if n.endswith(".weight")}
     data = cli.json("params", folder)
     assert sum(p.numel() for p in weights.values()) == data["total"]
+    # --load: the model as transformers keeps it (packed), read as its headers are
+    loaded = cli.json("params", folder, "--load")
+    assert loaded["source"] == "weights" and loaded["total"] == data["total"]
+    assert loaded["stored_bytes"] == data["stored_bytes"] and loaded["quantised"] is True
 
 
 def _layout(folder: Path, stored, config: dict, **kw) -> Path:

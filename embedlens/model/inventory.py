@@ -13,6 +13,7 @@ from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 from embedlens.io.checkpoint import (
     TORCH_DTYPE_NAMES,
     Checkpoint,
+    TensorEntry,
     open_checkpoint,
 )
 from embedlens.io.source import ModelSource
@@ -250,6 +251,11 @@ def from_model(model: Any, config: ModelConfig, *, loaded: bool) -> Inventory:
             "(num_nextn_predict_layers) that transformers does not build: not counted here; a "
             "checkpoint that stores them counts them from its headers"
         )
+    held = _held(items, quant_settings(config)) if loaded and quant_settings(config) else None
+    if held is not None:  # a model transformers keeps packed (compressed-tensors, FP8)
+        inv.items, inv.bookkeeping, inv.packed = held
+        inv.quantised = True
+        inv.dtype = _quantised_dtype(inv.items)
     if priced is not None:
         inv.items, inv.bookkeeping, note = priced
         inv.quantised = any(b for b in inv.bookkeeping) or any(i.dtype != dtype for i in inv.items)
@@ -290,6 +296,32 @@ def _priced(
         out.append(Item(item.name, item.shape, item.numel, p.nbytes, p.label))
         book.extend(Bookkeeping(item.name, k, b, item.name) for k, b in p.book if b)
     return out, book, None
+
+
+_SAFETENSORS_OF = {v: k for k, v in TORCH_DTYPE_NAMES.items()} | {"uint32": "U32"}
+
+
+def _held(
+    items: list[Item], quant: Any
+) -> tuple[list[Item], list[Bookkeeping], frozenset[str]] | None:
+    """A loaded model's parameters read as a checkpoint's headers would be: where transformers
+    keeps the weights packed (compressed-tensors' `weight_packed`, FP8 with its scales), the
+    parameters they hold and the bookkeeping beside them; None where nothing is packed."""
+    entries = {}
+    for i in items:
+        dtype = _SAFETENSORS_OF.get(i.dtype or "")
+        if dtype is None:
+            return None
+        entries[i.name] = TensorEntry(i.name, dtype, i.shape, "", None, None, i.nbytes or 0)
+    unpacked = unpack(Checkpoint("safetensors", entries, ()), quant)
+    if not unpacked.quantised:
+        return None
+    labels = unpacked.labels
+    out = [
+        Item(n, t.shape, t.numel, t.nbytes, labels.get(n) or TORCH_DTYPE_NAMES.get(t.dtype))
+        for n, t in unpacked.checkpoint.tensors.items()
+    ]
+    return out, unpacked.bookkeeping, frozenset(labels)
 
 
 def _kind(owner: str, item: Item) -> str:
