@@ -86,6 +86,7 @@ def test_compressed_tensors_checkpoints(cli, scheme, bits, kinds):
     assert meta["total"] == TINY_TOTAL and meta["quantised"] is True
     assert abs(meta["stored_bytes"] - data["stored_bytes"]) <= data["stored_bytes"] / 100
     assert [g["bytes"] for g in meta["groups"]] == [g["bytes"] for g in data["groups"]]
+    assert [g["dtype"] for g in meta["block_parts"]] == [g["dtype"] for g in data["block_parts"]]
 
 
 @pytest.mark.skipif(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -341,7 +341,12 @@ def fp8(ctx: Ctx) -> list[Found]:
         module = name.removesuffix(".weight") if name.endswith(".weight") else name
         taken.add(name)
         book = _attached(ctx, module) if name.endswith(".weight") else []
-        out.append(_found(name, t.shape, [t], book, _name(t.dtype)))
+        found = _found(name, t.shape, [t], book, _name(t.dtype))
+        scheme = ct_scheme(module, ctx.quant) or {}
+        if ctx.quant.get("weight_block_size") or scheme.get("strategy") == "block":
+            # one block covers a small weight whole: its one scale is still a block's
+            found = replace(found, label=found.label.replace("tensor scale", "block scales"))
+        out.append(found)
     return out
 
 

@@ -161,7 +161,9 @@ def _compressed_tensors(
         book.append(("state", 16))  # weight_shape: two int64
     else:
         values, scale_bytes = out * inn * _cdiv(bits, 8), base
-        what = f"{scheme.get('type') or 'int'}{bits}".replace("float8", "float8_e4m3fn")
+        what = f"{scheme.get('type') or 'int'}{bits}"
+        if what == "float8":  # as its headers say it: the values' dtype alone
+            what, fmt = "float8_e4m3fn", ""
     book.append(("scales", scales * scale_bytes))
     if strategy == "tensor_group":
         book.append(("global scales", 4))
@@ -169,7 +171,7 @@ def _compressed_tensors(
         zeros = _cdiv(out, 32 // bits) * 4 * (scales // out or 1) if fmt == "pack-quantized" else 0
         book.append(("zero points", zeros or scales * base))
     how = {"channel": "channel scales", "block": "block scales", "tensor": "tensor scale"}
-    label = f"{what} ({fmt or 'compressed-tensors'}) + {_SCALE_NAMES.get(scale_bytes, '?')} "
+    label = f"{what}{f' ({fmt})' if fmt else ''} + {_SCALE_NAMES.get(scale_bytes, '?')} "
     return Priced(values, tuple(book), label + how.get(strategy, "group scales"))
 
 
