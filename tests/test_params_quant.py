@@ -275,15 +275,12 @@ def test_mlx_quantised_embedding_and_head(cli, tmp_path, tiny_shapes):
     assert groups["embedding"]["bits_per_param"] == 4.0
     assert groups["embedding"]["dtype"].startswith("int4 (mlx, groups of 32)")
     assert data["stored_bytes"] == file_data_bytes(folder)
-    for args, said in (
-        (("neighbors", folder, "--id", "3"), "stored quantised"),
-        (("addr", folder, "3"), "stored quantised"),
-        (("vocab", folder), "stored quantised"),
-        (("tied", folder, "--load"), "quantised by MLX"),
-    ):
-        result = cli(*args)
-        assert result.exit_code == 1, args
-        assert said in result.stderr and "Traceback" not in result.stderr, args
+    where = cli.json("addr", folder, "3")  # the rows are read (tests/test_packed_rows.py)
+    assert (where["shape"], where["row_bytes"]) == ([256, 64], 32)
+    assert where["dtype"] == "int4 (mlx, groups of 32)" and where["check"]["all_equal"]
+    result = cli("tied", folder, "--load")  # transformers cannot load MLX
+    assert result.exit_code == 1
+    assert "quantised by MLX" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bitsandbytes_4bit_shape_from_its_state(cli, tmp_path, tiny_shapes):
