@@ -105,7 +105,8 @@ def _quantised(tiny, tmp_path, kind):
     shutil.copytree(tiny("llama-untied"), folder)
     tensors = load_file(folder / "model.safetensors")
     config = json.loads((folder / "config.json").read_text())
-    lay = {"mlx": lambda w: _mlx(w, 4, 32), "bnb8": _bnb8, "bnb4": _bnb4}[kind]
+    lay = {"mlx": lambda w: _mlx(w, 4, 32), "mlx8": lambda w: _mlx(w, 8, 32), "bnb8": _bnb8,
+           "bnb4": _bnb4}[kind]  # fmt: skip
     back = {}
     for name in (EMBED, HEAD):
         stored, back[name] = lay(tensors.pop(name).astype(np.float32))
@@ -115,8 +116,8 @@ def _quantised(tiny, tmp_path, kind):
                 name if key == "weight" else f"{module}.{key}" if kind != "bnb4" else name + key[6:]
             )
             tensors[full] = value
-    if kind == "mlx":
-        config["quantization"] = {"group_size": 32, "bits": 4}
+    if kind.startswith("mlx"):
+        config["quantization"] = {"group_size": 32, "bits": 8 if kind == "mlx8" else 4}
     else:
         bits = {"load_in_8bit": True} if kind == "bnb8" else {"load_in_4bit": True}
         config["quantization_config"] = {"quant_method": "bitsandbytes", **bits}
@@ -131,7 +132,7 @@ def _cosines(table: np.ndarray, row: int) -> np.ndarray:
         return t @ t[row] / (np.linalg.norm(t, axis=1) * np.linalg.norm(t[row]))
 
 
-@pytest.mark.parametrize("kind", ["mlx", "bnb8", "bnb4"])
+@pytest.mark.parametrize("kind", ["mlx", "mlx8", "bnb8", "bnb4"])
 def test_neighbors_addr_vocab_on_a_quantised_table(cli, tiny, tmp_path, kind):
     folder, back = _quantised(tiny, tmp_path, kind)
     for matrix, name in (("input", EMBED), ("output", HEAD)):
@@ -155,13 +156,11 @@ def test_neighbors_addr_vocab_on_a_quantised_table(cli, tiny, tmp_path, kind):
     assert np.array_equal(rows.block(0, back[EMBED].shape[0]), back[EMBED])
     for r, row in zip([0, 10, 71], got["rows"], strict=True):
         assert row["file_offset"] == got["tensor_file_offset"] + r * got["row_bytes"]
-    row_bytes = {"mlx": 16, "bnb8": 32, "bnb4": 16}[kind]  # d = 32 at 4, 8 and 4 bits
+    row_bytes = {"mlx": 16, "mlx8": 32, "bnb8": 32, "bnb4": 16}[kind]  # d = 32
     assert got["row_bytes"] == row_bytes and got["rows"][1]["offset_bytes"] == 10 * row_bytes
     scaled = [n for n in got["notes"] if n.startswith("row 10 is scaled by")]
-    assert (
-        len(scaled) == 1
-        and {"mlx": ".scales'", "bnb8": ".SCB'", "bnb4": ".absmax'"}[kind] in scaled[0]
-    )
+    said = {"mlx": ".scales'", "mlx8": ".biases'", "bnb8": ".SCB'", "bnb4": ".absmax'"}[kind]
+    assert len(scaled) == 1 and said in scaled[0]
     vocab = cli.json("vocab", folder)
     layout = vocab["layout"]
     assert (layout["embedding_rows"], layout["head_rows"], layout["width"]) == (72, 72, 32)

@@ -1,7 +1,7 @@
 """Rows of an embedding or head stored quantised in safetensors, dequantised with numpy alone.
 
-- MLX (affine): `weight` U32 [V, d * bits / 32], the row's values a little-endian bit stream
-  (lowest bits first within each word), `scales` and `biases` [V, d / group_size]; a value is
+- MLX (affine, 2, 4 or 8 bits): `weight` U32 [V, d * bits / 32], 32 / bits values a word, the
+  lowest bits first, `scales` and `biases` [V, d / group_size]; a value is
   q * scale + bias in float32 (mlx.core.dequantize's formula; MLX returns it in the scales'
   dtype, here it stays float32).
 - bitsandbytes int8 (LLM.int8): `weight` I8 [V, d] and `SCB` [V]; a value is
@@ -97,7 +97,7 @@ def find_packed(ckpt: Checkpoint, quant: Any, name: str) -> Packed | None:
             return None
         bits, group = settings
         d = weight.shape[1] * 32 // bits
-        if not bits or d % group or scales.shape != (weight.shape[0], d // group):
+        if 32 % bits or d % group or scales.shape != (weight.shape[0], d // group):
             return None
         parts = {"scales": scales, "biases": biases}
         return Packed("mlx", (weight.shape[0], d), weight, parts, bits, group)
@@ -160,20 +160,14 @@ def mlx_values(
     bits: int,
     group: int,
 ) -> npt.NDArray[np.float32]:
-    """MLX rows: each row's bit stream cut into `bits`-bit values, q * scale + bias per group."""
+    """MLX rows (bits of 2, 4 or 8: 32 / bits values a word, lowest bits first): q * scale + bias
+    per group."""
     import numpy as np
 
     n, groups = scales.shape
     d = groups * group
-    if 32 % bits == 0:
-        shifts = np.arange(0, 32, bits, dtype=np.uint32)
-        q = (words[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
-    else:
-        stream = np.unpackbits(
-            np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little"
-        )
-        weights = np.left_shift(np.uint32(1), np.arange(bits, dtype=np.uint32))
-        q = stream[:, : d * bits].reshape(n, d, bits).astype(np.uint32) @ weights
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    q = (words[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
     grouped = q.reshape(n, groups, group).astype(np.float32)
     out = grouped * scales[:, :, None] + biases[:, :, None]
     return out.reshape(n, d)
