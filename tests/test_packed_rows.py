@@ -215,3 +215,22 @@ def _rest(folder):
     from safetensors.numpy import load_file
 
     return {k: v for k, v in load_file(folder / "model.safetensors").items() if k != EMBED}
+
+
+def test_another_packed_table_is_refused(cli, tmp_path):
+    """An embedding packed by compressed-tensors is not read as floats: one error names it."""
+    from tests.quant_layouts import meta_shapes, pack_quantized, quantise, write_sparse
+    from tests.test_params_quant import TINY
+
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": {"targets": ["Embedding"], "weights": {"num_bits": 4}}},
+    }
+    stored = quantise(meta_shapes(TINY), lambda n, s: n == EMBED, pack_quantized(4, 32))
+    folder = tmp_path / "ct"
+    write_sparse(folder, stored, {**TINY, "quantization_config": quant})
+    for args in (("neighbors", folder, "--id", "3"), ("addr", folder, "3"), ("vocab", folder)):
+        said = cli.fails(*args, code=1)
+        assert f"'{EMBED}' is stored quantised (int4 (pack-quantized)" in said, (args, said)
+        assert "(GGUF, MLX, bitsandbytes)" in said, args

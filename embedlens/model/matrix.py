@@ -130,11 +130,10 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
             )
     if name in ckpt.unread:
         raise offline_error(source, ckpt.unread[name])
-    entry = ckpt.tensors[name]
     if name in inv.packed:
         from embedlens.model.packed_rows import find_packed
 
-        packed = find_packed(ckpt, quant_settings(config), name)
+        packed = find_packed(ckpt, quant_settings(config), name) if name in ckpt.tensors else None
         if packed is None:
             label = next(i.dtype for i in inv.items if i.name == name)
             raise UnsupportedError(
@@ -143,7 +142,8 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
                 hint="use the unquantised checkpoint the quantisation was made from; "
                 "`embedlens params` counts this one",
             )
-        return Table(which, entry, inv.tied, ckpt, config, tuple(notes), packed)
+        return Table(which, packed.weight, inv.tied, ckpt, config, tuple(notes), packed)
+    entry = ckpt.tensors[name]
     if len(entry.shape) != 2:
         raise CheckpointError(f"'{name}' has shape {list(entry.shape)}, not [V, d]")
     return Table(which, entry, inv.tied, ckpt, config, tuple(notes))
