@@ -41,10 +41,15 @@ _LOOKUP_SCALES = {
 }
 
 
-def element_size(entry: TensorEntry) -> int | float:
+def row_bytes(table: Table) -> int:
+    """Bytes of one row as stored (a packed table's: its packed values, scales apart)."""
+    return table.entry.row_bytes if table.packed is None else table.packed.row_bytes
+
+
+def element_size(entry: TensorEntry, table: Table | None = None) -> int | float:
     """Bytes per element as stored: row_bytes / d (fractional for quantised blocks)."""
-    d = entry.shape[-1]
-    size = entry.row_bytes / d if d else 0.0
+    d = entry.shape[-1] if table is None else table.width
+    size = (entry.row_bytes if table is None else row_bytes(table)) / d if d else 0.0
     return int(size) if float(size).is_integer() else size
 
 
@@ -152,7 +157,7 @@ def gguf_check(
 
 
 def _read_back(
-    table: Table, rows: list[int], *, check: bool
+    table: Table, rows: list[int], *, check: bool, source: ModelSource | None = None
 ) -> tuple[str | None, str | None, list[bool | None]]:
     """(method, why skipped, per-row result) of reading the rows back from the file."""
     entry = table.entry
@@ -161,6 +166,15 @@ def _read_back(
     if entry.path is None or entry.file_offset is None:
         why = f"'{entry.file}' is not downloaded: its header was read from the hub"
         return None, why, [None] * len(rows)
+    if table.packed is not None:
+        from embedlens.analysis import addr_packed
+
+        assert source is not None
+        return (
+            addr_packed.method(table.packed),
+            None,
+            list(addr_packed.packed_check(table, rows, source)),
+        )
     if table.checkpoint.format == "gguf":
         assert table.checkpoint.gguf is not None
         method, checks = gguf_check(entry, rows, table.checkpoint.gguf)
@@ -178,7 +192,7 @@ def _rows_on_disk(table: Table, rows: list[int], source: ModelSource | None) -> 
         path = fetch_gguf_rows(source, entry, rows)  # the header's copy, with the rows
         yield replace(table, entry=replace(entry, path=path, base=0))
         return
-    if source is None or source.kind != "hub" or entry.path is not None:
+    if source is None or source.kind != "hub" or entry.path is not None or table.packed:
         yield table
         return
     if entry.file_offset is None or table.checkpoint.format != "safetensors":
@@ -200,7 +214,19 @@ def _layout_notes(table: Table, vocab: Vocab | None, real: int, rows: list[AddrR
         )
     if any(r.padding for r in rows) and vocab is not None:
         notes.append(f"rows from {real:,} on are padding: the tokenizer has {vocab.size:,} tokens")
+    if table.packed is not None:
+        from embedlens.analysis.addr_packed import scale_notes
+
+        notes += scale_notes(table, [r.row for r in rows])
     return notes
+
+
+def _dtype(table: Table) -> str:
+    """The table's dtype as `addr` names it: ggml's type, a packing, or torch's name."""
+    dtype = table.entry.dtype
+    if table.checkpoint.format == "gguf":
+        return dtype
+    return table.packed.label if table.packed is not None else TORCH_DTYPE_NAMES.get(dtype, dtype)
 
 
 def _rows(
@@ -212,7 +238,7 @@ def _rows(
     split: TpSplit | None,
 ) -> list[AddrRow]:
     """One line per row asked for: its token, offsets, tensor-parallel place and read-back."""
-    entry = table.entry
+    entry, size = table.entry, row_bytes(table)
     return [
         AddrRow(
             row=r,
@@ -220,12 +246,10 @@ def _rows(
             token=vocab.text(r) if vocab is not None and r < real else None,
             token_ids=ids,
             padding=r >= real,
-            offset_bytes=r * entry.row_bytes,
+            offset_bytes=r * size,
             file=entry.file,
-            file_offset=None
-            if entry.file_offset is None
-            else entry.file_offset + r * entry.row_bytes,
-            tp=None if split is None else tp_place(r, split, entry.row_bytes),
+            file_offset=None if entry.file_offset is None else entry.file_offset + r * size,
+            tp=None if split is None else tp_place(r, split, size),
             check=ok,
         )
         for (text, r, ids), ok in zip(found, results, strict=True)
@@ -255,27 +279,27 @@ def addr_report(
             how = "give its id, {id}"
             literal = words.literal_note(typed, vocab.encode, vocab.text, how)
             notes += [] if literal is None else [literal]
-    split = None if tp is None else tp_split(v, tp, entry.row_bytes)
-    cost = costs(v, d, entry.row_bytes, tokens)
+    size = row_bytes(table)
+    split = None if tp is None else tp_split(v, tp, size)
+    cost = costs(v, d, size, tokens)
     real = min(vocab.size, v) if vocab is not None else v
     wanted = [r for _, r, _ in found]
     with _rows_on_disk(table, wanted, source if check else None) as placed:
-        method, skipped, results = _read_back(placed, wanted, check=check)
+        method, skipped, results = _read_back(placed, wanted, check=check, source=source)
     rows = _rows(table, vocab, found, results, real, split)
     checked = [ok for ok in results if ok is not None]
     notes += _layout_notes(table, vocab, real, rows)
-    is_gguf = table.checkpoint.format == "gguf"
     return AddrReport(
         model=model,
         matrix=table.which,
         tensor=entry.name,
         format=table.checkpoint.format,
         shape=[v, d],
-        dtype=entry.dtype if is_gguf else TORCH_DTYPE_NAMES.get(entry.dtype, entry.dtype),
-        element_size=element_size(entry),
+        dtype=_dtype(table),
+        element_size=element_size(entry, table),
         block=list(entry.block) if entry.block is not None else None,
         stride=[d, 1],
-        row_bytes=entry.row_bytes,
+        row_bytes=size,
         table_bytes=entry.nbytes,
         file=entry.file,
         tensor_file_offset=entry.file_offset,

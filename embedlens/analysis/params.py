@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from embedlens.analysis.params_parts import main_model, parts_of
 from embedlens.errors import CheckpointError, UsageError
 from embedlens.io.source import resolve
 from embedlens.model.anatomy import Placement, place
@@ -18,15 +19,19 @@ from embedlens.model.loaded import (
     spec_text,
 )
 from embedlens.model.loading import check_choices
+from embedlens.model.quant import kinds
 from embedlens.reports.params import (
     BlockRow,
+    BookkeepingRow,
     MoEInfo,
     ParamGroup,
     ParamsReport,
     ParamsSource,
 )
 
-GROUP_ORDER = ("embedding", "lm_head", "position_embedding", "blocks", "final_norm", "other")
+GROUP_ORDER = (
+    "embedding", "lm_head", "position_embedding", "blocks", "final_norm", "towers", "other",
+)  # fmt: skip
 PART_ORDER = ("attention", "mlp", "experts", "router", "norms", "other")
 META_FALLBACK = "no safetensors or GGUF headers to read: counted from the config on the meta device"
 
@@ -89,14 +94,19 @@ def check_modes(*, meta_only: bool, load: bool, dtype: str, device: str) -> None
     check_choices(dtype, device)
 
 
+Entry = tuple[int, int | None, str | None]
+"""(parameters, bytes, dtype) of one tensor."""
+
+
 def _group_rows(
-    key_of: dict[str, list[tuple[int, int | None]]],
+    key_of: dict[str, list[Entry]],
     order: tuple[str, ...],
     total: int,
     *,
     bytes_known: bool,
 ) -> list[ParamGroup]:
-    """One row per named group, in order: parameters, share of the total, bytes when known."""
+    """One row per named group, in order: parameters, share of the total, bytes when known,
+    what they are stored as and the bits that takes a parameter."""
     rows = []
     for name in order:
         entries = key_of.get(name)
@@ -104,7 +114,10 @@ def _group_rows(
             continue
         n = sum(e[0] for e in entries)
         b = sum(e[1] or 0 for e in entries) if bytes_known else None
-        rows.append(ParamGroup(name=name, params=n, fraction=n / total, bytes=b))
+        kinds_of = sorted({e[2] for e in entries if e[2]})
+        dtype = ", ".join(kinds_of) if kinds_of and all(e[2] for e in entries) else None
+        bits = b * 8 / n if b is not None and n else None
+        rows.append(ParamGroup(name, n, n / total, b, dtype, bits))
     return rows
 
 
@@ -118,51 +131,56 @@ def _block_rows(per_layer: dict[int, dict[str, int]]) -> list[BlockRow]:
     ]
 
 
-def _forward_flops(
-    by_role: dict[str, list[tuple[int, int | None]]], used: int, head_flops: int
-) -> int:
+def _forward_flops(by_role: dict[str, list[Entry]], used: int, head_flops: int) -> int:
     """A token's forward pass: 2 per weight used, but lookups (embeddings) cost no product."""
-    gathered = sum(n for n, _ in by_role.get("embedding", []))
-    gathered += sum(n for n, _ in by_role.get("position_embedding", []))
-    head_weights = sum(n for n, _ in by_role.get("lm_head", []))
+    gathered = sum(e[0] for e in by_role.get("embedding", []))
+    gathered += sum(e[0] for e in by_role.get("position_embedding", []))
+    head_weights = sum(e[0] for e in by_role.get("lm_head", []))
     return 2 * (used - gathered - head_weights) + head_flops
+
+
+def _placed(inv: Inventory) -> list[tuple[Placement, Entry]]:
+    """Each item's placement, with its parameters, bytes and dtype."""
+    head_names = [inv.head] if inv.head else []
+    embed_names = [inv.embedding] if inv.embedding else []
+    return [
+        (place(i.name, embedding=embed_names, head=head_names), (i.numel, i.nbytes, i.dtype))
+        for i in inv.items
+    ]
 
 
 def params_report(
     model: str, inv: Inventory, source: ParamsSource, *, per_block: bool = False
 ) -> ParamsReport:
     """Count the inventory by role; shares are of the unique total (tied weights once)."""
-    head_names = [inv.head] if inv.head else []
-    embed_names = [inv.embedding] if inv.embedding else []
-    placed: list[tuple[Placement, int, int | None]] = [
-        (place(i.name, embedding=embed_names, head=head_names), i.numel, i.nbytes)
-        for i in inv.items
-    ]
-    total = sum(n for _, n, _ in placed)
+    placed = _placed(inv)
+    total = sum(e[0] for _, e in placed)
     if total <= 0:
         raise CheckpointError("the model has no parameters")
-    bytes_known = all(b is not None for _, _, b in placed)
+    bytes_known = all(e[1] is not None for _, e in placed)
 
-    def group_rows(
-        key_of: dict[str, list[tuple[int, int | None]]], order: tuple[str, ...]
-    ) -> list[ParamGroup]:
+    def group_rows(key_of: dict[str, list[Entry]], order: tuple[str, ...]) -> list[ParamGroup]:
         return _group_rows(key_of, order, total, bytes_known=bytes_known)
 
-    by_role: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
-    by_part: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
+    by_role: dict[str, list[Entry]] = defaultdict(list)
+    by_part: dict[str, list[Entry]] = defaultdict(list)
     per_layer: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for p, n, b in placed:
-        by_role[p.role].append((n, b))
+    for p, e in placed:
+        by_role[p.role].append(e)
         if p.role == "blocks" and p.part is not None and p.layer is not None:
-            by_part[p.part].append((n, b))
-            per_layer[p.layer][p.part] += n
+            by_part[p.part].append(e)
+            per_layer[p.layer][p.part] += e[0]
 
-    embedding = sum(n for n, _ in by_role.get("embedding", []))
+    embedding = sum(e[0] for e in by_role.get("embedding", []))
     head_matrix = next((i.numel for i in inv.items if i.name == inv.head), 0)
     v, d = inv.vocab_size, inv.hidden_size
-    moe = _moe(inv, total, sum(n for n, _ in by_part.get("experts", [])))
+    main_total, main_experts = main_model(inv, placed)
+    moe = _moe(inv, total, sum(e[0] for e in by_part.get("experts", [])), main_total, main_experts)
     head_flops = 2 * inv.embedding_shape[0] * inv.embedding_shape[-1]
-    forward = _forward_flops(by_role, moe.active_params if moe is not None else total, head_flops)
+    forward = _forward_flops(
+        by_role, moe.active_params if moe is not None else main_total, head_flops
+    )
+    total_bytes = sum(e[1] or 0 for _, e in placed) if bytes_known else None
     return ParamsReport(
         model=model,
         source=source,
@@ -176,7 +194,7 @@ def params_report(
         hidden_size=d,
         num_layers=inv.num_layers,
         dtype=inv.dtype,
-        total_bytes=sum(b or 0 for _, _, b in placed) if bytes_known else None,
+        total_bytes=total_bytes,
         head_flops_per_token=head_flops,
         forward_flops_per_token=forward,
         head_flops_fraction=head_flops / forward,
@@ -185,15 +203,46 @@ def params_report(
         moe=moe,
         blocks=_block_rows(per_layer) if per_block else [],
         skipped=list(inv.skipped),
-        notes=list(inv.notes),
+        notes=[*inv.notes, *_stated(inv.stated_total, total)],
+        parts=parts_of(inv, placed, bytes_known=bytes_known),
+        stated_total=inv.stated_total,
+        **_bookkeeping(inv, total_bytes),
     )
 
 
-def _moe(inv: Inventory, total: int, expert_params: int) -> MoEInfo | None:
+def _bookkeeping(inv: Inventory, total_bytes: int | None) -> dict[str, Any]:
+    """The report's quantisation fields: the bookkeeping by kind, its bytes, all bytes stored."""
+    book = kinds(inv.bookkeeping)
+    book_bytes = sum(b for _, b in book.values()) if inv.bookkeeping_known else None
+    both = None if total_bytes is None or book_bytes is None else total_bytes + book_bytes
+    return {
+        "quantised": inv.quantised,
+        "bookkeeping": [BookkeepingRow(k, n, b) for k, (n, b) in book.items()],
+        "bookkeeping_bytes": book_bytes,
+        "stored_bytes": both,
+    }
+
+
+def _stated(stated: int | None, total: int) -> list[str]:
+    """A note where the checkpoint's metadata states another parameter count."""
+    if stated is None or stated == total:
+        return []
+    return [
+        f"the checkpoint's metadata states total_parameters {stated:,}; its tensors hold "
+        f"{total:,} parameters (a quantiser's count of stored elements differs from the "
+        "parameters packed values hold)"
+    ]
+
+
+def _moe(
+    inv: Inventory, total: int, expert_params: int, main_total: int, main_experts: int
+) -> MoEInfo | None:
+    """Routed experts and the parameters a token uses (of the model proper: MTP layers, which a
+    token's forward pass does not run, are left out of the active count)."""
     n_exp, top_k = inv.config.num_experts, inv.config.experts_per_token
     if not expert_params or not n_exp or not top_k or top_k > n_exp:
         return None
-    active = total - expert_params + expert_params * top_k // n_exp
+    active = main_total - main_experts + main_experts * top_k // n_exp
     return MoEInfo(
         num_experts=n_exp,
         experts_per_token=top_k,

@@ -87,6 +87,22 @@ class Checkpoint:
     shard); their headers were not read, so they are not in `tensors`. Only with `partial`."""
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
     """Each safetensors file's `__metadata__` as its header holds it, by file name."""
+    index_metadata: dict[str, object] = field(default_factory=dict)
+    """The `metadata` object of model.safetensors.index.json (`total_size`,
+    `total_parameters`), empty without an index."""
+
+    @property
+    def stated_total(self) -> int | None:
+        """The parameter count the index's or a header's metadata states (`total_parameters`),
+        None where none states one."""
+        found = [self.index_metadata.get("total_parameters")]
+        found += [m.get("total_parameters") for m in self.metadata.values()]
+        for value in found:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.isdigit():
+                return int(value)
+        return None
 
 
 @dataclass(frozen=True)
@@ -170,33 +186,36 @@ def _check_layout(
 def _entry(
     tname: str, info: object, name: str, path: Path | None, base: int, data_size: int | None
 ) -> TensorEntry:
-    bad = f"'{name}' has a corrupt header entry for {_short(tname)}"
     if not isinstance(info, dict):
-        raise CheckpointError(bad)
+        raise CheckpointError(_bad(name, tname))
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in SAFETENSORS_BITS:
-        raise CheckpointError(f"{bad}: unknown dtype {_short(dtype)}")
-    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
-        raise CheckpointError(f"{bad}: shape {_short(shape)}")
+        raise CheckpointError(f"{_bad(name, tname)}: unknown dtype {_short(dtype)}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _U64 for d in shape):
+        raise CheckpointError(f"{_bad(name, tname)}: shape {_short(shape)}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(_is_u64(o) for o in offsets)
+        or not all(type(o) is int and 0 <= o < _U64 for o in offsets)
         or not offsets[0] <= offsets[1]
     ):
-        raise CheckpointError(f"{bad}: data_offsets {_short(offsets)}")
+        raise CheckpointError(f"{_bad(name, tname)}: data_offsets {_short(offsets)}")
     numel = 0 if 0 in shape else 1
     for d in shape if numel else ():
         numel *= d
         if numel >= _U64:  # checked as the safetensors library does: no giant products
-            raise CheckpointError(f"{bad}: shape {_short(shape)} has over 2**64 elements")
+            raise CheckpointError(
+                f"{_bad(name, tname)}: shape {_short(shape)} has over 2**64 elements"
+            )
     bits = numel * SAFETENSORS_BITS[dtype]
     if bits % 8:
-        raise CheckpointError(f"{bad}: {numel} {dtype} elements do not fill whole bytes")
+        raise CheckpointError(
+            f"{_bad(name, tname)}: {numel} {dtype} elements do not fill whole bytes"
+        )
     begin, end = offsets
     if end - begin != bits // 8:
         raise CheckpointError(
-            f"{bad}: {end - begin} bytes for a {dtype} tensor of shape {_short(shape)} "
+            f"{_bad(name, tname)}: {end - begin} bytes for a {dtype} tensor of shape {_short(shape)} "
             f"({bits // 8} needed)"
         )
     if data_size is not None and end > data_size:
@@ -215,8 +234,9 @@ def _entry(
     )
 
 
-def _is_u64(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U64
+def _bad(name: str, tname: str) -> str:
+    """The start of a corrupt header entry's error (made only when one is raised)."""
+    return f"'{name}' has a corrupt header entry for {_short(tname)}"
 
 
 def _short(value: object, limit: int = 80) -> str:
@@ -335,7 +355,25 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             index = source.cached(WEIGHT_INDEX)
             weight_map = _read_index(index) if index is not None else {}
             unread = {n: s for n, s in weight_map.items() if s in missing}
-    return Checkpoint("safetensors", tensors, tuple(names), unread=unread, metadata=metadata)
+    index = source.cached(WEIGHT_INDEX)
+    return Checkpoint(
+        "safetensors",
+        tensors,
+        tuple(names),
+        unread=unread,
+        metadata=metadata,
+        index_metadata=_index_metadata(index) if index is not None else {},
+    )
+
+
+def _index_metadata(path: Path) -> dict[str, object]:
+    """The index's `metadata` object (read when the index is; {} where it has none)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    meta = data.get("metadata") if isinstance(data, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _remote_headers(
@@ -443,24 +481,3 @@ def offline_error(source: ModelSource, shard: str, count: int = 1) -> SourceErro
         hint="unset HF_HUB_OFFLINE to download it, or use --meta-only to count from the config "
         "alone",
     )
-
-
-def same_bytes(a: TensorEntry, b: TensorEntry, *, chunk: int = 1 << 20) -> bool | None:
-    """Whether two stored tensors hold identical bytes; None when either is not on disk."""
-    if a.path is None or b.path is None or a.file_offset is None or b.file_offset is None:
-        return None
-    if (a.dtype, a.shape, a.nbytes) != (b.dtype, b.shape, b.nbytes):
-        return False
-    try:
-        with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
-            fa.seek(a.file_offset - a.base)
-            fb.seek(b.file_offset - b.base)
-            left = a.nbytes
-            while left > 0:
-                n = min(chunk, left)
-                if fa.read(n) != fb.read(n):
-                    return False
-                left -= n
-    except OSError as e:
-        raise CheckpointError(f"cannot read '{a.file}': {e.strerror or e}") from e
-    return True

@@ -31,7 +31,7 @@ def raw_row(entry: TensorEntry, row: int) -> bytes:
 
 
 @contextmanager
-def _raw_dtype_names() -> Iterator[None]:
+def raw_dtype_names() -> Iterator[None]:
     """Let numpy resolve the dtype names safetensors uses for bf16 and fp8 (as raw bits)."""
     import numpy as np
 
@@ -50,7 +50,7 @@ def safetensors_rows(path: Path, name: str, rows: Sequence[int]) -> tuple[str, l
     from safetensors import SafetensorError, safe_open
 
     try:
-        with _raw_dtype_names(), safe_open(str(path), framework="numpy") as f:
+        with raw_dtype_names(), safe_open(str(path), framework="numpy") as f:
             tensor_slice = f.get_slice(name)
             return "safetensors.safe_open(framework='numpy')", [
                 tensor_slice[r : r + 1].tobytes() for r in rows

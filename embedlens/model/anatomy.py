@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
-Role = Literal["embedding", "lm_head", "position_embedding", "blocks", "final_norm", "other"]
+Role = Literal[
+    "embedding", "lm_head", "position_embedding", "blocks", "final_norm", "towers", "other"
+]
 Part = Literal["attention", "mlp", "experts", "router", "norms", "other"]
 
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer|blk|decoder_layers)\.(\d+)\.(.+)$")
@@ -27,6 +30,14 @@ _POSITION = re.compile(r"(?:^|\.|_)(?:wpe|embed_positions|position_embeddings|po
 _BUFFER_SUFFIXES = (
     "inv_freq", "position_ids", "masked_bias", "cos_cached", "sin_cached", "_float_tensor",
 )  # fmt: skip
+_VISION = re.compile(
+    r"(?:^|\.)(?:vision_tower|vision_model|visual|vision_encoder|vision_embed_tokens|image_newline"
+    r"|multi_modal_projector|mm_projector|vision_projection)(?:\.|$)"
+)
+_AUDIO = re.compile(
+    r"(?:^|\.)(?:audio_tower|audio_model|audio_encoder|audio_projection|audio_embed|"
+    r"embed_audio|audio_projector)(?:\.|$)"
+)
 _EXPERTS = re.compile(r"(?:^|\.)experts\.|_exps\.|(?:^|\.)experts$")
 _ROUTER = re.compile(r"(?:^|\.)(?:gate|router|ffn_gate_inp|switch)(?:\.|$)")
 _NORM_SEGMENT = re.compile(r"norm|^ln_?\w*$|^ln\d*$")
@@ -55,10 +66,19 @@ def is_buffer_name(name: str, shape: Sequence[int] = ()) -> bool:
 
 def place(name: str, *, embedding: Iterable[str], head: Iterable[str]) -> Placement:
     """Classify a parameter name given the names of the embedding and head weights."""
-    if name in set(embedding):
+    if name in embedding:
         return Placement("embedding")
-    if name in set(head) or _is_head_bias(name, head):
+    if name in head or _is_head_bias(name, head):
         return Placement("lm_head")
+    return _place_by_name(name)
+
+
+@lru_cache(maxsize=1 << 18)
+def _place_by_name(name: str) -> Placement:
+    """The role of a tensor that is neither the embedding nor the head, from its name alone
+    (kept: a 90,000-tensor checkpoint asks for each name three times)."""
+    if tower(name) is not None:
+        return Placement("towers")
     block = _BLOCK.search(name)
     if block is not None:
         return Placement("blocks", int(block.group(1)), block_part(block.group(2)))
@@ -68,6 +88,16 @@ def place(name: str, *, embedding: Iterable[str], head: Iterable[str]) -> Placem
     if _NORM_SEGMENT.search(last) or last in {"ln_f", "norm_f"}:
         return Placement("final_norm")
     return Placement("other")
+
+
+def tower(name: str) -> str | None:
+    """'vision' or 'audio' for a tensor of a vision or audio tower (or its projector) stored
+    beside the language model, else None."""
+    if _VISION.search(name):
+        return "vision"
+    if _AUDIO.search(name):
+        return "audio"
+    return None
 
 
 def _is_head_bias(name: str, head: Iterable[str]) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedlens.errors import CheckpointError, ConfigError, RemoteCodeError
+from embedlens.errors import CheckpointError, ConfigError, RemoteCodeError, UnsupportedError
 from embedlens.io.checkpoint import Checkpoint, gguf_checkpoint, open_checkpoint
 from embedlens.io.gguf import GGUFHeader, LazyArray
 from embedlens.io.source import ModelSource
@@ -313,6 +313,10 @@ def check_matches(
     """Refuse (ConfigError) a config whose sizes the checkpoint's shapes contradict: transformers
     would allocate the config's sizes, then fail or fill the difference with random values.
     `embedding`: as `mismatches` takes it."""
+    if quant_settings(config) is not None:  # packed tensors are checked at their logical shapes
+        from embedlens.model.quant import unpack
+
+        ckpt = unpack(ckpt, quant_settings(config)).checkpoint
     found = mismatches(config, ckpt, embedding)
     if not found:
         return
@@ -362,6 +366,11 @@ def quantisation(config: ModelConfig) -> Any:
     return config.raw.get("quantization_config") or config.text.get("quantization_config")
 
 
+def quant_settings(config: ModelConfig) -> Any:
+    """The config's quantisation settings: quantization_config, else MLX's `quantization`."""
+    return quantisation(config) or config.raw.get("quantization")
+
+
 def check_integer_weights(
     ckpt: Checkpoint, config: ModelConfig, names: Iterable[str] | None = None
 ) -> None:
@@ -370,6 +379,14 @@ def check_integer_weights(
     the model's values. Buffers (position ids, masks) may be integers."""
     if ckpt.format != "safetensors" or isinstance(quantisation(config), dict):
         return
+    mlx = config.raw.get("quantization")
+    if isinstance(mlx, dict) and "bits" in mlx:
+        raise UnsupportedError(
+            f"this checkpoint is quantised by MLX ({mlx.get('bits')} bits, groups of "
+            f"{mlx.get('group_size')}), which transformers cannot load",
+            hint="`embedlens params` counts it from its headers; load the unquantised model "
+            "for the other commands",
+        )
     wanted = None if names is None else set(names)
     found = [
         t

@@ -71,6 +71,11 @@ def translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
             raise MissingDependencyError(
                 "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
             ) from e
+        if "compressed-tensors" in str(e) or "compressed_tensors" in str(e):
+            raise MissingDependencyError(
+                "reading a compressed-tensors checkpoint needs the 'compressed-tensors' package",
+                hint="pip install 'embedlens[quant]'",
+            ) from e
         raise MissingDependencyError(
             f"{what} needs a missing package: {e}", hint=_newer_release_hint(source)
         ) from e

@@ -25,12 +25,14 @@ from embedlens.io.checkpoint import (
 from embedlens.io.hub import hub_offline
 from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model import q6_k
-from embedlens.model.files import ModelConfig, check_integer_weights, read_config
+from embedlens.model.files import ModelConfig, check_integer_weights, quant_settings, read_config
 from embedlens.model.inventory import from_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+
+    from embedlens.model.packed_rows import Packed
 
 Which = Literal["input", "output"]
 MATRICES: tuple[str, ...] = ("input", "output")
@@ -63,6 +65,9 @@ class Table:
     checkpoint: Checkpoint
     config: ModelConfig
     notes: tuple[str, ...] = ()
+    packed: Packed | None = None
+    """Where the table is stored quantised (MLX, bitsandbytes): its packing, read by
+    `packed_rows`; `entry` is then the packed tensor."""
     name: str = field(init=False, compare=False, repr=False)
     """The tensor's name in the checkpoint."""
     rows: int = field(init=False, compare=False, repr=False)
@@ -72,8 +77,9 @@ class Table:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", self.entry.name)
-        object.__setattr__(self, "rows", self.entry.shape[0])
-        object.__setattr__(self, "width", self.entry.shape[-1])
+        shape = self.entry.shape if self.packed is None else self.packed.shape
+        object.__setattr__(self, "rows", shape[0])
+        object.__setattr__(self, "width", shape[-1])
 
 
 def check_row_range(row: int, total: int, noun: str = "matrix") -> None:
@@ -124,10 +130,38 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
             )
     if name in ckpt.unread:
         raise offline_error(source, ckpt.unread[name])
+    if name in inv.packed:
+        from embedlens.model.packed_rows import find_packed
+
+        packed = find_packed(ckpt, quant_settings(config), name) if name in ckpt.tensors else None
+        if packed is None:
+            label = next(i.dtype for i in inv.items if i.name == name)
+            raise UnsupportedError(
+                f"'{name}' is stored quantised ({label}); embedlens reads its rows only where "
+                "it can dequantise them (GGUF, MLX, bitsandbytes)",
+                hint="use the unquantised checkpoint the quantisation was made from; "
+                "`embedlens params` counts this one",
+            )
+        return Table(which, packed.weight, inv.tied, ckpt, config, tuple(notes), packed)
     entry = ckpt.tensors[name]
     if len(entry.shape) != 2:
         raise CheckpointError(f"'{name}' has shape {list(entry.shape)}, not [V, d]")
     return Table(which, entry, inv.tied, ckpt, config, tuple(notes))
+
+
+def stored_rows(table: Table, name: str) -> int:
+    """Rows of tensor `name` of the table's checkpoint as the model holds them (a table packed
+    by MLX or bitsandbytes: its unpacked rows)."""
+    entry = table.checkpoint.tensors[name]
+    if table.packed is not None and table.packed.weight.name == name:
+        return table.packed.shape[0]
+    if entry.dtype in ("U32", "I8", "U8"):
+        from embedlens.model.packed_rows import find_packed
+
+        packed = find_packed(table.checkpoint, quant_settings(table.config), name)
+        if packed is not None:
+            return packed.shape[0]
+    return entry.shape[0]
 
 
 def on_disk(source: ModelSource, entry: TensorEntry) -> TensorEntry:
@@ -341,7 +375,12 @@ def _in_pieces(
 
 
 def open_rows(source: ModelSource, table: Table) -> Rows:
-    """Map the table's tensor (for a hub repo, fetching its byte range alone)."""
+    """Map the table's tensor (for a hub repo, fetching its byte range alone); a packed one is
+    dequantised as it is read (`packed_rows`)."""
+    if table.packed is not None:
+        from embedlens.model.packed_rows import PackedRows
+
+        return PackedRows(table.packed, source)
     check_integer_weights(table.checkpoint, table.config, [table.entry.name])
     entry = on_disk(source, table.entry)
     return Rows(entry, table.checkpoint.format)

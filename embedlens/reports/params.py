@@ -19,6 +19,31 @@ class ParamGroup:
     fraction: float
     bytes: int | None
     """Bytes at the checkpoint's dtype (None when unknown)."""
+    dtype: str | None = None
+    """What its parameters are stored as ('bfloat16', 'int4 (pack-quantized) + bfloat16 group
+    scales', several joined by ', '); None when unknown."""
+    bits_per_param: float | None = None
+    """bytes · 8 / params: the bits each parameter's stored value takes (bookkeeping apart)."""
+
+
+@dataclass(frozen=True)
+class BookkeepingRow:
+    """Quantisation state of one kind: scales, zero points, indices, global or activation
+    scales, packing state. Not parameters."""
+
+    kind: str
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PartRow:
+    """A part of the checkpoint the config's layer count and width leave out or hide: MTP
+    layers, vision or audio towers, routed and shared experts."""
+
+    name: str
+    params: int
+    bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -82,3 +107,15 @@ class ParamsReport(Report):
     skipped: list[str] = field(default_factory=list)
     """Stored tensors that are buffers, not parameters (e.g. rotary caches), left out."""
     notes: list[str] = field(default_factory=list)
+    quantised: bool = False
+    """Some parameters are stored quantised (packed, or with scales)."""
+    bookkeeping: list[BookkeepingRow] = field(default_factory=list)
+    """Quantisation state stored beside the parameters, by kind (not counted in `total`)."""
+    bookkeeping_bytes: int | None = 0
+    """Bytes of all bookkeeping (None when unknown)."""
+    stored_bytes: int | None = None
+    """total_bytes + bookkeeping_bytes: what the weights take as stored."""
+    parts: list[PartRow] = field(default_factory=list)
+    """MTP layers, vision and audio towers, routed and shared experts, where present."""
+    stated_total: int | None = None
+    """The parameter count the checkpoint's metadata states (`total_parameters`), if any."""

@@ -18,7 +18,7 @@ import numpy as np
 from embedlens.analysis.vocab.fingerprint import Entries
 from embedlens.analysis.vocab.kinds import TokenKinds
 from embedlens.analysis.vocab.signals import ReferenceRows, Tokens
-from embedlens.model.matrix import Table
+from embedlens.model.matrix import Table, stored_rows
 from embedlens.model.tokenizer import Vocab
 from embedlens.model.tokens import REPLACEMENT, SPACE, outside_byte_alphabet
 from embedlens.reports.tokens import TokenRef
@@ -63,20 +63,20 @@ def against_rows(
 def read_layout(vocab: Vocab, table: Table, added: list[int]) -> Layout:
     """Sizes, padding and missing rows, special tokens, and where the added tokens (`added`,
     `added_ids`) sit."""
-    inv = table.checkpoint.tensors
     embedding = _embedding_entry(table)
+    rows = stored_rows(table, embedding)
     placement, inserted = _placement(added, vocab.size)
     specials = sorted(vocab.special_ids | set(added))
     return Layout(
         tokenizer_size=vocab.size,
         embedding_tensor=embedding,
-        embedding_rows=inv[embedding].shape[0],
+        embedding_rows=rows,
         head_tensor=table.name,
         head_rows=table.rows,
         width=table.width,
         tied=table.tied,
-        padding_rows=max(0, min(table.rows, inv[embedding].shape[0]) - vocab.size),
-        missing_rows=max(0, vocab.size - min(table.rows, inv[embedding].shape[0])),
+        padding_rows=max(0, min(table.rows, rows) - vocab.size),
+        missing_rows=max(0, vocab.size - min(table.rows, rows)),
         special_tokens=[TokenRef(i, vocab.text(i)) for i in specials if i in vocab.special_ids],
         added_tokens=len(added),
         added_placement=placement,
