@@ -2,7 +2,7 @@
 
 What the layers are (read from the imports, not wished):
 
-- base: errors, text, runtime, the option objects and the progress protocol (`options`,
+- base: errors, text, runtime, guest, the option objects and the progress protocol (`options`,
   `progress`), and compat's release and path helpers (`compat`, `compat.jinja`):
   what every layer may use.
 - io: finding and reading files (a source resolved, checkpoint and GGUF headers, byte ranges).
@@ -28,6 +28,7 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("embedlens.errors", "base"),
     ("embedlens.text", "base"),
     ("embedlens.runtime", "base"),
+    ("embedlens.guest", "base"),
     ("embedlens.options", "base"),
     ("embedlens.progress", "base"),
     ("embedlens.compat.transformers", "model"),

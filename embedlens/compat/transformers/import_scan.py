@@ -57,13 +57,17 @@ def scan_once() -> None:
 
 def quiet() -> None:
     """transformers imported, its model table scanned once (`scan_once`), its warnings and
-    progress bars off: what every load does before it asks transformers for anything."""
+    progress bars off: what every load does before it asks transformers for anything. In a
+    library call all of it is put back when the call ends (`embedlens.guest`)."""
     import os
+
+    from embedlens.guest import quietly_kept
 
     scan_once()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers.utils import logging
 
+    quietly_kept()
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     from huggingface_hub.utils import disable_progress_bars
