@@ -194,8 +194,8 @@ def test_gguf_release_not_checked_and_plain_read_the_whole_header(smollm2, capsy
 
     quick = _reader_rows(smollm2)
     whole: list[Any] = []
-    plain_reader = reference._plain_reader
-    monkeypatch.setattr(reference, "_plain_reader", lambda h: whole.append(h) or plain_reader(h))
+    plain_reader = reference.plain_reader
+    monkeypatch.setattr(reference, "plain_reader", lambda h: whole.append(h) or plain_reader(h))
     real = compat.release
     monkeypatch.setattr(compat, "release", lambda d: (0, 20) if d == "gguf" else real(d))
     assert _reader_rows(smollm2) == quick and len(whole) == 1
@@ -221,26 +221,26 @@ def test_gguf_constants_alone_or_from_the_package_give_the_same_table(capsys, mo
     import importlib
 
     from embedlens.errors import MissingDependencyError
-    from embedlens.io import gguf as ours
+    from embedlens.compat import gguf as ours
 
-    alone = ours._gguf_constants()
+    alone = ours.constants()
     assert alone.__name__ == "embedlens._gguf_constants"
     try:
         package = importlib.import_module("gguf.constants")
     except ImportError as e:  # gguf 0.10 imports sentencepiece, which it does not require
         monkeypatch.setenv("EMBEDLENS_PLAIN", "1")
         with pytest.raises(MissingDependencyError, match="fails to import"):
-            ours._gguf_constants()
+            ours.constants()
         assert "sentencepiece" in str(e)
         return
     assert _table(alone) == _table(package) and len(_table(alone)) > 20
     monkeypatch.setenv("EMBEDLENS_PLAIN", "1")
-    assert ours._gguf_constants() is package
+    assert ours.constants() is package
     assert _notes(capsys.readouterr().err) == []
     monkeypatch.delenv("EMBEDLENS_PLAIN")
     real = compat.release
     monkeypatch.setattr(compat, "release", lambda d: (0, 20) if d == "gguf" else real(d))
-    assert ours._gguf_constants() is package
+    assert ours.constants() is package
     assert _notes(capsys.readouterr().err) == [
         "note: gguf's table of types comes from `import gguf` (slower): gguf's release is not "
         "one from 0.10 to 0.19"
