@@ -10,7 +10,9 @@ object; `rich.print(report)` shows its tables; Jupyter shows it as HTML):
     embedlens.lens_prompts("SmolLM2-135M-Instruct.Q4_1.gguf", ["The capital of France is"])
 
 Importing embedlens is cheap: torch, transformers and numpy load when a function needs them.
-A command's process tuning (`embedlens.runtime`) is applied as its function is first looked up.
+Each function leaves the process as it found it (`embedlens.guest`): environment variables, log
+levels, progress bars, the garbage collector's and torch's settings are put back when it returns
+or raises.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ _EXPORTS = {
     },
 }
 
+_FUNCTIONS = frozenset(
+    {"params", "tied", "neighbors", "addr", "vocab", "tune"}
+    | {"lens", "lens_prompts", "lens_states", "lens_text"}
+)
+"""The public functions: each runs as a guest (`embedlens.guest`)."""
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -112,8 +120,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'embedlens' has no attribute '{name}'")
     from embedlens import runtime
 
-    runtime.tune_for_command(name)  # before the command's module imports numpy (BLAS threads)
+    runtime.tune_for_command(name)  # the command line's BLAS threads, before numpy loads
     value = getattr(importlib.import_module(module), name)
+    if name in _FUNCTIONS:
+        from embedlens.guest import as_guest
+
+        value = as_guest(value)
     globals()[name] = value
     return value
 

@@ -1,13 +1,15 @@
 """Process tuning, in one place: BLAS threads, the C heap's thresholds, other processes' load.
 
-None of it changes a figure, only how fast it comes; all of it applies to the Python API as to
-the command line, and none of it overrides what the user set:
+None of it changes a figure, only how fast it comes, and none of it overrides what the user set.
+The first two change the process for good, so only the command line, which owns its process,
+takes them (`own_process()`, called by its entry point); a library call leaves the caller's
+process as it found it (`embedlens.guest`) and gets neither:
 
 - `one_blas_thread()`: numpy's BLAS on one thread for the commands whose work is many small
   products (`neighbors`, `vocab`), set through `OPENBLAS_NUM_THREADS` only where the user has not
   set it, and only while numpy is not yet imported (after that it is too late: nothing changes);
 - `heap_kept()`: freed memory kept in the process while a long run allocates and frees large
-  arrays (glibc's thresholds, restored afterwards);
+  arrays (glibc's thresholds; `mallopt` has no getter, so what they were cannot be put back);
 - `world()`: this process's rank and the number of processes under torchrun (read from the
   environment, so that a run alone never imports `embedlens.analysis.dist`).
 
@@ -31,6 +33,20 @@ ONE_BLAS_THREAD = frozenset({"neighbors", "vocab"})
 (0.73 s against 0.20 s for `neighbors` on Qwen3-0.6B's table on two busy cores)."""
 
 
+_owned: list[bool] = []
+"""Whether the command line owns this process (`own_process`)."""
+
+
+def own_process() -> None:
+    """The command line's entry point owns its process: the tuning here may be applied."""
+    _owned[:] = [True]
+
+
+def owns_process() -> bool:
+    """Whether the process is the command line's (else a library call's guest)."""
+    return bool(_owned)
+
+
 def one_blas_thread() -> bool:
     """Ask numpy's BLAS for one thread: `OPENBLAS_NUM_THREADS=1` unless the variable is set
     (a value the user set wins, whatever it is). Returns whether BLAS can still take it.
@@ -48,10 +64,11 @@ def one_blas_thread() -> bool:
 
 
 def tune_for_command(command: str) -> None:
-    """Tune the process for `command` before its module (and numpy with it) is imported:
-    `embedlens.<command>` calls this when the function is first looked up, so that the Python
-    API and the command line (which looks its function up the same way) run alike."""
-    if command in ONE_BLAS_THREAD:
+    """Tune the process for `command` before its module (and numpy with it) is imported, where
+    the command line owns the process: `embedlens.<command>` calls this when the function is
+    first looked up (the command line looks its function up the same way). In a library call
+    it does nothing: the caller's environment is the caller's."""
+    if command in ONE_BLAS_THREAD and owns_process():
         one_blas_thread()
 
 
@@ -105,7 +122,11 @@ def heap_kept() -> Iterator[bool]:
     glibc's mmap and trim thresholds are raised for the length of a run, and afterwards set where
     glibc's own dynamic threshold ends up once large blocks have been freed (32 MiB, and twice
     that for trimming); then the heap's free memory goes back to the kernel. Elsewhere than on
-    glibc it does nothing."""
+    glibc, and outside the command line (`own_process`), it does nothing: the thresholds have no
+    getter, so a caller's own could not be put back."""
+    if not owns_process():
+        yield False
+        return
     if _active:
         _active.append(_active[-1])
         try:

@@ -177,13 +177,18 @@ _OLD_GGUF = (
 )
 
 
+READS_GGUF_AS_FILE = (5, 24)
+"""The first transformers release CI ran that reads SmolLM2's GGUF tokenizer as the file does
+(5.24 and 5.25 do; 5.0 does not)."""
+
+
 def _older_than_tested() -> bool:
-    """Whether the installed transformers is older than the newest release CI runs."""
+    """Whether the installed transformers is older than the releases that read SmolLM2's GGUF
+    tokenizer as the file does."""
     from embedlens.compat import release
-    from embedlens.compat.transformers import NEWEST_TESTED
 
     found = release("transformers")
-    return found is not None and found < tuple(int(p) for p in NEWEST_TESTED.split("."))
+    return found is not None and found < READS_GGUF_AS_FILE
 
 
 _SMOLLM2_THROUGH_TRANSFORMERS = {

@@ -2,8 +2,8 @@
 
 What the layers are (read from the imports, not wished):
 
-- base: errors, text, runtime, the option objects and the progress protocol (`options`,
-  `progress`), and compat's release and path helpers (`compat`, `compat.jinja`):
+- base: errors, text, runtime, guest, the option objects and the progress protocol (`options`,
+  `progress`), and compat's release and path helpers (`compat`, `compat.jinja2`, `compat.gguf`, `compat.torch`):
   what every layer may use.
 - io: finding and reading files (a source resolved, checkpoint and GGUF headers, byte ranges).
 - model: what a model is made of (config, tokenizer, matrices, loading) and the shortcuts over
@@ -28,6 +28,7 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("embedlens.errors", "base"),
     ("embedlens.text", "base"),
     ("embedlens.runtime", "base"),
+    ("embedlens.guest", "base"),
     ("embedlens.options", "base"),
     ("embedlens.progress", "base"),
     ("embedlens.compat.transformers", "model"),

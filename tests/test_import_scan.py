@@ -131,7 +131,7 @@ def test_a_release_outside_the_checked_ones_adds_no_finder(notes, monkeypatch):
     monkeypatch.setattr(plain, "release", lambda d: (5, 99) if d == "transformers" else real(d))
     import_scan.scan_once()
     assert sys.meta_path == before
-    assert notes() == [f"{NOTE}: transformers 5.99 is not a release from 5.0 to 5.24"]
+    assert notes() == [f"{NOTE}: transformers 5.99 is not a release from 5.0 to 5.25"]
     monkeypatch.setattr(plain, "release", real)
     import_scan.scan_once()  # a release checked: the finder
     assert [type(f).__name__ for f in sys.meta_path] == [

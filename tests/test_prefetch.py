@@ -92,7 +92,9 @@ def test_a_copy_is_the_conversion_itself(tmp_path, monkeypatch, path):
     import torch
 
     if path == "public":
-        monkeypatch.setattr(prefetch, "BATCHED_COPY_RELEASES", ((0, 0), (0, 1)))
+        from embedlens.compat import torch as compat_torch
+
+        monkeypatch.setattr(compat_torch, "TORCH_CHECKED", ((0, 0), (0, 1)))
 
         def refused(*args: object) -> None:
             raise AssertionError("the private batched copy was taken")

@@ -66,10 +66,11 @@ def _one_thread_where_openblas(report: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize("command", ["neighbors", "vocab"])
-def test_the_python_api_runs_numpys_blas_on_one_thread(command):
-    """embedlens.neighbors and embedlens.vocab from Python get what their command gets."""
-    _one_thread_where_openblas(_blas(f"import embedlens\nembedlens.{command}\n"))
-    _one_thread_where_openblas(_blas(f"from embedlens import {command}\n"))
+def test_the_python_api_leaves_blas_to_the_caller(command):
+    """embedlens.neighbors and embedlens.vocab from Python set no variable: the caller's
+    process is the caller's (the figures do not depend on BLAS's threads)."""
+    assert _blas(f"import embedlens\nembedlens.{command}\nimport numpy\n")["var"] is None
+    assert _blas(f"from embedlens import {command}\nimport numpy\n")["var"] is None
 
 
 @pytest.mark.slow  # two whole command-line processes
@@ -81,7 +82,8 @@ def test_the_command_line_runs_numpys_blas_on_one_thread(tiny):
 
 
 def test_a_value_the_user_set_wins():
-    report = _blas("import embedlens\nembedlens.vocab\n", OPENBLAS_NUM_THREADS="2")
+    owned = "from embedlens import runtime\nruntime.own_process()\n"
+    report = _blas(owned + "import embedlens\nembedlens.vocab\n", OPENBLAS_NUM_THREADS="2")
     assert report["var"] == "2"
     if report["threads"] is not None and (os.cpu_count() or 1) >= 2:
         assert report["threads"] == 2
@@ -90,7 +92,7 @@ def test_a_value_the_user_set_wins():
 def test_once_numpy_is_imported_nothing_changes():
     """Too late: BLAS keeps the threads it started with, and the variable is left unset."""
     snippet = (
-        "import numpy\nimport embedlens\nfrom embedlens import runtime\n"
+        "import numpy\nimport embedlens\nfrom embedlens import runtime\nruntime.own_process()\n"
         "embedlens.neighbors\nassert runtime.one_blas_thread() is False\n"
     )
     report = _blas(snippet)
@@ -111,6 +113,12 @@ BLOCK = 64 * 2**20  # above glibc's largest dynamic mmap threshold
 PAGES = BLOCK // 4096
 
 glibc = pytest.mark.skipif(runtime._glibc() is None, reason="needs glibc")
+
+
+@pytest.fixture
+def owned(monkeypatch):
+    """This process taken for the command line's (`runtime.own_process`), for the test alone."""
+    monkeypatch.setattr(runtime, "_owned", [True])
 
 
 def _faults(n: int) -> int:
@@ -136,7 +144,7 @@ def _resident() -> int:
 
 
 @glibc
-def test_freed_blocks_are_reused_while_kept_and_returned_after():
+def test_freed_blocks_are_reused_while_kept_and_returned_after(owned):
     with runtime.heap_kept() as took:
         assert took
         _faults(1)  # the first block is new memory
@@ -147,7 +155,7 @@ def test_freed_blocks_are_reused_while_kept_and_returned_after():
 
 
 @glibc
-def test_nested_runs_leave_the_thresholds_to_the_outer_one():
+def test_nested_runs_leave_the_thresholds_to_the_outer_one(owned):
     with runtime.heap_kept() as outer:
         with runtime.heap_kept() as inner:
             assert inner == outer
@@ -155,7 +163,15 @@ def test_nested_runs_leave_the_thresholds_to_the_outer_one():
         assert _faults(4) < PAGES // 2  # the inner run's end did not undo the outer one
 
 
-def test_elsewhere_than_glibc_nothing_is_changed(monkeypatch):
+def test_a_library_call_leaves_the_thresholds_alone():
+    """Outside the command line the thresholds are never set (they have no getter: a caller's
+    own could not be put back)."""
+    assert not runtime.owns_process()
+    with runtime.heap_kept() as took:
+        assert not took
+
+
+def test_elsewhere_than_glibc_nothing_is_changed(monkeypatch, owned):
     monkeypatch.setattr(runtime, "_glibc", lambda: None)
     with runtime.heap_kept() as took:
         assert not took

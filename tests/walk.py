@@ -8,7 +8,8 @@ Definitions (what `walk` counts):
 - A *call* is a Python function of embedlens starting to run (`sys.setprofile`'s 'call' event,
   in the calling thread and every thread started during the walk), with the nearest embedlens frame below it on the stack as its
   caller; frames of other packages in between (torch, transformers running an embedlens hook or
-  patch) are seen through. Import-time code is not the data path: a module's body (`<module>`)
+  patch) are seen through, and so is the envelope every public function runs in
+  (`embedlens.guest`). Import-time code is not the data path: a module's body (`<module>`)
   and everything it calls are left out.
 - A *visit* is a call whose function lies in another module than its caller's, counted once per
   (caller function, called function) pair however often it runs: the reader follows each call
@@ -87,11 +88,17 @@ _INLINE = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})
 """Code objects of a comprehension or generator expression: part of the function holding them."""
 
 
+ENVELOPE = "embedlens.guest"
+"""What every public function runs inside (the process put back as it was after): seen
+through, as other packages are, so that the public function itself is the start."""
+
+
 def _module(code: CodeType, files: dict[str, str | None], prefixes: tuple[str, ...]) -> str | None:
     """The embedlens module a code object belongs to, or None."""
     name = code.co_filename
     if name not in files:
-        files[name] = package_module(name, prefixes)
+        found = package_module(name, prefixes)
+        files[name] = None if found == ENVELOPE else found
     return files[name]
 
 

@@ -169,6 +169,9 @@ def main() -> None:
     Once torch has been imported, interpreter teardown costs about half a second of module
     finalisation that nothing here needs; after flushing the output, the process leaves at once.
     """
+    from embedlens.runtime import own_process
+
+    own_process()  # the process tuning only the command line takes (embedlens.runtime)
     code: int | str | None = 0
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:  # a path that is not UTF-8 is printed as its bytes, as ls does

@@ -9,8 +9,6 @@ corrupt file ends in CheckpointError, never in a huge allocation or a foreign ex
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import itertools
 import mmap
 import struct
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedlens.errors import CheckpointError, MissingDependencyError
+from embedlens.errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -45,46 +43,11 @@ def ggml_types() -> dict[int, tuple[str, int, int]]:
     """ggml type id -> (name, elements per block, bytes per block), from the `gguf` package's
     table. Its constants module is loaded alone: `import gguf` would pull in its reader, writer
     and numpy (0.4 s), while the table itself costs a few milliseconds."""
-    constants = sys.modules.get("gguf.constants") or _gguf_constants()
+    from embedlens.compat.gguf import constants as alone
+
+    constants = sys.modules.get("gguf.constants") or alone()
     sizes: dict[Any, tuple[int, int]] = constants.GGML_QUANT_SIZES
     return {int(t): (t.name, *sizes[t]) for t in constants.GGMLQuantizationType if t in sizes}
-
-
-GGUF_CHECKED = ((0, 10), (0, 20))
-"""The gguf releases whose layout embedlens' shortcuts were checked against: 0.10 to 0.19 (a
-constants module that imports nothing of the package; the reader's own methods, see
-`io.reference`)."""
-
-
-def _gguf_constants() -> Any:
-    """gguf's constants module loaded alone; with EMBEDLENS_PLAIN=1, or (one note) on a release
-    outside GGUF_CHECKED, `import gguf.constants`, the package with it."""
-    from embedlens.compat import checked_release, public_path
-
-    spec = importlib.util.find_spec("gguf")
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError(
-            "reading GGUF files needs the 'gguf' package", hint="pip install gguf"
-        )
-    fits = checked_release("gguf", *GGUF_CHECKED)
-    if not fits:
-        if fits is False:
-            public_path(
-                "gguf's table of types comes from `import gguf` (slower): gguf's release "
-                "is not one from 0.10 to 0.19"
-            )
-        try:
-            return importlib.import_module("gguf.constants")
-        except ImportError as e:
-            raise MissingDependencyError(
-                f"the 'gguf' package fails to import: {e}", hint="pip install -U gguf"
-            ) from None
-    path = Path(next(iter(spec.submodule_search_locations))) / "constants.py"
-    module_spec = importlib.util.spec_from_file_location("embedlens._gguf_constants", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,15 @@ def hub_offline() -> bool:
 def quiet_hub() -> None:
     """Silence huggingface_hub's retry warnings and progress bars: stderr keeps one error line.
 
-    With --debug (EMBEDLENS_DEBUG=1) its warnings are left on.
+    With --debug (EMBEDLENS_DEBUG=1) its warnings are left on. In a library call both are put
+    back when the call ends (`embedlens.guest`).
     """
     from huggingface_hub.utils import disable_progress_bars
     from huggingface_hub.utils import logging as hub_logging
 
+    from embedlens.guest import quietly_kept
+
+    quietly_kept()
     if not debug_enabled():
         hub_logging.set_verbosity_error()
     disable_progress_bars()

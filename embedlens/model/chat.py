@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from embedlens.compat.jinja import sandbox_checks
+from embedlens.compat.jinja2 import Checks, hooked_sandbox, sandbox_checks
 from embedlens.errors import ConfigError, UsageError
 from embedlens.model.chat_sizes import (
     FILTERS_CHECKED,
@@ -58,8 +58,8 @@ def render(render_fn: Callable[[], Any], *, limit: int, what: str) -> str:
     )
     checked = sandbox_checks()  # else transformers' render alone, bounded in time and size
     with (
-        _output_bound(limit, too_long) if checked else nullcontext(),
-        _bounded_sandbox(limit, what) if checked else nullcontext(),
+        hooked_sandbox(_checks(limit, too_long)) if checked else nullcontext(),
+        _bounded(limit, what) if checked else nullcontext(),
         _time_bound(SECONDS, what),
     ):
         try:
@@ -71,32 +71,6 @@ def render(render_fn: Callable[[], Any], *, limit: int, what: str) -> str:
     if len(text) > limit:
         raise too_long
     return text
-
-
-@contextmanager
-def _output_bound(limit: int, error: ConfigError) -> Iterator[None]:
-    """Make Jinja stop joining a template's output once it passes `limit` characters (a
-    render under way elsewhere, outside `render`, joins as Jinja does)."""
-    import jinja2
-
-    def join(pieces: Iterable[str]) -> str:
-        if _BOUND.get() is None:
-            return "".join(pieces)
-        kept: list[str] = []
-        size = 0
-        for piece in pieces:
-            size += len(piece)
-            if size > limit:
-                raise error
-            kept.append(piece)
-        return "".join(kept)
-
-    before = jinja2.Environment.__dict__["concat"]
-    jinja2.Environment.concat = staticmethod(join)
-    try:
-        yield
-    finally:
-        jinja2.Environment.concat = before
 
 
 _BOUND: ContextVar[tuple[int, str] | None] = ContextVar("embedlens_chat_bound", default=None)
@@ -120,111 +94,53 @@ def _check(estimate: Callable[[], int | None], how: str) -> None:
         )
 
 
-@contextmanager
-def _bounded_sandbox(limit: int, what: str) -> Iterator[None]:
-    """Make Jinja's sandbox refuse an operation whose result would pass `limit` characters
-    before it runs: `'x' * 10**10`, `'x'.ljust(10**10)` or `'%*s' % (10**10, '')` run in one C
-    call, where no timer interrupts them. Checked: the operators `*`, `**`, `+` and `%`, calls
-    of str methods that grow a string, str.format, the filters that can (center, indent,
-    format, tojson, join, ...), `~`, and each value a template writes out. Templates compiled
-    while this is open carry the checks (transformers compiles a template in its sandbox on
-    first use, and keeps it); Jinja folds no intercepted operator at compile time."""
-    import jinja2.runtime
-    from jinja2.sandbox import SandboxedEnvironment as Sandbox
+def _checks(limit: int, error: ConfigError) -> Checks:
+    """What a render bounded by `limit` characters checks (inside Jinja: `hooked_sandbox`):
+    `'x' * 10**10`, `'x'.ljust(10**10)` or `'%*s' % (10**10, '')` run in one C call, where no
+    timer interrupts them, so each is refused before it runs. Checked: the operators `*`, `**`,
+    `+` and `%`, calls of str methods that grow a string, str.format, the filters that can
+    (center, indent, format, tojson, join, ...), `~`, each value a template writes out, and the
+    join of the output. A compiled template keeps its checks; outside `render` they pass."""
 
-    hooks = _Hooks(Sandbox, jinja2.runtime)
+    def concat(pieces: Iterable[str]) -> str:
+        if _BOUND.get() is None:
+            return "".join(pieces)
+        kept: list[str] = []
+        size = 0
+        for piece in pieces:
+            size += len(piece)
+            if size > limit:
+                raise error
+            kept.append(piece)
+        return "".join(kept)
+
+    def call(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = f"{getattr(obj, '__name__', 'a call')}()"
+        _check(lambda: method_size(obj, args, kwargs), name)
+
+    def str_format(fmt: Any, args: tuple[Any, ...], named: Mapping[str, Any]) -> None:
+        _check(lambda: format_size(fmt, args, named), "str.format()")
+
+    return Checks(
+        binop=lambda op, left, right: _check(lambda: _binop_size(op, left, right), f"'{op}'"),
+        call=call,
+        str_format=str_format,
+        filters=frozenset(FILTERS_CHECKED),
+        filter=_checked_filter,
+        join=_checked_join,
+        output=_checked_output,
+        concat=concat,
+    )
+
+
+@contextmanager
+def _bounded(limit: int, what: str) -> Iterator[None]:
+    """The bound the checks read while a template renders."""
     token = _BOUND.set((limit, what))
-    try:
-        with (
-            _patched(Sandbox, "intercepted_binops", Sandbox.intercepted_binops | _BINOPS),
-            _patched(Sandbox, "call_binop", _method(hooks.call_binop)),
-            _patched(Sandbox, "call", _method(hooks.call)),
-            _patched(Sandbox, "wrap_str_format", _method(hooks.wrap_str_format)),
-            _patched(Sandbox, "from_string", _method(hooks.from_string)),
-        ):
-            yield
-    finally:
-        _BOUND.reset(token)
-
-
-_BINOPS = frozenset({"*", "**", "+", "%"})
-
-
-def _method(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """A hook as a method of the sandbox's class (the environment passed as its first argument)."""
-
-    def method(env: Any, /, *args: Any, **kwargs: Any) -> Any:
-        return hook(env, *args, **kwargs)
-
-    return method
-
-
-@contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """Set an attribute of a class or module for the block, then put back what was there."""
-    own = vars(owner)
-    had, before = name in own, own.get(name)
-    setattr(owner, name, value)
     try:
         yield
     finally:
-        if had:
-            setattr(owner, name, before)
-        else:
-            delattr(owner, name)
-
-
-class _Hooks:
-    """What stands in for the sandbox's own methods while a template renders."""
-
-    def __init__(self, sandbox: type, runtime: Any) -> None:
-        names = ("call_binop", "call", "wrap_str_format", "from_string")
-        self.sandbox = {name: getattr(sandbox, name) for name in names}
-        self.str_join, self.markup_join = runtime.str_join, runtime.markup_join
-
-    def call_binop(self, env: Any, context: Any, operator: str, left: Any, right: Any) -> Any:
-        """An intercepted operator, checked first."""
-        _check(lambda: _binop_size(operator, left, right), f"'{operator}'")
-        return self.sandbox["call_binop"](env, context, operator, left, right)
-
-    def call(self, env: Any, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-        """A call from the template (str methods checked first)."""
-        name = f"{getattr(obj, '__name__', 'a call')}()"
-        _check(lambda: method_size(obj, args, kwargs), name)
-        return self.sandbox["call"](env, context, obj, *args, **kwargs)
-
-    def wrap_str_format(self, env: Any, value: Any) -> Any:
-        """The sandbox's str.format, checked first."""
-        wrapper = self.sandbox["wrap_str_format"](env, value)
-        if wrapper is None:
-            return None
-        fmt, by_map = value.__self__, value.__name__ == "format_map"
-
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            named = args[0] if by_map and args and isinstance(args[0], Mapping) else kwargs
-            given = () if by_map else args
-            _check(lambda: format_size(fmt, given, named), "str.format()")
-            return wrapper(*args, **kwargs)
-
-        return checked
-
-    def from_string(self, env: Any, source: Any, *args: Any, **kwargs: Any) -> Any:
-        """Compile a template whose filters, `~` and output are checked."""
-        import jinja2.runtime
-
-        for name in FILTERS_CHECKED:
-            found = env.filters.get(name)
-            if found is not None and not hasattr(found, "_embedlens_checked"):
-                env.filters[name] = _checked_filter(name, found)
-        if env.finalize is None:
-            env.finalize = _checked_output
-        str_join, markup_join = _checked_join(self.str_join), _checked_join(self.markup_join)
-        # the compiled module imports both from jinja2.runtime when it is run
-        with (
-            _patched(jinja2.runtime, "str_join", str_join),
-            _patched(jinja2.runtime, "markup_join", markup_join),
-        ):
-            return self.sandbox["from_string"](env, source, *args, **kwargs)
+        _BOUND.reset(token)
 
 
 def _binop_size(operator: str, left: Any, right: Any) -> int | None:
@@ -236,7 +152,10 @@ def _binop_size(operator: str, left: Any, right: Any) -> int | None:
 
 
 def _checked_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A filter that checks the size of what it would build first (Jinja's pass_* marks kept)."""
+    """A filter that checks the size of what it would build first (Jinja's pass_* marks kept);
+    one already checked as it is."""
+    if hasattr(fn, "_embedlens_checked"):
+        return fn
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -28,6 +28,7 @@ from embedlens.compat.transformers import NEWEST_TESTED as TESTED_TRANSFORMERS
 from embedlens.compat.transformers import installed_transformers, release_key
 from embedlens.errors import UnsupportedError
 from embedlens.io.gguf import GGUFHeader, read_gguf_header
+from embedlens.model.token_rows import Rows
 from embedlens.text import visible
 
 if TYPE_CHECKING:
@@ -128,9 +129,14 @@ class Guard:
     """Other models' GGUF files that run on the same ids (--against's B)."""
     model: str = ""
     """The model whose tokenizer gives the ids, as messages name it."""
+    rows: tuple[Rows, ...] = ()
+    """The embeddings every id must have a row in (the model's, and --against's B's)."""
 
     def check(self, text: str, add_special_tokens: bool, ids: list[int]) -> None:
-        """UnsupportedError when a file reads `text` as other ids than `ids`."""
+        """ConfigError when an id has no row in a model's embedding; UnsupportedError when a
+        file reads `text` as other ids than `ids`."""
+        for rows in self.rows:
+            rows.check(ids)
         if self.own is not None:
             want = self._own_ids(self.own, text, add_special_tokens)
             if want is not None and want != ids:
@@ -189,11 +195,17 @@ _GUARD: ContextVar[Guard | None] = ContextVar("embedlens_file_tokens", default=N
 
 @contextmanager
 def watching(
-    source: ModelSource | None, *, loaded: bool, others: tuple[ModelSource, ...], model: str
+    source: ModelSource | None,
+    *,
+    loaded: bool,
+    others: tuple[ModelSource, ...],
+    model: str,
+    rows: tuple[Rows, ...] = (),
 ) -> Iterator[None]:
-    """Check every text encoded by `check_ids` in this block against the GGUF files of the run
-    (`guard_for`: the model's own, `source`, and `others`')."""
-    token = _GUARD.set(guard_for(source, loaded=loaded, others=others, model=model))
+    """Check every text encoded by `check_ids` in this block against the embeddings' `rows`
+    (`token_rows`) and the GGUF files of the run (`guard_for`: the model's own, `source`, and
+    `others`')."""
+    token = _GUARD.set(guard_for(source, loaded=loaded, others=others, model=model, rows=rows))
     try:
         yield
     finally:
@@ -209,15 +221,21 @@ def check_ids(text: str, add_special_tokens: bool, ids: list[int]) -> None:
 
 
 def guard_for(
-    source: ModelSource | None, *, loaded: bool, others: tuple[ModelSource, ...], model: str
+    source: ModelSource | None,
+    *,
+    loaded: bool,
+    others: tuple[ModelSource, ...],
+    model: str,
+    rows: tuple[Rows, ...] = (),
 ) -> Guard | None:
-    """The check of a run's prompt ids: against the model's own GGUF file (`source`, None for a
-    model given loaded) and `others`' (None when no file is a GGUF)."""
+    """The check of a run's prompt ids: against the embeddings' `rows`, the model's own GGUF
+    file (`source`, None for a model given loaded) and `others`' (None when there is nothing to
+    check)."""
     own = FileTokens.of(source) if source is not None and source.is_gguf else None
     files = tuple(FileTokens.of(s) for s in others if s.is_gguf)
-    if own is None and not files:
+    if own is None and not files and not rows:
         return None
-    return Guard(own, loaded, files, model)
+    return Guard(own, loaded, files, model, rows)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

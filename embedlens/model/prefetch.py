@@ -62,11 +62,6 @@ def copies_for(files: list[Path] | None) -> Iterator[Prefetch | None]:
             early.close()
 
 
-BATCHED_COPY_RELEASES = ((2, 13), (2, 15))
-"""torch releases whose private `_foreach_copy_` the copies use (from the first, up to the
-second); elsewhere the public `Tensor.copy_`."""
-
-
 class Prefetch:
     """float32 copies of the files' bfloat16 and float16 tensors, made on a second thread from
     the moment it is built; `take` waits for them."""
@@ -100,14 +95,11 @@ class Prefetch:
     def _run(self, pairs: list[tuple[Any, Any]]) -> None:
         """Copy the pairs, PER_CALL pieces at a time, each piece on this thread alone (a copy is
         bound by the fresh pages it touches: see `direct._one_thread`)."""
-        import torch
-
-        from embedlens.compat import within
+        from embedlens.compat.torch import batched_copy
 
         # torch's batched copy is private: taken on the releases it was measured on, else each
         # piece is copied by the public `copy_` (the same elementwise conversion, the same bits)
-        checked = within("torch", *BATCHED_COPY_RELEASES)
-        batched = getattr(torch, "_foreach_copy_", None) if checked else None
+        batched = batched_copy()
         step = PIECE * PER_CALL
         try:
             for source, copy in pairs:

@@ -102,7 +102,7 @@ def from_files(
     (`file_tokens`)."""
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
-    from embedlens.model import file_tokens, loading
+    from embedlens.model import file_tokens, loading, token_rows
     from embedlens.model.files import check_source
 
     trust = load.trust_remote_code
@@ -122,7 +122,8 @@ def from_files(
                 tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
             config = loading.hf_config(source, trust_remote_code=trust)
             template = _template_name(source)
-            with file_tokens.watching(source, loaded=loaded, others=others, model=name):
+            rows = token_rows.of_files(files, tokenizer, name, others, trust_remote_code=trust)
+            with file_tokens.watching(source, loaded=loaded, others=others, model=name, rows=rows):
                 checked = check(tokenizer, config, template)
             notes: list[str] = []
             model = loading.load_model(
@@ -190,7 +191,7 @@ def from_loaded(
 ) -> Iterator[tuple[Opened, T]]:
     """A model the caller loaded, after `check`; `given` names the loading options the caller
     set (refused: a loaded model runs as it is); `others` as `from_files` takes them."""
-    from embedlens.model import file_tokens
+    from embedlens.model import file_tokens, token_rows
     from embedlens.model.loaded import check_loaded, loaded_name
 
     built = check_loaded(model, **given)
@@ -202,7 +203,8 @@ def from_loaded(
     name = loaded_name(built)
     config = getattr(built, "config", None)
     template = f"the chat template of '{name}'"
-    with file_tokens.watching(None, loaded=False, others=others, model=name):
+    rows = token_rows.of_loaded(built, tokenizer, name)
+    with file_tokens.watching(None, loaded=False, others=others, model=name, rows=rows):
         checked = check(tokenizer, config, template)
     with _eval_mode(built):
         yield Opened(name, built, tokenizer, config, template, [], []), checked

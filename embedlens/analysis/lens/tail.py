@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from embedlens.analysis.lens.blocks import Blocks, ModelDecoder, find_blocks
+from embedlens.compat.torch import put_tensor
 from embedlens.errors import UnsupportedError
 
 if TYPE_CHECKING:
@@ -73,12 +74,10 @@ def _zeros(model: nn.Module, *, in_memory: bool = False) -> None:
     """Every parameter and buffer a zero of its shape and dtype that takes no memory (with
     `in_memory`: zeros in memory)."""
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = nn.Parameter(_zero(p, in_memory), requires_grad=False)
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[name] = _zero(b, in_memory)
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            put_tensor(module, name, nn.Parameter(_zero(p, in_memory), requires_grad=False))
+        for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            put_tensor(module, name, _zero(b, in_memory))
 
 
 def _zero(t: torch.Tensor, in_memory: bool = False) -> torch.Tensor:
@@ -216,17 +215,12 @@ def _read(
 
 def _is_param(model: nn.Module, name: str) -> bool:
     owner, _, attr = name.rpartition(".")
-    return attr in model.get_submodule(owner)._parameters
+    return attr in dict(model.get_submodule(owner).named_parameters(recurse=False))
 
 
 def _put(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, attr = name.rpartition(".")
-    module = model.get_submodule(owner)
-    if attr in module._parameters:
-        assert isinstance(value, nn.Parameter)
-        module._parameters[attr] = value
-    else:
-        module._buffers[attr] = value
+    put_tensor(model.get_submodule(owner), attr, value)
 
 
 class _Reader:

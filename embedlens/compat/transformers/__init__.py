@@ -22,10 +22,13 @@ from typing import Any
 
 from embedlens.compat import checked_release, forget_said, release_text, say_once
 
-FAST_RELEASES = ((5, 24), (5, 25))
-"""transformers releases the shortcuts are taken on: from the first, up to the second."""
-NEWEST_TESTED = "5.24.0"
+FAST_RELEASES = ((5, 24), (5, 26))
+"""transformers releases the shortcuts are taken on: from the first, up to the second (5.24.x
+and 5.25.x, each checked by CI's faithfulness tests)."""
+NEWEST_TESTED = "5.25.0"
 """The newest transformers release CI runs: the one to install when another misreads a file."""
+LOWEST_TESTED = "5.0"
+"""The lowest transformers release CI runs (pyproject.toml's lower bound)."""
 
 FAST_SIGNATURES: dict[str, tuple[str, ...]] = {
     "transformers.configuration_utils:PretrainedConfig.get_config_dict": (
@@ -117,6 +120,13 @@ def release_fits() -> bool:
     return bool(checked_release("transformers", *FAST_RELEASES))
 
 
+def fast_releases() -> str:
+    """FAST_RELEASES as a message says them: '5.24.x and 5.25.x'."""
+    (major, low), (_, high) = FAST_RELEASES
+    names = [f"{major}.{minor}.x" for minor in range(low, high)]
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 def fast(part: str = "model") -> bool:
     """Whether a shortcut over transformers may be taken in this process: `model` (config,
     meta model and weights: `direct`), `tokenizer` (`direct_tokenizer`), `gguf`
@@ -142,8 +152,10 @@ def _why_not(part: str, fits: bool) -> str | None:
     """Why a part's shortcuts may not be taken (None: they may); `fits`, whether the installed
     release is one of FAST_RELEASES."""
     if not fits:
-        low = FAST_RELEASES[0]
-        return f"embedlens' loading shortcuts are checked on transformers {low[0]}.{low[1]}.x only"
+        return (
+            f"embedlens' loading shortcuts are checked on transformers {fast_releases()} only "
+            f"(CI tests {LOWEST_TESTED} to {NEWEST_TESTED})"
+        )
     signatures: dict[str, tuple[str, ...]] = {}
     keywords: dict[str, tuple[str, ...]] = {}
     names: dict[str, tuple[str, ...]] = {}

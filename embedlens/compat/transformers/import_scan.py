@@ -32,8 +32,9 @@ MODULE = "transformers.utils.import_utils"
 SCAN = "create_import_structure_from_path"
 
 
-CHECKED = ((5, 0), (5, 25))
-"""The transformers releases whose scan this was checked against: 5.0 to 5.24."""
+CHECKED = ((5, 0), (5, 26))
+"""The transformers releases whose scan this was checked against: 5.0 to 5.25 (CI's lowest and
+newest, and those between)."""
 _PUBLIC = "transformers' model table is scanned as transformers scans it (slower to import)"
 
 
@@ -50,20 +51,24 @@ def scan_once() -> None:
         return
     if not fits:
         got = ".".join(map(str, release("transformers") or ())) or "not installed"
-        public_path(f"{_PUBLIC}: transformers {got} is not a release from 5.0 to 5.24")
+        public_path(f"{_PUBLIC}: transformers {got} is not a release from 5.0 to 5.25")
         return
     sys.meta_path.insert(0, _Finder())
 
 
 def quiet() -> None:
     """transformers imported, its model table scanned once (`scan_once`), its warnings and
-    progress bars off: what every load does before it asks transformers for anything."""
+    progress bars off: what every load does before it asks transformers for anything. In a
+    library call all of it is put back when the call ends (`embedlens.guest`)."""
     import os
+
+    from embedlens.guest import quietly_kept
 
     scan_once()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers.utils import logging
 
+    quietly_kept()
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     from huggingface_hub.utils import disable_progress_bars
