@@ -15,6 +15,8 @@ One idea per module, read top-down from `api` (the functions users call):
 - `report`: a run's result as the `LensReport` users get;
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
   --save-states`'s: `states_file`, `saving`), decoded by the model's tail alone (`tail`);
+- `decoders`: the decoders as public objects (`LogitLens`, `TunedLens`, the latter's folder read
+  and matched to its model in `tuned_folder`);
 - `capture`, `decoder`, `ranking`, `blocks`, `threads`: the engine's parts (one forward pass
   that keeps the residual stream; what turns a residual into logits; the best tokens by logit;
   the model's block list; CPU threads).

@@ -32,11 +32,11 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.opening import Check, Opened
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
-    from embedlens.analysis.tune.folder import LensFolder
-    from embedlens.analysis.tune.use import Through
+    from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
@@ -303,7 +303,7 @@ def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:
     """The lens folder given, checked without torch (None without one)."""
     if tuned is None:
         return None
-    from embedlens.analysis.tune.use import open_tuned
+    from embedlens.analysis.lens.decoders import open_tuned
 
     return open_tuned(tuned)
 
@@ -314,7 +314,7 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
         return check
 
     def both(tok: Any, config: Any, template: str) -> T:
-        from embedlens.analysis.tune.use import before_load
+        from embedlens.analysis.lens.decoders import before_load
 
         before_load(lens_dir, config)
         return check(tok, config, template)
@@ -326,7 +326,7 @@ def _through(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
     """The tuned lens checked against the loaded model, as a decoder maker (None without one)."""
     if lens_dir is None:
         return None
-    from embedlens.analysis.tune.use import tuned_through
+    from embedlens.analysis.lens.decoders import tuned_through
 
     return tuned_through(lens_dir, opened.model, opened.tokenizer)
 

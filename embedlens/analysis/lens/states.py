@@ -63,7 +63,7 @@ def lens_states(
     check_dtype(load.dtype)
     lens_dir = None
     if asked.tuned is not None:
-        from embedlens.analysis.tune.use import open_tuned
+        from embedlens.analysis.lens.decoders import open_tuned
 
         lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
@@ -156,7 +156,7 @@ def _run_on(
     ids = file.token_ids()
     _check_ids(file, ids, config, len(tokenizer))
     if lens_dir is not None:
-        from embedlens.analysis.tune.use import before_load
+        from embedlens.analysis.lens.decoders import before_load
 
         before_load(lens_dir, config)
     with file_tokens.watching(source, loaded=True, others=(), model=name):
@@ -247,7 +247,7 @@ def _decoder(
     own = ModelDecoder(tail.model, tail.blocks, dummy_id=int(ids[0]))
     if lens_dir is None:
         return own, None
-    from embedlens.analysis.tune.use import tuned_through
+    from embedlens.analysis.lens.decoders import tuned_through
 
     through = tuned_through(lens_dir, tail.model, tokenizer)
     return through.wrap(own), through.described

@@ -122,13 +122,13 @@ def _run(
     tuned, reference, save_logits, residual = more
     lens_dir = None
     if tuned is not None:
-        from embedlens.analysis.tune.use import open_tuned
+        from embedlens.analysis.lens.decoders import open_tuned
 
         lens_dir = open_tuned(tuned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
         if lens_dir is not None:
-            from embedlens.analysis.tune.use import before_load
+            from embedlens.analysis.lens.decoders import before_load
 
             before_load(lens_dir, config)
         _check_ctx(config, r)
@@ -217,7 +217,7 @@ def _text_run(
 
     main = side(opened)
     if lens_dir is not None:
-        from embedlens.analysis.tune.use import tuned_through
+        from embedlens.analysis.lens.decoders import tuned_through
 
         wrap = tuned_through(lens_dir, opened.model, opened.tokenizer).wrap
         main = Side(main.model, wrap(main.decoder), logit=main.decoder)

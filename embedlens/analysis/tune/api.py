@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.tune.match import Identity
+    from embedlens.analysis.lens.tuned_folder import Identity
     from embedlens.analysis.tune.refine import Recipe
     from embedlens.analysis.tune.run import Fitted
     from embedlens.progress import Progress
@@ -146,8 +146,8 @@ def _write(
 ) -> TuneReport:
     """The lens folder written (by rank 0 alone under torchrun), and the report."""
     from embedlens.analysis.lens.report import dtype_name
+    from embedlens.analysis.lens.tuned_folder import identify
     from embedlens.analysis.tune.folder import write_folder
-    from embedlens.analysis.tune.match import identify
     from embedlens.reports.tune import TuneReport
 
     dtype = dtype_name(opened.model)
