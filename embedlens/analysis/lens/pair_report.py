@@ -68,7 +68,7 @@ def pair_summary(
     notes: list[str],
 ) -> LensPairSummaryReport:
     """A's summary with, in `diff`, the per-layer means of B against it."""
-    layers = [LensDiffLayerStats(*row) for row in stats.means()]
+    layers = [LensDiffLayerStats(**row) for row in stats.means()]
     first = first_above([x.layer for x in layers], [x.kl for x in layers], threshold)
     diff = LensSummaryDiff(against, threshold, first, layers, stats.n_against_unfaithful)
     return LensPairSummaryReport(**_with_notes(summary, notes), diff=diff)
