@@ -14,7 +14,7 @@ from rich.text import Text
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensCheck
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
-from embedlens.views.format import prob, quoted, shown
+from embedlens.views.format import lens_name, prob, quoted, shown
 
 MARK = " ◀"
 """After the layer label of the first divergent layer."""
@@ -42,7 +42,7 @@ def render(r: LensPairReport) -> RenderableType:
         tokens.append_text(piece).append(" ")
     read = r.tokens[r.position_index].token
     title = (
-        f"Logit lens of {r.display_model} (A) against {d.against} (B) after '{read}' "
+        f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B) after '{read}' "
         f"(position {r.position_index}, {r.dtype})"
     )
     table = Table(title=shown(title, "table.title"))
@@ -79,6 +79,16 @@ def render(r: LensPairReport) -> RenderableType:
         delta = f"Δ log p: B's log-probability of '{r.target.token}' minus A's"
     legend = _legend(d.first_divergent_layer, d.threshold, delta=delta)
     lines = [legend, _checks(r.check, d.against_check)]
+    tuned = getattr(r, "tuned", None)
+    if tuned is not None:
+        lines.append(
+            shown(
+                f"Both models read through the tuned lens in '{tuned.path}' (its "
+                f"translator at layers 0-{r.num_layers - 1}), then each model's own "
+                "decoder.",
+                style="dim",
+            )
+        )
     return Group(tokens, table, *lines)
 
 
@@ -86,7 +96,7 @@ def render_summary(r: LensPairSummaryReport) -> RenderableType:
     """The per-layer means of A against B over every prompt and position read."""
     d = r.diff
     title = (
-        f"Logit lens of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
+        f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
         f"prompts ({r.n_positions} positions, {r.dtype})"
     )
     table = Table(title=shown(title, "table.title"))

@@ -99,21 +99,15 @@ def lens(
         raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     b = (against, against_tokenizer, against_revision, asked.threshold)
     loading, pair = given.models(model, tokenizer, load, *b)
-    save = _saving(save_states, load.revision, pair, asked.tuned, against)
+    save = _saving(save_states, load.revision, pair)
     return _one_prompt(model, tokenizer, (loading, pair), ask, asked.target, asked.tuned, save,
                        asked.site)  # fmt: skip
 
 
 def _saving(
-    path: str | os.PathLike[str] | None,
-    revision: str | None,
-    pair: Pair | None,
-    tuned: object,
-    against: object,
+    path: str | os.PathLike[str] | None, revision: str | None, pair: Pair | None
 ) -> tuple[str | os.PathLike[str], str | None] | None:
-    """Where --save-states writes, with the revision its metadata names (None: nowhere), once
-    --tuned and --against are checked (`_not_both`)."""
-    _not_both(tuned, against)
+    """Where --save-states writes, with the revision its metadata names (None: nowhere)."""
     if path is not None and pair is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
     return None if path is None else (path, revision)
@@ -133,10 +127,11 @@ def _one_prompt(
     the sites inside the blocks, `site`)."""
     loading, pair = models
     sites = sites_asked(site, tuned)
+    _saves_sites(save, sites)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask, sites)
+        return lens_pair(pair, ask, sites, _tuned_folder(tuned))
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(make_prompt, ask))
     with open_model(model, tokenizer, loading, check, own_template, target) as (opened, run):
@@ -209,9 +204,21 @@ def lens_prompts(
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = given.models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
+        _saves_sites(save_states, sites_asked(asked.site, None))  # before its folder is made
         saving = _saving_many(save_states, load.revision, against, session)
         return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
                      saving, asked.site)  # fmt: skip
+
+
+def _saves_sites(save: object, sites: Sequence[str]) -> None:
+    """--save-states writes the residual stream alone: with other sites it is refused (it would
+    leave them out)."""
+    if save is not None and tuple(sites) != ("resid",):
+        raise UsageError(
+            "--save-states writes the residual stream only: --site other than resid is not "
+            "saved, so the two do not combine yet",
+            hint="save with --site resid (the default), or read the sites without --save-states",
+        )
 
 
 def _saving_many(
@@ -253,7 +260,7 @@ def _many(
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair_prompts
 
-        return lens_pair_prompts(pair, ask, source, on_report)
+        return lens_pair_prompts(pair, ask, source, on_report, lens_dir)
 
     def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
@@ -332,16 +339,15 @@ def _through(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
 
 
 def _not_both(tuned: object, against: object, compare_logit: bool = False) -> None:
-    """--tuned and --against together are refused: a pair is compared through each model's own
-    decoder, and one lens folder fits one model; --compare-logit needs --tuned."""
+    """--compare-logit needs --tuned, and compares the tuned lens with the logit lens on one
+    model (not with --against)."""
     if compare_logit and tuned is None:
         raise UsageError(
             "--compare-logit compares the tuned lens with the logit lens: give --tuned"
         )
-    if tuned is not None and against is not None:
+    if compare_logit and against is not None:
         raise UsageError(
-            "--tuned and --against do not combine: --against compares two models through their "
-            "own decoders (the logit lens); run --tuned on each model alone"
+            "--compare-logit compares two lenses on one model: run it without --against"
         )
 
 

@@ -140,14 +140,17 @@ def before_load(lens: LensFolder, config: Any) -> None:
     check_config(lens, config)
 
 
-def tuned_through(lens: LensFolder, model: nn.Module, tokenizer: Any) -> Through:
+def tuned_through(
+    lens: LensFolder, model: nn.Module, tokenizer: Any, *, fingerprints: bool = True
+) -> Through:
     """The decoder maker and the report's description of the lens, once the lens is checked
     against the loaded model (its blocks, its decoder's weights, its vocabulary: without a
-    `tokenizer`, not that)."""
+    `tokenizer`, not that; without `fingerprints`, its blocks alone: the model compared with
+    the one the lens was tuned on, read through that model's lens)."""
     from embedlens.analysis.lens.tuned_folder import check_model, load_translators
     from embedlens.reports.tune import TunedLens as Described
 
-    check_model(lens, model, find_blocks(model), tokenizer)
+    check_model(lens, model, find_blocks(model), tokenizer, fingerprints=fingerprints)
     translators = load_translators(lens)
 
     def wrap(own: Decoder) -> Decoder:

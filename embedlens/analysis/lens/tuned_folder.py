@@ -307,15 +307,20 @@ def check_config(lens: LensFolder, config: Any) -> None:
         )
 
 
-def check_model(lens: LensFolder, model: nn.Module, blocks: Blocks, tokenizer: Any) -> None:
+def check_model(
+    lens: LensFolder, model: nn.Module, blocks: Blocks, tokenizer: Any, *, fingerprints: bool = True
+) -> None:
     """Refuse, once the model is loaded, a lens tuned on another: its block count (`blocks`:
     the model's decoder blocks), then the fingerprints its config.json holds (the decoder's
-    weights and the vocabulary for embedlens' lenses, the head's hash for tuned-lens's)."""
+    weights and the vocabulary for embedlens' lenses, the head's hash for tuned-lens's; not
+    without `fingerprints`)."""
     count = len(blocks.modules)
     if count != lens.num_layers:
         raise _other_model(
             lens, f"it has translators for {lens.num_layers} layers; this model has {count} blocks"
         )
+    if not fingerprints:
+        return
     ours = lens.ours or {}
     checks: list[tuple[str, object, Callable[[], str | None]]] = [
         ("the decoder's weights have fingerprint", ours.get("decoder_fingerprint"),
