@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
-from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import Check, Opened, Targets, open_model
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
 from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, make_prompt
+from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
@@ -82,8 +82,7 @@ def lens_pair(
         return run, result, named, b_sites
 
     with _ready_a(a, b, b_first, target=ask.target) as (oa, ran):
-        from embedlens.analysis.lens.pair import compare
-        from embedlens.analysis.lens.pair_report import pair_report
+        from embedlens.analysis.lens.pair import compare, pair_report
 
         run, rb, named, b_sites = ran
         assert rb.kept is not None
@@ -306,7 +305,7 @@ class _PairRun:
         return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned)
 
     def window(self, window: many.Window, outs_b: list[BatchOut]) -> None:
-        from embedlens.analysis.lens.pair_report import pair_report
+        from embedlens.analysis.lens.pair import pair_report
 
         others = [_residual(out.result) for out in outs_b]
         outs_a = self.run.run_window(window, others)
@@ -321,7 +320,7 @@ class _PairRun:
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
         """A's summary with the means of B against it; `notes` after B's."""
-        from embedlens.analysis.lens.pair_report import pair_summary
+        from embedlens.analysis.lens.pair import pair_summary
 
         summary = self.run.summary(n_bad, bad)
         named = self.named

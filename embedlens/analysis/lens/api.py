@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from embedlens.analysis.lens import given
 from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.many import OnReport
-from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import open_model
 from embedlens.analysis.lens.prompt import make_prompt
+from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.errors import UsageError
 from embedlens.options import LensOptions, LoadOptions, renamed
@@ -140,7 +140,7 @@ def _one_prompt(
         result = run_one(opened, ask, run, decoder=decoder)
         report = sites_report(one_report(opened, ask, run, result), opened, ask, run, result, sites)
         if save is not None:
-            from embedlens.analysis.lens.saving import save_run
+            from embedlens.analysis.lens.states_file import save_run
 
             save_run(save[0], opened, run, ask, save[1])
         if through is None:
@@ -229,7 +229,7 @@ def _saving_many(
         return None
     if against is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
-    from embedlens.analysis.lens.saving import states_folder
+    from embedlens.analysis.lens.states_file import states_folder
 
     if getattr(session, "rank", 0) == 0:
         states_folder(path)
@@ -275,7 +275,7 @@ def _many(
 
             lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
         if saving is not None:
-            from embedlens.analysis.lens.saving import ManySaver
+            from embedlens.analysis.lens.states_file import ManySaver
 
             lensing.saver = ManySaver(saving[0], opened, saving[1])
         return lensing.run_all(source, n_bad, bad, session, progress)
