@@ -370,7 +370,8 @@ def lens(
                            "save_states": save_states})  # fmt: skip
     one = replace(asked, grid=plot is not None and against is None)
     work = lambda: run_lens(model, prompt, load=load, options=one,  # noqa: E731
-                            save_states=save_states, **b)  # fmt: skip
+                            save_states=save_states, against=against,
+                            against_revision=against_revision)  # fmt: skip
     _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
 
 

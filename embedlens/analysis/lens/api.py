@@ -14,7 +14,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from embedlens.analysis.lens import given
 from embedlens.analysis.lens import options as checks
@@ -24,7 +24,7 @@ from embedlens.analysis.lens.prompt import make_prompt
 from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.errors import UsageError
-from embedlens.options import LensOptions, LoadOptions, renamed
+from embedlens.options import LensKeywords, LensOptions, LoadOptions, renamed
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,7 +46,17 @@ T = TypeVar("T")
 
 @overload
 def lens(
-    model: str | os.PathLike[str] | nn.Module | LoadOptions, prompt: str, **keywords: Any
+    model: str | os.PathLike[str] | nn.Module | LoadOptions,
+    prompt: str,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    load: LoadOptions | None = None,
+    options: LensOptions | None = None,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: PreTrainedTokenizerBase | None = None,
+    against_revision: str | None = None,
+    save_states: str | os.PathLike[str] | None = None,
+    **keywords: Unpack[LensKeywords],
 ) -> LensReport: ...
 
 
@@ -55,8 +65,14 @@ def lens(
     model: str | os.PathLike[str] | nn.Module | LoadOptions,
     prompt: None = None,
     *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    load: LoadOptions | None = None,
+    options: LensOptions | None = None,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: PreTrainedTokenizerBase | None = None,
+    against_revision: str | None = None,
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> LensSummaryReport: ...
 
 
@@ -72,7 +88,7 @@ def lens(
     against_revision: str | None = None,
     save_states: str | os.PathLike[str] | None = None,
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -91,7 +107,7 @@ def lens(
     """
     if prompts is not None or prompt is None:
         return _deprecated_many(model, prompt, prompts, locals())
-    model, load, asked = given.lens_given("lens", model, load, options, keywords)
+    model, load, asked = given.lens_given("lens", model, load, options, dict(keywords))
     ask = checks.ask(prompt, asked.layers, asked.top_k, asked.position, asked.target, asked.chat,
                      asked.no_thinking, asked.template_args, asked.grid,
                      asked.chat_template)  # fmt: skip
@@ -164,7 +180,7 @@ def lens_prompts(
     against_revision: str | None = None,
     dist_backend: str = "auto",
     save_states: str | os.PathLike[str] | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -190,9 +206,10 @@ def lens_prompts(
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import progress_of
 
-    on_report = renamed("lens_prompts", keywords, "each", "on_report", on_report,
+    extra: dict[str, Any] = dict(keywords)
+    on_report = renamed("lens_prompts", extra, "each", "on_report", on_report,
                         "the callback is now named")  # fmt: skip
-    model, load, asked = given.lens_given("lens_prompts", model, load, options, keywords)
+    model, load, asked = given.lens_given("lens_prompts", model, load, options, extra)
     checks.one_prompt_only(asked.target, asked.chat, asked.grid)
     ask = checks.many(asked.top_k, asked.layers, asked.position, asked.no_thinking,
                       asked.template_args, asked.skip_bad, asked.chat_template)  # fmt: skip

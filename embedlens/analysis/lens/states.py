@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
 from embedlens.errors import NumericError, UsageError
-from embedlens.options import LensOptions, LoadOptions
+from embedlens.options import LensKeywords, LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ def lens_states(
     state_layers: str | None = None,
     load: LoadOptions | None = None,
     options: LensOptions | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> StatesLensReport:
     """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
     connector's, or `lens --save-states`'s), decoded with `model`'s own final norm, head and
@@ -52,7 +52,7 @@ def lens_states(
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
-    name, load, asked = given.lens_given("lens_states", model, load, options, keywords)
+    name, load, asked = given.lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
     checks.check_top_k(asked.top_k)
     items = None if asked.layers is None else checks.layer_items(asked.layers)
