@@ -354,25 +354,34 @@ def lens(
     output. The lens runs in float32 unless --dtype says otherwise. Every run checks itself:
     decoding the last block's output must reproduce the model's logits.
     """
+    _run(dict(locals()))
+
+
+def _run(given: dict[str, Any]) -> None:
+    """The command once its options are read (`given`: each by its parameter's name): --text,
+    --states, --prompts or one prompt."""
     from embedlens.analysis.lens import lens as run_lens
 
-    given = dict(locals())
-    if text is not None or save_logits is not None or against_logits is not None:
+    model, prompt, plot, against = given["model"], given["prompt"], given["plot"], given["against"]
+    if any(given[key] is not None for key in ("text", "save_logits", "against_logits")):
         return run_text(model, given)
     load, asked = _options(given)
-    if states is not None or state_layers is not None:
+    if given["states"] is not None or given["state_layers"] is not None:
         return run_states(model, given, load, asked)
-    b = {"against": against, "against_revision": against_revision}
-    if prompts is not None or prompt is None:
-        common(quiet=quiet, debug=debug, device=device, split=True)
-        return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           load=load, asked=asked, more={**b, "dist_backend": dist_backend,
-                           "save_states": save_states})  # fmt: skip
+    b = {"against": against, "against_revision": given["against_revision"]}
+    shown = (given["as_json"], given["quiet"], given["debug"], given["device"])
+    if given["prompts"] is not None or prompt is None:
+        common(quiet=shown[1], debug=shown[2], device=shown[3], split=True)
+        return run_prompts(model, prompt, given["prompts"], each=given["each"], as_json=shown[0],
+                           plot=plot, load=load, asked=asked,
+                           more={**b, "dist_backend": given["dist_backend"],
+                                 "save_states": given["save_states"]})  # fmt: skip
     one = replace(asked, grid=plot is not None and against is None)
+    save = given["save_states"]
     work = lambda: run_lens(model, prompt, load=load, options=one,  # noqa: E731
-                            save_states=save_states, against=against,
-                            against_revision=against_revision)  # fmt: skip
-    _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
+                            save_states=save, against=against,
+                            against_revision=b["against_revision"])  # fmt: skip
+    _one(model, against, work, plot, save, given["compare_logit"], shown)
 
 
 _CLI_NAMES = {"template_args": "template_arg"}

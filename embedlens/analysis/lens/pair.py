@@ -4,14 +4,11 @@ Both results come from the engine with `keep`: B's first, then A's with B's resi
 `other`, so that A's decoder runs on B's rows in the same chunks as on its own. Every pair of
 rows compared was decoded in the same chunks by the same code: equal residuals give equal bits,
 and a KL of exactly 0. KL is taken in float64 from the float32 logits, on one thread (a row's
-sum split between threads would move its last bits with the machine's load). The figures
-become the reports users get: A's `LensReport` with B's `diff` (`pair_report`), and the summary
-(`pair_summary`).
+sum split between threads would move its last bits with the machine's load).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -19,21 +16,11 @@ from typing import Any
 import torch
 
 from embedlens.analysis.lens.engine import LensResult
-from embedlens.analysis.lens.prompt import token_text
 from embedlens.analysis.lens.ranking import Top
 from embedlens.analysis.lens.stats import Sums
 from embedlens.analysis.lens.threads import one_thread
 from embedlens.errors import UnsupportedError
-from embedlens.reports.lens import LensCheck, LensReport, LensSummaryReport, Prediction
-from embedlens.reports.lens_diff import (
-    LensDiff,
-    LensDiffLayer,
-    LensDiffLayerStats,
-    LensPairReport,
-    LensPairSummaryReport,
-    LensSummaryDiff,
-)
-from embedlens.reports.tune import tuned_pair_report, tuned_pair_summary
+from embedlens.reports.lens_diff import LensDiffLayerStats
 
 
 @dataclass(frozen=True)
@@ -169,70 +156,3 @@ class PairStats:
     def means(self) -> list[dict[str, Any]]:
         """The statistics of `PAIR_STATS` per layer, in layer order (with `layer`)."""
         return [{"layer": x, **acc.values(PAIR_STATS)} for x, acc in sorted(self.layers.items())]
-
-
-def pair_report(
-    report: LensReport,
-    diffs: list[LayerDiff],
-    b: LensResult,
-    against: str,
-    threshold: float,
-    tokenizer: Any,
-    notes: list[str],
-) -> LensPairReport:
-    """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
-    `pair.compare`; `b`: B's result); `notes` (B's) follow A's."""
-    cache: dict[int, str] = {}
-
-    def tok(i: int) -> str:
-        if i not in cache:
-            cache[i] = token_text(tokenizer, i)
-        return cache[i]
-
-    layers = [
-        LensDiffLayer(
-            layer=d.layer,
-            kl=d.kl,
-            top1_agree=d.top1_agree,
-            residual_kl=d.residual_kl,
-            target_logprob_delta=d.target_logprob_delta,
-            against_top=[
-                Prediction(i, tok(i), p, lp)
-                for i, p, lp in zip(d.against.ids, d.against.probs, d.against.logprobs, strict=True)
-            ],
-        )
-        for d in diffs
-    ]
-    first = first_above([d.layer for d in diffs], [d.kl for d in diffs], threshold)
-    c = b.check
-    check = LensCheck(c.max_abs_logit_diff, c.tolerance, c.ok, c.top1_agrees, c.suspect)
-    diff = LensDiff(against, threshold, first, layers, check)
-    fields = _with_notes(report, notes)
-    tuned = fields.pop("tuned", None)  # through a tuned lens: both sides were
-    pair = LensPairReport(**fields, diff=diff)
-    return pair if tuned is None else tuned_pair_report(pair, tuned)
-
-
-def pair_summary(
-    summary: LensSummaryReport,
-    stats: PairStats,
-    against: str,
-    threshold: float,
-    notes: list[str],
-) -> LensPairSummaryReport:
-    """A's summary with, in `diff`, the per-layer means of B against it."""
-    layers = [LensDiffLayerStats(**row) for row in stats.means()]
-    first = first_above([x.layer for x in layers], [x.kl for x in layers], threshold)
-    diff = LensSummaryDiff(against, threshold, first, layers, stats.n_against_unfaithful)
-    fields = _with_notes(summary, notes)
-    tuned = fields.pop("tuned", None)
-    fields.pop("logit_layers", None)  # --compare-logit is refused with --against
-    pair = LensPairSummaryReport(**fields, diff=diff)
-    return pair if tuned is None else tuned_pair_summary(pair, tuned)
-
-
-def _with_notes(report: LensReport | LensSummaryReport, notes: list[str]) -> dict[str, Any]:
-    """The report's fields, `notes` after its own."""
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    fields["notes"] = [*report.notes, *notes]
-    return fields

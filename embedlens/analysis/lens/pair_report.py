@@ -1,0 +1,89 @@
+"""A pair's figures as the reports users get: A's `LensReport` with B's `diff`, and the summary."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from embedlens.analysis.lens.pair import LayerDiff, PairStats, first_above
+from embedlens.analysis.lens.prompt import token_text
+from embedlens.reports.lens import LensCheck, LensReport, LensSummaryReport, Prediction
+from embedlens.reports.lens_diff import (
+    LensDiff,
+    LensDiffLayer,
+    LensDiffLayerStats,
+    LensPairReport,
+    LensPairSummaryReport,
+    LensSummaryDiff,
+)
+from embedlens.reports.tune import tuned_pair_report, tuned_pair_summary
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.engine import LensResult
+
+
+def pair_report(
+    report: LensReport,
+    diffs: list[LayerDiff],
+    b: LensResult,
+    against: str,
+    threshold: float,
+    tokenizer: Any,
+    notes: list[str],
+) -> LensPairReport:
+    """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
+    `pair.compare`; `b`: B's result); `notes` (B's) follow A's."""
+    cache: dict[int, str] = {}
+
+    def tok(i: int) -> str:
+        if i not in cache:
+            cache[i] = token_text(tokenizer, i)
+        return cache[i]
+
+    layers = [
+        LensDiffLayer(
+            layer=d.layer,
+            kl=d.kl,
+            top1_agree=d.top1_agree,
+            residual_kl=d.residual_kl,
+            target_logprob_delta=d.target_logprob_delta,
+            against_top=[
+                Prediction(i, tok(i), p, lp)
+                for i, p, lp in zip(d.against.ids, d.against.probs, d.against.logprobs, strict=True)
+            ],
+        )
+        for d in diffs
+    ]
+    first = first_above([d.layer for d in diffs], [d.kl for d in diffs], threshold)
+    c = b.check
+    check = LensCheck(c.max_abs_logit_diff, c.tolerance, c.ok, c.top1_agrees, c.suspect)
+    diff = LensDiff(against, threshold, first, layers, check)
+    fields = _with_notes(report, notes)
+    tuned = fields.pop("tuned", None)  # through a tuned lens: both sides were
+    pair = LensPairReport(**fields, diff=diff)
+    return pair if tuned is None else tuned_pair_report(pair, tuned)
+
+
+def pair_summary(
+    summary: LensSummaryReport,
+    stats: PairStats,
+    against: str,
+    threshold: float,
+    notes: list[str],
+) -> LensPairSummaryReport:
+    """A's summary with, in `diff`, the per-layer means of B against it."""
+    layers = [LensDiffLayerStats(**row) for row in stats.means()]
+    first = first_above([x.layer for x in layers], [x.kl for x in layers], threshold)
+    diff = LensSummaryDiff(against, threshold, first, layers, stats.n_against_unfaithful)
+    fields = _with_notes(summary, notes)
+    tuned = fields.pop("tuned", None)
+    fields.pop("logit_layers", None)  # --compare-logit is refused with --against
+    pair = LensPairSummaryReport(**fields, diff=diff)
+    return pair if tuned is None else tuned_pair_summary(pair, tuned)
+
+
+def _with_notes(report: LensReport | LensSummaryReport, notes: list[str]) -> dict[str, Any]:
+    """The report's fields, `notes` after its own."""
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    fields["notes"] = [*report.notes, *notes]
+    return fields
