@@ -82,7 +82,8 @@ def lens_pair(
         return run, result, named, b_sites
 
     with _ready_a(a, b, b_first, target=ask.target) as (oa, ran):
-        from embedlens.analysis.lens.pair import compare, pair_report
+        from embedlens.analysis.lens.pair import compare
+        from embedlens.analysis.lens.pair_report import pair_report
 
         run, rb, named, b_sites = ran
         assert rb.kept is not None
@@ -305,7 +306,7 @@ class _PairRun:
         return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned)
 
     def window(self, window: many.Window, outs_b: list[BatchOut]) -> None:
-        from embedlens.analysis.lens.pair import pair_report
+        from embedlens.analysis.lens.pair_report import pair_report
 
         others = [_residual(out.result) for out in outs_b]
         outs_a = self.run.run_window(window, others)
@@ -320,7 +321,7 @@ class _PairRun:
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
         """A's summary with the means of B against it; `notes` after B's."""
-        from embedlens.analysis.lens.pair import pair_summary
+        from embedlens.analysis.lens.pair_report import pair_summary
 
         summary = self.run.summary(n_bad, bad)
         named = self.named
