@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from embedlens.analysis.lens.blocks import Capture, Decoder, ModelDecoder, find_blocks
-from embedlens.analysis.lens.tuned_folder import Translators
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
@@ -29,6 +28,47 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.reports.tune import TunedLens as TunedDescription
+
+
+@dataclass(frozen=True)
+class Translators:
+    """One affine translator per layer 0..L-1: weight [L, d, d] and bias [L, d], float32."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    num_layers: int = field(init=False, compare=False, repr=False)
+    """L: the layers with a translator (the model's blocks)."""
+    width: int = field(init=False, compare=False, repr=False)
+    """d: the residual stream's width."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_layers", int(self.weight.shape[0]))
+        object.__setattr__(self, "width", int(self.weight.shape[1]))
+
+    @classmethod
+    def identity(cls, num_layers: int, width: int) -> Translators:
+        """Translators that change nothing (W = 0, b = 0): the logit lens."""
+        weight = torch.zeros(num_layers, width, width, dtype=torch.float32)
+        return cls(weight, torch.zeros(num_layers, width, dtype=torch.float32))
+
+    def apply(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+        """Rows [n, d] translated, row i by the translator of layers[i] (none at layer L), in
+        float32: h + W h + b."""
+        if rows.shape[-1] != self.width:
+            raise UsageError(
+                f"the tuned lens's translators are {self.width} wide; this model's residual "
+                f"stream is {rows.shape[-1]} wide: the lens was tuned for another model"
+            )
+        h = rows.float()
+        out = h.clone()
+        at = torch.tensor(list(layers), dtype=torch.long)
+        for layer in sorted({int(x) for x in layers if 0 <= x < self.num_layers}):
+            pick = (at == layer).nonzero().flatten().to(h.device)
+            x = h.index_select(0, pick)
+            w = self.weight[layer].to(h.device)
+            b = self.bias[layer].to(h.device)
+            out.index_copy_(0, pick, x + torch.addmm(b, x, w.T))
+        return out
 
 
 class TunedDecoder:
@@ -147,7 +187,7 @@ def tuned_through(
     against the loaded model (its blocks, its decoder's weights, its vocabulary: without a
     `tokenizer`, not that; without `fingerprints`, its blocks alone: the model compared with
     the one the lens was tuned on, read through that model's lens)."""
-    from embedlens.analysis.lens.tuned_folder import check_model, load_translators
+    from embedlens.analysis.lens.tuned_folder import check_model
     from embedlens.reports.tune import TunedLens as Described
 
     check_model(lens, model, find_blocks(model), tokenizer, fingerprints=fingerprints)
@@ -163,3 +203,10 @@ def tuned_through(
         num_layers=lens.num_layers,
     )
     return Through(wrap, described)
+
+
+def load_translators(lens: LensFolder) -> Translators:
+    """The lens folder's translators (`tuned_folder.read_translators`)."""
+    from embedlens.analysis.lens.tuned_folder import read_translators
+
+    return Translators(*read_translators(lens))

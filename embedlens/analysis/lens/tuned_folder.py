@@ -12,7 +12,7 @@ Everything `open_folder` checks is read without torch (JSON and the safetensors 
 checks that refuse a lens on another model: the residual's width and the number of blocks
 (against the config, before the weights load), then fingerprints of the decoder's weights and of
 the vocabulary (embedlens' lenses), or tuned-lens's hash of the head (tuned-lens's). `tune`
-writes the folder (`analysis/tune/folder.py`); `Translators` are what it holds, as tensors.
+writes the folder (`analysis/tune/folder.py`); `decoders.Translators` are what it holds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,53 +182,9 @@ def _check_header(path: Path, width: int, layers: int, bias: bool) -> None:
     check_tensors(path, {k: v.shape for k, v in header.tensors.items()}, width, layers, bias)
 
 
-@dataclass(frozen=True)
-class Translators:
-    """One affine translator per layer 0..L-1: weight [L, d, d] and bias [L, d], float32."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor
-    num_layers: int = field(init=False, compare=False, repr=False)
-    """L: the layers with a translator (the model's blocks)."""
-    width: int = field(init=False, compare=False, repr=False)
-    """d: the residual stream's width."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "num_layers", int(self.weight.shape[0]))
-        object.__setattr__(self, "width", int(self.weight.shape[1]))
-
-    @classmethod
-    def identity(cls, num_layers: int, width: int) -> Translators:
-        """Translators that change nothing (W = 0, b = 0): the logit lens."""
-        import torch
-
-        weight = torch.zeros(num_layers, width, width, dtype=torch.float32)
-        return cls(weight, torch.zeros(num_layers, width, dtype=torch.float32))
-
-    def apply(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
-        """Rows [n, d] translated, row i by the translator of layers[i] (none at layer L), in
-        float32: h + W h + b."""
-        import torch
-
-        if rows.shape[-1] != self.width:
-            raise UsageError(
-                f"the tuned lens's translators are {self.width} wide; this model's residual "
-                f"stream is {rows.shape[-1]} wide: the lens was tuned for another model"
-            )
-        h = rows.float()
-        out = h.clone()
-        at = torch.tensor(list(layers), dtype=torch.long)
-        for layer in sorted({int(x) for x in layers if 0 <= x < self.num_layers}):
-            pick = (at == layer).nonzero().flatten().to(h.device)
-            x = h.index_select(0, pick)
-            w = self.weight[layer].to(h.device)
-            b = self.bias[layer].to(h.device)
-            out.index_copy_(0, pick, x + torch.addmm(b, x, w.T))
-        return out
-
-
-def load_translators(lens: LensFolder) -> Translators:
-    """The translators as float32 tensors (a missing bias is zero)."""
+def read_translators(lens: LensFolder) -> tuple[torch.Tensor, torch.Tensor]:
+    """The translators' weight [L, d, d] and bias [L, d] as float32 tensors (a missing bias is
+    zero): `decoders.load_translators` makes them `Translators`."""
     import torch
 
     state = _read_safetensors(lens) if lens.params.suffix == ".safetensors" else _unpickle(lens)
@@ -239,7 +195,7 @@ def load_translators(lens: LensFolder) -> Translators:
         bias = torch.zeros(lens.num_layers, lens.width, dtype=torch.float32)
     if not bool(torch.isfinite(weight).all()) or not bool(torch.isfinite(bias).all()):
         raise CheckpointError(f"'{lens.params}' holds NaN or infinite values")
-    return Translators(weight.contiguous(), bias.contiguous())
+    return weight.contiguous(), bias.contiguous()
 
 
 def _read_safetensors(lens: LensFolder) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from embedlens.analysis.lens.tuned_folder import CONFIG, LENS_TYPE, PARAMS
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.tuned_folder import Translators
+    from embedlens.analysis.lens.decoders import Translators
 
 
 def lens_config(
