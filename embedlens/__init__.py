@@ -8,6 +8,7 @@ object; `rich.print(report)` shows its tables; Jupyter shows it as HTML):
     embedlens.lens(model, "The capital of France is", tokenizer=tokenizer)
     embedlens.lens("model.gguf", "Paris", load=embedlens.LoadOptions(dtype="bfloat16"), top_k=3)
     embedlens.lens_prompts("SmolLM2-135M-Instruct.Q4_1.gguf", ["The capital of France is"])
+    embedlens.LogitLens.from_model(model)(hidden, layer)  # a caller's own tensors, decoded
 
 Importing embedlens is cheap: torch, transformers and numpy load when a function needs them.
 Each function leaves the process as it found it (`embedlens.guest`): environment variables, log
@@ -28,6 +29,7 @@ import embedlens.views  # noqa: F401
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
     from embedlens.analysis.lens import lens, lens_prompts, lens_states, lens_text
+    from embedlens.analysis.lens.decoders import LogitLens, TunedLens
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
@@ -57,6 +59,8 @@ _EXPORTS = {
     "lens_prompts": "embedlens.analysis.lens",
     "lens_states": "embedlens.analysis.lens",
     "lens_text": "embedlens.analysis.lens",
+    "LogitLens": "embedlens.analysis.lens.decoders",
+    "TunedLens": "embedlens.analysis.lens.decoders",
     "vocab": "embedlens.analysis.vocab",
     "tune": "embedlens.analysis.tune",
     "Report": "embedlens.reports",
@@ -91,12 +95,14 @@ __all__ = [
     "EmbedlensError",
     "LensOptions",
     "LoadOptions",
+    "LogitLens",
     "MissingDependencyError",
     "NumericError",
     "RemoteCodeError",
     "Report",
     "ResourceError",
     "SourceError",
+    "TunedLens",
     "UnsupportedError",
     "UsageError",
     "__version__",

@@ -16,7 +16,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from embedlens.errors import UsageError
 
@@ -94,6 +94,40 @@ class LensOptions:
 
 
 Options = TypeVar("Options", LoadOptions, LensOptions)
+
+
+class LoadKeywords(TypedDict, total=False):
+    """`LoadOptions`' fields as keyword arguments (but `source`: the model itself), so that type
+    checkers and editors see each one the functions take (`**keywords: Unpack[...]`)."""
+
+    revision: str | None
+    dtype: str
+    device: str
+    device_map: str | None
+    max_memory: Mapping[int | str, int | str] | str | None
+    offload_folder: PathLike | None
+    trust_remote_code: bool
+
+
+class LensKeywords(LoadKeywords, total=False):
+    """`LoadOptions`' and `LensOptions`' fields as keyword arguments (`lens`, `lens_prompts`,
+    `lens_states`); tests/test_api_lens.py checks they are the fields, no more, no fewer."""
+
+    layers: str | Sequence[int] | None
+    top_k: int
+    position: int | str | Sequence[int]
+    target: str | None
+    chat: str | None
+    no_thinking: bool
+    template_args: Mapping[str, Any] | Sequence[str] | None
+    chat_template: PathLike | None
+    grid: bool
+    skip_bad: bool
+    threshold: float | None
+    tuned: PathLike | None
+    compare_logit: bool
+    site: str | Sequence[str] | None
+
 
 LOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(LoadOptions)) - {"source"}
 LENS_FIELDS = frozenset(f.name for f in dataclasses.fields(LensOptions))

@@ -284,3 +284,19 @@ def test_model_that_gives_nan_is_a_numeric_error(tiny):
     with pytest.raises(NumericError) as info:
         lens(model, PROMPT, tokenizer=tokenizer)
     assert isinstance(info.value, EmbedlensError)
+
+
+def test_the_typed_keywords_are_the_option_objects_fields():
+    """`**keywords: Unpack[LensKeywords]` shows type checkers every field `lens`,
+    `lens_prompts` and `lens_states` take as a keyword (`LoadKeywords`: `lens_text`, `tune`):
+    exactly the fields of LoadOptions (but its source) and LensOptions."""
+    import inspect
+    import typing
+
+    import embedlens
+    from embedlens.options import LENS_FIELDS, LOAD_FIELDS, LensKeywords, LoadKeywords
+
+    assert set(typing.get_type_hints(LoadKeywords)) == LOAD_FIELDS
+    assert set(typing.get_type_hints(LensKeywords)) == LOAD_FIELDS | LENS_FIELDS
+    for function in (embedlens.lens, embedlens.lens_prompts, embedlens.lens_states):
+        assert "Unpack[LensKeywords]" in str(inspect.signature(function).parameters["keywords"])

@@ -112,3 +112,19 @@ def test_a_command_missing_each_part_is_caught():
     assert problems("params", APP_COMMANDS["params"], readme="") == [
         "params: no page docs/params.md ('# `embedlens params`') linked from README"
     ]
+
+
+def test_lens_help_groups_its_options_in_panels(cli):
+    """`lens --help`: every option under its panel (typer's rich_help_panel), the panels in
+    order; only --help itself is left under 'Options'."""
+    import re
+
+    from embedlens.cli import PANELS
+
+    out = cli("lens", "--help").stdout
+    sections = re.findall(r"^([A-Z][a-z]+):$", out, flags=re.M)
+    assert sections == ["Arguments", *PANELS, "Options"]
+    rest = out.split("\nOptions:\n", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^  (-\S+)", rest, flags=re.M) == ["-h,"]
+    for flag in ("--text", "--site", "--tuned", "--against", "--json", "--dtype", "--quiet"):
+        assert re.search(rf"^  (-\w, )?{flag}\b", out, flags=re.M), flag

@@ -29,7 +29,13 @@ from embedlens.reports.params import ParamsReport
 from embedlens.reports.sites import LensSitesPairReport, LensSitesReport, LensSitesSummaryReport
 from embedlens.reports.states import StatesLensReport
 from embedlens.reports.tied import TiedReport
-from embedlens.reports.tune import TunedLensReport, TunedLensSummaryReport, TuneReport
+from embedlens.reports.tune import (
+    TunedLensPairReport,
+    TunedLensPairSummaryReport,
+    TunedLensReport,
+    TunedLensSummaryReport,
+    TuneReport,
+)
 from embedlens.reports.vocab import VocabReport
 from tests.conftest import Runner
 from tests.test_commands import APP_COMMANDS
@@ -54,6 +60,8 @@ REPORTS: dict[str, type[Report]] = {
     "lens --site": LensSitesReport,
     "lens --prompts --site": LensSitesSummaryReport,
     "lens --against --site": LensSitesPairReport,
+    "lens --tuned --against": TunedLensPairReport,
+    "lens --prompts --tuned --against": TunedLensPairSummaryReport,
     "lens --text": LensTextReport,
     "tune": TuneReport,
     "vocab": VocabReport,
@@ -67,6 +75,8 @@ EXTENDS = {
     "lens --site": "lens",
     "lens --prompts --site": "lens --prompts",
     "lens --against --site": "lens --against",
+    "lens --tuned --against": "lens --against",
+    "lens --prompts --tuned --against": "lens --prompts --against",
 }
 """Sections whose report extends another section's (a subclass): they name only what it adds."""
 EACH_LINE = {
@@ -74,6 +84,7 @@ EACH_LINE = {
     "lens --prompts --tuned": "lens --tuned",
     "lens --prompts --against": "lens --against",
     "lens --prompts --site": "lens --site",
+    "lens --prompts --tuned --against": "lens --tuned --against",
 }
 """JSON Lines runs: the section of each prompt's line (the summary comes last)."""
 PER_PROMPT_LINE = frozenset({"id"})  # added to a --prompts line's lens object when its line has one
@@ -118,6 +129,15 @@ ARGS: dict[str, list[str]] = {
         "MODEL",
         "--site",
         "attn_out,resid_mid,resid",
+    ],
+    "lens --tuned --against": ["the king of France is", "--tuned", "TUNED", "--against", "MODEL"],
+    "lens --prompts --tuned --against": [
+        "--prompts",
+        "PROMPTS",
+        "--tuned",
+        "TUNED",
+        "--against",
+        "MODEL",
     ],
     "lens --text": ["--text", "DATA", "--ctx", "16", "--max-tokens", "64", "--against", "MODEL"],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),

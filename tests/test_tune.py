@@ -119,7 +119,7 @@ def test_a_tuned_lens_lens_decodes_as_its_formula_by_hand(tiny, tmp_path, family
 
 def test_the_translator_is_added_to_the_residual():
     """h + W h + b: zero translators are the logit lens, and each row gets its own layer's."""
-    from embedlens.analysis.lens.tuned import Translators
+    from embedlens.analysis.lens.decoders import Translators
 
     t = Translators.identity(3, 4)
     rows = torch.randn(5, 4)
@@ -234,8 +234,9 @@ def test_lens_prompts_through_a_tuned_lens_beside_the_logit_lens(tiny, cli, tmp_
 def test_the_same_data_and_seed_give_the_same_lens(tiny, tmp_path):
     """Byte for byte, and the folder reads back as the translators the run fitted."""
     from embedlens import tune
+    from embedlens.analysis.lens.decoders import load_translators
+    from embedlens.analysis.lens.tuned_folder import open_folder
     from embedlens.analysis.tune import run
-    from embedlens.analysis.tune.folder import load_translators, open_folder
 
     fitted: list[Any] = []
     evaluate = run.Tuning.evaluate
@@ -318,8 +319,9 @@ def test_affine_is_the_least_squares_map_to_the_last_layer(tiny, tmp_path):
     residual to the last layer's over the data fitted (as numpy's lstsq finds it from every
     hidden state held at once; tune only keeps sums)."""
     from embedlens import tune
+    from embedlens.analysis.lens.decoders import load_translators
+    from embedlens.analysis.lens.tuned_folder import open_folder
     from embedlens.analysis.tune.data import read_sequences
-    from embedlens.analysis.tune.folder import load_translators, open_folder
 
     folder = tiny("gpt2")
     model, tokenizer = _load(folder)

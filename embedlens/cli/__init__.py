@@ -49,8 +49,34 @@ class _HelpChecked:
         return option
 
 
+PANELS = ("Input", "Sites", "Decoder", "Comparison", "Output", "Loading", "Runtime")
+"""The --help panels options name (`rich_help_panel`), in the order they are shown."""
+
+
 class _Command(_HelpChecked, TyperCommand):
-    """A subcommand (its --help checked)."""
+    """A subcommand (its --help checked, its options under the panels they name)."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        """Arguments, then the options in their `rich_help_panel`'s section (the plain help,
+        which Typer writes without panels), panels in `PANELS`' order (then any other in the
+        order its first option comes), those without one last under 'Options'."""
+        args: list[tuple[str, str]] = []
+        panels: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append(record)
+            else:
+                name = getattr(param, "rich_help_panel", None) or "Options"
+                panels.setdefault(name, []).append(record)
+        order = [*PANELS, *(name for name in panels if name not in PANELS), "Options"]
+        panels = {name: panels[name] for name in dict.fromkeys(order) if name in panels}
+        for title, rows in (("Arguments", args), *panels.items()):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 class _Group(_HelpChecked, TyperGroup):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
@@ -23,20 +21,32 @@ TextOpt = Annotated[
         help="Score every token of a text file (windows of --ctx, llama-perplexity's rule): per "
         "layer cross-entropy, bits per byte, KL to the output, entropy, top-1 accuracy; with "
         "--against, llama-perplexity's KL table at every layer. See docs/text.md.",
+        rich_help_panel="Input",
     ),
 ]
-CtxOpt = Annotated[int, typer.Option("--ctx", help="With --text: tokens per window.")]
+CtxOpt = Annotated[
+    int, typer.Option("--ctx", help="With --text: tokens per window.", rich_help_panel="Input")
+]
 StrideOpt = Annotated[
     int | None,
-    typer.Option("--stride", help="With --text: tokens between window starts (--ctx by default)."),
+    typer.Option(
+        "--stride",
+        help="With --text: tokens between window starts (--ctx by default).",
+        rich_help_panel="Input",
+    ),
 ]
 MaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="With --text: the text's first N tokens only.")
+    int | None,
+    typer.Option(
+        "--max-tokens", help="With --text: the text's first N tokens only.", rich_help_panel="Input"
+    ),
 ]
 ScoreOpt = Annotated[
     str,
     typer.Option(
-        "--score", help="With --text: 'half' (each window's second half) or 'all' its tokens."
+        "--score",
+        help="With --text: 'half' (each window's second half) or 'all' its tokens.",
+        rich_help_panel="Input",
     ),
 ]
 SaveLogitsOpt = Annotated[
@@ -45,6 +55,7 @@ SaveLogitsOpt = Annotated[
         "--save-logits",
         metavar="FILE",
         help="With --text: write the output's top-k log-probabilities, for --against-logits.",
+        rich_help_panel="Output",
     ),
 ]
 AgainstLogitsOpt = Annotated[
@@ -53,6 +64,7 @@ AgainstLogitsOpt = Annotated[
         "--against-logits",
         metavar="FILE",
         help="With --text: compare the output with a --save-logits FILE (the base).",
+        rich_help_panel="Comparison",
     ),
 ]
 
@@ -123,34 +135,3 @@ def _lens_text(model: str, given: dict[str, Any], advance: Callable[[int, int], 
         progress=lambda _stage, done, total, _unit, _detail="": advance(done, total),
         **{key: given[key] for key in keys},
     )
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-TEXT_OPTIONS = (("text", TextOpt, None), ("ctx", CtxOpt, 512), ("stride", StrideOpt, None),
-                ("max_tokens", MaxTokensOpt, None), ("score", ScoreOpt, "half"),
-                ("save_logits", SaveLogitsOpt, None),
-                ("against_logits", AgainstLogitsOpt, None))  # fmt: skip
-"""lens --text's own options: (parameter, annotation, default)."""
-
-
-def text_options(fn: F) -> F:
-    """`lens` with --text's options added to its signature (Typer reads them from it): given
-    --text, --save-logits or --against-logits, the run is `run_text`'s, with every argument of
-    `lens`; else `fn` runs without them."""
-    sig = inspect.signature(fn, eval_str=True)
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    extra = [inspect.Parameter(n, kind, default=d, annotation=a) for n, a, d in TEXT_OPTIONS]
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        mine = {n: kwargs.pop(n, d) for n, _, d in TEXT_OPTIONS}
-        if all(mine[n] is None for n in ("text", "save_logits", "against_logits")):
-            return fn(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = {**bound.arguments, **mine}
-        return run_text(given["model"], given)
-
-    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {**fn.__annotations__, **{n: a for n, a, _ in TEXT_OPTIONS}}
-    return wrapper  # type: ignore[return-value]

@@ -20,13 +20,22 @@ ModelArg = Annotated[
         show_default=False,
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Write one JSON object to stdout.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Write one JSON object to stdout.", rich_help_panel="Output")
+]
 RevisionOpt = Annotated[
-    str | None, typer.Option("--revision", help="Hub revision: branch, tag or commit.")
+    str | None,
+    typer.Option(
+        "--revision", help="Hub revision: branch, tag or commit.", rich_help_panel="Loading"
+    ),
 ]
 AgainstRevisionOpt = Annotated[
     str | None,
-    typer.Option("--against-revision", help="Hub revision of the --against model."),
+    typer.Option(
+        "--against-revision",
+        help="Hub revision of the --against model.",
+        rich_help_panel="Comparison",
+    ),
 ]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DtypeOpt = Annotated[
@@ -40,13 +49,26 @@ Matrix = Literal["input", "output"]
 MatrixOpt = Annotated[
     Matrix, typer.Option("--matrix", help="input (the embedding) or output (the LM head).")
 ]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, mps or auto.")]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="cpu, cuda, mps or auto.", rich_help_panel="Loading")
+]
 TrustOpt = Annotated[
     bool,
-    typer.Option("--trust-remote-code", help="Allow a model's own code to run (off by default)."),
+    typer.Option(
+        "--trust-remote-code",
+        help="Allow a model's own code to run (off by default).",
+        rich_help_panel="Loading",
+    ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet", "-q", help="No progress or notes on stderr.", rich_help_panel="Runtime"
+    ),
+]
+DebugOpt = Annotated[
+    bool, typer.Option("--debug", help="Show tracebacks for errors.", rich_help_panel="Runtime")
+]
 DistBackend = Literal["auto", "gloo", "nccl"]
 DistBackendOpt = Annotated[
     DistBackend,
@@ -54,6 +76,7 @@ DistBackendOpt = Annotated[
         "--dist-backend",
         help="Under torchrun: the process group's backend (auto: NCCL for a model on CUDA, "
         "else gloo). Ignored when run alone.",
+        rich_help_panel="Runtime",
     ),
 ]
 

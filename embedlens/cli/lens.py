@@ -12,7 +12,16 @@ import typer
 from embedlens.cli._errors import handles_errors
 from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._lens_states import run_states
-from embedlens.cli._lens_text import text_options
+from embedlens.cli._lens_text import (
+    AgainstLogitsOpt,
+    CtxOpt,
+    MaxTokensOpt,
+    SaveLogitsOpt,
+    ScoreOpt,
+    StrideOpt,
+    TextOpt,
+    run_text,
+)
 from embedlens.cli._options import (
     AgainstRevisionOpt,
     DebugOpt,
@@ -56,7 +65,9 @@ EXAMPLES = (
 DtypeLensOpt = Annotated[
     Dtype,
     typer.Option(
-        "--dtype", help="Dtype the model is loaded and the lens computed in (float32 by default)."
+        "--dtype",
+        help="Dtype the model is loaded and the lens computed in (float32 by default).",
+        rich_help_panel="Loading",
     ),
 ]
 
@@ -78,15 +89,21 @@ PromptsOpt = Annotated[
         help="Run every prompt of FILE (- for stdin), the model loaded once: one per line, or "
         "JSON Lines with prompt and optional target, chat, id. Prints a per-layer summary; "
         "--json writes one line per prompt, then the summary.",
+        rich_help_panel="Input",
     ),
 ]
 EachOpt = Annotated[
-    bool, typer.Option("--each", help="With --prompts: also print each prompt's table.")
+    bool,
+    typer.Option(
+        "--each", help="With --prompts: also print each prompt's table.", rich_help_panel="Output"
+    ),
 ]
 SkipBadOpt = Annotated[
     bool,
     typer.Option(
-        "--skip-bad", help="With --prompts: skip (and count) bad lines instead of stopping."
+        "--skip-bad",
+        help="With --prompts: skip (and count) bad lines instead of stopping.",
+        rich_help_panel="Input",
     ),
 ]
 
@@ -97,6 +114,7 @@ TunedOpt = Annotated[
         metavar="DIR",
         help="Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
         "folder, or one tuned-lens saved), then the model's own decoder.",
+        rich_help_panel="Decoder",
     ),
 ]
 CompareLogitOpt = Annotated[
@@ -104,6 +122,7 @@ CompareLogitOpt = Annotated[
     typer.Option(
         "--compare-logit",
         help="With --prompts and --tuned: the logit lens's KL and top-1 beside the tuned lens's.",
+        rich_help_panel="Decoder",
     ),
 ]
 
@@ -113,6 +132,7 @@ LayersOpt = Annotated[
         "--layers",
         help="Layers to show: 0,4,8 or 20: or 0:10:2 (0 = embedding output, "
         "the last = the model's output). All by default.",
+        rich_help_panel="Sites",
     ),
 ]
 
@@ -122,12 +142,17 @@ PositionOpt = Annotated[
         "--position",
         help="Token position read (-1 = last); 'all' adds a layer x position grid of top-1 "
         "predictions.",
+        rich_help_panel="Sites",
     ),
 ]
 
 TargetOpt = Annotated[
     str | None,
-    typer.Option("--target", help="Follow this token's probability and rank at every layer."),
+    typer.Option(
+        "--target",
+        help="Follow this token's probability and rank at every layer.",
+        rich_help_panel="Input",
+    ),
 ]
 
 ChatOpt = Annotated[
@@ -137,18 +162,26 @@ ChatOpt = Annotated[
         metavar="MESSAGE",
         help="Apply the chat template to this user message (with the generation prompt); "
         "PROMPT then starts the assistant's answer.",
+        rich_help_panel="Input",
     ),
 ]
 
 NoThinkingOpt = Annotated[
     bool,
-    typer.Option("--no-thinking", help="With --chat: pass enable_thinking=False to the template."),
+    typer.Option(
+        "--no-thinking",
+        help="With --chat: pass enable_thinking=False to the template.",
+        rich_help_panel="Input",
+    ),
 ]
 
 TemplateArgOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--template-arg", metavar="KEY=VALUE", help="With --chat: another template variable."
+        "--template-arg",
+        metavar="KEY=VALUE",
+        help="With --chat: another template variable.",
+        rich_help_panel="Input",
     ),
 ]
 
@@ -159,6 +192,7 @@ ChatTemplateOpt = Annotated[
         metavar="FILE",
         help="With --chat: a Jinja chat template to use instead of the tokenizer's (for base "
         "models and GGUF files without one).",
+        rich_help_panel="Input",
     ),
 ]
 
@@ -169,6 +203,7 @@ PlotOpt = Annotated[
         metavar="FILE",
         help="Draw the layer x position grid as a heatmap (.png, .svg or .html; needs "
         "matplotlib: pip install 'embedlens[plot]').",
+        rich_help_panel="Output",
     ),
 ]
 
@@ -179,6 +214,7 @@ AgainstOpt = Annotated[
         metavar="MODEL",
         help="Read another model (B, same vocabulary and layers) on the same ids: per layer, "
         "KL(A ‖ B), whether the top-1 agree, and the residual KL (A's decoder on B's residual).",
+        rich_help_panel="Comparison",
     ),
 ]
 ThresholdOpt = Annotated[
@@ -187,6 +223,7 @@ ThresholdOpt = Annotated[
         "--threshold",
         metavar="NATS",
         help="With --against: the KL above which a layer counts as divergent (1e-06 by default).",
+        rich_help_panel="Comparison",
     ),
 ]
 
@@ -198,6 +235,7 @@ StatesOpt = Annotated[
         help="Decode the hidden states FILE holds (vLLM's hidden-states connector's, or "
         "--save-states'), reading only the model's config, tokenizer, final norm and head: "
         "no PROMPT (the file holds the ids), no blocks run. See docs/states.md.",
+        rich_help_panel="Input",
     ),
 ]
 StateLayersOpt = Annotated[
@@ -208,6 +246,7 @@ StateLayersOpt = Annotated[
         help="With --states, for a file that does not say (vLLM's): the layer of each state, "
         "e.g. 1,2,3,4 or 1:5 (layer i: block i's input; vLLM's "
         "eagle_aux_hidden_state_layer_ids).",
+        rich_help_panel="Input",
     ),
 ]
 SaveStatesOpt = Annotated[
@@ -218,6 +257,7 @@ SaveStatesOpt = Annotated[
         help="Also write every layer's residual stream at every position (and the model's "
         "logits at the last) to FILE, for --states to decode later; with --prompts FILE is a "
         "folder, a file a prompt (000001.safetensors for line 1).",
+        rich_help_panel="Output",
     ),
 ]
 
@@ -229,6 +269,7 @@ SiteOpt = Annotated[
         help="Where in each block to read: resid (the block's output, the default), resid_mid "
         "(after attention), attn_out, mlp_out (what each adds), or several, comma-separated "
         "(rows 3.attn, 3.mid, 3.mlp, 3). See docs/lens.md.",
+        rich_help_panel="Sites",
     ),
 ]
 
@@ -237,13 +278,16 @@ DeviceMapOpt = Annotated[
     typer.Option(
         "--device-map",
         help="'auto' spreads the model over GPUs, CPU and disk (accelerate).",
+        rich_help_panel="Loading",
     ),
 ]
 
 MaxMemoryOpt = Annotated[
     str | None,
     typer.Option(
-        "--max-memory", help="With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB."
+        "--max-memory",
+        help="With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB.",
+        rich_help_panel="Loading",
     ),
 ]
 
@@ -253,16 +297,18 @@ OffloadFolderOpt = Annotated[
         "--offload-folder",
         help="With --device-map: where weights that fit nowhere go (a temporary folder, "
         "removed afterwards, by default).",
+        rich_help_panel="Loading",
     ),
 ]
 
 
 @handles_errors
-@text_options
 def lens(
     model: ModelArg,
     prompt: PromptArg = None,
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Predictions per layer.")] = 5,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="Predictions per layer.", rich_help_panel="Output")
+    ] = 5,
     layers: LayersOpt = None,
     position: PositionOpt = "-1",
     target: TargetOpt = None,
@@ -294,6 +340,13 @@ def lens(
     state_layers: StateLayersOpt = None,
     save_states: SaveStatesOpt = None,
     site: SiteOpt = None,
+    text: TextOpt = None,
+    ctx: CtxOpt = 512,
+    stride: StrideOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    score: ScoreOpt = "half",
+    save_logits: SaveLogitsOpt = None,
+    against_logits: AgainstLogitsOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -301,22 +354,34 @@ def lens(
     output. The lens runs in float32 unless --dtype says otherwise. Every run checks itself:
     decoding the last block's output must reproduce the model's logits.
     """
+    _run(dict(locals()))
+
+
+def _run(given: dict[str, Any]) -> None:
+    """The command once its options are read (`given`: each by its parameter's name): --text,
+    --states, --prompts or one prompt."""
     from embedlens.analysis.lens import lens as run_lens
 
-    given = dict(locals())
+    model, prompt, plot, against = given["model"], given["prompt"], given["plot"], given["against"]
+    if any(given[key] is not None for key in ("text", "save_logits", "against_logits")):
+        return run_text(model, given)
     load, asked = _options(given)
-    if states is not None or state_layers is not None:
+    if given["states"] is not None or given["state_layers"] is not None:
         return run_states(model, given, load, asked)
-    b = {"against": against, "against_revision": against_revision}
-    if prompts is not None or prompt is None:
-        common(quiet=quiet, debug=debug, device=device, split=True)
-        return run_prompts(model, prompt, prompts, each=each, as_json=as_json, plot=plot,
-                           load=load, asked=asked, more={**b, "dist_backend": dist_backend,
-                           "save_states": save_states})  # fmt: skip
+    b = {"against": against, "against_revision": given["against_revision"]}
+    shown = (given["as_json"], given["quiet"], given["debug"], given["device"])
+    if given["prompts"] is not None or prompt is None:
+        common(quiet=shown[1], debug=shown[2], device=shown[3], split=True)
+        return run_prompts(model, prompt, given["prompts"], each=given["each"], as_json=shown[0],
+                           plot=plot, load=load, asked=asked,
+                           more={**b, "dist_backend": given["dist_backend"],
+                                 "save_states": given["save_states"]})  # fmt: skip
     one = replace(asked, grid=plot is not None and against is None)
+    save = given["save_states"]
     work = lambda: run_lens(model, prompt, load=load, options=one,  # noqa: E731
-                            save_states=save_states, **b)  # fmt: skip
-    _one(model, against, work, plot, save_states, compare_logit, (as_json, quiet, debug, device))
+                            save_states=save, against=against,
+                            against_revision=b["against_revision"])  # fmt: skip
+    _one(model, against, work, plot, save, given["compare_logit"], shown)
 
 
 _CLI_NAMES = {"template_args": "template_arg"}

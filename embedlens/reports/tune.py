@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from embedlens.reports import Report
 from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
+from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,34 @@ class TunedLensSummaryReport(LensSummaryReport):
 
     tuned: TunedLens | None = None
     logit_layers: list[LensLayerStats] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunedLensPairReport(LensPairReport):
+    """`lens --tuned --against`: A's lens report and B's `diff`, both models read through the
+    tuned lens (tuned on A), each then through its own model's tail."""
+
+    tuned: TunedLens | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunedLensPairSummaryReport(LensPairSummaryReport):
+    """`lens --prompts --tuned --against`: the pair's summary over many prompts, both models read
+    through the tuned lens (tuned on A)."""
+
+    tuned: TunedLens | None = None
+
+
+def tuned_pair_report(report: LensPairReport, tuned: TunedLens) -> TunedLensPairReport:
+    """A pair's report as drawn through the tuned lens `tuned` on both sides."""
+    return TunedLensPairReport(**_values(report), tuned=tuned)
+
+
+def tuned_pair_summary(
+    report: LensPairSummaryReport, tuned: TunedLens
+) -> TunedLensPairSummaryReport:
+    """A pair's summary as drawn through the tuned lens `tuned` on both sides."""
+    return TunedLensPairSummaryReport(**_values(report), tuned=tuned)
 
 
 def tuned_report(report: LensReport, tuned: TunedLens) -> TunedLensReport:

@@ -13,7 +13,7 @@ from rich.text import Text
 from embedlens.reports import register_view
 from embedlens.reports.lens import LensCheck
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
-from embedlens.views.format import Sheet, Words, prob, quoted, shown
+from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 
 MARK = " ◀"
 """After the layer label of the first divergent layer."""
@@ -38,7 +38,8 @@ def render(r: LensPairReport) -> RenderableType:
         tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
     read = r.tokens[r.position_index].token
     title = Words(
-        f"Logit lens of {r.display_model} (A) against {d.against} (B) after ", style="table.title"
+        f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B) after ",
+        style="table.title",
     ).token(read)
     title.add(f" (position {r.position_index}, {r.dtype})")
     table = Sheet(title=title)
@@ -76,6 +77,16 @@ def render(r: LensPairReport) -> RenderableType:
     shown_layers = {row.layer for row in r.layers}
     legend = _legend(d.first_divergent_layer, d.threshold, delta=delta, shown_layers=shown_layers)
     lines = [legend, _checks(r.check, d.against_check)]
+    tuned = getattr(r, "tuned", None)
+    if tuned is not None:
+        lines.append(
+            shown(
+                f"Both models read through the tuned lens in '{tuned.path}' (its "
+                f"translator at layers 0-{r.num_layers - 1}), then each model's own "
+                "decoder.",
+                style="dim",
+            )
+        )
     return Group(tokens, table, *lines)
 
 
@@ -83,7 +94,7 @@ def render_summary(r: LensPairSummaryReport) -> RenderableType:
     """The per-layer means of A against B over every prompt and position read."""
     d = r.diff
     title = (
-        f"Logit lens of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
+        f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
         f"prompts ({r.n_positions} positions, {r.dtype})"
     )
     table = Sheet(title=shown(title, "table.title"))

@@ -12,9 +12,13 @@ One idea per module, read top-down from `api` (the functions users call):
 - `stats`: per-layer statistics over many prompts;
 - `text`: `lens_text`, the lens over every scored token of a text (`text_input`, `text_run`,
   `text_stats`; `logits_file` for --save-logits / --against-logits);
-- `report`: a run's result as the `LensReport` users get;
+- `report`: one prompt through the engine, and a run's result as the `LensReport` users get;
+- `against`, `pairing`, `pair`: `--against` (B checked, both run, the figures and reports);
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
-  --save-states`'s: `states_file`, `saving`), decoded by the model's tail alone (`tail`);
+  --save-states`'s: `states_file` reads and writes them), decoded by the model's tail alone
+  (`tail`);
+- `decoders`: the decoders as public objects (`LogitLens`, `TunedLens`, the latter's folder read
+  and matched to its model in `tuned_folder`);
 - `capture`, `decoder`, `ranking`, `blocks`, `threads`: the engine's parts (one forward pass
   that keeps the residual stream; what turns a residual into logits; the best tokens by logit;
   the model's block list; CPU threads).

@@ -28,19 +28,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
-from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import Check, Opened, Targets, open_model
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
 from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, make_prompt
+from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.batch import BatchOut
+    from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.pair import PairStats
+    from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import BadLine, PromptSource
     from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+    from embedlens.reports.tune import TunedLens
 
 T = TypeVar("T")
 
@@ -57,18 +61,24 @@ class Named:
     notes: list[str]
 
 
-def lens_pair(pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",)) -> LensPairReport:
+def lens_pair(
+    pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",), tuned: LensFolder | None = None
+) -> LensPairReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
-    inside the blocks the two part, with `sites` other than resid: `site_pair`)."""
+    inside the blocks the two part, with `sites` other than resid: `site_pair`). With `tuned`,
+    both sides are read through that lens (tuned on A: checked against A, against B its size
+    alone), each then through its own model's tail."""
     a, b = pair.a, pair.b
     check_pair(a, b)
 
     every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
 
     def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named, Any]:
+        _fits_tuned(tuned, config)
         run = make_prompt(ask, tok, config, template)
-        with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids])) as ob:
-            result = run_one(ob, every, run, keep=True)
+        with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
+            decoder, _ = _tuned_decoder(tuned, ob, run, fingerprints=False)
+            result = run_one(ob, every, run, keep=True, decoder=decoder)
             named = _named(ob)
             b_sites = _site_logits(ob, run, sites, _shown(result, ask))
         gc.collect()  # B's weights go before A's are read
@@ -80,9 +90,14 @@ def lens_pair(pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",)) -> LensPa
 
         run, rb, named, b_sites = ran
         assert rb.kept is not None
-        ra_every = run_one(oa, every, run, keep=True, other=rb.kept.residual)
+        decoder, described = _tuned_decoder(tuned, oa, run)
+        ra_every = run_one(oa, every, run, keep=True, other=rb.kept.residual, decoder=decoder)
         ra = _shown(ra_every, ask)
         report = one_report(oa, ask, run, ra)
+        if described is not None:
+            from embedlens.reports.tune import tuned_report
+
+            report = tuned_report(report, described)
         diffs = compare(ra_every, rb, run.index)
         report = pair_report(
             report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes, ra.layers
@@ -101,6 +116,41 @@ def _shown(result: LensResult, ask: Ask) -> LensResult:
     return dataclasses.replace(result, layers=sorted(set(shown)), rows=rows)
 
 
+def _fits_tuned(tuned: LensFolder | None, config: Any) -> None:
+    """A tuned lens's size checked against a model's config, before its weights are read."""
+    if tuned is not None:
+        from embedlens.analysis.lens.decoders import before_load
+
+        before_load(tuned, config)
+
+
+def _through(
+    tuned: LensFolder | None, opened: Opened, *, fingerprints: bool = True
+) -> Through | None:
+    """The tuned lens as a decoder maker for `opened` (None without a lens): checked against the
+    model (without `fingerprints`: its blocks alone, the lens being the other model's)."""
+    if tuned is None:
+        return None
+    from embedlens.analysis.lens.decoders import tuned_through
+
+    return tuned_through(tuned, opened.model, opened.tokenizer, fingerprints=fingerprints)
+
+
+def _tuned_decoder(
+    tuned: LensFolder | None, opened: Opened, run: Prompt, *, fingerprints: bool = True
+) -> tuple[Decoder | None, TunedLens | None]:
+    """The tuned lens's decoder on `opened`'s own for one prompt, and what reports say of the
+    lens (None without one), as `_through` checks it."""
+    through = _through(tuned, opened, fingerprints=fingerprints)
+    if through is None:
+        return None, None
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
+
+    model = opened.model
+    own = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    return through.wrap(own), through.described
+
+
 def _site_logits(opened: Opened, run: Prompt, sites: Sequence[str], result: LensResult) -> Any:
     """A model's rows inside the blocks (`site_pair.site_logits`); None for resid alone."""
     if tuple(sites) == ("resid",):
@@ -111,20 +161,25 @@ def _site_logits(opened: Opened, run: Prompt, sites: Sequence[str], result: Lens
 
 
 def lens_pair_prompts(
-    pair: Pair, ask: ManyAsk, source: PromptSource, each: many.OnReport | None
+    pair: Pair,
+    ask: ManyAsk,
+    source: PromptSource,
+    each: many.OnReport | None,
+    tuned: LensFolder | None = None,
 ) -> LensPairSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
-    other; A's summary with the per-layer means of B against it."""
+    other; A's summary with the per-layer means of B against it (with `tuned`, both read
+    through that lens, as `lens_pair` reads one prompt)."""
     from embedlens.runtime import heap_kept
 
     a, b = pair.a, pair.b
     check_pair(a, b)
     apart = apart_note(a, b)
-    start = _PairRun.factory(ask, each, pair.threshold)
+    start = _PairRun.factory(ask, each, pair.threshold, tuned)
     with heap_kept():
         if apart is None:
-            return _together(a, b, ask, source, start)
-        return _apart(a, b, ask, source, start, apart)
+            return _together(a, b, ask, source, start, tuned)
+        return _apart(a, b, ask, source, start, apart, tuned)
 
 
 def apart_note(a: Side, b: Side) -> str | None:
@@ -159,18 +214,24 @@ def apart_note(a: Side, b: Side) -> str | None:
 
 
 def _together(
-    a: Side, b: Side, ask: ManyAsk, source: PromptSource, pair: Callable[[Opened, Named], _PairRun]
+    a: Side,
+    b: Side,
+    ask: ManyAsk,
+    source: PromptSource,
+    pair: Callable[[Opened, Named], _PairRun],
+    tuned: LensFolder | None = None,
 ) -> LensPairSummaryReport:
     """Both models loaded; B then A on each window of prompts."""
 
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine]]:
+        _fits_tuned(tuned, config)
         return many.check_all(source, ask, tok, config, template)
 
     targets = _targets(source, ask)
     with _ready_a(a, b, check, targets=targets) as (oa, (n_bad, bad)):
         lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
-        with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config)) as ob:
-            run_b = many.ManyRun(ob, ask, None, keep=True)
+        with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config, tuned)) as ob:
+            run_b = many.ManyRun(ob, ask, None, _through(tuned, ob, fingerprints=False), keep=True)
             run = pair(oa, _named(ob))
             for window in lines(rows=_rows(oa.config, ask)):
                 run.window(window, run_b.run_window(window))
@@ -184,16 +245,19 @@ def _apart(
     source: PromptSource,
     pair: Callable[[Opened, Named], _PairRun],
     note: str,
+    tuned: LensFolder | None = None,
 ) -> LensPairSummaryReport:
     """B on every prompt, its rows kept in a temporary folder, B freed; then A."""
     with tempfile.TemporaryDirectory(prefix="embedlens-against-") as tmp:
         folder = Path(tmp)
 
         def b_first(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine], Named]:
+            _fits_tuned(tuned, config)
             n_bad, bad = many.check_all(source, ask, tok, config, template)
             lines = functools.partial(many.windows, source, ask, tok, config, template)
-            with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config)) as ob:
-                run_b = many.ManyRun(ob, ask, None, keep=True)
+            with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config, tuned)) as ob:
+                through = _through(tuned, ob, fingerprints=False)
+                run_b = many.ManyRun(ob, ask, None, through, keep=True)
                 for i, window in enumerate(lines(rows=_rows(config, ask))):
                     _save(run_b.run_window(window), folder / f"{i}.pt")
                 named = _named(ob)
@@ -237,19 +301,20 @@ class _PairRun:
         ask: ManyAsk,
         each: many.OnReport | None,
         threshold: float,
+        tuned: LensFolder | None = None,
     ) -> None:
         from embedlens.analysis.lens.pair import PairStats
 
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
-        self.run = many.ManyRun(opened, ask, None, keep=True)
+        self.run = many.ManyRun(opened, ask, None, _through(tuned, opened), keep=True)
         self.stats: PairStats = PairStats()
 
     @staticmethod
     def factory(
-        ask: ManyAsk, each: many.OnReport | None, threshold: float
+        ask: ManyAsk, each: many.OnReport | None, threshold: float, tuned: LensFolder | None
     ) -> Callable[[Opened, Named], _PairRun]:
         """How to start A's side once A is ready and B has been (`named`)."""
-        return lambda opened, named: _PairRun(opened, named, ask, each, threshold)
+        return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned)
 
     def window(self, window: many.Window, outs_b: list[BatchOut]) -> None:
         from embedlens.analysis.lens.pair_report import pair_report
@@ -309,11 +374,17 @@ def _named(opened: Opened) -> Named:
 
 
 def _fits_b(
-    b: Side, ask: Ask | ManyAsk, ids: Callable[[], Any], a_config: Any = None
+    b: Side,
+    ask: Ask | ManyAsk,
+    ids: Callable[[], Any],
+    a_config: Any = None,
+    tuned: LensFolder | None = None,
 ) -> Check[None]:
-    """B's check: every prompt fits its context (read again only when it is shorter than A's)."""
+    """B's check: every prompt fits its context (read again only when it is shorter than A's),
+    and a tuned lens its size."""
 
     def check(_tok: Any, config: Any, _template: str) -> None:
+        _fits_tuned(tuned, config)
         mine, theirs = context_length(config), context_length(a_config)
         if mine is None or (a_config is not None and theirs is not None and theirs <= mine):
             return

@@ -14,17 +14,17 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from embedlens.analysis.lens import given
 from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.many import OnReport
-from embedlens.analysis.lens.one import one_report, run_one
 from embedlens.analysis.lens.opening import open_model
 from embedlens.analysis.lens.prompt import make_prompt
+from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.errors import UsageError
-from embedlens.options import LensOptions, LoadOptions, renamed
+from embedlens.options import LensKeywords, LensOptions, LoadOptions, renamed
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,11 +32,11 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.opening import Check, Opened
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
-    from embedlens.analysis.tune.folder import LensFolder
-    from embedlens.analysis.tune.use import Through
+    from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
@@ -46,7 +46,17 @@ T = TypeVar("T")
 
 @overload
 def lens(
-    model: str | os.PathLike[str] | nn.Module | LoadOptions, prompt: str, **keywords: Any
+    model: str | os.PathLike[str] | nn.Module | LoadOptions,
+    prompt: str,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    load: LoadOptions | None = None,
+    options: LensOptions | None = None,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: PreTrainedTokenizerBase | None = None,
+    against_revision: str | None = None,
+    save_states: str | os.PathLike[str] | None = None,
+    **keywords: Unpack[LensKeywords],
 ) -> LensReport: ...
 
 
@@ -55,8 +65,14 @@ def lens(
     model: str | os.PathLike[str] | nn.Module | LoadOptions,
     prompt: None = None,
     *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    load: LoadOptions | None = None,
+    options: LensOptions | None = None,
+    against: str | os.PathLike[str] | nn.Module | None = None,
+    against_tokenizer: PreTrainedTokenizerBase | None = None,
+    against_revision: str | None = None,
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> LensSummaryReport: ...
 
 
@@ -72,7 +88,7 @@ def lens(
     against_revision: str | None = None,
     save_states: str | os.PathLike[str] | None = None,
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> LensReport | LensSummaryReport:
     """Decode every layer's residual stream with the model's own final norm, head and post-head
     steps; the report's `check` says whether that reproduces the model's logits.
@@ -91,7 +107,7 @@ def lens(
     """
     if prompts is not None or prompt is None:
         return _deprecated_many(model, prompt, prompts, locals())
-    model, load, asked = given.lens_given("lens", model, load, options, keywords)
+    model, load, asked = given.lens_given("lens", model, load, options, dict(keywords))
     ask = checks.ask(prompt, asked.layers, asked.top_k, asked.position, asked.target, asked.chat,
                      asked.no_thinking, asked.template_args, asked.grid,
                      asked.chat_template)  # fmt: skip
@@ -99,21 +115,15 @@ def lens(
         raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     b = (against, against_tokenizer, against_revision, asked.threshold)
     loading, pair = given.models(model, tokenizer, load, *b)
-    save = _saving(save_states, load.revision, pair, asked.tuned, against)
+    save = _saving(save_states, load.revision, pair)
     return _one_prompt(model, tokenizer, (loading, pair), ask, asked.target, asked.tuned, save,
                        asked.site)  # fmt: skip
 
 
 def _saving(
-    path: str | os.PathLike[str] | None,
-    revision: str | None,
-    pair: Pair | None,
-    tuned: object,
-    against: object,
+    path: str | os.PathLike[str] | None, revision: str | None, pair: Pair | None
 ) -> tuple[str | os.PathLike[str], str | None] | None:
-    """Where --save-states writes, with the revision its metadata names (None: nowhere), once
-    --tuned and --against are checked (`_not_both`)."""
-    _not_both(tuned, against)
+    """Where --save-states writes, with the revision its metadata names (None: nowhere)."""
     if path is not None and pair is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
     return None if path is None else (path, revision)
@@ -133,10 +143,11 @@ def _one_prompt(
     the sites inside the blocks, `site`)."""
     loading, pair = models
     sites = sites_asked(site, tuned)
+    _saves_sites(save, sites)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask, sites)
+        return lens_pair(pair, ask, sites, _tuned_folder(tuned))
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(make_prompt, ask))
     with open_model(model, tokenizer, loading, check, own_template, target) as (opened, run):
@@ -145,7 +156,7 @@ def _one_prompt(
         result = run_one(opened, ask, run, decoder=decoder)
         report = sites_report(one_report(opened, ask, run, result), opened, ask, run, result, sites)
         if save is not None:
-            from embedlens.analysis.lens.saving import save_run
+            from embedlens.analysis.lens.states_file import save_run
 
             save_run(save[0], opened, run, ask, save[1])
         if through is None:
@@ -169,7 +180,7 @@ def lens_prompts(
     against_revision: str | None = None,
     dist_backend: str = "auto",
     save_states: str | os.PathLike[str] | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> LensSummaryReport:
     """The lens over many prompts, the model loaded once: per-layer statistics (KL from the
     model's output, entropy, top-1 agreement, the target's probability and rank).
@@ -195,9 +206,10 @@ def lens_prompts(
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import progress_of
 
-    on_report = renamed("lens_prompts", keywords, "each", "on_report", on_report,
+    extra: dict[str, Any] = dict(keywords)
+    on_report = renamed("lens_prompts", extra, "each", "on_report", on_report,
                         "the callback is now named")  # fmt: skip
-    model, load, asked = given.lens_given("lens_prompts", model, load, options, keywords)
+    model, load, asked = given.lens_given("lens_prompts", model, load, options, extra)
     checks.one_prompt_only(asked.target, asked.chat, asked.grid)
     ask = checks.many(asked.top_k, asked.layers, asked.position, asked.no_thinking,
                       asked.template_args, asked.skip_bad, asked.chat_template)  # fmt: skip
@@ -209,9 +221,21 @@ def lens_prompts(
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = given.models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
+        _saves_sites(save_states, sites_asked(asked.site, None))  # before its folder is made
         saving = _saving_many(save_states, load.revision, against, session)
         return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
                      saving, asked.site)  # fmt: skip
+
+
+def _saves_sites(save: object, sites: Sequence[str]) -> None:
+    """--save-states writes the residual stream alone: with other sites it is refused (it would
+    leave them out)."""
+    if save is not None and tuple(sites) != ("resid",):
+        raise UsageError(
+            "--save-states writes the residual stream only: --site other than resid is not "
+            "saved, so the two do not combine yet",
+            hint="save with --site resid (the default), or read the sites without --save-states",
+        )
 
 
 def _saving_many(
@@ -222,7 +246,7 @@ def _saving_many(
         return None
     if against is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
-    from embedlens.analysis.lens.saving import states_folder
+    from embedlens.analysis.lens.states_file import states_folder
 
     if getattr(session, "rank", 0) == 0:
         states_folder(path)
@@ -253,7 +277,7 @@ def _many(
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair_prompts
 
-        return lens_pair_prompts(pair, ask, source, on_report)
+        return lens_pair_prompts(pair, ask, source, on_report, lens_dir)
 
     def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
@@ -268,7 +292,7 @@ def _many(
 
             lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
         if saving is not None:
-            from embedlens.analysis.lens.saving import ManySaver
+            from embedlens.analysis.lens.states_file import ManySaver
 
             lensing.saver = ManySaver(saving[0], opened, saving[1])
         return lensing.run_all(source, n_bad, bad, session, progress)
@@ -303,7 +327,7 @@ def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:
     """The lens folder given, checked without torch (None without one)."""
     if tuned is None:
         return None
-    from embedlens.analysis.tune.use import open_tuned
+    from embedlens.analysis.lens.decoders import open_tuned
 
     return open_tuned(tuned)
 
@@ -314,7 +338,7 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
         return check
 
     def both(tok: Any, config: Any, template: str) -> T:
-        from embedlens.analysis.tune.use import before_load
+        from embedlens.analysis.lens.decoders import before_load
 
         before_load(lens_dir, config)
         return check(tok, config, template)
@@ -326,22 +350,21 @@ def _through(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
     """The tuned lens checked against the loaded model, as a decoder maker (None without one)."""
     if lens_dir is None:
         return None
-    from embedlens.analysis.tune.use import tuned_through
+    from embedlens.analysis.lens.decoders import tuned_through
 
     return tuned_through(lens_dir, opened.model, opened.tokenizer)
 
 
 def _not_both(tuned: object, against: object, compare_logit: bool = False) -> None:
-    """--tuned and --against together are refused: a pair is compared through each model's own
-    decoder, and one lens folder fits one model; --compare-logit needs --tuned."""
+    """--compare-logit needs --tuned, and compares the tuned lens with the logit lens on one
+    model (not with --against)."""
     if compare_logit and tuned is None:
         raise UsageError(
             "--compare-logit compares the tuned lens with the logit lens: give --tuned"
         )
-    if tuned is not None and against is not None:
+    if compare_logit and against is not None:
         raise UsageError(
-            "--tuned and --against do not combine: --against compares two models through their "
-            "own decoders (the logit lens); run --tuned on each model alone"
+            "--compare-logit compares two lenses on one model: run it without --against"
         )
 
 

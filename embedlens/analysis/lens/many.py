@@ -23,9 +23,9 @@ from embedlens.reports.tune import tuned_report, tuned_summary
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.batch import BatchOut
+    from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.lens.saving import ManySaver
-    from embedlens.analysis.tune.use import Through
+    from embedlens.analysis.lens.states_file import ManySaver
 
 OnReport = Callable[[LensReport, PromptLine], None]
 """A result callback: called with each prompt's report (what a single run returns) and the

@@ -10,14 +10,17 @@ sum split between threads would move its last bits with the machine's load).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
 from embedlens.analysis.lens.engine import LensResult
 from embedlens.analysis.lens.ranking import Top
+from embedlens.analysis.lens.stats import Sums
 from embedlens.analysis.lens.threads import one_thread
 from embedlens.errors import UnsupportedError
+from embedlens.reports.lens_diff import LensDiffLayerStats
 
 
 @dataclass(frozen=True)
@@ -121,21 +124,15 @@ def first_above(layers: Sequence[int], kls: Sequence[float], threshold: float) -
     return next((x for x, kl in zip(layers, kls, strict=True) if kl > threshold), None)
 
 
-@dataclass
-class _Sums:
-    n: int = 0
-    kl: float = 0.0
-    residual_kl: float = 0.0
-    agree: int = 0
-    n_target: int = 0
-    delta: float = 0.0
+PAIR_STATS = tuple(f.name for f in fields(LensDiffLayerStats) if f.name != "layer")
+"""The statistics of a pair's `--prompts` summary rows."""
 
 
 @dataclass
 class PairStats:
     """Sums per layer of A against B, added to one prompt at a time (every position read)."""
 
-    layers: dict[int, _Sums] = field(default_factory=dict)
+    layers: dict[int, Sums] = field(default_factory=dict)
     n_against_unfaithful: int = 0
 
     def add(self, a: LensResult, b: LensResult, read: int) -> list[LayerDiff]:
@@ -148,21 +145,14 @@ class PairStats:
             if position == read:
                 shown = diffs
             for d in diffs:
-                acc = self.layers.setdefault(d.layer, _Sums())
-                acc.n += 1
-                acc.kl += d.kl
-                acc.residual_kl += d.residual_kl
-                acc.agree += int(d.top1_agree)
+                acc = self.layers.setdefault(d.layer, Sums())
+                acc.add("kl", d.kl)
+                acc.add("residual_kl", d.residual_kl)
+                acc.add("top1_agreement", int(d.top1_agree))
                 if d.target_logprob_delta is not None:
-                    acc.n_target += 1
-                    acc.delta += d.target_logprob_delta
+                    acc.add("target_logprob_delta", d.target_logprob_delta)
         return shown
 
-    def means(self) -> list[tuple[int, float, float, float, float | None]]:
-        """(layer, mean kl, mean residual_kl, top-1 agreement, mean target delta) per layer."""
-        out = []
-        for layer, acc in sorted(self.layers.items()):
-            n = max(acc.n, 1)
-            delta = acc.delta / acc.n_target if acc.n_target else None
-            out.append((layer, acc.kl / n, acc.residual_kl / n, acc.agree / n, delta))
-        return out
+    def means(self) -> list[dict[str, Any]]:
+        """The statistics of `PAIR_STATS` per layer, in layer order (with `layer`)."""
+        return [{"layer": x, **acc.values(PAIR_STATS)} for x, acc in sorted(self.layers.items())]

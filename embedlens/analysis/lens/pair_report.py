@@ -16,6 +16,7 @@ from embedlens.reports.lens_diff import (
     LensPairSummaryReport,
     LensSummaryDiff,
 )
+from embedlens.reports.tune import tuned_pair_report, tuned_pair_summary
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.engine import LensResult
@@ -60,7 +61,10 @@ def pair_report(
     c = b.check
     check = LensCheck(c.max_abs_logit_diff, c.tolerance, c.ok, c.top1_agrees, c.suspect)
     diff = LensDiff(against, threshold, first, layers, check)
-    return LensPairReport(**_with_notes(report, notes), diff=diff)
+    fields = _with_notes(report, notes)
+    tuned = fields.pop("tuned", None)  # through a tuned lens: both sides were
+    pair = LensPairReport(**fields, diff=diff)
+    return pair if tuned is None else tuned_pair_report(pair, tuned)
 
 
 def pair_summary(
@@ -71,10 +75,14 @@ def pair_summary(
     notes: list[str],
 ) -> LensPairSummaryReport:
     """A's summary with, in `diff`, the per-layer means of B against it."""
-    layers = [LensDiffLayerStats(*row) for row in stats.means()]
+    layers = [LensDiffLayerStats(**row) for row in stats.means()]
     first = first_above([x.layer for x in layers], [x.kl for x in layers], threshold)
     diff = LensSummaryDiff(against, threshold, first, layers, stats.n_against_unfaithful)
-    return LensPairSummaryReport(**_with_notes(summary, notes), diff=diff)
+    fields = _with_notes(summary, notes)
+    tuned = fields.pop("tuned", None)
+    fields.pop("logit_layers", None)  # --compare-logit is refused with --against
+    pair = LensPairSummaryReport(**fields, diff=diff)
+    return pair if tuned is None else tuned_pair_summary(pair, tuned)
 
 
 def _with_notes(report: LensReport | LensSummaryReport, notes: list[str]) -> dict[str, Any]:

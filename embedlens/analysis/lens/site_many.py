@@ -8,9 +8,8 @@ piece's change KL(lens after it ‖ lens before it)."""
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +18,7 @@ from embedlens.analysis.lens.many import ManyRun
 from embedlens.analysis.lens.ranking import tops_from_log_softmax
 from embedlens.analysis.lens.site_report import SITES, SUFFIX, sites_report, sums, take_apart
 from embedlens.analysis.lens.site_rows import PIECE, Key, before_after, decoded_rows
-from embedlens.analysis.lens.stats import median_of_counts
+from embedlens.analysis.lens.stats import LAYER_STATS, Sums
 from embedlens.reports.sites import BlockSums, LensSitesSummaryReport, SiteStats
 
 if TYPE_CHECKING:
@@ -35,17 +34,8 @@ if TYPE_CHECKING:
     from embedlens.reports.lens import LensReport, LensSummaryReport
 
 
-@dataclass
-class _Sums:
-    n: int = 0
-    kl: float = 0.0
-    entropy: float = 0.0
-    agree: int = 0
-    change: float = 0.0
-    n_target: int = 0
-    target_prob: float = 0.0
-    target_logprob: float = 0.0
-    ranks: Counter[int] = field(default_factory=Counter)
+SITE_STATS = (*LAYER_STATS, "change_kl")
+"""The statistics of a `--prompts --site` summary's rows (a piece's change too)."""
 
 
 class SiteManyRun(ManyRun):
@@ -57,7 +47,7 @@ class SiteManyRun(ManyRun):
     def with_sites(self, sites: Sequence[str]) -> SiteManyRun:
         """This run, reading `sites`."""
         self.sites = tuple(sites)
-        self._sums: dict[tuple[str, int], _Sums] = {}
+        self._sums: dict[tuple[str, int], Sums] = {}
         self._blocks: BlockSums | None = None
         return self
 
@@ -90,11 +80,11 @@ class SiteManyRun(ManyRun):
     def _merge(self, session: Session, ran: int) -> None:
         """Under torchrun: the sites' sums of every process added (in rank order) too."""
         super()._merge(session, ran)
-        merged: dict[tuple[str, int], _Sums] = {}
+        merged: dict[tuple[str, int], Sums] = {}
         blocks: BlockSums | None = None
         for theirs, part in session.all_gather((self._sums, self._blocks)):
             for key, acc in theirs.items():
-                _add_sums(merged.setdefault(key, _Sums()), acc)
+                merged.setdefault(key, Sums()).update(acc)
             blocks = blocks if part is None else _worse(blocks, part)
         self._sums, self._blocks = merged, blocks
 
@@ -127,13 +117,14 @@ class SiteManyRun(ManyRun):
         real_vocab = len(self.opened.tokenizer)
         for s in inner:
             x = torch.stack([got[(PIECE[s], layer), j] for j in range(n)])
-            acc = self._sums.setdefault((s, layer), _Sums())
+            acc = self._sums.setdefault((s, layer), Sums())
             _add_rows(acc, x, job.real, real_vocab, target)
             if s != "resid_mid":
                 before, after = before_after(PIECE[s], layer, job.pieces)
                 lb = torch.stack([got[before, j] for j in range(n)]).double().log_softmax(-1)
                 la = torch.stack([got[after, j] for j in range(n)]).double().log_softmax(-1)
-                acc.change += float((la.exp() * (la - lb)).sum(-1).clamp(min=0).sum())
+                change = float((la.exp() * (la - lb)).sum(-1).clamp(min=0).sum())
+                acc.add("change_kl", change, n)
 
 
 @dataclass(frozen=True)
@@ -147,48 +138,26 @@ class _Job:
 
 
 def _add_rows(
-    acc: _Sums, x: torch.Tensor, real: torch.Tensor, real_vocab: int, target: int | None
+    acc: Sums, x: torch.Tensor, real: torch.Tensor, real_vocab: int, target: int | None
 ) -> None:
     """One site's rows [P, V] at one layer added to its sums."""
     lx = torch.log_softmax(x.float(), -1)
-    acc.n += int(x.shape[0])
-    acc.kl += float((real.exp() * (real - lx)).sum(-1).sum())
-    acc.entropy += float(-(lx.exp() * lx).sum(-1).sum())
+    n = int(x.shape[0])
+    acc.add("kl", float((real.exp() * (real - lx)).sum(-1).sum()), n)
+    acc.add("entropy", float(-(lx.exp() * lx).sum(-1).sum()), n)
     model_top1 = real[:, :real_vocab].argmax(-1)
-    acc.agree += int((x[:, :real_vocab].argmax(-1) == model_top1).sum())
+    acc.add("top1_agreement", int((x[:, :real_vocab].argmax(-1) == model_top1).sum()), n)
     if target is None:
         return
     for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x)):
-        acc.n_target += 1
-        acc.target_prob += float(top.target_prob or 0.0)
-        acc.target_logprob += float(top.target_logprob or 0.0)
-        acc.ranks[int(top.target_rank or 0)] += 1
+        acc.add("target_prob", float(top.target_prob or 0.0))
+        acc.add("target_logprob", float(top.target_logprob or 0.0))
+        acc.rank("target_rank_median", int(top.target_rank or 0))
 
 
-def _add_sums(into: _Sums, acc: _Sums) -> None:
-    """`acc` added into `into`."""
-    into.n, into.kl, into.entropy = into.n + acc.n, into.kl + acc.kl, into.entropy + acc.entropy
-    into.agree, into.change = into.agree + acc.agree, into.change + acc.change
-    into.n_target += acc.n_target
-    into.target_prob += acc.target_prob
-    into.target_logprob += acc.target_logprob
-    into.ranks.update(acc.ranks)
-
-
-def _means(site: str, layer: int, acc: _Sums) -> SiteStats:
-    n, t = max(acc.n, 1), acc.n_target
-    return SiteStats(
-        layer=layer,
-        kl=acc.kl / n,
-        entropy=acc.entropy / n,
-        top1_agreement=acc.agree / n,
-        target_prob=acc.target_prob / t if t else None,
-        target_logprob=acc.target_logprob / t if t else None,
-        target_rank_median=median_of_counts(acc.ranks) if t else None,
-        site=site,
-        row=f"{layer}{SUFFIX[site]}",
-        change_kl=None if site == "resid_mid" else acc.change / n,
-    )
+def _means(site: str, layer: int, acc: Sums) -> SiteStats:
+    row = f"{layer}{SUFFIX[site]}"
+    return SiteStats(layer=layer, **acc.values(SITE_STATS), site=site, row=row)
 
 
 def _worse(a: BlockSums | None, b: BlockSums) -> BlockSums:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
 from embedlens.errors import NumericError, UsageError
-from embedlens.options import LensOptions, LoadOptions
+from embedlens.options import LensKeywords, LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ def lens_states(
     state_layers: str | None = None,
     load: LoadOptions | None = None,
     options: LensOptions | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LensKeywords],
 ) -> StatesLensReport:
     """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
     connector's, or `lens --save-states`'s), decoded with `model`'s own final norm, head and
@@ -52,7 +52,7 @@ def lens_states(
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
-    name, load, asked = given.lens_given("lens_states", model, load, options, keywords)
+    name, load, asked = given.lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
     checks.check_top_k(asked.top_k)
     items = None if asked.layers is None else checks.layer_items(asked.layers)
@@ -63,7 +63,7 @@ def lens_states(
     check_dtype(load.dtype)
     lens_dir = None
     if asked.tuned is not None:
-        from embedlens.analysis.tune.use import open_tuned
+        from embedlens.analysis.lens.decoders import open_tuned
 
         lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
@@ -156,7 +156,7 @@ def _run_on(
     ids = file.token_ids()
     _check_ids(file, ids, config, len(tokenizer))
     if lens_dir is not None:
-        from embedlens.analysis.tune.use import before_load
+        from embedlens.analysis.lens.decoders import before_load
 
         before_load(lens_dir, config)
     with file_tokens.watching(source, loaded=True, others=(), model=name):
@@ -247,7 +247,7 @@ def _decoder(
     own = ModelDecoder(tail.model, tail.blocks, dummy_id=int(ids[0]))
     if lens_dir is None:
         return own, None
-    from embedlens.analysis.tune.use import tuned_through
+    from embedlens.analysis.lens.decoders import tuned_through
 
     through = tuned_through(lens_dir, tail.model, tokenizer)
     return through.wrap(own), through.described

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options
 from embedlens.analysis.lens.text_input import Rule, Tokens, read_text, rule, tokenise
 from embedlens.errors import UsageError
-from embedlens.options import LoadOptions
+from embedlens.options import LoadKeywords, LoadOptions
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,7 +51,7 @@ def lens_text(
     load: LoadOptions | None = None,
     dist_backend: str = "auto",
     progress: Progress | None = None,
-    **keywords: Any,
+    **keywords: Unpack[LoadKeywords],
 ) -> LensTextReport:
     """The lens over the text file `text`: per layer, cross-entropy against the true next token
     (nats, bits per byte), KL to the model's output, entropy and top-1 accuracy; at the output
@@ -73,7 +73,7 @@ def lens_text(
     from embedlens.analysis.lens import given
     from embedlens.progress import progress_of
 
-    model, load = given.model_and_load("lens_text", model, load, keywords)
+    model, load = given.model_and_load("lens_text", model, load, dict(keywords))
     _check(load, against, against_logits, tuned)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
@@ -122,13 +122,13 @@ def _run(
     tuned, reference, save_logits, residual = more
     lens_dir = None
     if tuned is not None:
-        from embedlens.analysis.tune.use import open_tuned
+        from embedlens.analysis.lens.decoders import open_tuned
 
         lens_dir = open_tuned(tuned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
         if lens_dir is not None:
-            from embedlens.analysis.tune.use import before_load
+            from embedlens.analysis.lens.decoders import before_load
 
             before_load(lens_dir, config)
         _check_ctx(config, r)
@@ -217,7 +217,7 @@ def _text_run(
 
     main = side(opened)
     if lens_dir is not None:
-        from embedlens.analysis.tune.use import tuned_through
+        from embedlens.analysis.lens.decoders import tuned_through
 
         wrap = tuned_through(lens_dir, opened.model, opened.tokenizer).wrap
         main = Side(main.model, wrap(main.decoder), logit=main.decoder)

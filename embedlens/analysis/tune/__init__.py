@@ -14,11 +14,12 @@ One idea per module, read top-down from `api` (the function users call):
   identity, linear decay);
 - `evaluate`: the held-out table, logit lens against tuned lens, layer by layer;
 - `folder`: the lens folder (tuned-lens's config keys and state-dict keys), written whole or
-  not at all, and read back (tuned-lens's own `params.pt` only through torch's weights-only
-  unpickler);
-- `match`: what a lens records of its model, and the checks that refuse it on another.
+  not at all.
 
-The tuned lens itself, a decoder the lens engine runs, is `embedlens.analysis.lens.tuned`.
+The tuned lens itself, a decoder the lens engine runs (and `embedlens.TunedLens`), is
+`embedlens.analysis.lens.decoders`; its folder is read, and matched to its model (what a lens
+records of its model, and the checks that refuse it on another), in
+`embedlens.analysis.lens.tuned_folder`.
 """
 
 from embedlens.analysis.tune.api import tune

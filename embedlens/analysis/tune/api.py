@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.tune import options
 from embedlens.analysis.tune.data import Plan, plan_sequences
 from embedlens.errors import UsageError
-from embedlens.options import LoadOptions, renamed
+from embedlens.options import LoadKeywords, LoadOptions, renamed
 
 FORMAT_VERSION = 1
 """The version of the `embedlens` object of a lens folder's config.json."""
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.tune.match import Identity
+    from embedlens.analysis.lens.tuned_folder import Identity
     from embedlens.analysis.tune.refine import Recipe
     from embedlens.analysis.tune.run import Fitted
     from embedlens.progress import Progress
@@ -51,7 +51,7 @@ def tune(
     progress: Progress | None = None,
     load: LoadOptions | None = None,
     dist_backend: str = "auto",
-    **keywords: Any,
+    **keywords: Unpack[LoadKeywords],
 ) -> TuneReport:
     """Fit a tuned lens (an affine translator per layer, decoded by the model's own final norm
     and head) and write it to the folder `out`; the report holds its held-out evaluation.
@@ -77,8 +77,9 @@ def tune(
     from embedlens.analysis.torchrun import split_session
     from embedlens.progress import progress_of
 
-    eval_data = renamed("tune", keywords, "eval", "eval_data", eval_data, _EVAL_NOW)
-    model, load = given.model_and_load("tune", model, load, keywords)
+    extra: dict[str, Any] = dict(keywords)
+    eval_data = renamed("tune", extra, "eval", "eval_data", eval_data, _EVAL_NOW)
+    model, load = given.model_and_load("tune", model, load, extra)
     shown = progress_of(progress, "tune")
     session = split_session(dist_backend, load.device)
     with nullcontext() if session is None else session.guarded():
@@ -147,8 +148,8 @@ def _write(
 ) -> TuneReport:
     """The lens folder written (by rank 0 alone under torchrun), and the report."""
     from embedlens.analysis.lens.report import dtype_name
+    from embedlens.analysis.lens.tuned_folder import identify
     from embedlens.analysis.tune.folder import write_folder
-    from embedlens.analysis.tune.match import identify
     from embedlens.reports.tune import TuneReport
 
     dtype = dtype_name(opened.model)

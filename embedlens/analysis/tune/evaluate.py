@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from embedlens.analysis.lens.tuned import Translators, TunedDecoder
+from embedlens.analysis.lens.decoders import Translators, TunedDecoder
 from embedlens.analysis.tune.data import Sequences
 from embedlens.reports.tune import TuneLayer
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from embedlens.analysis.lens.tuned import Translators
+from embedlens.analysis.lens.decoders import Translators
 
 RIDGE = 1e-4
 """λ, relative to the mean variance of the layer's residual (trace(C_xx) / d)."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.tuned import Translators
+from embedlens.analysis.lens.decoders import Translators
 from embedlens.analysis.tune.data import Sequences
 from embedlens.analysis.tune.evaluate import evaluate, layer_kl
 from embedlens.analysis.tune.fit import LeastSquares
