@@ -446,4 +446,4 @@ def test_the_fence_holds_one_module_per_library():
 
     root = Path(__file__).resolve().parent.parent / "embedlens" / "compat"
     modules = {p.stem for p in root.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
-    assert modules == {"__init__", "transformers", "torch", "gguf", "jinja2"}
+    assert modules == {"__init__", "transformers", "torch", "gguf", "jinja2", "click"}

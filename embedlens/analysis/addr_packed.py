@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import CheckpointError
 from embedlens.io.checkpoint import TensorEntry
-from embedlens.model.matrix import Table, on_disk
-from embedlens.model.packed_rows import Packed, PackedRows
+from embedlens.model.matrix import PackedRows, Table, on_disk
+from embedlens.model.packed_rows import Packed
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,7 +18,6 @@ try:
     from embedlens.cli import tune as _tune
     from embedlens.cli import vocab as _vocab
     from embedlens.cli._errors import report_error, report_terminated
-    from embedlens.cli._help import help_text
     from embedlens.cli._output import silence_stdout, write_stdout
     from embedlens.cli._scratch import (
         TERMINATED,
@@ -26,6 +25,7 @@ try:
         remove_scratch,
         unwind_on_sigterm,
     )
+    from embedlens.compat.click import help_at_spaces as help_text
     from embedlens.errors import EmbedlensError
 except KeyboardInterrupt:  # Ctrl-C while the command line is still being imported: quiet too
     raise SystemExit(130) from None

@@ -27,12 +27,19 @@ from embedlens.io.source import WEIGHT_SINGLE, ModelSource
 from embedlens.model import q6_k
 from embedlens.model.files import ModelConfig, check_integer_weights, quant_settings, read_config
 from embedlens.model.inventory import from_checkpoint
+from embedlens.model.packed_rows import (
+    FLOATS,
+    INT8_SCALE,
+    Packed,
+    bnb_4bit_values,
+    find_packed,
+    mlx_values,
+)
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from embedlens.model.packed_rows import Packed
 
 Which = Literal["input", "output"]
 MATRICES: tuple[str, ...] = ("input", "output")
@@ -131,8 +138,6 @@ def locate(source: ModelSource, which: Which = "input") -> Table:
     if name in ckpt.unread:
         raise offline_error(source, ckpt.unread[name])
     if name in inv.packed:
-        from embedlens.model.packed_rows import find_packed
-
         packed = find_packed(ckpt, quant_settings(config), name) if name in ckpt.tensors else None
         if packed is None:
             label = next(i.dtype for i in inv.items if i.name == name)
@@ -156,8 +161,6 @@ def stored_rows(table: Table, name: str) -> int:
     if table.packed is not None and table.packed.weight.name == name:
         return table.packed.shape[0]
     if entry.dtype in ("U32", "I8", "U8"):
-        from embedlens.model.packed_rows import find_packed
-
         packed = find_packed(table.checkpoint, quant_settings(table.config), name)
         if packed is not None:
             return packed.shape[0]
@@ -378,9 +381,104 @@ def open_rows(source: ModelSource, table: Table) -> Rows:
     """Map the table's tensor (for a hub repo, fetching its byte range alone); a packed one is
     dequantised as it is read (`packed_rows`)."""
     if table.packed is not None:
-        from embedlens.model.packed_rows import PackedRows
-
         return PackedRows(table.packed, source)
     check_integer_weights(table.checkpoint, table.config, [table.entry.name])
     entry = on_disk(source, table.entry)
     return Rows(entry, table.checkpoint.format)
+
+
+def _floats(entry: TensorEntry, source: ModelSource) -> npt.NDArray[np.float32]:
+    """A small tensor's values as float32 (F32, F16, BF16, F64, or raw U8)."""
+    import numpy as np
+
+    placed = on_disk(source, entry)
+    assert placed.path is not None and placed.file_offset is not None
+    with open(placed.path, "rb") as fh:
+        fh.seek(placed.file_offset - placed.base)
+        raw = fh.read(placed.nbytes)
+    if len(raw) != placed.nbytes:
+        raise CheckpointError(f"'{entry.name}' is cut short in '{entry.file}'")
+    if entry.dtype == "BF16":
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+    if entry.dtype == "U8":
+        return np.frombuffer(raw, np.uint8).astype(np.float32)
+    dtype = FLOATS.get(entry.dtype)
+    if dtype is None:
+        raise CheckpointError(f"'{entry.name}' is stored as {entry.dtype}, not a float type")
+    return np.frombuffer(raw, dtype).astype(np.float32)
+
+
+class PackedRows(Rows):
+    """Float32 rows of a packed table, dequantised block by block from a memory map."""
+
+    def __init__(self, packed: Packed, source: ModelSource) -> None:
+        import numpy as np
+
+        weight = on_disk(source, packed.weight)
+        assert weight.path is not None and weight.file_offset is not None
+        self.entry = weight
+        self.packed = packed
+        self.shape = packed.shape
+        v, d = packed.shape
+        self._gguf = False
+        self._dequantize = None
+        word = np.uint32 if packed.kind == "mlx" else np.uint8
+        per_row = packed.row_bytes // np.dtype(word).itemsize
+        mapped = np.memmap(
+            weight.path, word, "r", offset=weight.file_offset - weight.base, shape=(v, per_row)
+        )
+        self._map = np.asarray(mapped)
+        self._scales = {r: _floats(t, source) for r, t in packed.parts.items()}
+        if packed.kind == "mlx":
+            groups = d // packed.group
+            for role in ("scales", "biases"):
+                self._scales[role] = self._scales[role].reshape(v, groups)
+        elif packed.kind not in ("int8",):
+            self._absmax = self._absmax_values()
+        self.block_rows = max(1, (2 << 20) // (4 * d))
+        self._buffer = None
+
+    def _absmax_values(self) -> npt.NDArray[np.float32]:
+        """The 4-bit blocks' absmax, double quantisation undone."""
+        import numpy as np
+
+        absmax = self._scales["absmax"]
+        if self.packed.parts["absmax"].dtype != "U8":
+            return absmax
+        code, outer = self._scales["nested_quant_map"], self._scales["nested_absmax"]
+        block = int(self.packed.state.get("nested_blocksize", 256))
+        q = absmax.astype(np.int64)
+        values = code[q] * outer[np.arange(q.size) // block]
+        return (values + np.float32(self.packed.state.get("nested_offset", 0.0))).astype(np.float32)
+
+    def values(self, raw: npt.NDArray[Any], ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        """The packed rows `raw` (rows `ids` of the table) as float32."""
+        import numpy as np
+
+        kind, d = self.packed.kind, self.shape[1]
+        if kind == "mlx":
+            s, b = self._scales["scales"][ids], self._scales["biases"][ids]
+            return mlx_values(raw, s, b, self.packed.bits, self.packed.group)
+        if kind == "int8":
+            w = raw.view(np.int8).astype(np.float32)
+            return (w * self._scales["SCB"][ids][:, None]) * np.float32(INT8_SCALE)
+        dtype = str(self.packed.state.get("dtype", "float32"))
+        code = self._scales["quant_map"]
+        return bnb_4bit_values(raw, code, self._absmax, ids * d, self.packed.group, dtype)
+
+    def block(self, start: int, stop: int) -> npt.NDArray[np.float32]:
+        import numpy as np
+
+        return self.values(self._map[start:stop], np.arange(start, stop))
+
+    def block_into(
+        self, start: int, stop: int, out: npt.NDArray[np.float32]
+    ) -> npt.NDArray[np.float32]:
+        out[...] = self.block(start, stop)
+        return out
+
+    def take(self, ids: list[int]) -> npt.NDArray[np.float32]:
+        import numpy as np
+
+        index = np.asarray(ids, dtype=np.int64)
+        return self.values(self._map[index], index)

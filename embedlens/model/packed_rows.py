@@ -22,20 +22,17 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from embedlens.errors import CheckpointError
 from embedlens.io.checkpoint import Checkpoint, TensorEntry
 from embedlens.io.tensor_bytes import small_tensor_bytes
-from embedlens.model.matrix import Rows, on_disk
 from embedlens.model.quant.config import mlx_settings
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from embedlens.io.source import ModelSource
 
 INT8_SCALE = 7.874015718698502e-3  # bitsandbytes' 1/127, as its int8 dequantiser writes it
-_FLOATS = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+FLOATS = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
 
 
 @dataclass(frozen=True)
@@ -132,27 +129,6 @@ def _bnb_4bit(tensors: dict[str, TensorEntry], name: str, weight: TensorEntry) -
     return Packed(str(state["quant_type"]), (v, d), weight, parts, 4, block, state)
 
 
-def _floats(entry: TensorEntry, source: ModelSource) -> npt.NDArray[np.float32]:
-    """A small tensor's values as float32 (F32, F16, BF16, F64, or raw U8)."""
-    import numpy as np
-
-    placed = on_disk(source, entry)
-    assert placed.path is not None and placed.file_offset is not None
-    with open(placed.path, "rb") as fh:
-        fh.seek(placed.file_offset - placed.base)
-        raw = fh.read(placed.nbytes)
-    if len(raw) != placed.nbytes:
-        raise CheckpointError(f"'{entry.name}' is cut short in '{entry.file}'")
-    if entry.dtype == "BF16":
-        return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
-    if entry.dtype == "U8":
-        return np.frombuffer(raw, np.uint8).astype(np.float32)
-    dtype = _FLOATS.get(entry.dtype)
-    if dtype is None:
-        raise CheckpointError(f"'{entry.name}' is stored as {entry.dtype}, not a float type")
-    return np.frombuffer(raw, dtype).astype(np.float32)
-
-
 def mlx_values(
     words: npt.NDArray[np.uint32],
     scales: npt.NDArray[np.float32],
@@ -205,79 +181,3 @@ def round_to(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.floa
     u = values.view(np.uint32)
     rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
     return np.where(np.isnan(values), values, rounded.view(np.float32))
-
-
-class PackedRows(Rows):
-    """Float32 rows of a packed table, dequantised block by block from a memory map."""
-
-    def __init__(self, packed: Packed, source: ModelSource) -> None:
-        import numpy as np
-
-        weight = on_disk(source, packed.weight)
-        assert weight.path is not None and weight.file_offset is not None
-        self.entry = weight
-        self.packed = packed
-        self.shape = packed.shape
-        v, d = packed.shape
-        self._gguf = False
-        self._dequantize = None
-        word = np.uint32 if packed.kind == "mlx" else np.uint8
-        per_row = packed.row_bytes // np.dtype(word).itemsize
-        mapped = np.memmap(
-            weight.path, word, "r", offset=weight.file_offset - weight.base, shape=(v, per_row)
-        )
-        self._map = np.asarray(mapped)
-        self._scales = {r: _floats(t, source) for r, t in packed.parts.items()}
-        if packed.kind == "mlx":
-            groups = d // packed.group
-            for role in ("scales", "biases"):
-                self._scales[role] = self._scales[role].reshape(v, groups)
-        elif packed.kind not in ("int8",):
-            self._absmax = self._absmax_values()
-        self.block_rows = max(1, (2 << 20) // (4 * d))
-        self._buffer = None
-
-    def _absmax_values(self) -> npt.NDArray[np.float32]:
-        """The 4-bit blocks' absmax, double quantisation undone."""
-        import numpy as np
-
-        absmax = self._scales["absmax"]
-        if self.packed.parts["absmax"].dtype != "U8":
-            return absmax
-        code, outer = self._scales["nested_quant_map"], self._scales["nested_absmax"]
-        block = int(self.packed.state.get("nested_blocksize", 256))
-        q = absmax.astype(np.int64)
-        values = code[q] * outer[np.arange(q.size) // block]
-        return (values + np.float32(self.packed.state.get("nested_offset", 0.0))).astype(np.float32)
-
-    def values(self, raw: npt.NDArray[Any], ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
-        """The packed rows `raw` (rows `ids` of the table) as float32."""
-        import numpy as np
-
-        kind, d = self.packed.kind, self.shape[1]
-        if kind == "mlx":
-            s, b = self._scales["scales"][ids], self._scales["biases"][ids]
-            return mlx_values(raw, s, b, self.packed.bits, self.packed.group)
-        if kind == "int8":
-            w = raw.view(np.int8).astype(np.float32)
-            return (w * self._scales["SCB"][ids][:, None]) * np.float32(INT8_SCALE)
-        dtype = str(self.packed.state.get("dtype", "float32"))
-        code = self._scales["quant_map"]
-        return bnb_4bit_values(raw, code, self._absmax, ids * d, self.packed.group, dtype)
-
-    def block(self, start: int, stop: int) -> npt.NDArray[np.float32]:
-        import numpy as np
-
-        return self.values(self._map[start:stop], np.arange(start, stop))
-
-    def block_into(
-        self, start: int, stop: int, out: npt.NDArray[np.float32]
-    ) -> npt.NDArray[np.float32]:
-        out[...] = self.block(start, stop)
-        return out
-
-    def take(self, ids: list[int]) -> npt.NDArray[np.float32]:
-        import numpy as np
-
-        index = np.asarray(ids, dtype=np.int64)
-        return self.values(self._map[index], index)

@@ -62,10 +62,9 @@ def tune(
     method: 'kl' (least squares, then tuned-lens's KL refinement on `refine_tokens` of the
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
-    progress: called as `progress(stage, done, total, unit, detail)` as work advances
-        (`Progress`): 'fitting' tokens, 'solving' layers, 'checking' sequences (the detail:
-        which translators), 'refining' steps from 0 (the detail: KL by bands of layers), then
-        'evaluating' held-out tokens.
+    progress: `progress(stage, done, total, unit, detail)` (`Progress`): 'fitting' tokens,
+        'solving' layers, 'checking' sequences (detail: which translators), 'refining' steps
+        from 0 (detail: KL by bands of layers), then 'evaluating' held-out tokens.
     load: `LoadOptions` (or its fields as keywords, `dtype=`...); it loads on one device.
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): each rank fits and evaluates every WORLD_SIZE-th sequence, the sums are
