@@ -72,13 +72,63 @@ def test_an_id_without_a_row_is_refused(cli, wide, tmp_path, monkeypatch, case):
     _says(err, wide)
 
 
+EARLY = ("prompt", "target", "prompts")
+"""The cases whose texts the run encodes as they are: told from tokenizer.json and the headers."""
+
+
+@pytest.mark.parametrize("case", EARLY)
+def test_refused_before_torch_or_transformers_is_imported(wide, tmp_path, case):
+    """The folder's tokenizer.json read by the `tokenizers` library and the checkpoint's header
+    tell it: the same error, with neither torch nor transformers imported (the command takes
+    about half a second; no bound on time here, the machine may be busy)."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    argv = ["lens", str(wide), *map(str, CASES[case](tmp_path))]
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "embedlens", *argv],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    said = [x for x in result.stderr.splitlines() if not x.startswith("import time:")]
+    imported = {
+        x.split("|")[-1].strip().split(".")[0]
+        for x in result.stderr.splitlines()
+        if x.startswith("import time:")
+    }
+    assert result.returncode == 1, result.stderr[-2000:]
+    _says(said[0], wide)
+    assert imported & {"torch", "transformers"} == set()
+    assert "tokenizers" in imported  # the check ran, from tokenizer.json
+
+
 @pytest.mark.parametrize("side", ["a", "b"])
 def test_either_side_of_against_is_refused(cli, tiny, wide, tmp_path, side):
-    """B reads A's ids: where the two tokenizers differ, the pair is refused before the run,
-    never by an IndexError inside either model."""
+    """B reads A's ids: where the two tokenizers differ, the pair is refused before either
+    model is opened, by the comparison of the vocabularies (which comes first), never by an
+    IndexError inside either model."""
     a, b = (wide, tiny("llama-tied")) if side == "a" else (tiny("llama-tied"), wide)
     err = cli.fails("lens", a, "the king", "--against", b, code=1)
+    assert f"error: '{b}' does not share the vocabulary of '{a}'" in err, err
     assert "internal error" not in err and "IndexError" not in err
+
+
+def test_against_with_the_same_wide_tokenizer_is_refused(cli, wide, tmp_path, monkeypatch):
+    """Two models with the same tokenizer pass the comparison of vocabularies: the ids are then
+    refused against the embeddings' rows (A's named first), before any weight is loaded."""
+    from embedlens.model import loading
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    twin = tmp_path / "twin"
+    shutil.copytree(wide, twin)
+    for args in (["the king"], ["--prompts", _file(tmp_path / "p.txt", "the queen\nthe king\n")]):
+        err = cli.fails("lens", wide, *args, "--against", twin, code=1)
+        _says(err, wide)
 
 
 def test_a_loaded_model_with_another_tokenizer_is_refused(tiny, wide):

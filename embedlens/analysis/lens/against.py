@@ -84,7 +84,8 @@ def lens_pair(
         gc.collect()  # B's weights go before A's are read
         return run, result, named, b_sites
 
-    with _ready_a(a, b, b_first, target=ask.target) as (oa, ran):
+    texts = () if ask.chat is not None else (ask.prompt,)
+    with _ready_a(a, b, b_first, target=ask.target, texts=texts) as (oa, ran):
         from embedlens.analysis.lens.pair import compare
         from embedlens.analysis.lens.pair_report import pair_report
 
@@ -228,7 +229,8 @@ def _together(
         return many.check_all(source, ask, tok, config, template)
 
     targets = _targets(source, ask)
-    with _ready_a(a, b, check, targets=targets) as (oa, (n_bad, bad)):
+    texts = many.plain_texts(source)
+    with _ready_a(a, b, check, targets=targets, texts=texts) as (oa, (n_bad, bad)):
         lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
         with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config, tuned)) as ob:
             run_b = many.ManyRun(ob, ask, None, _through(tuned, ob, fingerprints=False), keep=True)
@@ -265,7 +267,8 @@ def _apart(
             return n_bad, bad, named
 
         targets = _targets(source, ask)
-        with _ready_a(a, b, b_first, targets=targets) as (oa, ran):
+        texts = many.plain_texts(source)
+        with _ready_a(a, b, b_first, targets=targets, texts=texts) as (oa, ran):
             n_bad, bad, named = ran
             run = pair(oa, named)
             lines = many.windows(

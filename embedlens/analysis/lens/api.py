@@ -150,7 +150,9 @@ def _one_prompt(
         return lens_pair(pair, ask, sites, _tuned_folder(tuned))
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(make_prompt, ask))
-    with open_model(model, tokenizer, loading, check, own_template, target) as (opened, run):
+    texts = () if ask.chat is not None else (ask.prompt,)
+    ready = open_model(model, tokenizer, loading, check, own_template, target, texts=texts)
+    with ready as (opened, run):
         through = _through(lens_dir, opened)
         decoder = _tuned_decoder(through, opened, run)
         result = run_one(opened, ask, run, decoder=decoder)
@@ -284,7 +286,9 @@ def _many(
 
     check = _checked_with(lens_dir, check_lines)
     targets = functools.partial(many.check_targets, source, ask)
-    with open_model(model, tokenizer, loading, check, targets=targets) as (opened, (n_bad, bad)):
+    texts = many.plain_texts(source)
+    ready = open_model(model, tokenizer, loading, check, targets=targets, texts=texts)
+    with ready as (opened, (n_bad, bad)):
         through = _through(lens_dir, opened)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
         if sites != ("resid",):

@@ -103,6 +103,17 @@ def check_targets(source: PromptSource, ask: ManyAsk, one: Callable[[str], None]
                 raise BadLine(line.line, e.message, hint=e.hint) from None
 
 
+def plain_texts(source: PromptSource) -> Iterator[str]:
+    """Each line's prompt (but a chat message's: the template's text is encoded around it) and
+    target, in order: the texts the run encodes as they are (`opening.from_files`' `texts`)."""
+    for line in source:
+        if isinstance(line, PromptLine):
+            if line.chat is None:
+                yield line.prompt
+            if line.target is not None:
+                yield line.target
+
+
 def check_all(
     source: PromptSource, ask: ManyAsk, tokenizer: Any, config: Any, template: str
 ) -> tuple[int, list[BadLine]]:

@@ -9,9 +9,10 @@ re-typed, in eval mode for the run and every module's training flag restored aft
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens.options import Load
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.io.source import ModelSource
+    from embedlens.model.files import ModelFiles
     from embedlens.model.tokenizer import Vocab
 
 T = TypeVar("T")
@@ -56,12 +58,14 @@ def open_model(
     target: str | None = None,
     targets: Targets | None = None,
     others: tuple[ModelSource, ...] = (),
+    texts: Iterable[str] = (),
 ) -> Iterator[tuple[Opened, T]]:
     """The model ready for the run (loaded from its files, or as the caller loaded it), with
     what `check` returned before any weight was read; `loading`: a `Load` for a model named by
     its files, else the loading options given for a loaded one (refused). `own_template`,
-    `target` and `targets`: as `from_files` takes them; `others`: the files of other models run
-    on the same ids (the ids `check` tokenises are checked against their GGUF tokenizers)."""
+    `target`, `targets` and `texts`: as `from_files` takes them; `others`: the files of other
+    models run on the same ids (the ids `check` tokenises are checked against their GGUF
+    tokenizers)."""
     if isinstance(loading, Load):
         assert isinstance(model, (str, os.PathLike))
         name = os.fspath(model)
@@ -74,6 +78,7 @@ def open_model(
             target=target,
             targets=targets,
             others=others,
+            texts=texts,
         ) as opened:
             yield opened
     else:
@@ -92,14 +97,16 @@ def from_files(
     target: str | None = None,
     targets: Targets | None = None,
     others: tuple[ModelSource, ...] = (),
+    texts: Iterable[str] = (),
 ) -> Iterator[tuple[Opened, T]]:
     """The model named `name` loaded from its files (hub, folder or GGUF), after `check`.
     What the files alone can tell is refused before a tokenizer is built: `own_template`, the run
     needs the model's chat template (--chat without --chat-template) and they hold none;
     `target`, a --target that is not one token of a GGUF file's vocabulary; `targets` is given
-    the same check for the targets of many prompts. Every text `check` tokenises is checked
-    against the GGUF tokenizer of the model's file, if it is one, and of `others`
-    (`file_tokens`)."""
+    the same check for the targets of many prompts; `texts` (the texts run as they are) and
+    `target`, the ids a folder's tokenizer.json gives them against the embeddings' rows
+    (`token_rows.early`). Every text `check` tokenises is checked against the rows and the GGUF
+    tokenizer of the model's file, if it is one, and of `others` (`file_tokens`)."""
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
     from embedlens.model import file_tokens, loading, token_rows
@@ -110,11 +117,11 @@ def from_files(
         source = resolve(name, load.revision)
         if tokenizer is None:
             _from_the_files(source, own_template, target, targets)
-        # headers, config and a GGUF file's tokenizer, read once by embedlens, before
+        # headers, config and the tokenizer's files, read once by embedlens, before
         # transformers is imported
         files = check_source(source, trust_remote_code=trust)
-        if tokenizer is None and source.is_gguf:
-            loading.check_tokenizer_files(files)
+        if tokenizer is None:
+            _own_tokenizer_checks(files, name, others, trust, chain(texts, [target or ""]))
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loaded = tokenizer is None
@@ -157,6 +164,24 @@ def _from_the_files(
             one(target)
         if targets is not None:
             targets(one)
+
+
+def _own_tokenizer_checks(
+    files: ModelFiles, name: str, others: tuple[ModelSource, ...], trust: bool, texts: Iterable[str]
+) -> None:
+    """What the model's own tokenizer files tell before transformers reads them: a GGUF file's
+    tokenizer arrays, and the ids a folder's tokenizer.json gives `texts` against the
+    embeddings' rows, where it can tell (`token_rows.early`)."""
+    from embedlens.model import loading, token_rows
+
+    if files.source.is_gguf:
+        loading.check_tokenizer_files(files)
+        return
+    check = token_rows.early(files, name, others, trust_remote_code=trust)
+    if check is not None:
+        for text in texts:
+            if text:
+                check(text)
 
 
 def _target_check(source: ModelSource) -> Callable[[str], None]:
