@@ -478,6 +478,45 @@ def test_the_first_divergent_layer_is_found_among_layers_not_shown(pairs, cli):
     assert late["layers"] == whole["layers"][3:]
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_over_prompts_the_first_divergent_layer_is_found_among_layers_not_shown(
+    pairs, cli, tmp_path, monkeypatch, apart
+):
+    """--prompts as one prompt: the summary's first divergent layer (and each line's) is found
+    among every layer whatever --layers shows, whether the two models run together or one after
+    the other; the table says it is not among its rows, and the rows shown hold the figures of
+    a run showing every layer."""
+    p = pairs("llama-untied")
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    if apart:  # room for one model at a time
+        from embedlens.io.source import resolve
+        from embedlens.model.preflight import estimate
+
+        need = [estimate(resolve(str(p[k])), "float32") for k in ("a", "block", "norm")]
+        monkeypatch.setenv("EMBEDLENS_MEMORY_LIMIT", str(max(e.needed for e in need if e)))
+    for pair, layers, first in (("block", "3:", BLOCK + 1), ("norm", "2:", 0)):
+        args = ("lens", p["a"], "--prompts", path, "--against", p[pair], "--layers", layers)
+        data = [json.loads(line) for line in cli(*args, "--json").stdout.splitlines()]
+        assert [line["diff"]["first_divergent_layer"] for line in data] == [first] * 4
+        start = int(layers[0])
+        for line in data:
+            assert [row["layer"] for row in line["diff"]["layers"]] == list(range(start, 4))
+            assert [row["layer"] for row in line["layers"]] == list(range(start, 4))
+        assert any("ran first" in n for n in data[-1]["notes"]) == apart
+        table = cli(*args)
+        assert table.exit_code == 0, table.stderr
+        assert "◀" not in table.stdout
+        said = " ".join(table.stdout.split())
+        assert f"First divergent layer: {first} (mean KL > 1e-06 nats), not among the layers " in (
+            said
+        )
+    whole = lens_prompts(p["a"], PROMPTS, against=p["block"]).to_dict()
+    late = lens_prompts(p["a"], PROMPTS, against=p["block"], layers="3:").to_dict()
+    assert late["diff"]["layers"] == whole["diff"]["layers"][3:]
+    assert late["layers"] == whole["layers"][3:]
+
+
 def test_cli_prompts_lines_and_summary(pairs, cli, tmp_path):
     p = pairs("llama-untied")
     path = tmp_path / "p.jsonl"

@@ -6,8 +6,8 @@ nats, each model's lens through its own decoder (the last layer: the two models'
 at every layer, the last too, so it is 0 wherever the two residual streams are equal whatever
 the heads do; `top1_agree` compares the two lenses' top-1 tokens; `target_logprob_delta` is B's
 log-probability of the --target token minus A's. `first_divergent_layer` is the first layer
-whose `kl` exceeds `threshold` (on one prompt: among every layer, whether `layers` holds it or
-not).
+whose `kl` (over many prompts, mean `kl`) exceeds `threshold`, among every layer whether
+`layers` holds it or not.
 """
 
 from __future__ import annotations

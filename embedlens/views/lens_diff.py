@@ -114,7 +114,8 @@ def render_summary(r: LensPairSummaryReport) -> RenderableType:
             cells.append(nats(row.target_logprob_delta))
         table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
     delta = "Δ log p: B's log-probability of each prompt's target minus A's" if targets else None
-    legend = _legend(d.first_divergent_layer, d.threshold, "mean ", delta)
+    shown_layers = {row.layer for row in d.layers}
+    legend = _legend(d.first_divergent_layer, d.threshold, "mean ", delta, shown_layers)
     parts: list[RenderableType] = [table, legend]
     if d.n_against_unfaithful:
         parts.append(

@@ -233,7 +233,8 @@ def _together(
     with _ready_a(a, b, check, targets=targets, texts=texts) as (oa, (n_bad, bad)):
         lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
         with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config, tuned)) as ob:
-            run_b = many.ManyRun(ob, ask, None, _through(tuned, ob, fingerprints=False), keep=True)
+            through = _through(tuned, ob, fingerprints=False)
+            run_b = many.ManyRun(ob, ask, None, through, keep=True, every=True)
             run = pair(oa, _named(ob))
             for window in lines(rows=_rows(oa.config, ask)):
                 run.window(window, run_b.run_window(window))
@@ -259,7 +260,7 @@ def _apart(
             lines = functools.partial(many.windows, source, ask, tok, config, template)
             with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config, tuned)) as ob:
                 through = _through(tuned, ob, fingerprints=False)
-                run_b = many.ManyRun(ob, ask, None, through, keep=True)
+                run_b = many.ManyRun(ob, ask, None, through, keep=True, every=True)
                 for i, window in enumerate(lines(rows=_rows(config, ask))):
                     _save(run_b.run_window(window), folder / f"{i}.pt")
                 named = _named(ob)
@@ -309,7 +310,8 @@ class _PairRun:
         from embedlens.analysis.lens.pair import PairStats
 
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
-        self.run = many.ManyRun(opened, ask, None, _through(tuned, opened), keep=True)
+        through = _through(tuned, opened)
+        self.run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
         self.stats: PairStats = PairStats()
 
     @staticmethod
@@ -330,7 +332,7 @@ class _PairRun:
                 report = self.run.report(ask, prompt, out_a)
                 named, tok = self.named, self.opened.tokenizer
                 pair = pair_report(report, diffs, out_b.result, named.name, self.threshold, tok,
-                                   named.notes)  # fmt: skip
+                                   named.notes, self.run.shown)  # fmt: skip
                 self.each(pair, line)
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
@@ -339,7 +341,8 @@ class _PairRun:
 
         summary = self.run.summary(n_bad, bad)
         named = self.named
-        return pair_summary(summary, self.stats, named.name, self.threshold, [*named.notes, *notes])
+        notes = [*named.notes, *notes]
+        return pair_summary(summary, self.stats, named.name, self.threshold, notes, self.run.shown)
 
 
 def _targets(source: PromptSource, ask: ManyAsk) -> Targets:
@@ -417,5 +420,5 @@ def _rows(config: Any, ask: ManyAsk) -> int | None:
     blocks = getattr(text, "num_hidden_layers", None)
     if not isinstance(vocab, int) or not isinstance(blocks, int) or vocab < 1:
         return None
-    layers = len(set(resolve_layers(ask.layers, blocks)) | {blocks})
+    layers = blocks + 1  # every layer runs: the first divergent one is found among all
     return max(1, KEEP_BYTES // (3 * layers * vocab * 4))

@@ -8,6 +8,7 @@ statistics (`stats`): memory does not grow with the number of prompts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.decoders import Through
+    from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.states_file import ManySaver
 
@@ -200,13 +202,20 @@ class ManyRun:
         *,
         keep: bool = False,
         compare_logit: bool = False,
+        every: bool = False,
     ) -> None:
         from embedlens.analysis.lens.batch import BatchLens
         from embedlens.analysis.lens.blocks import find_blocks
         from embedlens.analysis.lens.stats import LensStats
 
         model = opened.model
-        layers = resolve_layers(ask.layers, len(find_blocks(model).modules))
+        n_blocks = len(find_blocks(model).modules)
+        layers = resolve_layers(ask.layers, n_blocks)  # checked even when every layer runs
+        self.shown = layers
+        """The layers reports and the summary hold; with `every`, every layer is run (a pair's
+        first divergent layer is found among all of them) and cut to these."""
+        if every:
+            layers = resolve_layers(None, n_blocks)
         self.opened, self.ask, self.each, self.through = opened, ask, each, through
         # the statistics read the top-1 alone; reports (`each`, a comparison's) the top-k
         k = ask.top_k if each is not None or keep else 1
@@ -324,7 +333,8 @@ class ManyRun:
         """The report a single run on this prompt gives (notes too)."""
         o = self.opened
         around = (o.before, o.after)
-        report = lens_report(o.name, o.tokenizer, o.model, out.result, ask, prompt, around)
+        result = shown_rows(out.result, self.shown)
+        report = lens_report(o.name, o.tokenizer, o.model, result, ask, prompt, around)
         return report if self.through is None else tuned_report(report, self.through.described)
 
     def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
@@ -340,7 +350,7 @@ class ManyRun:
             position="all" if pos is None else pos,
             num_layers=self.batch.n_layers,
             dtype=dtype_name(o.model),
-            layers=stats.summary(),
+            layers=[row for row in stats.summary() if row.layer in self.shown],
             notes=[*o.before, *bad_notes(n_bad, bad), *o.after],
         )
         if self.split_note is not None:
@@ -349,6 +359,14 @@ class ManyRun:
             return summary
         logit = None if self.logit is None else self.logit[1].summary()
         return tuned_summary(summary, self.through.described, logit)
+
+
+def shown_rows(result: LensResult, shown: list[int]) -> LensResult:
+    """A result cut to the layers `shown` (itself when it holds no other)."""
+    if result.layers == shown:
+        return result
+    rows = {key: top for key, top in result.rows.items() if key[0] in shown}
+    return dataclasses.replace(result, layers=[x for x in result.layers if x in shown], rows=rows)
 
 
 def _hand_on(

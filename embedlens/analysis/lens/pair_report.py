@@ -73,10 +73,13 @@ def pair_summary(
     against: str,
     threshold: float,
     notes: list[str],
+    shown: list[int] | None = None,
 ) -> LensPairSummaryReport:
-    """A's summary with, in `diff`, the per-layer means of B against it."""
-    layers = [LensDiffLayerStats(**row) for row in stats.means()]
-    first = first_above([x.layer for x in layers], [x.kl for x in layers], threshold)
+    """A's summary with, in `diff`, the per-layer means of B against it. `shown`: the layers the
+    summary holds when `stats` has more (the first divergent layer is found among all)."""
+    every = [LensDiffLayerStats(**row) for row in stats.means()]
+    first = first_above([x.layer for x in every], [x.kl for x in every], threshold)
+    layers = [x for x in every if shown is None or x.layer in shown]
     diff = LensSummaryDiff(against, threshold, first, layers, stats.n_against_unfaithful)
     fields = _with_notes(summary, notes)
     tuned = fields.pop("tuned", None)
