@@ -7,8 +7,14 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from embedlens.reports import register_view
-from embedlens.reports.tune import TunedLensReport, TunedLensSummaryReport, TuneReport
-from embedlens.views import lens, lens_summary
+from embedlens.reports.tune import (
+    TunedLensPairReport,
+    TunedLensPairSummaryReport,
+    TunedLensReport,
+    TunedLensSummaryReport,
+    TuneReport,
+)
+from embedlens.views import lens, lens_diff, lens_summary
 from embedlens.views.format import shown
 
 
@@ -68,3 +74,5 @@ def _ranges(layers: list[int]) -> str:
 register_view(TuneReport, render)
 register_view(TunedLensReport, lens.render)
 register_view(TunedLensSummaryReport, lens_summary.render)
+register_view(TunedLensPairReport, lens_diff.render)
+register_view(TunedLensPairSummaryReport, lens_diff.render_summary)
