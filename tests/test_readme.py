@@ -283,7 +283,7 @@ def test_ci_runs_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index("readme_commands.py setup") < ci.index("readme_commands.py test")
     assert "python3 -m venv" in ci
-    assert ci.index("readme_commands.py test") < ci.index("-m tests.busy 3")
+    assert ci.index("readme_commands.py test") < ci.index("-m tests.busy 1")
 
 
 def test_the_tour_links_the_model_file_in_any_shell(smollm2, tmp_path):
