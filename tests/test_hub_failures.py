@@ -137,10 +137,11 @@ def test_connection_refused(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["closed port", "no such host"])
-def test_an_unreachable_hub_is_said_within_5_seconds(tmp_path, monkeypatch, where):
+def test_an_unreachable_hub_is_said_without_retries(tmp_path, monkeypatch, where):
     """A file not in the cache from a hub that cannot be reached (a misspelled id offline): the
-    error comes at once, not after huggingface_hub's five retries over 23 s (its own waits, not
-    skipped here as `run` skips them). A cached file is still read from the cache meanwhile."""
+    error comes at once (one probe, at most PROBE_SECONDS), not after huggingface_hub's five
+    retries over 23 s. The retries' waits are what is counted, not the clock, so a loaded
+    machine cannot fail it."""
     import time
 
     from huggingface_hub import constants
@@ -155,10 +156,11 @@ def test_an_unreachable_hub_is_said_within_5_seconds(tmp_path, monkeypatch, wher
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     hub._probe.cache_clear()
-    start = time.monotonic()
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
     with pytest.raises(SourceError, match=f"could not connect to the hub at {endpoint}"):
         hub.hub_file("org/misspeled", "config.json", None, required=True)
-    assert time.monotonic() - start < 5.0
+    assert waits == [] and hub.PROBE_SECONDS <= 5
     hub._probe.cache_clear()
 
 
