@@ -65,7 +65,8 @@ def lens_text(
         model's decoder on B's residual.
     against_logits: a file `save_logits` wrote (the reference); this model is evaluated.
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
-    tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them.
+    tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them; with
+        `against`, B read through the same lens (tuned on this model).
     load: `LoadOptions` (or its fields as keywords: `dtype=`, ...), on one device.
     dist_backend: under torchrun, the windows are split over the processes.
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
@@ -74,7 +75,7 @@ def lens_text(
     from embedlens.progress import progress_of
 
     model, load = given.model_and_load("lens_text", model, load, dict(keywords))
-    _check(load, against, against_logits, tuned)
+    _check(load, against, against_logits)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
@@ -95,14 +96,12 @@ def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
     return logits_file.load(path)
 
 
-def _check(load: LoadOptions, against: object, against_logits: object, tuned: object) -> None:
+def _check(load: LoadOptions, against: object, against_logits: object) -> None:
     """What `lens_text` cannot combine, refused before any file is read."""
     if load.device_map is not None or load.max_memory is not None or load.offload_folder:
         raise UsageError("lens_text runs the model on one device: --device-map does not apply")
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
-    if tuned is not None and (against is not None or against_logits is not None):
-        raise UsageError("--tuned compares the tuned lens with the logit lens: run it alone")
 
 
 def _run(
@@ -127,22 +126,27 @@ def _run(
         lens_dir = open_tuned(tuned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
-        if lens_dir is not None:
-            from embedlens.analysis.lens.decoders import before_load
-
-            before_load(lens_dir, config)
+        _fits(lens_dir, config)
         _check_ctx(config, r)
         return tokenise(body, tok, r, name)
 
     with ExitStack() as stack:
         opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
-        other = stack.enter_context(_other(opened, *b, load))
+        other = stack.enter_context(_other(opened, *b, load, lens_dir))
         run = _text_run(opened, items, other, lens_dir, save_logits, residual)
         totals = _all(run, r, tokens, reference, session, progress)
         report = _report(opened, run, totals, (name, r, tokens), other, reference)
         if save_logits is not None and (session is None or session.rank == 0):
             _save(save_logits, opened, r, tokens, totals, run.vocab)
         return report
+
+
+def _fits(lens_dir: Any, config: Any) -> None:
+    """A tuned lens's size checked against a model's config, before its weights are read."""
+    if lens_dir is not None:
+        from embedlens.analysis.lens.decoders import before_load
+
+        before_load(lens_dir, config)
 
 
 def _check_ctx(config: Any, r: Rule) -> None:
@@ -172,9 +176,15 @@ def _joined(backend: str, device: str, against: object) -> Session | None:
 
 @contextmanager
 def _other(
-    opened: Opened, against: object, tokenizer: Any, revision: str | None, load: Any
+    opened: Opened,
+    against: object,
+    tokenizer: Any,
+    revision: str | None,
+    load: Any,
+    lens_dir: Any = None,
 ) -> Iterator[Opened | None]:
-    """B, checked against A (vocabulary, layers, outputs) and loaded as A was (None without)."""
+    """B, checked against A (vocabulary, layers, outputs) and loaded as A was (None without);
+    a tuned lens (A's) is checked against B's size before B's weights are read."""
     if against is None:
         yield None
         return
@@ -195,7 +205,11 @@ def _other(
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
     b_tok = tokenizer if tokenizer is not None or isinstance(b_load, options.Load) else None
     b_tok = b_tok if b_tok is not None or isinstance(b_load, options.Load) else opened.tokenizer
-    with open_model(against, b_tok, b_load, lambda *_: None) as (other, _):
+
+    def fits(_tok: Any, config: Any, _template: str) -> None:
+        _fits(lens_dir, config)
+
+    with open_model(against, b_tok, b_load, fits) as (other, _):
         yield other
 
 
@@ -207,24 +221,26 @@ def _text_run(
     save_logits: object,
     residual: bool,
 ) -> TextRun:
-    """The window runner for A (its tuned lens beside the logit lens), and B."""
+    """The window runner for A (its tuned lens beside the logit lens), and B (through the same
+    tuned lens: A's, checked against B's blocks alone)."""
     from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
     from embedlens.analysis.lens.text_run import Side, TextRun
 
-    def side(o: Opened) -> Side:
+    def side(o: Opened, own: bool = True) -> Side:
         dummy = o.tokenizer.eos_token_id or 0
-        return Side(o.model, ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy)))
-
-    main = side(opened)
-    if lens_dir is not None:
+        plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
+        if lens_dir is None:
+            return Side(o.model, plain)
         from embedlens.analysis.lens.decoders import tuned_through
 
-        wrap = tuned_through(lens_dir, opened.model, opened.tokenizer).wrap
-        main = Side(main.model, wrap(main.decoder), logit=main.decoder)
+        wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
+        return Side(o.model, wrap(plain), logit=plain if own else None)
+
+    main = side(opened)
     n_layers = len(find_blocks(opened.model).modules)
     layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
     vocab = min(len(opened.tokenizer), _outputs(opened))
-    b = None if other is None else side(other)
+    b = None if other is None else side(other, own=False)
     return TextRun(main, layers, vocab, b, keep_logits=save_logits is not None,
                    residual=residual)  # fmt: skip
 
