@@ -9,6 +9,7 @@ transformers' hidden states). `--tuned --against-logits` is `--tuned`'s table be
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,114 @@ def test_text_tuned_against_logits_is_tuned_beside_the_files_comparison(
     plain = embedlens.lens_text(a, text, ctx=CTX, against_logits=saved)
     assert both.layers == tuned.layers and both.logit_layers == tuned.logit_layers
     assert both.pair == plain.pair and both.pair_output == plain.pair_output
+
+
+PROMPTS = [
+    {"prompt": "the king of France is", "target": "Paris"},
+    {"prompt": "the capital city of Italy is Rome and the capital of Germany is"},
+    {"prompt": "a cat and a dog"},
+]
+SITES = "attn_out,resid_mid,mlp_out,resid"
+
+
+@pytest.fixture(scope="module")
+def sites_pair(tiny, tmp_path_factory) -> tuple[Path, Path]:
+    """(A, B): B is A with its second block's MLP scaled."""
+    from safetensors.torch import load_file, save_file
+
+    a = tiny("llama-tied")
+    b = tmp_path_factory.mktemp("mlp") / "b"
+    b.mkdir()
+    for f in a.iterdir():
+        (b / f.name).write_bytes(f.read_bytes())
+    weights = load_file(b / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] *= 3
+    save_file(weights, b / "model.safetensors", metadata={"format": "pt"})
+    return a, b
+
+
+def _diff_rows(report: Any) -> list[tuple[str, float, bool]]:
+    return [(r.row, r.kl, r.top1_agree) for r in report.site_diff]
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["together", "apart"])
+def test_prompts_against_site_equals_each_prompts_run(sites_pair, monkeypatch, apart):
+    """Each line is that prompt's `--against --site` report (its rows inside the blocks the same
+    bits; the residual stream's the batch's, float32 rounding apart), on both memory paths; the
+    summary's means inside the blocks are the means of the lines', and where the two part is
+    read from them as one prompt's report reads it."""
+    a, b = sites_pair
+    if apart:  # one model at a time: B's rows wait on disk while A runs
+        from embedlens.analysis.lens import against
+
+        monkeypatch.setattr(against, "apart_note", lambda _a, _b: "apart")
+    each: list[Any] = []
+    summary = embedlens.lens_prompts(a, PROMPTS, against=b, site=SITES, top_k=3,
+                                     on_report=lambda r, _: each.append(r))  # fmt: skip
+    alone = [
+        embedlens.lens(a, row["prompt"], target=row.get("target"), against=b, site=SITES, top_k=3)
+        for row in PROMPTS
+    ]
+    for got, one in zip(each, alone, strict=True):
+        assert type(got) is type(one)
+        assert _diff_rows(got) == _diff_rows(one)
+        assert (got.sites, got.parts_at, got.parts_in) == (one.sites, one.parts_at, one.parts_in)
+        assert got.block_sums == one.block_sums
+        kls = [d.kl for d in got.diff.layers]
+        assert kls == pytest.approx([d.kl for d in one.diff.layers], rel=1e-3, abs=1e-9)
+    assert summary.sites == SITES.split(",")  # in block order
+    assert [r.row for r in summary.site_diff] == [r.row for r in alone[0].site_diff]
+    for i, row in enumerate(summary.site_diff):
+        mean = sum(r.site_diff[i].kl for r in each) / len(each)
+        agree = sum(r.site_diff[i].top1_agree for r in each) / len(each)
+        assert row.kl == pytest.approx(mean, rel=1e-12, abs=1e-300)
+        assert row.top1_agreement == pytest.approx(agree, rel=1e-12)
+    first = next(r for r in summary.site_diff if r.kl > summary.diff.threshold)
+    assert (summary.parts_at, summary.parts_in) == (first.row, "the MLP of block 2")
+    assert first.row == "2.mlp" and all(r.kl == 0 for r in summary.site_diff if r.layer == 1)
+    assert summary.block_sums is not None and summary.block_sums.max_abs_error <= max(
+        r.block_sums.max_abs_error for r in each
+    )
+
+
+def test_prompts_against_site_over_every_position(sites_pair):
+    """With --position all, the means are over every (prompt, position): each prompt's own
+    positions compared as one prompt's report compares the position it reads."""
+    a, b = sites_pair
+    prompt = PROMPTS[0]["prompt"]
+    summary = embedlens.lens_prompts(a, [prompt], against=b, site="mlp_out", position="all")
+    n = summary.n_positions
+    assert n > 1 and summary.sites == ["mlp_out"]
+    per = [
+        embedlens.lens(a, prompt, against=b, site="mlp_out", position=p).site_diff for p in range(n)
+    ]
+    for i, row in enumerate(summary.site_diff):
+        assert row.kl == pytest.approx(sum(x[i].kl for x in per) / n, rel=1e-4, abs=1e-9)
+        assert row.top1_agreement == pytest.approx(sum(x[i].top1_agree for x in per) / n)
+
+
+def test_prompts_against_site_resid_is_prompts_against(sites_pair, cli, tmp_path):
+    """`--site resid` is the residual stream alone: the same bytes as without --site."""
+    a, b = sites_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS), "utf-8")
+    plain = cli("lens", a, "--prompts", prompts, "--against", b, "--json")
+    resid = cli("lens", a, "--prompts", prompts, "--against", b, "--site", "resid", "--json")
+    assert plain.exit_code == 0 and resid.exit_code == 0, (plain.stderr, resid.stderr)
+    assert resid.stdout == plain.stdout
+
+
+def test_prompts_against_site_on_the_command_line(sites_pair, cli, tmp_path):
+    a, b = sites_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS), "utf-8")
+    args = ("lens", a, "--prompts", prompts, "--against", b, "--site", "resid_mid,resid")
+    lines = [json.loads(x) for x in cli(*args, "--json").stdout.splitlines()]
+    assert [x["parts_at"] for x in lines[:-1]] == ["2"] * len(PROMPTS)
+    summary = lines[-1]
+    assert summary["parts_at"] == "2" and summary["parts_in"] == "the MLP of block 2"
+    assert summary["diff"]["first_divergent_layer"] == 2
+    table = cli(*args)
+    assert table.exit_code == 0, table.stderr
+    assert "Inside the blocks" in table.stdout and "over 3 prompts" in table.stdout
+    assert "first part at row 2: the MLP of block 2" in table.stdout

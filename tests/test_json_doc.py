@@ -26,7 +26,12 @@ from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 from embedlens.reports.lens_text import LensTextReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
-from embedlens.reports.sites import LensSitesPairReport, LensSitesReport, LensSitesSummaryReport
+from embedlens.reports.sites import (
+    LensSitesPairReport,
+    LensSitesPairSummaryReport,
+    LensSitesReport,
+    LensSitesSummaryReport,
+)
 from embedlens.reports.states import StatesLensReport
 from embedlens.reports.tied import TiedReport
 from embedlens.reports.tune import (
@@ -60,6 +65,7 @@ REPORTS: dict[str, type[Report]] = {
     "lens --site": LensSitesReport,
     "lens --prompts --site": LensSitesSummaryReport,
     "lens --against --site": LensSitesPairReport,
+    "lens --prompts --against --site": LensSitesPairSummaryReport,
     "lens --tuned --against": TunedLensPairReport,
     "lens --prompts --tuned --against": TunedLensPairSummaryReport,
     "lens --text": LensTextReport,
@@ -75,6 +81,7 @@ EXTENDS = {
     "lens --site": "lens",
     "lens --prompts --site": "lens --prompts",
     "lens --against --site": "lens --against",
+    "lens --prompts --against --site": "lens --prompts --against",
     "lens --tuned --against": "lens --against",
     "lens --prompts --tuned --against": "lens --prompts --against",
 }
@@ -84,6 +91,7 @@ EACH_LINE = {
     "lens --prompts --tuned": "lens --tuned",
     "lens --prompts --against": "lens --against",
     "lens --prompts --site": "lens --site",
+    "lens --prompts --against --site": "lens --against --site",
     "lens --prompts --tuned --against": "lens --tuned --against",
 }
 """JSON Lines runs: the section of each prompt's line (the summary comes last)."""
@@ -125,6 +133,14 @@ ARGS: dict[str, list[str]] = {
     ],
     "lens --against --site": [
         "the king of France is",
+        "--against",
+        "MODEL",
+        "--site",
+        "attn_out,resid_mid,resid",
+    ],
+    "lens --prompts --against --site": [
+        "--prompts",
+        "PROMPTS",
         "--against",
         "MODEL",
         "--site",

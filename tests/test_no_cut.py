@@ -1,8 +1,8 @@
 """No number or token is ever cut or wrapped: every command's output at 60, 80 and 120 columns
 holds every figure and every token that the same output at 1,000 columns holds, whole; every lens
-mode too (one prompt, --prompts, --against on a prompt and on prompts, --site, --text, --states),
-and in a process of its own whose output goes to a pipe and to a file (what a newcomer's
-`embedlens ... > out.txt` or `| less` meets).
+mode too (one prompt, --prompts, --against on a prompt and on prompts and with --site, --site,
+--text, --states), and in a process of its own whose output goes to a pipe and to a file (what a
+newcomer's `embedlens ... > out.txt` or `| less` meets).
 
 A figure is a word holding a digit (a count, an id, a probability with its exponent, a size, a
 `sha256:...` fingerprint, a file name with its numbers); a token is a token of the command's JSON
@@ -126,11 +126,13 @@ def lens_modes(tiny: Any, cli: Any, tmp_path: Path) -> dict[str, list[Any]]:
     saved = cli("lens", a, "the king is a", "--save-states", states, "--json")
     assert saved.exit_code == 0, saved.stderr
     prompt = ["the king is a", "--target", "queen"]
+    many_b = ["lens", a, "--prompts", prompts, "--against", b]
     return {
         "prompt": ["lens", a, *prompt, "-k", "3"],
         "prompts": ["lens", a, "--prompts", prompts],
         "against": ["lens", a, *prompt, "--against", b],
-        "against-prompts": ["lens", a, "--prompts", prompts, "--against", b],
+        "against-prompts": many_b,
+        "against-prompts-site": [*many_b, "--site", "attn_out,resid_mid,resid"],
         "site": ["lens", a, *prompt, "--site", "resid,attn_out,mlp_out"],
         "text": ["lens", a, "--text", text, "--ctx", "16"],
         "text-against": ["lens", a, "--text", text, "--ctx", "16", "--against", b],
@@ -143,6 +145,7 @@ MODES = [
     "prompts",
     "against",
     "against-prompts",
+    "against-prompts-site",
     "site",
     "text",
     "text-against",

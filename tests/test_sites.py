@@ -284,9 +284,11 @@ def test_against_says_which_half_parts(tiny, cli, tmp_path):
     same = cli.json("lens", folder, PROMPT, "--against", folder, "--site", "attn_out")
     assert same["parts_at"] is None and all(r["kl"] == 0 for r in same["site_diff"])
     (tmp_path / "p.txt").write_text("a cat\n")
-    err = cli.fails("lens", folder, "--prompts", tmp_path / "p.txt", "--against", other,
-                    "--site", "resid_mid", code=2)  # fmt: skip
-    assert "give PROMPT rather than --prompts" in err
+    many = cli("lens", folder, "--prompts", tmp_path / "p.txt", "--against", other, "--site",
+               "resid_mid", "--json")  # fmt: skip
+    line, summary = (json.loads(x) for x in many.stdout.splitlines())
+    kl = {row["row"]: row["kl"] for row in summary["site_diff"]}
+    assert kl["1.mid"] == kl["2.mid"] == 0 and kl == {r["row"]: r["kl"] for r in line["site_diff"]}
 
 
 def test_plot_and_table(tiny, cli, tmp_path):

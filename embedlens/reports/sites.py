@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from embedlens.reports.lens import GridRow, LensLayer, LensLayerStats, LensReport, LensSummaryReport
-from embedlens.reports.lens_diff import LensPairReport
+from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,32 @@ class LensSitesPairReport(LensPairReport):
 
     sites: list[str] = field(default_factory=list)
     site_diff: list[SiteDiff] = field(default_factory=list)
+    parts_at: str | None = None
+    parts_in: str | None = None
+    block_sums: BlockSums | None = None
+
+
+@dataclass(frozen=True)
+class SiteDiffStats:
+    """One row inside the blocks of `lens --prompts --against --site`, over every prompt and
+    position read: the mean KL(P_A ‖ P_B) in nats (each model's row through its own decoder)
+    and the fraction of rows whose top-1 agree."""
+
+    layer: int
+    site: str
+    row: str
+    kl: float
+    top1_agreement: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LensSitesPairSummaryReport(LensPairSummaryReport):
+    """`lens --prompts --against --site`: the pair's summary, with `site_diff` row by row in
+    block order, and the first row whose mean KL passes the threshold (`parts_at`, `parts_in`:
+    as `LensSitesPairReport` gives them for one prompt)."""
+
+    sites: list[str] = field(default_factory=list)
+    site_diff: list[SiteDiffStats] = field(default_factory=list)
     parts_at: str | None = None
     parts_in: str | None = None
     block_sums: BlockSums | None = None

@@ -10,8 +10,10 @@ from embedlens.reports import register_view
 from embedlens.reports.sites import (
     BlockSums,
     LensSitesPairReport,
+    LensSitesPairSummaryReport,
     LensSitesReport,
     LensSitesSummaryReport,
+    SiteDiffStats,
     SiteGridRow,
     SiteLayer,
     SiteStats,
@@ -20,6 +22,7 @@ from embedlens.views.format import Sheet, Words, prob, quoted, shown
 from embedlens.views.lens import render_check, runners_up
 from embedlens.views.lens_diff import nats
 from embedlens.views.lens_diff import render as render_pair
+from embedlens.views.lens_diff import render_summary as render_pair_summary
 
 GAINED_SHOWN = 3
 """Tokens a piece raised most that its row shows."""
@@ -160,21 +163,31 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render_sites_pair(r: LensSitesPairReport) -> RenderableType:
-    """The pair's tables, then its rows inside the blocks and where the two models part."""
+def render_sites_pair(r: LensSitesPairReport | LensSitesPairSummaryReport) -> RenderableType:
+    """The pair's tables, then its rows inside the blocks and where the two models part (over
+    many prompts: the means)."""
+    many = isinstance(r, LensSitesPairSummaryReport)
+    over = f" over {r.n_prompts} prompts" if isinstance(r, LensSitesPairSummaryReport) else ""
     table = Sheet(title=shown(f"Inside the blocks: {r.display_model} against "
-                              f"{r.diff.against} (sites {', '.join(r.sites)})", "table.title"))  # fmt: skip
-    for name, justify in (("row", "right"), ("KL(A ‖ B)", "right"), ("top-1", "left")):
+                              f"{r.diff.against}{over} (sites {', '.join(r.sites)})", "table.title"))  # fmt: skip
+    kl, top1 = ("mean KL(A ‖ B)", "top-1 agrees") if many else ("KL(A ‖ B)", "top-1")
+    for name, justify in (("row", "right"), (kl, "right"), (top1, "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in r.site_diff:
         label = row.row + (" ←" if row.row == r.parts_at else "")
-        agree = "agree" if row.top1_agree else "differ"
+        if isinstance(row, SiteDiffStats):
+            agree = f"{row.top1_agreement:.1%}"
+        else:
+            agree = "agree" if row.top1_agree else "differ"
         table.add_row(label, nats(row.kl), agree, end_section=row.site == "resid")
+    mean = "mean " if many else ""
     if r.parts_in is None:
-        line = f"No row inside the blocks parts past KL {r.diff.threshold:g} nats."
+        line = f"No row inside the blocks parts past {mean}KL {r.diff.threshold:g} nats."
     else:
-        line = f"The two first part at row {r.parts_at}: {r.parts_in} (KL > {r.diff.threshold:g})."
-    parts: list[RenderableType] = [render_pair(r), table, Text(line, style="bold")]
+        where = f"row {r.parts_at}: {r.parts_in}"
+        line = f"The two first part at {where} ({mean}KL > {r.diff.threshold:g})."
+    pair = render_pair_summary(r) if isinstance(r, LensSitesPairSummaryReport) else render_pair(r)
+    parts: list[RenderableType] = [pair, table, Text(line, style="bold")]
     if r.block_sums is not None:
         parts.append(sums_line(r.block_sums))
     return Group(*parts)
@@ -182,4 +195,5 @@ def render_sites_pair(r: LensSitesPairReport) -> RenderableType:
 
 register_view(LensSitesReport, render)
 register_view(LensSitesPairReport, render_sites_pair)
+register_view(LensSitesPairSummaryReport, render_sites_pair)
 register_view(LensSitesSummaryReport, render_summary)

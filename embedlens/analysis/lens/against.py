@@ -80,7 +80,7 @@ def lens_pair(
             decoder, _ = _tuned_decoder(tuned, ob, run, fingerprints=False)
             result = run_one(ob, every, run, keep=True, decoder=decoder)
             named = _named(ob)
-            b_sites = _site_logits(ob, run, sites, _shown(result, ask))
+            b_sites = _site_logits(ob, run, sites, _shown(result, ask).layers)
         gc.collect()  # B's weights go before A's are read
         return run, result, named, b_sites
 
@@ -107,7 +107,9 @@ def lens_pair(
             return report
         from embedlens.analysis.lens.site_pair import pair_sites
 
-        return pair_sites(report, _site_logits(oa, run, sites, ra), b_sites, sites)
+        return pair_sites(
+            report, _site_logits(oa, run, sites, ra.layers), b_sites, sites, run.index
+        )
 
 
 def _shown(result: LensResult, ask: Ask) -> LensResult:
@@ -152,13 +154,20 @@ def _tuned_decoder(
     return through.wrap(own), through.described
 
 
-def _site_logits(opened: Opened, run: Prompt, sites: Sequence[str], result: LensResult) -> Any:
-    """A model's rows inside the blocks (`site_pair.site_logits`); None for resid alone."""
+def _site_logits(
+    opened: Opened,
+    run: Prompt,
+    sites: Sequence[str],
+    layers: Sequence[int],
+    positions: Sequence[int] | None = None,
+) -> Any:
+    """A model's rows inside the blocks at `layers` (`site_pair.site_logits`: at `positions`,
+    by default the prompt's position read); None for resid alone."""
     if tuple(sites) == ("resid",):
         return None
     from embedlens.analysis.lens.site_pair import site_logits
 
-    return site_logits(opened, run, sites, [x for x in result.layers if x >= 1])
+    return site_logits(opened, run, sites, [x for x in layers if x >= 1], positions)
 
 
 def lens_pair_prompts(
@@ -167,20 +176,22 @@ def lens_pair_prompts(
     source: PromptSource,
     each: many.OnReport | None,
     tuned: LensFolder | None = None,
+    sites: Sequence[str] = ("resid",),
 ) -> LensPairSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
     other; A's summary with the per-layer means of B against it (with `tuned`, both read
-    through that lens, as `lens_pair` reads one prompt)."""
+    through that lens, as `lens_pair` reads one prompt; with `sites`, the rows inside the
+    blocks compared too, as `lens_pair` compares them on one prompt)."""
     from embedlens.runtime import heap_kept
 
     a, b = pair.a, pair.b
     check_pair(a, b)
     apart = apart_note(a, b)
-    start = _PairRun.factory(ask, each, pair.threshold, tuned)
+    start = _PairRun.factory(ask, each, pair.threshold, tuned, sites)
     with heap_kept():
         if apart is None:
-            return _together(a, b, ask, source, start, tuned)
-        return _apart(a, b, ask, source, start, apart, tuned)
+            return _together(a, b, ask, source, start, (tuned, sites))
+        return _apart(a, b, ask, source, start, apart, (tuned, sites))
 
 
 def apart_note(a: Side, b: Side) -> str | None:
@@ -220,9 +231,11 @@ def _together(
     ask: ManyAsk,
     source: PromptSource,
     pair: Callable[[Opened, Named], _PairRun],
-    tuned: LensFolder | None = None,
+    reading: tuple[LensFolder | None, Sequence[str]],
 ) -> LensPairSummaryReport:
-    """Both models loaded; B then A on each window of prompts."""
+    """Both models loaded; B then A on each window of prompts (`reading`: the tuned lens and
+    the sites)."""
+    tuned, sites = reading
 
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine]]:
         _fits_tuned(tuned, config)
@@ -233,11 +246,10 @@ def _together(
     with _ready_a(a, b, check, targets=targets, texts=texts) as (oa, (n_bad, bad)):
         lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
         with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config, tuned)) as ob:
-            through = _through(tuned, ob, fingerprints=False)
-            run_b = many.ManyRun(ob, ask, None, through, keep=True, every=True)
+            run_b = _run_b(ob, ask, reading)
             run = pair(oa, _named(ob))
-            for window in lines(rows=_rows(oa.config, ask)):
-                run.window(window, run_b.run_window(window))
+            for window in lines(rows=_rows(oa.config, ask, sites)):
+                run.window(window, run_b(window))
             return run.summary(n_bad, bad, [])
 
 
@@ -248,9 +260,10 @@ def _apart(
     source: PromptSource,
     pair: Callable[[Opened, Named], _PairRun],
     note: str,
-    tuned: LensFolder | None = None,
+    reading: tuple[LensFolder | None, Sequence[str]],
 ) -> LensPairSummaryReport:
     """B on every prompt, its rows kept in a temporary folder, B freed; then A."""
+    tuned, sites = reading
     with tempfile.TemporaryDirectory(prefix="embedlens-against-") as tmp:
         folder = Path(tmp)
 
@@ -259,10 +272,9 @@ def _apart(
             n_bad, bad = many.check_all(source, ask, tok, config, template)
             lines = functools.partial(many.windows, source, ask, tok, config, template)
             with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config, tuned)) as ob:
-                through = _through(tuned, ob, fingerprints=False)
-                run_b = many.ManyRun(ob, ask, None, through, keep=True, every=True)
-                for i, window in enumerate(lines(rows=_rows(config, ask))):
-                    _save(run_b.run_window(window), folder / f"{i}.pt")
+                run_b = _run_b(ob, ask, reading)
+                for i, window in enumerate(lines(rows=_rows(config, ask, sites))):
+                    _save(run_b(window), folder / f"{i}.pt")
                 named = _named(ob)
             gc.collect()  # B's weights go before A's are read
             return n_bad, bad, named
@@ -272,27 +284,50 @@ def _apart(
         with _ready_a(a, b, b_first, targets=targets, texts=texts) as (oa, ran):
             n_bad, bad, named = ran
             run = pair(oa, named)
-            lines = many.windows(
-                source, ask, oa.tokenizer, oa.config, oa.template, rows=_rows(oa.config, ask)
-            )
+            rows = _rows(oa.config, ask, sites)
+            lines = many.windows(source, ask, oa.tokenizer, oa.config, oa.template, rows=rows)
             for i, window in enumerate(lines):
                 run.window(window, _load(folder / f"{i}.pt"))
             return run.summary(n_bad, bad, [note])
 
 
-def _save(outs: list[BatchOut], path: Path) -> None:
+Ran = tuple[list["BatchOut"], list[Any]]
+"""A window of B's: each prompt's rows (at every layer, kept), and its rows inside the blocks
+(`site_pair.SiteLogits`; None for resid alone)."""
+
+
+def _run_b(
+    opened: Opened, ask: ManyAsk, reading: tuple[LensFolder | None, Sequence[str]]
+) -> Callable[[many.Window], Ran]:
+    """B's run of a window (`reading`: the tuned lens, A's, and the sites)."""
+    tuned, sites = reading
+    through = _through(tuned, opened, fingerprints=False)
+    run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
+
+    def window(lines: many.Window) -> Ran:
+        outs = run.run_window(lines)
+        inside = [
+            _site_logits(opened, prompt, sites, run.shown, out.result.positions)
+            for (_, (_, prompt, _)), out in zip(lines, outs, strict=True)
+        ]
+        return outs, inside
+
+    return window
+
+
+def _save(ran: Ran, path: Path) -> None:
     import torch
 
-    torch.save(outs, path)
+    torch.save(ran, path)
 
 
-def _load(path: Path) -> list[BatchOut]:
+def _load(path: Path) -> Ran:
     """A window of B's rows read back, its file removed."""
     import torch
 
-    outs: list[BatchOut] = torch.load(path, weights_only=False)
+    ran: Ran = torch.load(path, weights_only=False)
     path.unlink()
-    return outs
+    return ran
 
 
 class _PairRun:
@@ -306,33 +341,50 @@ class _PairRun:
         each: many.OnReport | None,
         threshold: float,
         tuned: LensFolder | None = None,
+        sites: Sequence[str] = ("resid",),
     ) -> None:
         from embedlens.analysis.lens.pair import PairStats
+        from embedlens.analysis.lens.site_pair import SitePairStats
 
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
         through = _through(tuned, opened)
         self.run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
         self.stats: PairStats = PairStats()
+        self.sites, self.inside = tuple(sites), SitePairStats()
 
     @staticmethod
     def factory(
-        ask: ManyAsk, each: many.OnReport | None, threshold: float, tuned: LensFolder | None
+        ask: ManyAsk,
+        each: many.OnReport | None,
+        threshold: float,
+        tuned: LensFolder | None,
+        sites: Sequence[str],
     ) -> Callable[[Opened, Named], _PairRun]:
         """How to start A's side once A is ready and B has been (`named`)."""
-        return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned)
+        return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned, sites)
 
-    def window(self, window: many.Window, outs_b: list[BatchOut]) -> None:
+    def window(self, window: many.Window, ran_b: Ran) -> None:
         from embedlens.analysis.lens.pair_report import pair_report
 
+        outs_b, inside_b = ran_b
         others = [_residual(out.result) for out in outs_b]
         outs_a = self.run.run_window(window, others)
-        for (line, (ask, prompt, _)), out_a, out_b in zip(window, outs_a, outs_b, strict=True):
+        for i, ((line, (ask, prompt, _)), out_a) in enumerate(zip(window, outs_a, strict=True)):
+            out_b = outs_b[i]
             diffs = self.stats.add(out_a.result, out_b.result, prompt.index)
+            shown, at = self.run.shown, out_a.result.positions
+            inside = _site_logits(self.opened, prompt, self.sites, shown, at)
+            if inside is not None:
+                self.inside.add(inside, inside_b[i])
             if self.each is not None:
                 report = self.run.report(ask, prompt, out_a)
                 named, tok = self.named, self.opened.tokenizer
                 pair = pair_report(report, diffs, out_b.result, named.name, self.threshold, tok,
                                    named.notes, self.run.shown)  # fmt: skip
+                if inside is not None:
+                    from embedlens.analysis.lens.site_pair import pair_sites
+
+                    pair = pair_sites(pair, inside, inside_b[i], self.sites, prompt.index)
                 self.each(pair, line)
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
@@ -342,7 +394,8 @@ class _PairRun:
         summary = self.run.summary(n_bad, bad)
         named = self.named
         notes = [*named.notes, *notes]
-        return pair_summary(summary, self.stats, named.name, self.threshold, notes, self.run.shown)
+        pair = pair_summary(summary, self.stats, named.name, self.threshold, notes, self.run.shown)
+        return pair if self.sites == ("resid",) else self.inside.summary(pair, self.sites)
 
 
 def _targets(source: PromptSource, ask: ManyAsk) -> Targets:
@@ -413,12 +466,14 @@ def _ids(lines: Callable[..., Iterator[many.Window]]) -> Callable[[], Iterator[l
     return ids
 
 
-def _rows(config: Any, ask: ManyAsk) -> int | None:
-    """Rows per window so that the logits kept fit KEEP_BYTES (None: the config cannot say)."""
+def _rows(config: Any, ask: ManyAsk, sites: Sequence[str] = ("resid",)) -> int | None:
+    """Rows per window so that the logits kept fit KEEP_BYTES (None: the config cannot say):
+    with `sites`, B's rows inside the blocks too (float64, a row per site and layer)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     blocks = getattr(text, "num_hidden_layers", None)
     if not isinstance(vocab, int) or not isinstance(blocks, int) or vocab < 1:
         return None
     layers = blocks + 1  # every layer runs: the first divergent one is found among all
-    return max(1, KEEP_BYTES // (3 * layers * vocab * 4))
+    inside = 0 if tuple(sites) == ("resid",) else len(sites) * blocks * vocab * 8
+    return max(1, KEEP_BYTES // (3 * layers * vocab * 4 + inside))

@@ -198,7 +198,8 @@ def lens_prompts(
     progress: called as `progress("prompts", done, 0, "prompts")` after each window of prompts
         (`embedlens.progress.Progress`).
     against: B (`against_tokenizer`: a loaded B's own, else A's is used); then a
-        `LensPairSummaryReport`, with `on_report` given each prompt's `LensPairReport`.
+        `LensPairSummaryReport`, with `on_report` given each prompt's `LensPairReport` (with
+        `site`: the `LensSitesPairReport` `lens` gives, the summary comparing the sites too).
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `on_report` is called
         on rank 0 with every prompt's report in input order, every rank returns the summary.
@@ -273,13 +274,13 @@ def _many(
 
     loading, pair = models
     on_report, progress, compare_logit = run
-    sites = sites_asked(site, lens_dir, pair)
+    sites = sites_asked(site, lens_dir)
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair_prompts
 
-        return lens_pair_prompts(pair, ask, source, on_report, lens_dir)
+        return lens_pair_prompts(pair, ask, source, on_report, lens_dir, sites)
 
     def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)

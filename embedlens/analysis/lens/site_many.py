@@ -16,7 +16,14 @@ import torch
 
 from embedlens.analysis.lens.many import ManyRun
 from embedlens.analysis.lens.ranking import tops_from_log_softmax
-from embedlens.analysis.lens.site_report import SITES, SUFFIX, sites_report, sums, take_apart
+from embedlens.analysis.lens.site_report import (
+    SITES,
+    SUFFIX,
+    sites_report,
+    sums,
+    take_apart,
+    worse,
+)
 from embedlens.analysis.lens.site_rows import PIECE, Key, before_after, decoded_rows
 from embedlens.analysis.lens.stats import LAYER_STATS, Sums
 from embedlens.reports.sites import BlockSums, LensSitesSummaryReport, SiteStats
@@ -85,7 +92,7 @@ class SiteManyRun(ManyRun):
         for theirs, part in session.all_gather((self._sums, self._blocks)):
             for key, acc in theirs.items():
                 merged.setdefault(key, Sums()).update(acc)
-            blocks = blocks if part is None else _worse(blocks, part)
+            blocks = blocks if part is None else worse(blocks, part)
         self._sums, self._blocks = merged, blocks
 
     def _add(self, prompt: Prompt, result: LensResult) -> None:
@@ -95,7 +102,7 @@ class SiteManyRun(ManyRun):
 
         model = self.opened.model
         pieces = take_apart(model, prompt.ids, result.positions, "resid_mid" in self.sites)
-        self._blocks = _worse(self._blocks, sums(pieces))
+        self._blocks = worse(self._blocks, sums(pieces))
         decoder = ModelDecoder(model, find_blocks(model), dummy_id=prompt.ids[0])
         assert result.output is not None
         real = torch.log_softmax(result.output.float(), -1)
@@ -158,10 +165,3 @@ def _add_rows(
 def _means(site: str, layer: int, acc: Sums) -> SiteStats:
     row = f"{layer}{SUFFIX[site]}"
     return SiteStats(layer=layer, **acc.values(SITE_STATS), site=site, row=row)
-
-
-def _worse(a: BlockSums | None, b: BlockSums) -> BlockSums:
-    """The check over every prompt: the larger miss (relative to its tolerance)."""
-    if a is None or b.max_abs_error / b.tolerance > a.max_abs_error / a.tolerance:
-        return b
-    return a

@@ -38,13 +38,10 @@ SUFFIX = {"attn_out": ".attn", "resid_mid": ".mid", "mlp_out": ".mlp", "resid": 
 """A site's row label after the layer number: `3.attn`, `3.mid`, `3.mlp`, `3`."""
 
 
-def sites_asked(
-    value: str | Sequence[str] | None, tuned: object, against_many: object = None
-) -> tuple[str, ...]:
+def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, ...]:
     """`--site` (one site or several: comma-separated, or a list) as the sites asked for, in
     block order, checked before any model loads: a tuned lens is fitted to the residual stream
-    only; two models over many prompts are compared on the residual stream (`against_many`:
-    --against with --prompts)."""
+    only."""
     if value is None:
         sites: tuple[str, ...] = ("resid",)
     else:
@@ -58,12 +55,6 @@ def sites_asked(
                 hint="e.g. --site resid_mid,resid",
             )
         sites = tuple(s for s in SITES if s in names)
-    if against_many is not None and sites != ("resid",):
-        raise UsageError(
-            "--site with --against compares where inside the blocks two models part on one "
-            "prompt: give PROMPT rather than --prompts",
-            hint="run the prompts of interest one at a time with --against --site",
-        )
     if tuned is not None and sites != ("resid",):
         raise UsageError(
             "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
@@ -152,6 +143,13 @@ def sums(pieces: Pieces) -> BlockSums:
     from embedlens.analysis.lens.sites import structure
 
     return BlockSums(*structure(pieces.splits))
+
+
+def worse(a: BlockSums | None, b: BlockSums) -> BlockSums:
+    """The check over many prompts: the larger miss (relative to its tolerance)."""
+    if a is None or b.max_abs_error / b.tolerance > a.max_abs_error / a.tolerance:
+        return b
+    return a
 
 
 def _row(decoded: SiteRows, site: str, layer: int, index: int, tok: Tok) -> SiteLayer:
