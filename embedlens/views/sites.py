@@ -171,7 +171,7 @@ def render_sites_pair(r: LensSitesPairReport | LensSitesPairSummaryReport) -> Re
     table = Sheet(title=shown(f"Inside the blocks: {r.display_model} against "
                               f"{r.diff.against}{over} (sites {', '.join(r.sites)})", "table.title"))  # fmt: skip
     kl, top1 = ("mean KL(A ‖ B)", "top-1 agrees") if many else ("KL(A ‖ B)", "top-1")
-    for name, justify in (("row", "right"), (kl, "right"), (top1, "left")):
+    for name, justify in (("row", "right"), (kl, "right"), (top1, "right" if many else "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in r.site_diff:
         label = row.row + (" ←" if row.row == r.parts_at else "")
