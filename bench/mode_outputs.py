@@ -1,5 +1,7 @@
 """The lens's outputs in the modes bench/lens_outputs.py and bench/pair_outputs.py do not run
 (--site, --tuned, --text, --save-states and --states, their combinations), to diff a change's.
+Against a revision that refused a combination (`site-against-prompts`, `text-tuned-against`
+before they ran), those cases differ.
 
     python bench/mode_outputs.py FIXTURES OUT                  # run every case, save
     python bench/mode_outputs.py FIXTURES OUT --against OLD    # ... then compare byte for byte
@@ -65,12 +67,14 @@ def cases(fix: Path, fam: str, out: Path) -> dict[str, list[str]]:
     p = "the king of France is"
     s = out / f"{fam}.saved.safetensors"
     ss = out / f"{fam}.saved-sites.safetensors"
+    vs_b = ["--against", str(b), "--json"]
     return {
         "site": [p, "--site", "attn_out", "--json"],
         "site-all": [p, "--site", "resid,resid_mid,attn_out,mlp_out", "--json", "-k", "3"],
         "site-table": [p, "--site", "resid_mid,mlp_out"],
         "site-prompts": ["--prompts", str(f), "--site", "attn_out,resid", "--json"],
         "site-against": [p, "--site", "attn_out", "--against", str(b), "--json"],
+        "site-against-prompts": ["--prompts", str(f), "--site", "attn_out,resid", *vs_b],
         "tuned": [p, "--tuned", str(lens), "--json"],
         "tuned-table": [p, "--tuned", str(lens), "--target", "Paris"],
         "tuned-prompts": ["--prompts", str(f), "--tuned", str(lens), "--compare-logit", "--json"],
@@ -78,6 +82,7 @@ def cases(fix: Path, fam: str, out: Path) -> dict[str, list[str]]:
         "text-table": ["--text", str(t), "--ctx", "32"],
         "text-against": ["--text", str(t), "--ctx", "32", "--against", str(b), "--json"],
         "text-tuned": ["--text", str(t), "--ctx", "32", "--tuned", str(lens), "--json"],
+        "text-tuned-against": ["--text", str(t), "--ctx", "32", "--tuned", str(lens), *vs_b],
         "save": [p, "--save-states", str(s), "--json"],
         "states": ["--states", str(s), "--json"],
         "states-table": ["--states", str(s), "--target", "Paris"],

@@ -217,3 +217,28 @@ def test_prompts_against_site_on_the_command_line(sites_pair, cli, tmp_path):
     assert table.exit_code == 0, table.stderr
     assert "Inside the blocks" in table.stdout and "over 3 prompts" in table.stdout
     assert "first part at row 2: the MLP of block 2" in table.stdout
+
+
+def test_text_tuned_against_a_b_of_another_width_is_refused_before_its_weights(
+    tuned_pair,  # noqa: F811
+    text,
+    cli,
+    tmp_path,
+):
+    """B shares A's vocabulary and layers, but not its width: the lens (A's) is refused for it
+    from its config, with the two sizes, before B's weights are read (they are not there)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    a, _, lens = tuned_pair
+    config = AutoConfig.from_pretrained(a)
+    config.hidden_size *= 2
+    wide = tmp_path / "wide"
+    config.save_pretrained(wide)
+    for f in a.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, wide / f.name)
+    said = cli.fails("lens", a, "--text", text, "--ctx", CTX, "--tuned", lens, "--against", wide,
+                     code=2)  # fmt: skip
+    assert f"residual stream is {config.hidden_size} wide" in said
