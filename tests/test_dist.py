@@ -200,7 +200,7 @@ def test_least_squares_sums_of_two_shares_add_up(tiny, tmp_path):
     so only their order's last bits differ (float32 sums moved SmolLM2's translators by 7e-4)."""
     import torch
 
-    from embedlens.analysis.tune.fit import LeastSquares
+    from embedlens.analysis.tune.run import LeastSquares
 
     torch.manual_seed(0)
     batches = [{i: torch.randn(64, 16) * (1 + i) + i for i in range(4)} for _ in range(6)]

@@ -552,7 +552,7 @@ def test_the_update_is_torchs_nesterov_sgd():
 
 def test_the_sums_do_not_depend_on_the_number_of_threads():
     """The run picks its CPU threads by the machine's load; what it computes must not change."""
-    from embedlens.analysis.tune.fit import LeastSquares
+    from embedlens.analysis.tune.run import LeastSquares
 
     torch.manual_seed(0)
     batches = [{i: torch.randn(512, 576) * (1 + i) + i for i in range(5)} for _ in range(2)]

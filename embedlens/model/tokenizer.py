@@ -58,6 +58,21 @@ class Texts(Protocol):
     def __getitem__(self, token_id: int, /) -> str: ...
 
 
+class PackedTexts:
+    """Every id's text as one UTF-8 blob and where each text ends: a text is decoded when
+    asked for (a run shows a few of 262,144)."""
+
+    def __init__(self, ends: memoryview, blob: memoryview) -> None:
+        self._ends, self._blob = ends, blob
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> str:
+        start = self._ends[i - 1] if i > 0 else 0
+        return bytes(self._blob[start : self._ends[i]]).decode("utf-8", "surrogatepass")
+
+
 class Reader(Protocol):
     """Reads text with a few of a vocabulary's pieces at a time (gguf_words.WordReader)."""
 

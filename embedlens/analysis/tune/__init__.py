@@ -6,10 +6,10 @@ One idea per module, read top-down from `api` (the function users call):
   before any model file is read;
 - `data`: the data file's documents, streamed, tokenised into sequences of equal length, and
   shared out (`plan_sequences`: fitted, refined on, checked, held out);
-- `run`: one run on a model made ready: `fit`, `refine`, `evaluate`;
+- `run`: one run on a model made ready: `fit` (the closed-form least-squares translators from
+  streamed sufficient statistics), `refine`, `evaluate`;
 - `reading`: the model as a run reads it: its blocks, its own decoder (self-checked), one
   forward pass per sequence;
-- `fit`: the closed-form least-squares translators from streamed sufficient statistics;
 - `refine`: tuned-lens's KL refinement (SGD with Nesterov momentum, weight decay toward the
   identity, linear decay);
 - `evaluate`: the held-out table, logit lens against tuned lens, layer by layer;

@@ -79,7 +79,7 @@ def tune(
     extra: dict[str, Any] = dict(keywords)
     eval_data = renamed("tune", extra, "eval", "eval_data", eval_data, _EVAL_NOW)
     model, load = given.model_and_load("tune", model, load, extra)
-    shown = progress_of(progress, "tune")
+    shown = None if progress is None else progress_of(progress, "tune")
     session = split_session(dist_backend, load.device)
     with nullcontext() if session is None else session.guarded():
         ask = options.ask(data, out, eval_data, seq_len, tokens, eval_tokens,
@@ -193,7 +193,7 @@ def _recorded(
 ) -> dict[str, Any]:
     """config.json's `embedlens` object: what refuses the lens on another model, how it was
     tuned."""
-    from embedlens.analysis.tune.fit import RIDGE
+    from embedlens.analysis.tune.run import RIDGE
 
     t = fitted.translators
     recipe = _recipe(ask, the_plan)

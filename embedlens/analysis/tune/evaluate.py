@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.tune.reading import Reader
+    from embedlens.progress import Progress
 
 CHUNK = 128
 """Rows decoded at once (float32 logits of CHUNK x V, a few copies)."""
@@ -115,17 +116,21 @@ def layer_kl(
     translators: Translators,
     data: Sequences,
     rows: int = CHECK_ROWS,
-    on_sequence: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
+    which: str = "",
 ) -> list[float]:
     """The mean KL(model's output ‖ lens) of each layer 0..L-1 over `data`, through the tuned
     lens of `translators`, at about `rows` positions of each sequence, evenly spaced (the
-    refinement's check of each translator on rows it did not train on); `on_sequence(done)`
-    after each sequence."""
+    refinement's check of each translator on rows it did not train on); `progress` is told
+    'checking' (`which` translators) before the first sequence and after each."""
     run = _Evaluation(reader, translators, logit=False, ce=False)
-    for done, ids in enumerate(data.ids, 1):
+    n = len(data.ids)
+    for done, ids in enumerate(data.ids):
+        if progress is not None:
+            progress("checking", done, n, "sequences", which)
         run.add(ids, range(0, len(ids), -(-len(ids) // rows)))
-        if on_sequence is not None:
-            on_sequence(done)
+    if progress is not None:
+        progress("checking", n, n, "sequences", which)
     ((sums, _),) = run.lenses
     return [s / run.n_kl for s in sums.kl]
 

@@ -30,6 +30,7 @@ from embedlens.model import tokenizer_cache
 from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.tokenizer import (
     GGUF_ORIGIN,
+    PackedTexts,
     Vocab,
     load_vocab,
     vocab_from_gguf,
@@ -144,21 +145,6 @@ def _read(data: bytes | None, gguf: GGUFHeader) -> tuple[Vocab, VocabFacts] | No
         return _vocab(header, texts, gguf), _facts(header, arrays)
     except (ValueError, KeyError, TypeError, IndexError):
         return None
-
-
-class PackedTexts:
-    """Every id's text as one UTF-8 blob and where each text ends: a text is decoded when
-    asked for (a run shows a few of 262,144)."""
-
-    def __init__(self, ends: memoryview, blob: memoryview) -> None:
-        self._ends, self._blob = ends, blob
-
-    def __len__(self) -> int:
-        return len(self._ends)
-
-    def __getitem__(self, i: int) -> str:
-        start = self._ends[i - 1] if i > 0 else 0
-        return bytes(self._blob[start : self._ends[i]]).decode("utf-8", "surrogatepass")
 
 
 def _vocab(header: dict[str, Any], texts: PackedTexts, gguf: GGUFHeader) -> Vocab:
