@@ -70,19 +70,12 @@ def lens_pair(
     alone), each then through its own model's tail."""
     a, b = pair.a, pair.b
     check_pair(a, b)
-
     every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
 
     def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named, Any]:
         _fits_tuned(tuned, config)
         run = make_prompt(ask, tok, config, template)
-        with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
-            decoder, _ = _tuned_decoder(tuned, ob, run, fingerprints=False)
-            result = run_one(ob, every, run, keep=True, decoder=decoder)
-            named = _named(ob)
-            b_sites = _site_logits(ob, run, sites, _shown(result, ask))
-        gc.collect()  # B's weights go before A's are read
-        return run, result, named, b_sites
+        return (run, *run_b(b, tok, run, ask, sites, tuned))
 
     texts = () if ask.chat is not None else (ask.prompt,)
     with _ready_a(a, b, b_first, target=ask.target, texts=texts) as (oa, ran):
@@ -108,6 +101,21 @@ def lens_pair(
         from embedlens.analysis.lens.site_pair import pair_sites
 
         return pair_sites(report, _site_logits(oa, run, sites, ra), b_sites, sites)
+
+
+def run_b(
+    b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
+) -> tuple[LensResult, Named, Any]:
+    """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
+    kept for the comparison; its name and notes; its rows inside the blocks (`_site_logits`)."""
+    every = dataclasses.replace(ask, layers=None)
+    with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
+        decoder, _ = _tuned_decoder(tuned, ob, run, fingerprints=False)
+        result = run_one(ob, every, run, keep=True, decoder=decoder)
+        named = _named(ob)
+        b_sites = _site_logits(ob, run, sites, _shown(result, ask))
+    gc.collect()  # B's weights go before A's are read
+    return result, named, b_sites
 
 
 def _shown(result: LensResult, ask: Ask) -> LensResult:

@@ -143,7 +143,6 @@ def _one_prompt(
     the sites inside the blocks, `site`)."""
     loading, pair = models
     sites = sites_asked(site, tuned)
-    _saves_sites(save, sites)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
@@ -160,7 +159,7 @@ def _one_prompt(
         if save is not None:
             from embedlens.analysis.lens.states_file import save_run
 
-            save_run(save[0], opened, run, ask, save[1])
+            save_run(save[0], opened, run, ask, save[1], sites)
         if through is None:
             return report
         from embedlens.reports.tune import tuned_report
@@ -223,21 +222,10 @@ def lens_prompts(
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = given.models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
-        _saves_sites(save_states, sites_asked(asked.site, None))  # before its folder is made
+        sites_asked(asked.site, None)  # a bad --site refused before the folder is made
         saving = _saving_many(save_states, load.revision, against, session)
         return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
                      saving, asked.site)  # fmt: skip
-
-
-def _saves_sites(save: object, sites: Sequence[str]) -> None:
-    """--save-states writes the residual stream alone: with other sites it is refused (it would
-    leave them out)."""
-    if save is not None and tuple(sites) != ("resid",):
-        raise UsageError(
-            "--save-states writes the residual stream only: --site other than resid is not "
-            "saved, so the two do not combine yet",
-            hint="save with --site resid (the default), or read the sites without --save-states",
-        )
 
 
 def _saving_many(
@@ -298,7 +286,7 @@ def _many(
         if saving is not None:
             from embedlens.analysis.lens.states_file import ManySaver
 
-            lensing.saver = ManySaver(saving[0], opened, saving[1])
+            lensing.saver = ManySaver(saving[0], opened, saving[1], sites)
         return lensing.run_all(source, n_bad, bad, session, progress)
 
 

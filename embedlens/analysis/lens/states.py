@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
@@ -18,12 +19,19 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import Check, LensResult
+    from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.sites import Pieces
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
     from embedlens.model.files import ModelFiles
+    from embedlens.reports.lens import LensReport
     from embedlens.reports.states import StatesLensReport
     from embedlens.reports.tune import TunedLens
+
+
+Parts = tuple[Any, Sequence[str], "Pair | None"]
+"""What decodes and compares the states: a tuned lens's folder (or None), the sites, B."""
 
 
 def lens_states(
@@ -33,6 +41,8 @@ def lens_states(
     state_layers: str | None = None,
     load: LoadOptions | None = None,
     options: LensOptions | None = None,
+    against: str | os.PathLike[str] | None = None,
+    against_revision: str | None = None,
     **keywords: Unpack[LensKeywords],
 ) -> StatesLensReport:
     """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
@@ -43,17 +53,24 @@ def lens_states(
         the input of block i, vLLM's `eagle_aux_hidden_state_layer_ids`).
     load, options: as `lens` takes them (or their fields as keywords); of `LoadOptions`,
         `revision`, `dtype` and `trust_remote_code` apply (it decodes on the CPU); of
-        `LensOptions`, `layers`, `top_k`, `position`, `target`, `grid` and `tuned`. Layers the
-        file lacks are not shown. The report's `states` says where the states came from and
+        `LensOptions`, `layers`, `top_k`, `position`, `target`, `grid`, `tuned`, `site` (the
+        sites the file holds: `lens --site S --save-states` saves them) and `threshold`. Layers
+        the file lacks are not shown. The report's `states` says where the states came from and
         whether the self-check was made: only a file with the model's own logits (embedlens')
         and its last layer can be checked.
+    against: B, run on the file's ids and compared with the states as `lens(..., against=B)`
+        compares two models (`against_revision`: B's revision).
     """
     from embedlens.analysis.lens import given
+    from embedlens.analysis.lens.site_report import sites_asked
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
     name, load, asked = given.lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
+    sites = sites_asked(asked.site, asked.tuned)
+    b = (against, None, against_revision, asked.threshold)
+    pair = given.models(name, None, load, *b)[1]
     checks.check_top_k(asked.top_k)
     items = None if asked.layers is None else checks.layer_items(asked.layers)
     position = asked.position
@@ -67,11 +84,25 @@ def lens_states(
 
         lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
+    _holds(file, sites, pair)
     chat = file.metadata.get("chat")
     ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
                       asked.grid or pos is None)  # fmt: skip
     return _run(os.fspath(name), load.revision, load.dtype, load.trust_remote_code, file, ask,
-                lens_dir)  # fmt: skip
+                (lens_dir, sites, pair))  # fmt: skip
+
+
+def _holds(file: StatesFile, sites: Sequence[str], pair: Pair | None) -> None:
+    """Refuse a site the file does not hold, and sites inside the blocks with --against."""
+    lacking = [s for s in sites if s not in file.sites]
+    if lacking:
+        raise UsageError(
+            f"'{file.path.name}' does not hold --site {lacking[0]}: it holds "
+            f"{', '.join(file.sites)}",
+            hint="save the sites with `lens MODEL PROMPT --site SITES --save-states FILE`",
+        )
+    if pair is not None and tuple(sites) != ("resid",):
+        raise UsageError("--states --against compares the residual stream: --site resid only")
 
 
 _NOT_APPLIED = {
@@ -84,9 +115,7 @@ _NOT_APPLIED = {
     "template_args": "the file holds the ids",
     "chat_template": "the file holds the ids",
     "skip_bad": "one file, one run",
-    "threshold": "no other model",
     "compare_logit": "one file, one run",
-    "site": "the file holds each block's output alone",
 }
 """The options `lens_states` does not take, and why."""
 
@@ -107,7 +136,7 @@ def _run(
     trust: bool,
     file: StatesFile,
     ask: checks.Ask,
-    lens_dir: Any,
+    parts: Parts,
 ) -> StatesLensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
     import dataclasses
@@ -126,7 +155,7 @@ def _run(
         if source.is_gguf:
             check_tokenizer_files(files)
         with gguf_reads_shared(source):
-            report = _run_on(name, files, dtype, trust, file, ask, lens_dir)
+            report = _run_on(name, files, dtype, trust, file, ask, parts)
     if not hub.used:
         return report
     return dataclasses.replace(report, notes=[*report.notes, *hub.notes()])
@@ -139,9 +168,10 @@ def _run_on(
     trust: bool,
     file: StatesFile,
     ask: checks.Ask,
-    lens_dir: Any,
+    parts: Parts,
 ) -> StatesLensReport:
-    """`_run` once the model's files are found."""
+    """`_run` once the model's files are found: with a pair, B runs first on the file's ids (and
+    is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
     import torch
 
     from embedlens.analysis.lens.prompt import position_index
@@ -149,6 +179,7 @@ def _run_on(
     from embedlens.analysis.lens.tail import open_tail
     from embedlens.model import file_tokens, loading
 
+    lens_dir, sites, pair = parts
     source = files.source
     tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
@@ -162,16 +193,85 @@ def _run_on(
     with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
     shown = _shown(ask, n_layers, file)
+    b = None if pair is None else _run_b(pair, tokenizer, run, ask, lens_dir)
     index = position_index(ask.position, len(ids))
     want = torch.float32 if dtype == "auto" else loading.torch_dtype(dtype)
     tail = open_tail(source, want, trust_remote_code=trust)
     decoder, tuned = _decoder(tail, tokenizer, ids, lens_dir)
     positions = list(range(len(ids))) if ask.grid else [index]
-    result = _decode(
-        tail, decoder, file, shown, positions, index, ask, run.target_id, len(tokenizer)
-    )
-    report = lens_report(name, tokenizer, tail.model, result, ask, run)
+    decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
+    other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
+    result = _decode(tail, decoder, file, decoding, positions, index, ask, run.target_id,
+                     len(tokenizer), other)  # fmt: skip
+    shown_result = _cut(result, shown)
+    report = lens_report(name, tokenizer, tail.model, shown_result, ask, run)
+    if b is not None:
+        report = _paired(report, result, b, pair, tokenizer, run.index, shown)  # type: ignore[arg-type]
+    elif tuple(sites) != ("resid",):
+        from embedlens.analysis.lens.site_report import read_sites
+
+        pieces = _pieces(file, [x for x in shown if x >= 1], positions)
+        report = read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result,
+                            tail.model)  # fmt: skip
     return _states_report(report, file, tail, result.check, tuned)
+
+
+def _run_b(
+    pair: Pair, tokenizer: Any, run: Prompt, ask: checks.Ask, lens_dir: Any
+) -> tuple[LensResult, Any]:
+    """B run on the file's ids as `lens --against` runs it (then freed): its result at every
+    layer, kept for the comparison, and its name and notes."""
+    from embedlens.analysis.lens.against import run_b
+    from embedlens.analysis.lens.pairing import check_pair
+
+    check_pair(pair.a, pair.b)
+    result, named, _ = run_b(pair.b, tokenizer, run, ask, ("resid",), lens_dir)
+    return result, named
+
+
+def _paired(
+    report: LensReport,
+    result: LensResult,
+    b: tuple[LensResult, Any],
+    pair: Pair,
+    tokenizer: Any,
+    index: int,
+    shown: list[int],
+) -> LensReport:
+    """A's report with B's `diff`, as `lens --against` gives it."""
+    from embedlens.analysis.lens.pair import compare
+    from embedlens.analysis.lens.pair_report import pair_report
+
+    rb, named = b
+    diffs = compare(result, rb, index)
+    return pair_report(report, diffs, rb, named.name, pair.threshold, tokenizer, named.notes,
+                       shown)  # fmt: skip
+
+
+def _cut(result: LensResult, shown: list[int]) -> LensResult:
+    """A result decoded at more layers cut to those `shown`."""
+    import dataclasses
+
+    if result.layers == shown:
+        return result
+    rows = {key: top for key, top in result.rows.items() if key[0] in shown}
+    return dataclasses.replace(result, layers=shown, rows=rows)
+
+
+def _pieces(file: StatesFile, layers: list[int], positions: list[int]) -> Pieces:
+    """The blocks taken apart as the file holds them, at `layers` (>= 1) and `positions`: each
+    block's input and output from the residual stream, the sites inside it from their tensors."""
+    from embedlens.analysis.lens.site_rows import PIECE
+    from embedlens.analysis.lens.sites import Pieces, Split
+
+    pieces = Pieces(splits={i + 1: Split(*s) for i, s in enumerate(file.splits)})
+    for layer in layers:
+        pieces.pre[layer] = _rows(file, layer - 1, positions).float()
+        pieces.post[layer] = _rows(file, layer, positions).float()
+        for site in file.sites[1:]:
+            piece = getattr(pieces, PIECE[site])
+            piece[layer] = _rows(file, layer, positions, site).float()
+    return pieces
 
 
 def _check_fits(file: StatesFile, config: Any, tokenizer_size: int) -> int:
@@ -263,13 +363,23 @@ def _decode(
     ask: checks.Ask,
     target: int | None,
     real_vocab: int,
+    other: dict[int, torch.Tensor] | None = None,
 ) -> LensResult:
     """Every (layer, position) shown decoded in the engine's chunks and reduced by its ranking
     as each chunk comes; the last layer at the last position is the model's own logits when the
-    file holds them (as `lens` shows the model's own output there)."""
+    file holds them (as `lens` shows the model's own output there). With `other` (B's residual
+    at the layers and positions decoded), the result keeps the rows at the position read, and
+    B's through the same decoder in the same chunks, as the engine's `keep` does."""
     import torch
 
-    from embedlens.analysis.lens.engine import CHUNK_BYTES, LensResult, decoded, tolerance
+    from embedlens.analysis.lens.engine import (
+        CHUNK_BYTES,
+        Kept,
+        LensResult,
+        decoded,
+        kept_rows,
+        tolerance,
+    )
     from embedlens.analysis.lens.threads import threads_for
 
     n_layers = len(tail.blocks.modules)
@@ -283,9 +393,15 @@ def _decode(
     rows: dict[tuple[int, int], Any] = {}
     final: dict[int, torch.Tensor] = {}
     own_row = None if own is None else (n_layers, last)
+    kept = None if other is None else Kept({}, {}, {})
     with torch.inference_mode(), threads_for(tail.model, len(positions)):
         for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
             where = _checked(out, part, positions)
+            if kept is not None:
+                keys = [w if w[1] == index else None for w in where]
+                mine, theirs = kept_rows(decoder, part, out, keys, other, device)
+                kept.logits.update(mine)
+                kept.other.update(theirs)
             final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
             keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
             if keep:
@@ -309,6 +425,7 @@ def _decode(
         steps=steps,
         full_tail=decoder.full,
         output=output,
+        kept=kept,
     )
 
 
@@ -340,11 +457,12 @@ def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
     return int(config.vocab_size)
 
 
-def _rows(file: StatesFile, layer: int, positions: list[int]) -> torch.Tensor:
-    """One layer's states at `positions`, refused when one is not finite (NaN: not decodable)."""
+def _rows(file: StatesFile, layer: int, positions: list[int], site: str = "resid") -> torch.Tensor:
+    """One layer's states (at `site`) at `positions`, refused when one is not finite (NaN: not
+    decodable)."""
     import torch
 
-    rows = file.rows(layer, positions)
+    rows = file.rows(layer, positions, site)
     bad = ~torch.isfinite(rows.float()).all(-1)
     if bool(bad.any()):
         p = positions[int(bad.nonzero()[0, 0])]
@@ -415,12 +533,13 @@ def why_not_checked(file: StatesFile, n_layers: int) -> str | None:
 
 
 def _states_report(
-    report: Any, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
+    report: LensReport, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
 ) -> StatesLensReport:
-    """The lens report with where its states came from and what the check did."""
+    """The lens report (with sites, or B's diff) with where its states came from and what the
+    check did."""
     import dataclasses
 
-    from embedlens.reports.states import StatesLensReport, StatesSource
+    from embedlens.reports.states import StatesSource, states_report
 
     n_layers = len(tail.blocks.modules)
     why = why_not_checked(file, n_layers)
@@ -442,4 +561,4 @@ def _states_report(
         metadata=dict(file.metadata),
     )
     values = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    return StatesLensReport(**values, tuned=tuned, states=source)
+    return states_report(values, tuned, source)

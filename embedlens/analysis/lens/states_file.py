@@ -23,6 +23,7 @@ writes.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,18 +61,25 @@ class StatesFile:
     """The states' dtype as stored ('bfloat16')."""
     metadata: dict[str, str]
     has_logits: bool
+    sites: tuple[str, ...] = ("resid",)
+    """The sites it holds: resid (`hidden_states`), and those inside the blocks an embedlens
+    file saved with `--site` holds, each a tensor of its name [T, L, H] (block i at index i-1)."""
+    splits: tuple[tuple[bool, str, str, float, float], ...] = ()
+    """With sites inside the blocks: how each block's output split (`sites.Split`'s fields)."""
 
     def token_ids(self) -> list[int]:
         """The ids the states were computed on."""
         return [int(i) for i in self._tensor("token_ids").tolist()]
 
-    def rows(self, layer: int, positions: list[int]) -> torch.Tensor:
-        """The states of one layer at `positions`: [P, H], as stored (only these rows read)."""
+    def rows(self, layer: int, positions: list[int], site: str = "resid") -> torch.Tensor:
+        """The states of one layer (at one site) at `positions`: [P, H], as stored (only these
+        rows read)."""
         import torch
 
-        index = self.layers.index(layer)
+        own = site == "resid"
+        index = self.layers.index(layer) if own else layer - 1
         with _opened(self.path) as handle:
-            part = handle.get_slice("hidden_states")
+            part = handle.get_slice("hidden_states" if own else site)
             if positions == list(range(self.n_tokens)):
                 return part[:, index]  # type: ignore[no-any-return]
             return torch.stack([part[p, index] for p in positions])
@@ -117,6 +125,7 @@ def open_states(path: str | os.PathLike[str], state_layers: str | None) -> State
             f"hidden_states' {n_tokens} tokens"
         )
     layers, layout = _layers(name, header.metadata, state_layers, n_layers)
+    sites, splits = _sites(name, header.metadata, tensors, [n_tokens, n_layers - 1, size])
     logits = tensors.get("logits")
     has_logits = logits is not None and len(logits.shape) == 1 and logits.dtype in _FLOATS
     return StatesFile(
@@ -128,7 +137,32 @@ def open_states(path: str | os.PathLike[str], state_layers: str | None) -> State
         dtype=_FLOATS[hidden.dtype],
         metadata=header.metadata,
         has_logits=has_logits,
+        sites=sites,
+        splits=splits,
     )
+
+
+def _sites(
+    name: str, metadata: dict[str, str], tensors: dict[str, Any], shape: list[int]
+) -> tuple[tuple[str, ...], tuple[tuple[bool, str, str, float, float], ...]]:
+    """The sites an embedlens file holds (resid alone unless its metadata names others), each
+    checked: a float tensor [T, L, H] beside hidden_states' [T, L+1, H]; and the blocks' splits."""
+    import json
+
+    held = [s for s in metadata.get("sites", "").split(",") if s]
+    for site in held:
+        t = tensors.get(site)
+        if site == "resid" or t is None or list(t.shape) != shape or t.dtype not in _FLOATS:
+            what = "lacks it" if t is None else f"holds {t.dtype} {list(t.shape)}"
+            raise CheckpointError(
+                f"'{name}': its metadata names the site {site}, but the file {what} (a site "
+                f"inside the blocks is floats {shape})"
+            )
+    try:
+        splits = tuple(tuple(s) for s in json.loads(metadata["block_splits"])) if held else ()
+    except (KeyError, ValueError, TypeError):
+        raise CheckpointError(f"'{name}': its metadata names sites, but no block_splits") from None
+    return ("resid", *held), splits
 
 
 def _layers(
@@ -203,16 +237,19 @@ def save_states(
     ids: list[int],
     logits: torch.Tensor | None,
     about: dict[str, str],
+    sites: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write embedlens' states file: `residual` [T, L+1, H] (layer 0 the embedding output),
-    the ids, the model's logits at the last position, and `about` (model, revision, dtype,
-    prompt) with the layers in the metadata."""
+    the ids, the model's logits at the last position, `about` (model, revision, dtype,
+    prompt, and the sites' metadata) with the layers in the metadata, and `sites` inside the
+    blocks [T, L, H] by name."""
     import torch
 
     n_layers = int(residual.shape[1])
     tensors = {
         "token_ids": torch.tensor(ids, dtype=torch.int64),
         "hidden_states": residual.contiguous(),
+        **{name: t.contiguous() for name, t in (sites or {}).items()},
     }
     if logits is not None:
         tensors["logits"] = logits.detach().float().cpu().contiguous()
@@ -271,22 +308,31 @@ def write_safetensors(
             fh.write(data.numpy().data)
 
 
-States = tuple["torch.Tensor", "torch.Tensor | None", dict[str, str]]
-"""A prompt's residual [T, L+1, H], the model's logits at its last position, the metadata."""
+States = tuple["torch.Tensor", "torch.Tensor | None", dict[str, str], dict[str, "torch.Tensor"]]
+"""A prompt's residual [T, L+1, H], the model's logits at its last position, the metadata, the
+sites inside the blocks [T, L, H] by name."""
 
 
 def save_run(
-    path: str | os.PathLike[str], opened: Opened, run: Prompt, ask: Ask, revision: str | None
+    path: str | os.PathLike[str],
+    opened: Opened,
+    run: Prompt,
+    ask: Ask,
+    revision: str | None,
+    sites: Sequence[str] = ("resid",),
 ) -> None:
-    """Run the prompt once more, keeping every layer at every position and the model's own
-    logits at the last position, and write them to `path`."""
-    residual, logits, about = states_of(opened, run, ask, revision)
-    save_states(path, residual, run.ids, logits, about)
+    """Run the prompt once more, keeping every layer at every position (and every site asked
+    for) and the model's own logits at the last position, and write them to `path`."""
+    residual, logits, about, inner = states_of(opened, run, ask, revision, sites)
+    save_states(path, residual, run.ids, logits, about, inner)
 
 
-def states_of(opened: Opened, run: Prompt, ask: Ask, revision: str | None) -> States:
+def states_of(
+    opened: Opened, run: Prompt, ask: Ask, revision: str | None, sites: Sequence[str] = ("resid",)
+) -> States:
     """The prompt run alone (as `lens` runs it, on the model's devices): every layer at every
-    position, on the CPU, and the model's own logits at the last position."""
+    position, on the CPU, the model's own logits at the last position, and the `sites` inside
+    the blocks (`site_tensors`)."""
     import torch
 
     from embedlens.analysis.lens.blocks import capture, find_blocks, hooked
@@ -315,7 +361,39 @@ def states_of(opened: Opened, run: Prompt, ask: Ask, revision: str | None) -> St
     }
     if ask.chat is not None:
         about["chat"] = ask.chat
-    return residual, kept[-1] if kept else None, about
+    inner, said = site_tensors(model, run.ids, sites, residual.dtype)
+    return residual, kept[-1] if kept else None, {**about, **said}, inner
+
+
+def site_tensors(
+    model: Any, ids: list[int], sites: Sequence[str], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The sites inside the blocks asked for, at every position: [T, L, H] each (block i at
+    index i-1), on the CPU, in the states' `dtype` where it holds them exactly (else float32);
+    resid_mid too with attn_out or mlp_out where the blocks have one (their changes are read
+    against it). And the metadata that names them, with each block's split."""
+    import json
+
+    import torch
+
+    from embedlens.analysis.lens.site_report import SITES, take_apart
+    from embedlens.analysis.lens.site_rows import PIECE
+
+    if tuple(sites) == ("resid",):
+        return {}, {}
+    pieces = take_apart(model, ids, range(len(ids)), "resid_mid" in sites)
+    blocks = sorted(pieces.post)
+    mid = len(pieces.mid) == len(blocks)
+    held = [s for s in SITES if (s in sites and s != "resid") or (s == "resid_mid" and mid)]
+    out: dict[str, torch.Tensor] = {}
+    for site in held:
+        part = getattr(pieces, PIECE[site])
+        full = torch.stack([part[layer].cpu() for layer in blocks], dim=1)
+        small = full.to(dtype)
+        out[site] = small if small.float().equal(full) else full
+    splits = [[s.parallel, s.attn, s.mlp, s.error, s.tolerance] for _, s in
+              sorted(pieces.splits.items())]  # fmt: skip
+    return out, {"sites": ",".join(held), "block_splits": json.dumps(splits)}
 
 
 def file_for(folder: Path, line: int) -> Path:
@@ -344,19 +422,25 @@ class ManySaver:
     sent to rank 0 one prompt at a time, which writes them: rank 0 holds at most one prompt's
     states from each rank at once, each other rank its own window's."""
 
-    def __init__(self, path: str | os.PathLike[str], opened: Opened, revision: str | None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        opened: Opened,
+        revision: str | None,
+        sites: Sequence[str] = ("resid",),
+    ):
         self.folder = Path(path)  # made by `lens_prompts` (on rank 0)
-        self.opened, self.revision = opened, revision
+        self.opened, self.revision, self.sites = opened, revision, sites
         self.kept: list[tuple[int, list[int], States]] = []
         self.keep = False
 
     def add(self, line: PromptLine, ask: Ask, run: Prompt) -> None:
         """One prompt's states: written now, or kept for rank 0 under torchrun."""
-        states = states_of(self.opened, run, ask, self.revision)
+        states = states_of(self.opened, run, ask, self.revision, self.sites)
         about = {**states[2], "line": str(line.line)}
         if line.id is not None:
             about["id"] = str(line.id)
-        item = (line.line, run.ids, (states[0], states[1], about))
+        item = (line.line, run.ids, (states[0], states[1], about, states[3]))
         if self.keep:
             self.kept.append(item)
         else:
@@ -374,5 +458,5 @@ class ManySaver:
         self.kept.clear()
 
     def _write(self, item: tuple[int, list[int], States]) -> None:
-        line, ids, (residual, logits, about) = item
-        save_states(file_for(self.folder, line), residual, ids, logits, about)
+        line, ids, (residual, logits, about, sites) = item
+        save_states(file_for(self.folder, line), residual, ids, logits, about, sites)
