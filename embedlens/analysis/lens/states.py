@@ -94,6 +94,8 @@ def lens_states(
 
 def _holds(file: StatesFile, sites: Sequence[str], pair: Pair | None) -> None:
     """Refuse a site the file does not hold, and sites inside the blocks with --against."""
+    if pair is not None and tuple(sites) != ("resid",):
+        raise UsageError("--states --against compares the residual stream: --site resid only")
     lacking = [s for s in sites if s not in file.sites]
     if lacking:
         raise UsageError(
@@ -101,8 +103,6 @@ def _holds(file: StatesFile, sites: Sequence[str], pair: Pair | None) -> None:
             f"{', '.join(file.sites)}",
             hint="save the sites with `lens MODEL PROMPT --site SITES --save-states FILE`",
         )
-    if pair is not None and tuple(sites) != ("resid",):
-        raise UsageError("--states --against compares the residual stream: --site resid only")
 
 
 _NOT_APPLIED = {
