@@ -4,9 +4,11 @@ composed from.
 - `--save-states --site S` saves the sites asked for, and `--states FILE --site S` decodes them
   to the model run's site rows (`lens PROMPT --site S`), on one prompt and on `--prompts`;
   `--site resid` is plain `--states`, byte for byte; a site the file lacks is refused.
-- `lens A --states FILE --against B` is `lens A PROMPT --against B` where FILE holds A's states
-  of PROMPT: A's rows are decoded from the same bits through the same tail in the same chunks,
-  B runs on the same ids, and every figure is the same (exactly: no tolerance is needed).
+- `lens A --states FILE --against B` (and `--site`) is `lens A PROMPT --against B` where FILE
+  holds A's states of PROMPT: A's rows are decoded from the same bits through the same tail in
+  the same chunks, B runs on the same ids, and every figure is the same bits, but A's output
+  row at a position other than the last, which the file holds as the decoding of block L's
+  output (it keeps the model's own logits at the last position alone): float32 rounding.
 """
 
 from __future__ import annotations
@@ -128,10 +130,11 @@ def test_prompts_save_each_prompts_sites(tiny, cli, tmp_path):
     ran = cli("lens", folder, "--prompts", prompts, "--site", "attn_out,mlp_out",
               "--save-states", out, "-q")  # fmt: skip
     assert ran.exit_code == 0, ran.stderr
+    args = ["--site", "mlp_out,attn_out", "-k", "2"]
     for line, prompt in enumerate(lines, start=1):
-        args = ["--site", "mlp_out,attn_out", "-k", "2"]
+        saved = out / f"{line:06d}.safetensors"
         _same_figures(cli.json("lens", folder, prompt, *args),
-                      cli.json("lens", folder, "--states", out / f"{line:06d}.safetensors", *args))  # fmt: skip
+                      cli.json("lens", folder, "--states", saved, *args))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +150,13 @@ def pair(tiny, tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 @pytest.mark.parametrize("args", [[], ["--target", "Paris", "-k", "3", "--layers", "1,3"],
-                                  ["--threshold", "0.5", "--position", "2"]])  # fmt: skip
+                                  ["--threshold", "0.5", "--position", "2"],
+                                  ["--site", "resid_mid,mlp_out", "--layers", "2:4"]])  # fmt: skip
 def test_states_against_equals_the_model_run_against(pair, cli, args, tmp_path):
     a, b, saved = pair
-    if "--position" in args:  # a file of that prompt read at another position
-        saved = tmp_path / "p.safetensors"
-        cli.json("lens", a, PROMPT, "--save-states", saved)
+    if "--site" in args:  # where inside the blocks the two part: a file with A's sites
+        saved = tmp_path / "sites.safetensors"
+        cli.json("lens", a, PROMPT, "--site", SITES, "--save-states", saved)
     direct = cli.json("lens", a, PROMPT, "--against", b, *args)
     decoded = cli.json("lens", a, "--states", saved, "--against", b, *args)
     if "--position" in args:  # the file holds A's own logits at the last position alone: at
@@ -161,6 +165,7 @@ def test_states_against_equals_the_model_run_against(pair, cli, args, tmp_path):
     else:
         _same_figures(direct, decoded)  # every KL, top-k and B's check: the same bits
     assert decoded["diff"]["first_divergent_layer"] == direct["diff"]["first_divergent_layer"]
+    assert ("site_diff" in decoded) == ("--site" in args)
     assert decoded["states"]["checked"] is True
     table = cli("lens", a, "--states", saved, "--against", b, *args)
     assert table.exit_code == 0 and "against" in table.stdout, table.stderr
@@ -177,7 +182,7 @@ def test_states_against_from_python_equals_lens_against(pair):
 
 def test_a_b_that_does_not_fit_is_refused_with_one_line(pair, tiny, cli, tmp_path, monkeypatch):
     """B of another hidden size (the --against check, which the model run gives too), or of
-    another vocabulary; and sites with --against, which compares the residual stream."""
+    another vocabulary."""
     a, b, saved = pair
     wide = {**models.FAMILIES["llama-untied"], "hidden_size": 48}
     monkeypatch.setitem(models.FAMILIES, "llama-wide", wide)
@@ -195,5 +200,3 @@ def test_a_b_that_does_not_fit_is_refused_with_one_line(pair, tiny, cli, tmp_pat
     (swapped / "tokenizer.json").write_text(json.dumps(tokens))
     said = cli.fails("lens", a, "--states", saved, "--against", swapped, code=1)
     assert "does not share the vocabulary" in said
-    said = cli.fails("lens", a, "--states", saved, "--against", b, "--site", "attn_out", code=2)
-    assert "--site resid only" in said

@@ -8,7 +8,7 @@ from typing import Any
 
 from embedlens.reports.lens import LensReport
 from embedlens.reports.lens_diff import LensPairReport
-from embedlens.reports.sites import LensSitesReport
+from embedlens.reports.sites import LensSitesPairReport, LensSitesReport
 from embedlens.reports.tune import TunedLens
 
 
@@ -62,6 +62,12 @@ class StatesPairReport(StatesLensReport, LensPairReport):
     (A's) against B run on the file's ids, with `states`."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class StatesSitesPairReport(StatesLensReport, LensSitesPairReport):
+    """`lens A --states FILE --against B --site SITES`: the `lens --against --site` report of
+    the file's states against B's, with `states`."""
+
+
 def states_report(
     values: dict[str, Any], tuned: TunedLens | None, states: StatesSource
 ) -> StatesLensReport:
@@ -69,5 +75,6 @@ def states_report(
     states came from."""
     values = {**values, "tuned": tuned, "states": states}
     if "diff" in values:
-        return StatesPairReport(**values)
+        kind = StatesSitesPairReport if "sites" in values else StatesPairReport
+        return kind(**values)
     return StatesSitesReport(**values) if "sites" in values else StatesLensReport(**values)

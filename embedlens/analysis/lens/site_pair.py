@@ -18,6 +18,7 @@ from embedlens.analysis.lens.site_rows import Key, decoded_rows
 from embedlens.reports.sites import LensSitesPairReport, SiteDiff
 
 if TYPE_CHECKING:
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.sites import Pieces
@@ -45,12 +46,25 @@ def site_logits(
     model = opened.model
     pieces = take_apart(model, run.ids, [run.index], "resid_mid" in sites)
     decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
+    return logits_at(pieces, decoder, sites, layers, input_device(model), vocab)
+
+
+def logits_at(
+    pieces: Pieces,
+    decoder: Decoder,
+    sites: Sequence[str],
+    layers: Sequence[int],
+    device: torch.device,
+    vocab: int,
+) -> SiteLogits:
+    """The sites at `layers` of `pieces` (taken apart at one position: a model's, or a states
+    file's) through `decoder`, on `device`."""
     wanted: list[tuple[Key, int]] = [
         ((STREAM[s], layer), 0) for layer in layers for s in SITES if s in sites
     ]
-    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
     with torch.inference_mode():
-        got = decoded_rows(decoder, pieces, wanted, input_device(model), vocab)
+        got = decoded_rows(decoder, pieces, wanted, device, vocab)
         out = {key: row.double().log_softmax(-1).cpu() for (key, _), row in got}
     by_site = {s: STREAM[s] for s in sites}
     return SiteLogits(

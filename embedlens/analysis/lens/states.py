@@ -84,7 +84,7 @@ def lens_states(
 
         lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
-    _holds(file, sites, pair)
+    _holds(file, sites)
     chat = file.metadata.get("chat")
     ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
                       asked.grid or pos is None)  # fmt: skip
@@ -92,10 +92,8 @@ def lens_states(
                 (lens_dir, sites, pair))  # fmt: skip
 
 
-def _holds(file: StatesFile, sites: Sequence[str], pair: Pair | None) -> None:
-    """Refuse a site the file does not hold, and sites inside the blocks with --against."""
-    if pair is not None and tuple(sites) != ("resid",):
-        raise UsageError("--states --against compares the residual stream: --site resid only")
+def _holds(file: StatesFile, sites: Sequence[str]) -> None:
+    """Refuse a site the file does not hold."""
     lacking = [s for s in sites if s not in file.sites]
     if lacking:
         raise UsageError(
@@ -193,7 +191,7 @@ def _run_on(
     with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
     shown = _shown(ask, n_layers, file)
-    b = None if pair is None else _run_b(pair, tokenizer, run, ask, lens_dir)
+    b = None if pair is None else _run_b(pair, tokenizer, run, ask, lens_dir, sites)
     index = position_index(ask.position, len(ids))
     want = torch.float32 if dtype == "auto" else loading.torch_dtype(dtype)
     tail = open_tail(source, want, trust_remote_code=trust)
@@ -203,49 +201,62 @@ def _run_on(
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
     result = _decode(tail, decoder, file, decoding, positions, index, ask, run.target_id,
                      len(tokenizer), other)  # fmt: skip
-    shown_result = _cut(result, shown)
-    report = lens_report(name, tokenizer, tail.model, shown_result, ask, run)
+    report = lens_report(name, tokenizer, tail.model, _cut(result, shown), ask, run)
+    inner = [x for x in shown if x >= 1]
     if b is not None:
-        report = _paired(report, result, b, pair, tokenizer, run.index, shown)  # type: ignore[arg-type]
+        a = (file, decoder, inner, sites)
+        report = _paired(report, result, a, b, pair, tokenizer, run.index, shown)  # type: ignore[arg-type]
     elif tuple(sites) != ("resid",):
         from embedlens.analysis.lens.site_report import read_sites
 
-        pieces = _pieces(file, [x for x in shown if x >= 1], positions)
+        pieces = _pieces(file, inner, positions)
         report = read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result,
                             tail.model)  # fmt: skip
     return _states_report(report, file, tail, result.check, tuned)
 
 
 def _run_b(
-    pair: Pair, tokenizer: Any, run: Prompt, ask: checks.Ask, lens_dir: Any
-) -> tuple[LensResult, Any]:
+    pair: Pair, tokenizer: Any, run: Prompt, ask: checks.Ask, lens_dir: Any, sites: Sequence[str]
+) -> tuple[LensResult, Any, Any]:
     """B run on the file's ids as `lens --against` runs it (then freed): its result at every
-    layer, kept for the comparison, and its name and notes."""
+    layer, kept for the comparison; its name and notes; its rows at `sites` inside the blocks."""
     from embedlens.analysis.lens.against import run_b
     from embedlens.analysis.lens.pairing import check_pair
 
     check_pair(pair.a, pair.b)
-    result, named, _ = run_b(pair.b, tokenizer, run, ask, ("resid",), lens_dir)
-    return result, named
+    return run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
 
 
 def _paired(
     report: LensReport,
     result: LensResult,
-    b: tuple[LensResult, Any],
+    a: tuple[StatesFile, Decoder, list[int], Sequence[str]],
+    b: tuple[LensResult, Any, Any],
     pair: Pair,
     tokenizer: Any,
     index: int,
     shown: list[int],
 ) -> LensReport:
-    """A's report with B's `diff`, as `lens --against` gives it."""
+    """A's report with B's `diff`, as `lens --against` gives it; with sites inside the blocks
+    (`a`: the file, A's decoder, the blocks shown and the sites), where the two part there."""
+    import torch
+
     from embedlens.analysis.lens.pair import compare
     from embedlens.analysis.lens.pair_report import pair_report
 
-    rb, named = b
+    rb, named, b_sites = b
     diffs = compare(result, rb, index)
-    return pair_report(report, diffs, rb, named.name, pair.threshold, tokenizer, named.notes,
-                       shown)  # fmt: skip
+    paired = pair_report(report, diffs, rb, named.name, pair.threshold, tokenizer, named.notes,
+                         shown)  # fmt: skip
+    if b_sites is None:
+        return paired
+    from embedlens.analysis.lens.site_pair import logits_at, pair_sites
+
+    file, decoder, inner, sites = a
+    pieces = _pieces(file, inner, [index])
+    cpu = torch.device("cpu")
+    a_sites = logits_at(pieces, decoder, sites, inner, cpu, result.vocab_size)
+    return pair_sites(paired, a_sites, b_sites, sites)
 
 
 def _cut(result: LensResult, shown: list[int]) -> LensResult:
