@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.pair import PairStats
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import BadLine, PromptSource
+    from embedlens.reports.lens import LensReport
     from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
     from embedlens.reports.tune import TunedLens
 
@@ -79,9 +80,6 @@ def lens_pair(
 
     texts = () if ask.chat is not None else (ask.prompt,)
     with _ready_a(a, b, b_first, target=ask.target, texts=texts) as (oa, ran):
-        from embedlens.analysis.lens.pair import compare
-        from embedlens.analysis.lens.pair_report import pair_report
-
         run, rb, named, b_sites = ran
         assert rb.kept is not None
         decoder, described = _tuned_decoder(tuned, oa, run)
@@ -92,15 +90,36 @@ def lens_pair(
             from embedlens.reports.tune import tuned_report
 
             report = tuned_report(report, described)
-        diffs = compare(ra_every, rb, run.index)
-        report = pair_report(
-            report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes, ra.layers
-        )
-        if b_sites is None:
-            return report
-        from embedlens.analysis.lens.site_pair import pair_sites
+        a_sites = functools.partial(_site_logits, oa, run, sites, ra)
+        b_ran = (rb, named, b_sites)
+        return paired(report, ra_every, b_ran, pair.threshold, oa.tokenizer, run.index, ra.layers,
+                      (a_sites, sites))  # fmt: skip
 
-        return pair_sites(report, _site_logits(oa, run, sites, ra), b_sites, sites)
+
+def paired(
+    report: LensReport,
+    a: LensResult,
+    b: tuple[LensResult, Named, Any],
+    threshold: float,
+    tokenizer: Any,
+    index: int,
+    shown: list[int],
+    a_sites: tuple[Callable[[], Any], Sequence[str]],
+) -> LensPairReport:
+    """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
+    beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
+    part there (`a_sites`: what reads A's rows there, once B's are read, and the sites)."""
+    from embedlens.analysis.lens.pair import compare
+    from embedlens.analysis.lens.pair_report import pair_report
+
+    rb, named, b_sites = b
+    diffs = compare(a, rb, index)
+    report = pair_report(report, diffs, rb, named.name, threshold, tokenizer, named.notes, shown)
+    if b_sites is None:
+        return report
+    from embedlens.analysis.lens.site_pair import pair_sites
+
+    return pair_sites(report, a_sites[0](), b_sites, a_sites[1])
 
 
 def run_b(
@@ -120,7 +139,11 @@ def run_b(
 
 def _shown(result: LensResult, ask: Ask) -> LensResult:
     """A result at every layer cut to the layers `ask` shows (what its report and table hold)."""
-    shown = resolve_layers(ask.layers, result.num_layers)
+    return cut(result, resolve_layers(ask.layers, result.num_layers))
+
+
+def cut(result: LensResult, shown: Sequence[int]) -> LensResult:
+    """A result cut to the layers `shown`."""
     rows = {key: top for key, top in result.rows.items() if key[0] in shown}
     return dataclasses.replace(result, layers=sorted(set(shown)), rows=rows)
 

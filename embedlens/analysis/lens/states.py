@@ -11,17 +11,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
-from embedlens.errors import NumericError, UsageError
+from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     import torch
 
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.engine import Check, LensResult
+    from embedlens.analysis.lens.engine import Check, Kept, LensResult
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
-    from embedlens.analysis.lens.sites import Pieces
+    from embedlens.analysis.lens.site_pair import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
     from embedlens.model.files import ModelFiles
@@ -84,23 +84,16 @@ def lens_states(
 
         lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
-    _holds(file, sites)
+    file.check_sites(sites)
+    if pair is not None:
+        from embedlens.analysis.lens.pairing import check_pair
+
+        check_pair(pair.a, pair.b)
     chat = file.metadata.get("chat")
     ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
                       asked.grid or pos is None)  # fmt: skip
     return _run(os.fspath(name), load.revision, load.dtype, load.trust_remote_code, file, ask,
                 (lens_dir, sites, pair))  # fmt: skip
-
-
-def _holds(file: StatesFile, sites: Sequence[str]) -> None:
-    """Refuse a site the file does not hold."""
-    lacking = [s for s in sites if s not in file.sites]
-    if lacking:
-        raise UsageError(
-            f"'{file.path.name}' does not hold --site {lacking[0]}: it holds "
-            f"{', '.join(file.sites)}",
-            hint="save the sites with `lens MODEL PROMPT --site SITES --save-states FILE`",
-        )
 
 
 _NOT_APPLIED = {
@@ -173,7 +166,6 @@ def _run_on(
     import torch
 
     from embedlens.analysis.lens.prompt import position_index
-    from embedlens.analysis.lens.report import lens_report
     from embedlens.analysis.lens.tail import open_tail
     from embedlens.model import file_tokens, loading
 
@@ -191,7 +183,11 @@ def _run_on(
     with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
     shown = _shown(ask, n_layers, file)
-    b = None if pair is None else _run_b(pair, tokenizer, run, ask, lens_dir, sites)
+    b = None
+    if pair is not None:  # B first, on the file's ids, then freed (as `lens --against` runs it)
+        from embedlens.analysis.lens.against import run_b
+
+        b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
     index = position_index(ask.position, len(ids))
     want = torch.float32 if dtype == "auto" else loading.torch_dtype(dtype)
     tail = open_tail(source, want, trust_remote_code=trust)
@@ -201,88 +197,47 @@ def _run_on(
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
     result = _decode(tail, decoder, file, decoding, positions, index, ask, run.target_id,
                      len(tokenizer), other)  # fmt: skip
-    report = lens_report(name, tokenizer, tail.model, _cut(result, shown), ask, run)
-    inner = [x for x in shown if x >= 1]
-    if b is not None:
-        a = (file, decoder, inner, sites)
-        report = _paired(report, result, a, b, pair, tokenizer, run.index, shown)  # type: ignore[arg-type]
-    elif tuple(sites) != ("resid",):
-        from embedlens.analysis.lens.site_report import read_sites
-
-        pieces = _pieces(file, inner, positions)
-        report = read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result,
-                            tail.model)  # fmt: skip
+    made = (name, tokenizer, tail, decoder, run, ask)
+    report = _composed(made, result, file, shown, sites, b, pair)
     return _states_report(report, file, tail, result.check, tuned)
 
 
-def _run_b(
-    pair: Pair, tokenizer: Any, run: Prompt, ask: checks.Ask, lens_dir: Any, sites: Sequence[str]
-) -> tuple[LensResult, Any, Any]:
-    """B run on the file's ids as `lens --against` runs it (then freed): its result at every
-    layer, kept for the comparison; its name and notes; its rows at `sites` inside the blocks."""
-    from embedlens.analysis.lens.against import run_b
-    from embedlens.analysis.lens.pairing import check_pair
-
-    check_pair(pair.a, pair.b)
-    return run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
-
-
-def _paired(
-    report: LensReport,
+def _composed(
+    made: tuple[str, Any, Tail, Decoder, Prompt, checks.Ask],
     result: LensResult,
-    a: tuple[StatesFile, Decoder, list[int], Sequence[str]],
-    b: tuple[LensResult, Any, Any],
-    pair: Pair,
-    tokenizer: Any,
-    index: int,
+    file: StatesFile,
     shown: list[int],
+    sites: Sequence[str],
+    b: Any,
+    pair: Pair | None,
 ) -> LensReport:
-    """A's report with B's `diff`, as `lens --against` gives it; with sites inside the blocks
-    (`a`: the file, A's decoder, the blocks shown and the sites), where the two part there."""
+    """The report of the decoded states (`made`: the model's name, tokenizer, tail, decoder,
+    the prompt and what was asked): with B (`against.run_b`'s), A against B as `lens_pair`
+    compares them, A's sites read from the file; else with the sites the file holds."""
     import torch
 
-    from embedlens.analysis.lens.pair import compare
-    from embedlens.analysis.lens.pair_report import pair_report
+    from embedlens.analysis.lens.report import lens_report
 
-    rb, named, b_sites = b
-    diffs = compare(result, rb, index)
-    paired = pair_report(report, diffs, rb, named.name, pair.threshold, tokenizer, named.notes,
-                         shown)  # fmt: skip
-    if b_sites is None:
-        return paired
-    from embedlens.analysis.lens.site_pair import logits_at, pair_sites
+    name, tokenizer, tail, decoder, run, ask = made
+    inner = [x for x in shown if x >= 1]
+    if b is None or pair is None:
+        report = lens_report(name, tokenizer, tail.model, result, ask, run)
+        if tuple(sites) == ("resid",):
+            return report
+        from embedlens.analysis.lens.site_report import read_sites
 
-    file, decoder, inner, sites = a
-    pieces = _pieces(file, inner, [index])
-    cpu = torch.device("cpu")
-    a_sites = logits_at(pieces, decoder, sites, inner, cpu, result.vocab_size)
-    return pair_sites(paired, a_sites, b_sites, sites)
+        pieces = file.pieces(inner, result.positions)
+        return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
+    from embedlens.analysis.lens.against import cut, paired
+    from embedlens.analysis.lens.site_pair import logits_at
 
+    report = lens_report(name, tokenizer, tail.model, cut(result, shown), ask, run)
+    cpu, at = torch.device("cpu"), [run.index]
 
-def _cut(result: LensResult, shown: list[int]) -> LensResult:
-    """A result decoded at more layers cut to those `shown`."""
-    import dataclasses
+    def a_sites() -> SiteLogits:
+        return logits_at(file.pieces(inner, at), decoder, sites, inner, cpu, result.vocab_size)
 
-    if result.layers == shown:
-        return result
-    rows = {key: top for key, top in result.rows.items() if key[0] in shown}
-    return dataclasses.replace(result, layers=shown, rows=rows)
-
-
-def _pieces(file: StatesFile, layers: list[int], positions: list[int]) -> Pieces:
-    """The blocks taken apart as the file holds them, at `layers` (>= 1) and `positions`: each
-    block's input and output from the residual stream, the sites inside it from their tensors."""
-    from embedlens.analysis.lens.site_rows import PIECE
-    from embedlens.analysis.lens.sites import Pieces, Split
-
-    pieces = Pieces(splits={i + 1: Split(*s) for i, s in enumerate(file.splits)})
-    for layer in layers:
-        pieces.pre[layer] = _rows(file, layer - 1, positions).float()
-        pieces.post[layer] = _rows(file, layer, positions).float()
-        for site in file.sites[1:]:
-            piece = getattr(pieces, PIECE[site])
-            piece[layer] = _rows(file, layer, positions, site).float()
-    return pieces
+    return paired(report, result, b, pair.threshold, tokenizer, run.index, shown, (a_sites, sites))
 
 
 def _check_fits(file: StatesFile, config: Any, tokenizer_size: int) -> int:
@@ -378,41 +333,27 @@ def _decode(
 ) -> LensResult:
     """Every (layer, position) shown decoded in the engine's chunks and reduced by its ranking
     as each chunk comes; the last layer at the last position is the model's own logits when the
-    file holds them (as `lens` shows the model's own output there). With `other` (B's residual
-    at the layers and positions decoded), the result keeps the rows at the position read, and
-    B's through the same decoder in the same chunks, as the engine's `keep` does."""
+    file holds them (as `lens` shows them). `other`: B's residual, kept beside (`_checked`)."""
     import torch
 
-    from embedlens.analysis.lens.engine import (
-        CHUNK_BYTES,
-        Kept,
-        LensResult,
-        decoded,
-        kept_rows,
-        tolerance,
-    )
+    from embedlens.analysis.lens.engine import CHUNK_BYTES, Kept, LensResult, decoded, tolerance
     from embedlens.analysis.lens.threads import threads_for
 
     n_layers = len(tail.blocks.modules)
     last = file.n_tokens - 1
     own = file.logits()
     wanted = sorted(set(shown) | ({n_layers} & set(file.layers)))
-    residual = {layer: _rows(file, layer, positions) for layer in wanted}
+    residual = {layer: file.finite_rows(layer, positions) for layer in wanted}
     vocab = _vocab(tail, own)
     device = torch.device("cpu")
     order = [(layer, j) for layer in wanted for j in range(len(positions))]
     rows: dict[tuple[int, int], Any] = {}
     final: dict[int, torch.Tensor] = {}
     own_row = None if own is None else (n_layers, last)
-    kept = None if other is None else Kept({}, {}, {})
+    keeping = None if other is None else (Kept({}, {}, {}), other, decoder, index)
     with torch.inference_mode(), threads_for(tail.model, len(positions)):
         for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
-            where = _checked(out, part, positions)
-            if kept is not None:
-                keys = [w if w[1] == index else None for w in where]
-                mine, theirs = kept_rows(decoder, part, out, keys, other, device)
-                kept.logits.update(mine)
-                kept.other.update(theirs)
+            where = _checked(out, part, positions, keeping)
             final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
             keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
             if keep:
@@ -421,7 +362,7 @@ def _decode(
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
             rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, target))
-        tol = tolerance(decoder_dtype(tail), own if own is not None else torch.zeros(1))
+        tol = tolerance(next(tail.model.parameters()).dtype, torch.zeros(1) if own is None else own)
         check = _check(file, decoder, own, n_layers, last, tol)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
         steps = decoder.steps(first.to(device), tol)
@@ -436,23 +377,32 @@ def _decode(
         steps=steps,
         full_tail=decoder.full,
         output=output,
-        kept=kept,
+        kept=None if keeping is None else keeping[0],
     )
 
 
 def _checked(
-    out: torch.Tensor, part: list[tuple[int, int]], positions: list[int]
+    out: torch.Tensor,
+    part: list[tuple[int, int]],
+    positions: list[int],
+    keeping: tuple[Kept, dict[int, torch.Tensor], Decoder, int] | None,
 ) -> list[tuple[int, int]]:
-    """A decoded chunk's (layer, position) rows, refused when one is not finite."""
-    from embedlens.analysis.lens.engine import check_decoded
+    """A decoded chunk's (layer, position) rows, refused when one is not finite; with `keeping`
+    (what the result keeps, B's residual, the decoder, the position read) the rows at that
+    position kept, and B's through the same decoder in the same chunk (the engine's `keep`)."""
+    import torch
+
+    from embedlens.analysis.lens.engine import check_decoded, kept_rows
 
     check_decoded(out, part, lambda j: positions[j])
-    return [(layer, positions[j]) for layer, j in part]
-
-
-def decoder_dtype(tail: Tail) -> torch.dtype:
-    """The dtype the tail computes in."""
-    return next(tail.model.parameters()).dtype
+    where = [(layer, positions[j]) for layer, j in part]
+    if keeping is not None:
+        kept, other, decoder, index = keeping
+        keys = [w if w[1] == index else None for w in where]
+        mine, theirs = kept_rows(decoder, part, out, keys, other, torch.device("cpu"))
+        kept.logits.update(mine)
+        kept.other.update(theirs)
+    return where
 
 
 def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
@@ -466,23 +416,6 @@ def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
         return int(own.shape[-1])
     config: Any = getattr(tail.model, "config", None)
     return int(config.vocab_size)
-
-
-def _rows(file: StatesFile, layer: int, positions: list[int], site: str = "resid") -> torch.Tensor:
-    """One layer's states (at `site`) at `positions`, refused when one is not finite (NaN: not
-    decodable)."""
-    import torch
-
-    rows = file.rows(layer, positions, site)
-    bad = ~torch.isfinite(rows.float()).all(-1)
-    if bool(bad.any()):
-        p = positions[int(bad.nonzero()[0, 0])]
-        what = "NaN" if bool(torch.isnan(rows[bad]).any()) else "infinite"
-        raise NumericError(
-            f"'{file.path.name}' holds a {what} state at layer {layer}, position {p}: it cannot "
-            "be decoded"
-        )
-    return rows
 
 
 def _reduce(
@@ -531,18 +464,6 @@ def _check(
     return Check(diff, tol, agrees, suspect)
 
 
-def why_not_checked(file: StatesFile, n_layers: int) -> str | None:
-    """Why the self-check could not be made (None when it was)."""
-    if not file.has_logits:
-        return (
-            "not made: the file holds no logits of the model to compare with (vLLM's hidden "
-            "states carry none), so nothing here shows that the decoding reproduces the model"
-        )
-    if n_layers not in file.layers:
-        return f"not made: the file lacks the last layer ({n_layers}) to decode"
-    return None
-
-
 def _states_report(
     report: LensReport, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
 ) -> StatesLensReport:
@@ -553,7 +474,7 @@ def _states_report(
     from embedlens.reports.states import StatesSource, states_report
 
     n_layers = len(tail.blocks.modules)
-    why = why_not_checked(file, n_layers)
+    why = file.why_not_checked(n_layers)
     if why is None:
         said = (
             f"made: block {n_layers}'s output decoded at the last position against the model's "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from embedlens.errors import CheckpointError, EmbedlensError, UsageError
+from embedlens.errors import CheckpointError, EmbedlensError, NumericError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.options import Ask
     from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.sites import Pieces
     from embedlens.model.prompts import PromptLine
 
 FORMAT = "embedlens-states"
@@ -83,6 +84,57 @@ class StatesFile:
             if positions == list(range(self.n_tokens)):
                 return part[:, index]  # type: ignore[no-any-return]
             return torch.stack([part[p, index] for p in positions])
+
+    def finite_rows(self, layer: int, positions: list[int], site: str = "resid") -> torch.Tensor:
+        """`rows`, refused when one is not finite (NaN: not decodable)."""
+        import torch
+
+        rows = self.rows(layer, positions, site)
+        bad = ~torch.isfinite(rows.float()).all(-1)
+        if bool(bad.any()):
+            p = positions[int(bad.nonzero()[0, 0])]
+            what = "NaN" if bool(torch.isnan(rows[bad]).any()) else "infinite"
+            raise NumericError(
+                f"'{self.path.name}' holds a {what} state at layer {layer}, position {p}: it "
+                "cannot be decoded"
+            )
+        return rows
+
+    def check_sites(self, sites: Sequence[str]) -> None:
+        """Refuse a site the file does not hold, naming those it holds."""
+        lacking = [s for s in sites if s not in self.sites]
+        if lacking:
+            raise UsageError(
+                f"'{self.path.name}' does not hold --site {lacking[0]}: it holds "
+                f"{', '.join(self.sites)}",
+                hint="save the sites with `lens MODEL PROMPT --site SITES --save-states FILE`",
+            )
+
+    def pieces(self, layers: list[int], positions: list[int]) -> Pieces:
+        """The blocks taken apart as the file holds them, at `layers` (>= 1) and `positions`,
+        float32: each block's input and output from the residual stream, its sites inside."""
+        from embedlens.analysis.lens.site_rows import PIECE
+        from embedlens.analysis.lens.sites import Pieces, Split
+
+        pieces = Pieces(splits={i + 1: Split(*s) for i, s in enumerate(self.splits)})
+        for layer in layers:
+            pieces.pre[layer] = self.finite_rows(layer - 1, positions).float()
+            pieces.post[layer] = self.finite_rows(layer, positions).float()
+            for site in self.sites[1:]:
+                piece = getattr(pieces, PIECE[site])
+                piece[layer] = self.finite_rows(layer, positions, site).float()
+        return pieces
+
+    def why_not_checked(self, n_layers: int) -> str | None:
+        """Why the self-check could not be made (None when it was)."""
+        if not self.has_logits:
+            return (
+                "not made: the file holds no logits of the model to compare with (vLLM's hidden "
+                "states carry none), so nothing here shows that the decoding reproduces the model"
+            )
+        if n_layers not in self.layers:
+            return f"not made: the file lacks the last layer ({n_layers}) to decode"
+        return None
 
     def logits(self) -> torch.Tensor | None:
         """The model's own logits at the last position (embedlens' file), float32 [V]."""
@@ -263,49 +315,12 @@ def save_states(
     }
     if logits is not None:
         metadata["logits"] = "the model's own logits at the last position, float32"
+    from embedlens.io.tensor_bytes import write_safetensors
+
     try:
         write_safetensors(path, tensors, metadata)
     except OSError as e:
         raise EmbedlensError(f"cannot write the states to '{path}': {e.strerror or e}") from e
-
-
-_STORED = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
-"""safetensors' names of the dtypes a states file holds."""
-
-
-def write_safetensors(
-    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> None:
-    """`tensors` and `metadata` as a safetensors file, laid out as safetensors' own `save_file`
-    lays them out (the widest dtype first, then by name; the header padded to 8 bytes), but for
-    the metadata, written in sorted order: `save_file` keeps it in a hash map whose order
-    changes from one process to the next, and the same states would not give the same bytes."""
-    import json
-    import struct
-
-    import torch
-
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        dtype = _STORED[str(t.dtype).removeprefix("torch.")]
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)))
-        fh.write(text)
-        for name in order:
-            data = tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            fh.write(data.numpy().data)
 
 
 States = tuple["torch.Tensor", "torch.Tensor | None", dict[str, str], dict[str, "torch.Tensor"]]
