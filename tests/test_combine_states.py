@@ -21,6 +21,7 @@ import pytest
 from tests import models
 from tests.test_lens_combine import _changed
 from tests.test_states import _close_figures, _same_figures, vllm_file
+from tests.test_tune import words_file
 
 PROMPT = "the king of France is"
 SITES = "attn_out,resid_mid,mlp_out,resid"
@@ -200,3 +201,18 @@ def test_a_b_that_does_not_fit_is_refused_with_one_line(pair, tiny, cli, tmp_pat
     (swapped / "tokenizer.json").write_text(json.dumps(tokens))
     said = cli.fails("lens", a, "--states", saved, "--against", swapped, code=1)
     assert "does not share the vocabulary" in said
+
+
+def test_states_against_through_a_tuned_lens_equals_the_model_run(pair, cli, tmp_path):
+    """`--tuned` with `--states --against`: both sides read through the lens (tuned on A), as
+    `lens A PROMPT --tuned DIR --against B` reads them."""
+    import embedlens
+
+    a, b, saved = pair
+    lens = tmp_path / "lens"
+    embedlens.tune(a, words_file(tmp_path / "w.txt"), lens, tokens=512, eval_tokens=128, steps=1)
+    args = ["--tuned", lens, "--against", b, "--target", "Paris", "-k", "3"]
+    direct = cli.json("lens", a, PROMPT, *args)
+    decoded = cli.json("lens", a, "--states", saved, *args)
+    _same_figures(direct, decoded)
+    assert decoded["tuned"] == direct["tuned"] and decoded["diff"]["first_divergent_layer"] == 2
