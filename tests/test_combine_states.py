@@ -60,6 +60,8 @@ def test_each_site_alone_and_the_default_site(tiny, cli, tmp_path):
         args = ["--site", site, "-k", "4", "--layers", "1:4"]
         _same_figures(cli.json("lens", folder, PROMPT, *args),
                       cli.json("lens", folder, "--states", saved, *args))  # fmt: skip
+    table = cli("lens", folder, "--states", saved, "--site", "attn_out,resid")
+    assert table.exit_code == 0 and "3.attn" in table.stdout and "self-check made" in table.stdout
     for file in (saved, plain):
         alone = cli("lens", folder, "--states", file, "--json")
         resid = cli("lens", folder, "--states", file, "--site", "resid", "--json")
