@@ -218,3 +218,17 @@ def test_states_against_through_a_tuned_lens_equals_the_model_run(pair, cli, tmp
     decoded = cli.json("lens", a, "--states", saved, *args)
     _same_figures(direct, decoded)
     assert decoded["tuned"] == direct["tuned"] and decoded["diff"]["first_divergent_layer"] == 2
+
+
+def test_a_vllm_file_against_b_says_the_check_was_not_made(pair, cli, tmp_path):
+    """vLLM's file holds no logits: A's check is null and the table says why, B's is made."""
+    a, b, _ = pair
+    vllm = tmp_path / "v.safetensors"
+    vllm_file(a, vllm, PROMPT, [0, 1, 2])
+    args = ["--states", vllm, "--state-layers", "0:3", "--against", b]
+    out = cli.json("lens", a, *args)
+    assert out["check"] is None and out["diff"]["against_check"]["ok"] is True
+    assert [row["layer"] for row in out["diff"]["layers"]] == [0, 1, 2]
+    table = cli("lens", a, *args)
+    assert table.exit_code == 0 and "self-check not made" in table.stdout
+    assert "A does NOT" not in table.stdout and "B reproduces its logits" in table.stdout
