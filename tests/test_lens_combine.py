@@ -124,17 +124,23 @@ def test_compare_logit_with_against_is_refused_with_its_reason(tuned_pair, cli, 
     assert "without --against" in said
 
 
-def test_save_states_with_sites_is_refused_rather_than_saved_without_them(tiny, cli, tmp_path):
-    """It used to exit 0 having saved the residual stream alone; nothing is written now."""
+def test_save_states_with_sites_saves_them_and_states_reads_them_back(tiny, cli, tmp_path):
+    """It used to exit 0 having saved the residual stream alone (then it was refused): the file
+    now holds the sites asked for, and `--states --site` reads them back as the run gave them
+    (tests/test_combine_states.py holds the rest)."""
     out = tmp_path / "s.safetensors"
-    said = cli.fails("lens", tiny("llama-tied"), PROMPT, "--site", "attn_out", "--save-states",
-                     out, code=2)  # fmt: skip
-    assert "residual stream only" in said and not out.exists()
+    args = ["--site", "attn_out", "-k", "3"]
+    ran = cli.json("lens", tiny("llama-tied"), PROMPT, *args, "--save-states", out)
+    read = cli.json("lens", tiny("llama-tied"), "--states", out, *args)
+    assert read["layers"] == ran["layers"] and read["states"]["metadata"]["sites"] == (
+        "attn_out,resid_mid"
+    )
     folder = tmp_path / "many"
     prompts = tmp_path / "p.txt"
     prompts.write_text(PROMPT + "\n")
-    said = cli.fails("lens", tiny("llama-tied"), "--prompts", prompts, "--site", "mlp_out",
-                     "--save-states", folder, code=2)  # fmt: skip
-    assert "residual stream only" in said and not folder.exists()
-    saved = cli("lens", tiny("llama-tied"), PROMPT, "--site", "resid", "--save-states", out, "-q")
-    assert saved.exit_code == 0 and out.is_file()
+    saved = cli("lens", tiny("llama-tied"), "--prompts", prompts, "--site", "mlp_out",
+                "--save-states", folder, "-q")  # fmt: skip
+    assert saved.exit_code == 0, saved.stderr
+    read = cli.json("lens", tiny("llama-tied"), "--states", folder / "000001.safetensors",
+                    "--site", "mlp_out")  # fmt: skip
+    assert [row["row"] for row in read["layers"]] == ["1.mlp", "2.mlp", "3.mlp"]

@@ -212,12 +212,6 @@ def test_bad_sites(tiny, cli, args, message):
     assert message in cli.fails("lens", tiny("llama-tied"), PROMPT, *args, code=2)
 
 
-def test_states_refuse_site(tiny, cli, tmp_path):
-    err = cli.fails("lens", tiny("llama-tied"), "--states", tmp_path / "x.safetensors",
-                    "--site", "resid_mid", code=2)  # fmt: skip
-    assert "--site does not apply to --states" in err
-
-
 def test_prompts_statistics_per_site(tiny, cli, tmp_path):
     folder = tiny("llama-tied")
     lines = tmp_path / "p.jsonl"

@@ -285,7 +285,7 @@ def test_a_states_file_is_the_same_bytes_from_every_process(tiny, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save
 
-    from embedlens.analysis.lens.states_file import write_safetensors
+    from embedlens.io.tensor_bytes import write_safetensors
 
     folder = tiny("llama-tied")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -36,11 +36,17 @@ def run_states(model: str, given: dict[str, Any], load: LoadOptions, asked: Lens
     taken = LoadOptions(revision=load.revision, dtype=load.dtype,
                         trust_remote_code=load.trust_remote_code)  # fmt: skip
     shown = LensOptions(layers=asked.layers, top_k=asked.top_k, position=asked.position,
-                        target=asked.target, tuned=asked.tuned)  # fmt: skip
-    layers = given["state_layers"]
+                        target=asked.target, tuned=asked.tuned, site=asked.site,
+                        threshold=asked.threshold)  # fmt: skip
+    layers, against = given["state_layers"], given["against"]
+
+    def work() -> StatesLensReport:
+        return lens_states(model, states or Path(), state_layers=layers, load=taken,
+                           options=shown, against=against,
+                           against_revision=given["against_revision"])  # fmt: skip
+
     run_report(
-        model,
-        lambda: lens_states(model, states or Path(), state_layers=layers, load=taken, options=shown),
+        model if against is None else f"{model} against {against}", work,
         as_json=given["as_json"], quiet=given["quiet"], debug=given["debug"],
         device=given["device"], doing="Decoding the states with", check=check, say=_say,
     )  # fmt: skip
@@ -53,8 +59,6 @@ _NOT_WITH = {
     "--no-thinking": "no_thinking",
     "--template-arg": "template_arg",
     "--chat-template": "chat_template",
-    "--against": "against",
-    "--site": "site",
     "--device-map": "device_map",
     "--save-states": "save_states",
     "--plot": "plot",

@@ -234,7 +234,8 @@ StatesOpt = Annotated[
         metavar="FILE",
         help="Decode the hidden states FILE holds (vLLM's hidden-states connector's, or "
         "--save-states'), reading only the model's config, tokenizer, final norm and head: "
-        "no PROMPT (the file holds the ids), no blocks run. See docs/states.md.",
+        "no PROMPT (the file holds the ids), no blocks run; with --site, the sites it holds; "
+        "with --against B, B run on its ids. See docs/states.md.",
         rich_help_panel="Input",
     ),
 ]
@@ -254,9 +255,10 @@ SaveStatesOpt = Annotated[
     typer.Option(
         "--save-states",
         metavar="FILE",
-        help="Also write every layer's residual stream at every position (and the model's "
-        "logits at the last) to FILE, for --states to decode later; with --prompts FILE is a "
-        "folder, a file a prompt (000001.safetensors for line 1).",
+        help="Also write every layer's residual stream at every position (the sites asked "
+        "for with --site too, and the model's logits at the last) to FILE, for --states to "
+        "decode later; with --prompts FILE is a folder, a file a prompt (000001.safetensors "
+        "for line 1).",
         rich_help_panel="Output",
     ),
 ]

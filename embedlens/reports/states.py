@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from embedlens.reports.lens import LensReport
+from embedlens.reports.lens_diff import LensPairReport
+from embedlens.reports.sites import LensSitesPairReport, LensSitesReport
 from embedlens.reports.tune import TunedLens
 
 
@@ -46,3 +48,33 @@ class StatesLensReport(LensReport):
         if self.states is not None and not self.states.checked:
             out["check"] = None
         return out
+
+
+@dataclass(frozen=True)
+class StatesSitesReport(StatesLensReport, LensSitesReport):
+    """`lens MODEL --states FILE --site SITES`: the `lens --site` report of the sites the file
+    holds, with `states`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatesPairReport(StatesLensReport, LensPairReport):
+    """`lens A --states FILE --against B`: the `lens --against` report of the file's states
+    (A's) against B run on the file's ids, with `states`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatesSitesPairReport(StatesLensReport, LensSitesPairReport):
+    """`lens A --states FILE --against B --site SITES`: the `lens --against --site` report of
+    the file's states against B's, with `states`."""
+
+
+def states_report(
+    values: dict[str, Any], tuned: TunedLens | None, states: StatesSource
+) -> StatesLensReport:
+    """A lens report's fields (`lens`'s, `lens --site`'s or `lens --against`'s) with where its
+    states came from."""
+    values = {**values, "tuned": tuned, "states": states}
+    if "diff" in values:
+        kind = StatesSitesPairReport if "sites" in values else StatesPairReport
+        return kind(**values)
+    return StatesSitesReport(**values) if "sites" in values else StatesLensReport(**values)

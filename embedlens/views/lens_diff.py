@@ -14,6 +14,7 @@ from embedlens.reports import register_view
 from embedlens.reports.lens import LensCheck
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
+from embedlens.views.lens import render_states_check
 
 MARK = " ◀"
 """After the layer label of the first divergent layer."""
@@ -76,7 +77,10 @@ def render(r: LensPairReport) -> RenderableType:
         delta = Words("Δ log p: B's log-probability of ").token(r.target.token).add(" minus A's")
     shown_layers = {row.layer for row in r.layers}
     legend = _legend(d.first_divergent_layer, d.threshold, delta=delta, shown_layers=shown_layers)
-    lines = [legend, _checks(r.check, d.against_check)]
+    states = getattr(r, "states", None)  # A from a states file: its check said on its own line
+    lines = [legend, _checks(None if states is not None else r.check, d.against_check)]
+    if states is not None:
+        lines.append(render_states_check(r, states))
     tuned = getattr(r, "tuned", None)
     if tuned is not None:
         lines.append(
@@ -155,8 +159,8 @@ def _legend(
     return line.add(f". {where}.")
 
 
-def _checks(a: LensCheck, b: LensCheck) -> Text:
-    """Both self-checks on one line."""
+def _checks(a: LensCheck | None, b: LensCheck) -> Text:
+    """Both self-checks on one line (B's alone without A's)."""
 
     def one(name: str, c: LensCheck) -> str:
         sign = "≤" if c.ok else ">"
@@ -165,9 +169,10 @@ def _checks(a: LensCheck, b: LensCheck) -> Text:
         )
         return f"{name} {verdict} (max |Δ| = {c.max_abs_logit_diff:.2g} {sign} {c.tolerance:.0e})"
 
-    ok = a.ok and b.ok
+    ok = (a is None or a.ok) and b.ok
     line = Words().add("✓ " if ok else "✗ NOT FAITHFUL ", style="green" if ok else "bold red")
-    return line.add(shown(f"self-check: {one('A', a)}; {one('B', b)}."))
+    mine = "" if a is None else f"{one('A', a)}; "
+    return line.add(shown(f"self-check: {mine}{one('B', b)}."))
 
 
 register_view(LensPairReport, render)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
+from embedlens.analysis.lens.decoders import fits_tuned, through_of, tuned_decoder
 from embedlens.analysis.lens.opening import Check, Opened, Targets, open_model
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
@@ -37,14 +38,12 @@ from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.batch import BatchOut
-    from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.pair import PairStats
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import BadLine, PromptSource
+    from embedlens.reports.lens import LensReport
     from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
-    from embedlens.reports.tune import TunedLens
 
 T = TypeVar("T")
 
@@ -70,28 +69,18 @@ def lens_pair(
     alone), each then through its own model's tail."""
     a, b = pair.a, pair.b
     check_pair(a, b)
-
     every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
 
     def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named, Any]:
-        _fits_tuned(tuned, config)
+        fits_tuned(tuned, config)
         run = make_prompt(ask, tok, config, template)
-        with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
-            decoder, _ = _tuned_decoder(tuned, ob, run, fingerprints=False)
-            result = run_one(ob, every, run, keep=True, decoder=decoder)
-            named = _named(ob)
-            b_sites = _site_logits(ob, run, sites, _shown(result, ask).layers)
-        gc.collect()  # B's weights go before A's are read
-        return run, result, named, b_sites
+        return (run, *run_b(b, tok, run, ask, sites, tuned))
 
     texts = () if ask.chat is not None else (ask.prompt,)
     with _ready_a(a, b, b_first, target=ask.target, texts=texts) as (oa, ran):
-        from embedlens.analysis.lens.pair import compare
-        from embedlens.analysis.lens.pair_report import pair_report
-
         run, rb, named, b_sites = ran
         assert rb.kept is not None
-        decoder, described = _tuned_decoder(tuned, oa, run)
+        decoder, described = tuned_decoder(tuned, oa, run)
         ra_every = run_one(oa, every, run, keep=True, other=rb.kept.residual, decoder=decoder)
         ra = _shown(ra_every, ask)
         report = one_report(oa, ask, run, ra)
@@ -99,59 +88,62 @@ def lens_pair(
             from embedlens.reports.tune import tuned_report
 
             report = tuned_report(report, described)
-        diffs = compare(ra_every, rb, run.index)
-        report = pair_report(
-            report, diffs, rb, named.name, pair.threshold, oa.tokenizer, named.notes, ra.layers
-        )
-        if b_sites is None:
-            return report
-        from embedlens.analysis.lens.site_pair import pair_sites
+        a_sites = functools.partial(_site_logits, oa, run, sites, ra.layers)
+        b_ran = (rb, named, b_sites)
+        return paired(report, ra_every, b_ran, pair.threshold, oa.tokenizer, run.index, ra.layers,
+                      (a_sites, sites))  # fmt: skip
 
-        return pair_sites(
-            report, _site_logits(oa, run, sites, ra.layers), b_sites, sites, run.index
-        )
+
+def paired(
+    report: LensReport,
+    a: LensResult,
+    b: tuple[LensResult, Named, Any],
+    threshold: float,
+    tokenizer: Any,
+    index: int,
+    shown: list[int],
+    a_sites: tuple[Callable[[], Any], Sequence[str]],
+) -> LensPairReport:
+    """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
+    beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
+    part there (`a_sites`: what reads A's rows there, once B's are read, and the sites)."""
+    from embedlens.analysis.lens.pair import compare
+    from embedlens.analysis.lens.pair_report import pair_report
+
+    rb, named, b_sites = b
+    diffs = compare(a, rb, index)
+    report = pair_report(report, diffs, rb, named.name, threshold, tokenizer, named.notes, shown)
+    if b_sites is None:
+        return report
+    from embedlens.analysis.lens.site_pair import pair_sites
+
+    return pair_sites(report, a_sites[0](), b_sites, a_sites[1], index)
+
+
+def run_b(
+    b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
+) -> tuple[LensResult, Named, Any]:
+    """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
+    kept for the comparison; its name and notes; its rows inside the blocks (`_site_logits`)."""
+    every = dataclasses.replace(ask, layers=None)
+    with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
+        decoder, _ = tuned_decoder(tuned, ob, run, fingerprints=False)
+        result = run_one(ob, every, run, keep=True, decoder=decoder)
+        named = _named(ob)
+        b_sites = _site_logits(ob, run, sites, _shown(result, ask).layers)
+    gc.collect()  # B's weights go before A's are read
+    return result, named, b_sites
 
 
 def _shown(result: LensResult, ask: Ask) -> LensResult:
     """A result at every layer cut to the layers `ask` shows (what its report and table hold)."""
-    shown = resolve_layers(ask.layers, result.num_layers)
+    return cut(result, resolve_layers(ask.layers, result.num_layers))
+
+
+def cut(result: LensResult, shown: Sequence[int]) -> LensResult:
+    """A result cut to the layers `shown`."""
     rows = {key: top for key, top in result.rows.items() if key[0] in shown}
     return dataclasses.replace(result, layers=sorted(set(shown)), rows=rows)
-
-
-def _fits_tuned(tuned: LensFolder | None, config: Any) -> None:
-    """A tuned lens's size checked against a model's config, before its weights are read."""
-    if tuned is not None:
-        from embedlens.analysis.lens.decoders import before_load
-
-        before_load(tuned, config)
-
-
-def _through(
-    tuned: LensFolder | None, opened: Opened, *, fingerprints: bool = True
-) -> Through | None:
-    """The tuned lens as a decoder maker for `opened` (None without a lens): checked against the
-    model (without `fingerprints`: its blocks alone, the lens being the other model's)."""
-    if tuned is None:
-        return None
-    from embedlens.analysis.lens.decoders import tuned_through
-
-    return tuned_through(tuned, opened.model, opened.tokenizer, fingerprints=fingerprints)
-
-
-def _tuned_decoder(
-    tuned: LensFolder | None, opened: Opened, run: Prompt, *, fingerprints: bool = True
-) -> tuple[Decoder | None, TunedLens | None]:
-    """The tuned lens's decoder on `opened`'s own for one prompt, and what reports say of the
-    lens (None without one), as `_through` checks it."""
-    through = _through(tuned, opened, fingerprints=fingerprints)
-    if through is None:
-        return None, None
-    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
-
-    model = opened.model
-    own = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
-    return through.wrap(own), through.described
 
 
 def _site_logits(
@@ -238,7 +230,7 @@ def _together(
     tuned, sites = reading
 
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine]]:
-        _fits_tuned(tuned, config)
+        fits_tuned(tuned, config)
         return many.check_all(source, ask, tok, config, template)
 
     targets = _targets(source, ask)
@@ -268,7 +260,7 @@ def _apart(
         folder = Path(tmp)
 
         def b_first(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine], Named]:
-            _fits_tuned(tuned, config)
+            fits_tuned(tuned, config)
             n_bad, bad = many.check_all(source, ask, tok, config, template)
             lines = functools.partial(many.windows, source, ask, tok, config, template)
             with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config, tuned)) as ob:
@@ -301,7 +293,7 @@ def _run_b(
 ) -> Callable[[many.Window], Ran]:
     """B's run of a window (`reading`: the tuned lens, A's, and the sites)."""
     tuned, sites = reading
-    through = _through(tuned, opened, fingerprints=False)
+    through = through_of(tuned, opened, fingerprints=False)
     run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
 
     def window(lines: many.Window) -> Ran:
@@ -347,7 +339,7 @@ class _PairRun:
         from embedlens.analysis.lens.site_pair import SitePairStats
 
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
-        through = _through(tuned, opened)
+        through = through_of(tuned, opened)
         self.run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
         self.stats: PairStats = PairStats()
         self.sites, self.inside = tuple(sites), SitePairStats()
@@ -443,7 +435,7 @@ def _fits_b(
     and a tuned lens its size."""
 
     def check(_tok: Any, config: Any, _template: str) -> None:
-        _fits_tuned(tuned, config)
+        fits_tuned(tuned, config)
         mine, theirs = context_length(config), context_length(a_config)
         if mine is None or (a_config is not None and theirs is not None and theirs <= mine):
             return

@@ -31,11 +31,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.decoders import Through
-    from embedlens.analysis.lens.opening import Check, Opened
+    from embedlens.analysis.lens.opening import Check
     from embedlens.analysis.lens.pairing import Pair
-    from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
@@ -143,7 +140,6 @@ def _one_prompt(
     the sites inside the blocks, `site`)."""
     loading, pair = models
     sites = sites_asked(site, tuned)
-    _saves_sites(save, sites)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
@@ -153,19 +149,20 @@ def _one_prompt(
     texts = () if ask.chat is not None else (ask.prompt,)
     ready = open_model(model, tokenizer, loading, check, own_template, target, texts=texts)
     with ready as (opened, run):
-        through = _through(lens_dir, opened)
-        decoder = _tuned_decoder(through, opened, run)
+        from embedlens.analysis.lens.decoders import tuned_decoder
+
+        decoder, described = tuned_decoder(lens_dir, opened, run)
         result = run_one(opened, ask, run, decoder=decoder)
         report = sites_report(one_report(opened, ask, run, result), opened, ask, run, result, sites)
         if save is not None:
             from embedlens.analysis.lens.states_file import save_run
 
-            save_run(save[0], opened, run, ask, save[1])
-        if through is None:
+            save_run(save[0], opened, run, ask, save[1], sites)
+        if described is None:
             return report
         from embedlens.reports.tune import tuned_report
 
-        return tuned_report(report, through.described)
+        return tuned_report(report, described)
 
 
 def lens_prompts(
@@ -224,21 +221,10 @@ def lens_prompts(
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = given.models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
-        _saves_sites(save_states, sites_asked(asked.site, None))  # before its folder is made
+        sites_asked(asked.site, None)  # a bad --site refused before the folder is made
         saving = _saving_many(save_states, load.revision, against, session)
         return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
                      saving, asked.site)  # fmt: skip
-
-
-def _saves_sites(save: object, sites: Sequence[str]) -> None:
-    """--save-states writes the residual stream alone: with other sites it is refused (it would
-    leave them out)."""
-    if save is not None and tuple(sites) != ("resid",):
-        raise UsageError(
-            "--save-states writes the residual stream only: --site other than resid is not "
-            "saved, so the two do not combine yet",
-            hint="save with --site resid (the default), or read the sites without --save-states",
-        )
 
 
 def _saving_many(
@@ -290,7 +276,9 @@ def _many(
     texts = many.plain_texts(source)
     ready = open_model(model, tokenizer, loading, check, targets=targets, texts=texts)
     with ready as (opened, (n_bad, bad)):
-        through = _through(lens_dir, opened)
+        from embedlens.analysis.lens.decoders import through_of
+
+        through = through_of(lens_dir, opened)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
         if sites != ("resid",):
             from embedlens.analysis.lens.site_many import SiteManyRun
@@ -299,7 +287,7 @@ def _many(
         if saving is not None:
             from embedlens.analysis.lens.states_file import ManySaver
 
-            lensing.saver = ManySaver(saving[0], opened, saving[1])
+            lensing.saver = ManySaver(saving[0], opened, saving[1], sites)
         return lensing.run_all(source, n_bad, bad, session, progress)
 
 
@@ -351,15 +339,6 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
     return both
 
 
-def _through(lens_dir: LensFolder | None, opened: Opened) -> Through | None:
-    """The tuned lens checked against the loaded model, as a decoder maker (None without one)."""
-    if lens_dir is None:
-        return None
-    from embedlens.analysis.lens.decoders import tuned_through
-
-    return tuned_through(lens_dir, opened.model, opened.tokenizer)
-
-
 def _not_both(tuned: object, against: object, compare_logit: bool = False) -> None:
     """--compare-logit needs --tuned, and compares the tuned lens with the logit lens on one
     model (not with --against)."""
@@ -371,13 +350,3 @@ def _not_both(tuned: object, against: object, compare_logit: bool = False) -> No
         raise UsageError(
             "--compare-logit compares two lenses on one model: run it without --against"
         )
-
-
-def _tuned_decoder(through: Through | None, opened: Opened, run: Prompt) -> Decoder | None:
-    """The tuned lens's decoder for one prompt, built on the model's own (None without one)."""
-    if through is None:
-        return None
-    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
-
-    model = opened.model
-    return through.wrap(ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0]))

@@ -26,6 +26,8 @@ from embedlens.errors import UsageError
 if TYPE_CHECKING:
     from torch import nn
 
+    from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.reports.tune import TunedLens as TunedDescription
 
@@ -210,3 +212,32 @@ def load_translators(lens: LensFolder) -> Translators:
     from embedlens.analysis.lens.tuned_folder import read_translators
 
     return Translators(*read_translators(lens))
+
+
+def fits_tuned(tuned: LensFolder | None, config: Any) -> None:
+    """A tuned lens's size checked against a model's config, before its weights are read."""
+    if tuned is not None:
+        before_load(tuned, config)
+
+
+def through_of(
+    tuned: LensFolder | None, opened: Opened, *, fingerprints: bool = True
+) -> Through | None:
+    """The tuned lens as a decoder maker for `opened` (None without a lens): checked against the
+    model (without `fingerprints`: its blocks alone, the lens being the other model's)."""
+    if tuned is None:
+        return None
+    return tuned_through(tuned, opened.model, opened.tokenizer, fingerprints=fingerprints)
+
+
+def tuned_decoder(
+    tuned: LensFolder | None, opened: Opened, run: Prompt, *, fingerprints: bool = True
+) -> tuple[Decoder | None, TunedDescription | None]:
+    """The tuned lens's decoder on `opened`'s own for one prompt, and what reports say of the
+    lens (None without one), as `through_of` checks it."""
+    through = through_of(tuned, opened, fingerprints=fingerprints)
+    if through is None:
+        return None, None
+    model = opened.model
+    own = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    return through.wrap(own), through.described

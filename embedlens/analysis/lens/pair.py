@@ -67,7 +67,7 @@ def compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
 
 
 def _compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
-    if a.kept is None or b.kept is None or a.output is None or b.output is None:
+    if a.kept is None or b.kept is None:
         raise ValueError("compare needs both results run with keep=True")
     if a.vocab_size != b.vocab_size:
         raise UnsupportedError(
@@ -94,11 +94,17 @@ def _compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
 
 
 def _lens_rows(r: LensResult, layers: list[int], n: int, position: int) -> list[torch.Tensor]:
-    """The lens row of each layer at a position: its kept logits, the model's own at layer n."""
-    assert r.kept is not None
-    out = r.output_at(position)
-    assert out is not None
-    return [out if x == n else r.kept.logits[(x, position)] for x in layers]
+    """The lens row of each layer at a position: its kept logits, the model's own at layer n
+    (which a states file without the last layer does not ask for)."""
+    kept = r.kept
+    assert kept is not None
+
+    def row(x: int) -> torch.Tensor:
+        out = r.output_at(position) if x == n else kept.logits[(x, position)]
+        assert out is not None
+        return out
+
+    return [row(x) for x in layers]
 
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]

@@ -3,7 +3,8 @@
 The same prompt ids go to both models, so B must give every id the token A gives it: the two
 vocabularies are compared id by id as `vocab --against` compares them (`vocab.diff.compare`,
 each token by its bytes). The lenses are compared layer by layer, so B must have as many blocks
-as A, and as many output rows (the softmax runs over all of them).
+as A, as many output rows (the softmax runs over all of them), and A's width (A's decoder reads
+B's residual stream).
 """
 
 from __future__ import annotations
@@ -73,11 +74,13 @@ class Facts:
     layers: int | None
     outputs: int | None
     """Rows of its output (the config's vocabulary size), when known."""
+    hidden: int | None = None
+    """Its hidden size, when known."""
 
 
 def check_pair(a: Side, b: Side) -> None:
     """Refuse (UnsupportedError, exit 1) a B that does not share A's vocabulary, its number of
-    layers or its output size."""
+    layers, its output size or its hidden size."""
     fa, fb = facts(a), facts(b)
     if fa.vocab is not None and fb.vocab is not None:
         _same_vocabulary(a.name, fa.vocab, b.name, fb.vocab)
@@ -90,6 +93,11 @@ def check_pair(a: Side, b: Side) -> None:
         raise UnsupportedError(
             f"'{b.name}' has {fb.outputs:,} output rows and '{a.name}' {fa.outputs:,}: their "
             "predictions cannot be compared token by token"
+        )
+    if fa.hidden is not None and fb.hidden is not None and fa.hidden != fb.hidden:
+        raise UnsupportedError(
+            f"'{b.name}' has a hidden size of {fb.hidden:,} and '{a.name}' {fa.hidden:,}: A's "
+            "decoder cannot read B's residual stream (the residual KL)"
         )
 
 
@@ -113,7 +121,7 @@ def facts(side: Side) -> Facts:
         if side.tokenizer is not None
         else _file_vocab(source, None if ckpt is None else ckpt.gguf, trust)
     )
-    return Facts(vocab, config.num_layers, config.vocab_size)
+    return Facts(vocab, config.num_layers, config.vocab_size, config.hidden_size)
 
 
 def _file_vocab(source: ModelSource, gguf: Any, trust: bool) -> Vocab | dict[str, int]:

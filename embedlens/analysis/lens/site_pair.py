@@ -26,6 +26,7 @@ from embedlens.reports.sites import (
 )
 
 if TYPE_CHECKING:
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.sites import Pieces
@@ -60,6 +61,21 @@ def site_logits(
     at = [run.index] if positions is None else list(positions)
     pieces = take_apart(model, run.ids, at, "resid_mid" in sites)
     decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
+    return logits_at(pieces, decoder, sites, layers, input_device(model), vocab, at)
+
+
+def logits_at(
+    pieces: Pieces,
+    decoder: Decoder,
+    sites: Sequence[str],
+    layers: Sequence[int],
+    device: torch.device,
+    vocab: int,
+    at: Sequence[int],
+) -> SiteLogits:
+    """The sites at `layers` of `pieces` (taken apart at the positions `at`: a model's, or a
+    states file's) through `decoder`, on `device`."""
     wanted: list[tuple[Key, int]] = [
         ((STREAM[s], layer), j)
         for layer in layers
@@ -67,16 +83,15 @@ def site_logits(
         if s in sites
         for j in range(len(at))
     ]
-    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
     with torch.inference_mode():
-        got = decoded_rows(decoder, pieces, wanted, input_device(model), vocab)
+        got = decoded_rows(decoder, pieces, wanted, device, vocab)
         out = {key: row.double().log_softmax(-1).cpu() for key, row in got}
     rows = {
         (s, layer): torch.stack([out[(STREAM[s], layer), j] for j in range(len(at))])
         for s in sites
         for layer in layers
     }
-    return SiteLogits(rows, at, pieces)
+    return SiteLogits(rows, list(at), pieces)
 
 
 def _compared(la: torch.Tensor, lb: torch.Tensor) -> tuple[float, bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import UsageError
 from embedlens.reports.lens import GridCell, LensReport, Prediction, TargetAt
@@ -93,28 +93,46 @@ def sites_report(
     """The lens's report with the sites' rows; the report itself for `resid` alone."""
     if tuple(sites) == ("resid",):
         return report
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
+
+    model = opened.model
+    pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
+    if decoder is None:
+        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    return read_sites(report, sites, pieces, decoder, opened.tokenizer, ask, run, result, model)
+
+
+def read_sites(
+    report: LensReport,
+    sites: Sequence[str],
+    pieces: Pieces,
+    decoder: Decoder,
+    tokenizer: Any,
+    ask: Ask,
+    run: Prompt,
+    result: LensResult,
+    model: nn.Module,
+) -> LensSitesReport:
+    """The lens's report with the rows of `sites` decoded from `pieces` (a model's blocks taken
+    apart, or a states file's) through `decoder`, on `model`'s device."""
     import torch
 
-    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
+    from embedlens.analysis.lens.blocks import input_device
     from embedlens.analysis.lens.prompt import token_text
     from embedlens.analysis.lens.site_rows import SiteJob, decode_sites
     from embedlens.analysis.lens.threads import threads_for
 
-    model = opened.model
-    pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
     inner = [s for s in sites if s != "resid"]
     layers = [layer for layer in result.layers if layer >= 1]
-    job = SiteJob(inner, layers, result.positions, run.index, ask.top_k, len(opened.tokenizer),
+    job = SiteJob(inner, layers, result.positions, run.index, ask.top_k, len(tokenizer),
                   run.target_id)  # fmt: skip
-    if decoder is None:
-        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
     with torch.inference_mode(), threads_for(model, len(run.ids)):
         decoded = decode_sites(job, pieces, decoder, input_device(model), result.vocab_size)
     cache: dict[int, str] = {}
 
     def tok(i: int) -> str:
         if i not in cache:
-            cache[i] = token_text(opened.tokenizer, i)
+            cache[i] = token_text(tokenizer, i)
         return cache[i]
 
     return joined(report, sites, decoded, pieces, tok)

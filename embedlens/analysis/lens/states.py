@@ -7,23 +7,31 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
-from embedlens.errors import NumericError, UsageError
+from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions
 
 if TYPE_CHECKING:
     import torch
 
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.engine import Check, LensResult
+    from embedlens.analysis.lens.engine import Check, Kept, LensResult
+    from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.site_pair import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
     from embedlens.model.files import ModelFiles
+    from embedlens.reports.lens import LensReport
     from embedlens.reports.states import StatesLensReport
     from embedlens.reports.tune import TunedLens
+
+
+Parts = tuple[Any, Sequence[str], "Pair | None"]
+"""What decodes and compares the states: a tuned lens's folder (or None), the sites, B."""
 
 
 def lens_states(
@@ -33,6 +41,8 @@ def lens_states(
     state_layers: str | None = None,
     load: LoadOptions | None = None,
     options: LensOptions | None = None,
+    against: str | os.PathLike[str] | None = None,
+    against_revision: str | None = None,
     **keywords: Unpack[LensKeywords],
 ) -> StatesLensReport:
     """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
@@ -43,17 +53,24 @@ def lens_states(
         the input of block i, vLLM's `eagle_aux_hidden_state_layer_ids`).
     load, options: as `lens` takes them (or their fields as keywords); of `LoadOptions`,
         `revision`, `dtype` and `trust_remote_code` apply (it decodes on the CPU); of
-        `LensOptions`, `layers`, `top_k`, `position`, `target`, `grid` and `tuned`. Layers the
-        file lacks are not shown. The report's `states` says where the states came from and
+        `LensOptions`, `layers`, `top_k`, `position`, `target`, `grid`, `tuned`, `site` (the
+        sites the file holds: `lens --site S --save-states` saves them) and `threshold`. Layers
+        the file lacks are not shown. The report's `states` says where the states came from and
         whether the self-check was made: only a file with the model's own logits (embedlens')
         and its last layer can be checked.
+    against: B, run on the file's ids and compared with the states as `lens(..., against=B)`
+        compares two models (`against_revision`: B's revision).
     """
     from embedlens.analysis.lens import given
+    from embedlens.analysis.lens.site_report import sites_asked
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
     name, load, asked = given.lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
+    sites = sites_asked(asked.site, asked.tuned)
+    b = (against, None, against_revision, asked.threshold)
+    pair = given.models(name, None, load, *b)[1]
     checks.check_top_k(asked.top_k)
     items = None if asked.layers is None else checks.layer_items(asked.layers)
     position = asked.position
@@ -67,11 +84,16 @@ def lens_states(
 
         lens_dir = open_tuned(asked.tuned)
     file = open_states(states, state_layers)
+    file.check_sites(sites)
+    if pair is not None:
+        from embedlens.analysis.lens.pairing import check_pair
+
+        check_pair(pair.a, pair.b)
     chat = file.metadata.get("chat")
     ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
                       asked.grid or pos is None)  # fmt: skip
     return _run(os.fspath(name), load.revision, load.dtype, load.trust_remote_code, file, ask,
-                lens_dir)  # fmt: skip
+                (lens_dir, sites, pair))  # fmt: skip
 
 
 _NOT_APPLIED = {
@@ -84,9 +106,7 @@ _NOT_APPLIED = {
     "template_args": "the file holds the ids",
     "chat_template": "the file holds the ids",
     "skip_bad": "one file, one run",
-    "threshold": "no other model",
     "compare_logit": "one file, one run",
-    "site": "the file holds each block's output alone",
 }
 """The options `lens_states` does not take, and why."""
 
@@ -107,7 +127,7 @@ def _run(
     trust: bool,
     file: StatesFile,
     ask: checks.Ask,
-    lens_dir: Any,
+    parts: Parts,
 ) -> StatesLensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
     import dataclasses
@@ -126,7 +146,7 @@ def _run(
         if source.is_gguf:
             check_tokenizer_files(files)
         with gguf_reads_shared(source):
-            report = _run_on(name, files, dtype, trust, file, ask, lens_dir)
+            report = _run_on(name, files, dtype, trust, file, ask, parts)
     if not hub.used:
         return report
     return dataclasses.replace(report, notes=[*report.notes, *hub.notes()])
@@ -139,16 +159,17 @@ def _run_on(
     trust: bool,
     file: StatesFile,
     ask: checks.Ask,
-    lens_dir: Any,
+    parts: Parts,
 ) -> StatesLensReport:
-    """`_run` once the model's files are found."""
+    """`_run` once the model's files are found: with a pair, B runs first on the file's ids (and
+    is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
     import torch
 
     from embedlens.analysis.lens.prompt import position_index
-    from embedlens.analysis.lens.report import lens_report
     from embedlens.analysis.lens.tail import open_tail
     from embedlens.model import file_tokens, loading
 
+    lens_dir, sites, pair = parts
     source = files.source
     tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
@@ -162,16 +183,61 @@ def _run_on(
     with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
     shown = _shown(ask, n_layers, file)
+    b = None
+    if pair is not None:  # B first, on the file's ids, then freed (as `lens --against` runs it)
+        from embedlens.analysis.lens.against import run_b
+
+        b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
     index = position_index(ask.position, len(ids))
     want = torch.float32 if dtype == "auto" else loading.torch_dtype(dtype)
     tail = open_tail(source, want, trust_remote_code=trust)
     decoder, tuned = _decoder(tail, tokenizer, ids, lens_dir)
     positions = list(range(len(ids))) if ask.grid else [index]
-    result = _decode(
-        tail, decoder, file, shown, positions, index, ask, run.target_id, len(tokenizer)
-    )
-    report = lens_report(name, tokenizer, tail.model, result, ask, run)
+    decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
+    other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
+    result = _decode(tail, decoder, file, decoding, positions, index, ask, run.target_id,
+                     len(tokenizer), other)  # fmt: skip
+    made = (name, tokenizer, tail, decoder, run, ask)
+    report = _composed(made, result, file, shown, sites, b, pair)
     return _states_report(report, file, tail, result.check, tuned)
+
+
+def _composed(
+    made: tuple[str, Any, Tail, Decoder, Prompt, checks.Ask],
+    result: LensResult,
+    file: StatesFile,
+    shown: list[int],
+    sites: Sequence[str],
+    b: Any,
+    pair: Pair | None,
+) -> LensReport:
+    """The report of the decoded states (`made`: the model's name, tokenizer, tail, decoder,
+    the prompt and what was asked): with B (`against.run_b`'s), A against B as `lens_pair`
+    compares them, A's sites read from the file; else with the sites the file holds."""
+    import torch
+
+    from embedlens.analysis.lens.report import lens_report
+
+    name, tokenizer, tail, decoder, run, ask = made
+    inner = [x for x in shown if x >= 1]
+    if b is None or pair is None:
+        report = lens_report(name, tokenizer, tail.model, result, ask, run)
+        if tuple(sites) == ("resid",):
+            return report
+        from embedlens.analysis.lens.site_report import read_sites
+
+        pieces = file.pieces(inner, result.positions)
+        return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
+    from embedlens.analysis.lens.against import cut, paired
+    from embedlens.analysis.lens.site_pair import logits_at
+
+    report = lens_report(name, tokenizer, tail.model, cut(result, shown), ask, run)
+    cpu, at = torch.device("cpu"), [run.index]
+
+    def a_sites() -> SiteLogits:
+        return logits_at(file.pieces(inner, at), decoder, sites, inner, cpu, result.vocab_size, at)
+
+    return paired(report, result, b, pair.threshold, tokenizer, run.index, shown, (a_sites, sites))
 
 
 def _check_fits(file: StatesFile, config: Any, tokenizer_size: int) -> int:
@@ -263,29 +329,31 @@ def _decode(
     ask: checks.Ask,
     target: int | None,
     real_vocab: int,
+    other: dict[int, torch.Tensor] | None = None,
 ) -> LensResult:
     """Every (layer, position) shown decoded in the engine's chunks and reduced by its ranking
     as each chunk comes; the last layer at the last position is the model's own logits when the
-    file holds them (as `lens` shows the model's own output there)."""
+    file holds them (as `lens` shows them). `other`: B's residual, kept beside (`_checked`)."""
     import torch
 
-    from embedlens.analysis.lens.engine import CHUNK_BYTES, LensResult, decoded, tolerance
+    from embedlens.analysis.lens.engine import CHUNK_BYTES, Kept, LensResult, decoded, tolerance
     from embedlens.analysis.lens.threads import threads_for
 
     n_layers = len(tail.blocks.modules)
     last = file.n_tokens - 1
     own = file.logits()
     wanted = sorted(set(shown) | ({n_layers} & set(file.layers)))
-    residual = {layer: _rows(file, layer, positions) for layer in wanted}
+    residual = {layer: file.finite_rows(layer, positions) for layer in wanted}
     vocab = _vocab(tail, own)
     device = torch.device("cpu")
     order = [(layer, j) for layer in wanted for j in range(len(positions))]
     rows: dict[tuple[int, int], Any] = {}
     final: dict[int, torch.Tensor] = {}
     own_row = None if own is None else (n_layers, last)
+    keeping = None if other is None else (Kept({}, {}, {}), other, decoder, index)
     with torch.inference_mode(), threads_for(tail.model, len(positions)):
         for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
-            where = _checked(out, part, positions)
+            where = _checked(out, part, positions, keeping)
             final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
             keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
             if keep:
@@ -294,7 +362,7 @@ def _decode(
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
             rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, target))
-        tol = tolerance(decoder_dtype(tail), own if own is not None else torch.zeros(1))
+        tol = tolerance(next(tail.model.parameters()).dtype, torch.zeros(1) if own is None else own)
         check = _check(file, decoder, own, n_layers, last, tol)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
         steps = decoder.steps(first.to(device), tol)
@@ -309,22 +377,32 @@ def _decode(
         steps=steps,
         full_tail=decoder.full,
         output=output,
+        kept=None if keeping is None else keeping[0],
     )
 
 
 def _checked(
-    out: torch.Tensor, part: list[tuple[int, int]], positions: list[int]
+    out: torch.Tensor,
+    part: list[tuple[int, int]],
+    positions: list[int],
+    keeping: tuple[Kept, dict[int, torch.Tensor], Decoder, int] | None,
 ) -> list[tuple[int, int]]:
-    """A decoded chunk's (layer, position) rows, refused when one is not finite."""
-    from embedlens.analysis.lens.engine import check_decoded
+    """A decoded chunk's (layer, position) rows, refused when one is not finite; with `keeping`
+    (what the result keeps, B's residual, the decoder, the position read) the rows at that
+    position kept, and B's through the same decoder in the same chunk (the engine's `keep`)."""
+    import torch
+
+    from embedlens.analysis.lens.engine import check_decoded, kept_rows
 
     check_decoded(out, part, lambda j: positions[j])
-    return [(layer, positions[j]) for layer, j in part]
-
-
-def decoder_dtype(tail: Tail) -> torch.dtype:
-    """The dtype the tail computes in."""
-    return next(tail.model.parameters()).dtype
+    where = [(layer, positions[j]) for layer, j in part]
+    if keeping is not None:
+        kept, other, decoder, index = keeping
+        keys = [w if w[1] == index else None for w in where]
+        mine, theirs = kept_rows(decoder, part, out, keys, other, torch.device("cpu"))
+        kept.logits.update(mine)
+        kept.other.update(theirs)
+    return where
 
 
 def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
@@ -338,22 +416,6 @@ def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
         return int(own.shape[-1])
     config: Any = getattr(tail.model, "config", None)
     return int(config.vocab_size)
-
-
-def _rows(file: StatesFile, layer: int, positions: list[int]) -> torch.Tensor:
-    """One layer's states at `positions`, refused when one is not finite (NaN: not decodable)."""
-    import torch
-
-    rows = file.rows(layer, positions)
-    bad = ~torch.isfinite(rows.float()).all(-1)
-    if bool(bad.any()):
-        p = positions[int(bad.nonzero()[0, 0])]
-        what = "NaN" if bool(torch.isnan(rows[bad]).any()) else "infinite"
-        raise NumericError(
-            f"'{file.path.name}' holds a {what} state at layer {layer}, position {p}: it cannot "
-            "be decoded"
-        )
-    return rows
 
 
 def _reduce(
@@ -402,28 +464,17 @@ def _check(
     return Check(diff, tol, agrees, suspect)
 
 
-def why_not_checked(file: StatesFile, n_layers: int) -> str | None:
-    """Why the self-check could not be made (None when it was)."""
-    if not file.has_logits:
-        return (
-            "not made: the file holds no logits of the model to compare with (vLLM's hidden "
-            "states carry none), so nothing here shows that the decoding reproduces the model"
-        )
-    if n_layers not in file.layers:
-        return f"not made: the file lacks the last layer ({n_layers}) to decode"
-    return None
-
-
 def _states_report(
-    report: Any, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
+    report: LensReport, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
 ) -> StatesLensReport:
-    """The lens report with where its states came from and what the check did."""
+    """The lens report (with sites, or B's diff) with where its states came from and what the
+    check did."""
     import dataclasses
 
-    from embedlens.reports.states import StatesLensReport, StatesSource
+    from embedlens.reports.states import StatesSource, states_report
 
     n_layers = len(tail.blocks.modules)
-    why = why_not_checked(file, n_layers)
+    why = file.why_not_checked(n_layers)
     if why is None:
         said = (
             f"made: block {n_layers}'s output decoded at the last position against the model's "
@@ -442,4 +493,4 @@ def _states_report(
         metadata=dict(file.metadata),
     )
     values = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    return StatesLensReport(**values, tuned=tuned, states=source)
+    return states_report(values, tuned, source)

@@ -23,11 +23,12 @@ writes.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from embedlens.errors import CheckpointError, EmbedlensError, UsageError
+from embedlens.errors import CheckpointError, EmbedlensError, NumericError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.options import Ask
     from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.sites import Pieces
     from embedlens.model.prompts import PromptLine
 
 FORMAT = "embedlens-states"
@@ -60,21 +62,79 @@ class StatesFile:
     """The states' dtype as stored ('bfloat16')."""
     metadata: dict[str, str]
     has_logits: bool
+    sites: tuple[str, ...] = ("resid",)
+    """The sites it holds: resid (`hidden_states`), and those inside the blocks an embedlens
+    file saved with `--site` holds, each a tensor of its name [T, L, H] (block i at index i-1)."""
+    splits: tuple[tuple[bool, str, str, float, float], ...] = ()
+    """With sites inside the blocks: how each block's output split (`sites.Split`'s fields)."""
 
     def token_ids(self) -> list[int]:
         """The ids the states were computed on."""
         return [int(i) for i in self._tensor("token_ids").tolist()]
 
-    def rows(self, layer: int, positions: list[int]) -> torch.Tensor:
-        """The states of one layer at `positions`: [P, H], as stored (only these rows read)."""
+    def rows(self, layer: int, positions: list[int], site: str = "resid") -> torch.Tensor:
+        """The states of one layer (at one site) at `positions`: [P, H], as stored (only these
+        rows read)."""
         import torch
 
-        index = self.layers.index(layer)
+        own = site == "resid"
+        index = self.layers.index(layer) if own else layer - 1
         with _opened(self.path) as handle:
-            part = handle.get_slice("hidden_states")
+            part = handle.get_slice("hidden_states" if own else site)
             if positions == list(range(self.n_tokens)):
                 return part[:, index]  # type: ignore[no-any-return]
             return torch.stack([part[p, index] for p in positions])
+
+    def finite_rows(self, layer: int, positions: list[int], site: str = "resid") -> torch.Tensor:
+        """`rows`, refused when one is not finite (NaN: not decodable)."""
+        import torch
+
+        rows = self.rows(layer, positions, site)
+        bad = ~torch.isfinite(rows.float()).all(-1)
+        if bool(bad.any()):
+            p = positions[int(bad.nonzero()[0, 0])]
+            what = "NaN" if bool(torch.isnan(rows[bad]).any()) else "infinite"
+            raise NumericError(
+                f"'{self.path.name}' holds a {what} state at layer {layer}, position {p}: it "
+                "cannot be decoded"
+            )
+        return rows
+
+    def check_sites(self, sites: Sequence[str]) -> None:
+        """Refuse a site the file does not hold, naming those it holds."""
+        lacking = [s for s in sites if s not in self.sites]
+        if lacking:
+            raise UsageError(
+                f"'{self.path.name}' does not hold --site {lacking[0]}: it holds "
+                f"{', '.join(self.sites)}",
+                hint="save the sites with `lens MODEL PROMPT --site SITES --save-states FILE`",
+            )
+
+    def pieces(self, layers: list[int], positions: list[int]) -> Pieces:
+        """The blocks taken apart as the file holds them, at `layers` (>= 1) and `positions`,
+        float32: each block's input and output from the residual stream, its sites inside."""
+        from embedlens.analysis.lens.site_rows import PIECE
+        from embedlens.analysis.lens.sites import Pieces, Split
+
+        pieces = Pieces(splits={i + 1: Split(*s) for i, s in enumerate(self.splits)})
+        for layer in layers:
+            pieces.pre[layer] = self.finite_rows(layer - 1, positions).float()
+            pieces.post[layer] = self.finite_rows(layer, positions).float()
+            for site in self.sites[1:]:
+                piece = getattr(pieces, PIECE[site])
+                piece[layer] = self.finite_rows(layer, positions, site).float()
+        return pieces
+
+    def why_not_checked(self, n_layers: int) -> str | None:
+        """Why the self-check could not be made (None when it was)."""
+        if not self.has_logits:
+            return (
+                "not made: the file holds no logits of the model to compare with (vLLM's hidden "
+                "states carry none), so nothing here shows that the decoding reproduces the model"
+            )
+        if n_layers not in self.layers:
+            return f"not made: the file lacks the last layer ({n_layers}) to decode"
+        return None
 
     def logits(self) -> torch.Tensor | None:
         """The model's own logits at the last position (embedlens' file), float32 [V]."""
@@ -117,6 +177,7 @@ def open_states(path: str | os.PathLike[str], state_layers: str | None) -> State
             f"hidden_states' {n_tokens} tokens"
         )
     layers, layout = _layers(name, header.metadata, state_layers, n_layers)
+    sites, splits = _sites(name, header.metadata, tensors, [n_tokens, n_layers - 1, size])
     logits = tensors.get("logits")
     has_logits = logits is not None and len(logits.shape) == 1 and logits.dtype in _FLOATS
     return StatesFile(
@@ -128,7 +189,32 @@ def open_states(path: str | os.PathLike[str], state_layers: str | None) -> State
         dtype=_FLOATS[hidden.dtype],
         metadata=header.metadata,
         has_logits=has_logits,
+        sites=sites,
+        splits=splits,
     )
+
+
+def _sites(
+    name: str, metadata: dict[str, str], tensors: dict[str, Any], shape: list[int]
+) -> tuple[tuple[str, ...], tuple[tuple[bool, str, str, float, float], ...]]:
+    """The sites an embedlens file holds (resid alone unless its metadata names others), each
+    checked: a float tensor [T, L, H] beside hidden_states' [T, L+1, H]; and the blocks' splits."""
+    import json
+
+    held = [s for s in metadata.get("sites", "").split(",") if s]
+    for site in held:
+        t = tensors.get(site)
+        if site == "resid" or t is None or list(t.shape) != shape or t.dtype not in _FLOATS:
+            what = "lacks it" if t is None else f"holds {t.dtype} {list(t.shape)}"
+            raise CheckpointError(
+                f"'{name}': its metadata names the site {site}, but the file {what} (a site "
+                f"inside the blocks is floats {shape})"
+            )
+    try:
+        splits = tuple(tuple(s) for s in json.loads(metadata["block_splits"])) if held else ()
+    except (KeyError, ValueError, TypeError):
+        raise CheckpointError(f"'{name}': its metadata names sites, but no block_splits") from None
+    return ("resid", *held), splits
 
 
 def _layers(
@@ -203,16 +289,19 @@ def save_states(
     ids: list[int],
     logits: torch.Tensor | None,
     about: dict[str, str],
+    sites: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write embedlens' states file: `residual` [T, L+1, H] (layer 0 the embedding output),
-    the ids, the model's logits at the last position, and `about` (model, revision, dtype,
-    prompt) with the layers in the metadata."""
+    the ids, the model's logits at the last position, `about` (model, revision, dtype,
+    prompt, and the sites' metadata) with the layers in the metadata, and `sites` inside the
+    blocks [T, L, H] by name."""
     import torch
 
     n_layers = int(residual.shape[1])
     tensors = {
         "token_ids": torch.tensor(ids, dtype=torch.int64),
         "hidden_states": residual.contiguous(),
+        **{name: t.contiguous() for name, t in (sites or {}).items()},
     }
     if logits is not None:
         tensors["logits"] = logits.detach().float().cpu().contiguous()
@@ -226,67 +315,39 @@ def save_states(
     }
     if logits is not None:
         metadata["logits"] = "the model's own logits at the last position, float32"
+    from embedlens.io.tensor_bytes import write_safetensors
+
     try:
         write_safetensors(path, tensors, metadata)
     except OSError as e:
         raise EmbedlensError(f"cannot write the states to '{path}': {e.strerror or e}") from e
 
 
-_STORED = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
-"""safetensors' names of the dtypes a states file holds."""
-
-
-def write_safetensors(
-    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> None:
-    """`tensors` and `metadata` as a safetensors file, laid out as safetensors' own `save_file`
-    lays them out (the widest dtype first, then by name; the header padded to 8 bytes), but for
-    the metadata, written in sorted order: `save_file` keeps it in a hash map whose order
-    changes from one process to the next, and the same states would not give the same bytes."""
-    import json
-    import struct
-
-    import torch
-
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        dtype = _STORED[str(t.dtype).removeprefix("torch.")]
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)))
-        fh.write(text)
-        for name in order:
-            data = tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            fh.write(data.numpy().data)
-
-
-States = tuple["torch.Tensor", "torch.Tensor | None", dict[str, str]]
-"""A prompt's residual [T, L+1, H], the model's logits at its last position, the metadata."""
+States = tuple["torch.Tensor", "torch.Tensor | None", dict[str, str], dict[str, "torch.Tensor"]]
+"""A prompt's residual [T, L+1, H], the model's logits at its last position, the metadata, the
+sites inside the blocks [T, L, H] by name."""
 
 
 def save_run(
-    path: str | os.PathLike[str], opened: Opened, run: Prompt, ask: Ask, revision: str | None
+    path: str | os.PathLike[str],
+    opened: Opened,
+    run: Prompt,
+    ask: Ask,
+    revision: str | None,
+    sites: Sequence[str] = ("resid",),
 ) -> None:
-    """Run the prompt once more, keeping every layer at every position and the model's own
-    logits at the last position, and write them to `path`."""
-    residual, logits, about = states_of(opened, run, ask, revision)
-    save_states(path, residual, run.ids, logits, about)
+    """Run the prompt once more, keeping every layer at every position (and every site asked
+    for) and the model's own logits at the last position, and write them to `path`."""
+    residual, logits, about, inner = states_of(opened, run, ask, revision, sites)
+    save_states(path, residual, run.ids, logits, about, inner)
 
 
-def states_of(opened: Opened, run: Prompt, ask: Ask, revision: str | None) -> States:
+def states_of(
+    opened: Opened, run: Prompt, ask: Ask, revision: str | None, sites: Sequence[str] = ("resid",)
+) -> States:
     """The prompt run alone (as `lens` runs it, on the model's devices): every layer at every
-    position, on the CPU, and the model's own logits at the last position."""
+    position, on the CPU, the model's own logits at the last position, and the `sites` inside
+    the blocks (`site_tensors`)."""
     import torch
 
     from embedlens.analysis.lens.blocks import capture, find_blocks, hooked
@@ -315,7 +376,39 @@ def states_of(opened: Opened, run: Prompt, ask: Ask, revision: str | None) -> St
     }
     if ask.chat is not None:
         about["chat"] = ask.chat
-    return residual, kept[-1] if kept else None, about
+    inner, said = site_tensors(model, run.ids, sites, residual.dtype)
+    return residual, kept[-1] if kept else None, {**about, **said}, inner
+
+
+def site_tensors(
+    model: Any, ids: list[int], sites: Sequence[str], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The sites inside the blocks asked for, at every position: [T, L, H] each (block i at
+    index i-1), on the CPU, in the states' `dtype` where it holds them exactly (else float32);
+    resid_mid too with attn_out or mlp_out where the blocks have one (their changes are read
+    against it). And the metadata that names them, with each block's split."""
+    import json
+
+    import torch
+
+    from embedlens.analysis.lens.site_report import SITES, take_apart
+    from embedlens.analysis.lens.site_rows import PIECE
+
+    if tuple(sites) == ("resid",):
+        return {}, {}
+    pieces = take_apart(model, ids, range(len(ids)), "resid_mid" in sites)
+    blocks = sorted(pieces.post)
+    mid = len(pieces.mid) == len(blocks)
+    held = [s for s in SITES if (s in sites and s != "resid") or (s == "resid_mid" and mid)]
+    out: dict[str, torch.Tensor] = {}
+    for site in held:
+        part = getattr(pieces, PIECE[site])
+        full = torch.stack([part[layer].cpu() for layer in blocks], dim=1)
+        small = full.to(dtype)
+        out[site] = small if small.float().equal(full) else full
+    splits = [[s.parallel, s.attn, s.mlp, s.error, s.tolerance] for _, s in
+              sorted(pieces.splits.items())]  # fmt: skip
+    return out, {"sites": ",".join(held), "block_splits": json.dumps(splits)}
 
 
 def file_for(folder: Path, line: int) -> Path:
@@ -344,19 +437,25 @@ class ManySaver:
     sent to rank 0 one prompt at a time, which writes them: rank 0 holds at most one prompt's
     states from each rank at once, each other rank its own window's."""
 
-    def __init__(self, path: str | os.PathLike[str], opened: Opened, revision: str | None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        opened: Opened,
+        revision: str | None,
+        sites: Sequence[str] = ("resid",),
+    ):
         self.folder = Path(path)  # made by `lens_prompts` (on rank 0)
-        self.opened, self.revision = opened, revision
+        self.opened, self.revision, self.sites = opened, revision, sites
         self.kept: list[tuple[int, list[int], States]] = []
         self.keep = False
 
     def add(self, line: PromptLine, ask: Ask, run: Prompt) -> None:
         """One prompt's states: written now, or kept for rank 0 under torchrun."""
-        states = states_of(self.opened, run, ask, self.revision)
+        states = states_of(self.opened, run, ask, self.revision, self.sites)
         about = {**states[2], "line": str(line.line)}
         if line.id is not None:
             about["id"] = str(line.id)
-        item = (line.line, run.ids, (states[0], states[1], about))
+        item = (line.line, run.ids, (states[0], states[1], about, states[3]))
         if self.keep:
             self.kept.append(item)
         else:
@@ -374,5 +473,5 @@ class ManySaver:
         self.kept.clear()
 
     def _write(self, item: tuple[int, list[int], States]) -> None:
-        line, ids, (residual, logits, about) = item
-        save_states(file_for(self.folder, line), residual, ids, logits, about)
+        line, ids, (residual, logits, about, sites) = item
+        save_states(file_for(self.folder, line), residual, ids, logits, about, sites)
