@@ -83,15 +83,17 @@ def render(r: LensPairReport) -> RenderableType:
         lines.append(render_states_check(r, states))
     tuned = getattr(r, "tuned", None)
     if tuned is not None:
-        lines.append(
-            shown(
-                f"Both models read through the tuned lens in '{tuned.path}' (its "
-                f"translator at layers 0-{r.num_layers - 1}), then each model's own "
-                "decoder.",
-                style="dim",
-            )
-        )
+        lines.append(_through_tuned(tuned.path, r.num_layers))
     return Group(tokens, table, *lines)
+
+
+def _through_tuned(path: str, num_layers: int) -> RenderableType:
+    """The line that says both models were read through one tuned lens."""
+    return shown(
+        f"Both models read through the tuned lens in '{path}' (its translator at layers "
+        f"0-{num_layers - 1}), then each model's own decoder.",
+        style="dim",
+    )
 
 
 def render_summary(r: LensPairSummaryReport) -> RenderableType:
