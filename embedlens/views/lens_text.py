@@ -76,7 +76,7 @@ def _one(r: LensTextReport) -> RenderableType:
         line += " attn_out and mlp_out rows: the piece decoded directly."
     parts: list[RenderableType] = [table, Text(line, style="dim")]
     if isinstance(r, LensTextSitesReport) and r.block_sums is not None:
-        parts.append(sums_line(r.block_sums))
+        parts.append(sums_line(r.block_sums, reads=False))
     return Group(*parts)
 
 

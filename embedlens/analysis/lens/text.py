@@ -151,8 +151,7 @@ def _run(
     with ExitStack() as stack:
         opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
         other = stack.enter_context(_other(opened, *b, load, lens_dir))
-        run = _text_run(opened, items, other, lens_dir, save_logits, residual)
-        run.sites = sites
+        run = _text_run(opened, items, other, lens_dir, (save_logits, residual, sites))
         saver = None if saving is None else ManySaver(saving[0], opened, saving[1], sites)
         totals = _all(run, (r, name), tokens, reference, (session, saver), progress)
         report = _report(opened, run, totals, (name, r, tokens), other, reference)
@@ -238,11 +237,11 @@ def _text_run(
     items: Any,
     other: Opened | None,
     lens_dir: Any,
-    save_logits: object,
-    residual: bool,
+    more: tuple[object, bool, tuple[str, ...]],
 ) -> TextRun:
-    """The window runner for A (its tuned lens beside the logit lens), and B (through the same
-    tuned lens: A's, checked against B's blocks alone)."""
+    """The window runner for A (its tuned lens beside the logit lens, the sites asked), and B
+    (through the same tuned lens: A's, checked against B's blocks alone); `more`: where the
+    logits are saved, whether B's residual is read by A, the sites."""
     from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
     from embedlens.analysis.lens.text_run import Side, TextRun
 
@@ -261,8 +260,9 @@ def _text_run(
     layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
     vocab = min(len(opened.tokenizer), _outputs(opened))
     b = None if other is None else side(other, own=False)
+    save_logits, residual, sites = more
     return TextRun(main, layers, vocab, b, keep_logits=save_logits is not None,
-                   residual=residual)  # fmt: skip
+                   residual=residual, sites=sites)  # fmt: skip
 
 
 def _outputs(opened: Opened) -> int:
