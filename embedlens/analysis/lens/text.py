@@ -71,8 +71,7 @@ def lens_text(
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
     tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them; with
         `against`, B read through the same lens (tuned on this model).
-    site: as `lens`'s ('attn_out,resid', ...): the statistics per (layer, site) asked.
-    save_states: a folder: each window's residual stream, in a file of its own (`lens_states`).
+    site: as `lens`'s: statistics per (layer, site); save_states: a folder, a file a window.
     load: `LoadOptions` (or its fields as keywords: `dtype=`, ...), on one device.
     dist_backend: under torchrun, the windows are split over the processes.
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
