@@ -345,10 +345,7 @@ def save_run(
 
 def prompt_about(run: Prompt, ask: Ask) -> dict[str, str]:
     """What a prompt's states file says of it: its text (and its chat message)."""
-    about = {"prompt": run.text}
-    if ask.chat is not None:
-        about["chat"] = ask.chat
-    return about
+    return {"prompt": run.text} | ({} if ask.chat is None else {"chat": ask.chat})
 
 
 def states_of(
@@ -440,14 +437,9 @@ def states_folder(path: str | os.PathLike[str], many: str = "--prompts") -> Path
 
 
 def saving_many(
-    path: str | os.PathLike[str] | None,
-    revision: str | None,
-    against: object,
-    session: object,
-    many: str = "--prompts",
-) -> tuple[str | os.PathLike[str], str | None] | None:
-    """Where --save-states writes with `many` (a folder, checked now, made by rank 0 alone),
-    with the revision its files name."""
+    path: Any, revision: str | None, against: object, session: object, many: str = "--prompts"
+) -> tuple[Any, str | None] | None:
+    """Where --save-states writes with `many` (a folder, checked now, made by rank 0 alone)."""
     if path is None:
         return None
     if against is not None:
