@@ -31,6 +31,7 @@ from embedlens.reports.sites import (
     LensSitesPairSummaryReport,
     LensSitesReport,
     LensSitesSummaryReport,
+    LensTextSitesReport,
 )
 from embedlens.reports.states import StatesLensReport
 from embedlens.reports.tied import TiedReport
@@ -69,6 +70,7 @@ REPORTS: dict[str, type[Report]] = {
     "lens --tuned --against": TunedLensPairReport,
     "lens --prompts --tuned --against": TunedLensPairSummaryReport,
     "lens --text": LensTextReport,
+    "lens --text --site": LensTextSitesReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
@@ -84,6 +86,7 @@ EXTENDS = {
     "lens --prompts --against --site": "lens --prompts --against",
     "lens --tuned --against": "lens --against",
     "lens --prompts --tuned --against": "lens --prompts --against",
+    "lens --text --site": "lens --text",
 }
 """Sections whose report extends another section's (a subclass): they name only what it adds."""
 EACH_LINE = {
@@ -156,6 +159,16 @@ ARGS: dict[str, list[str]] = {
         "MODEL",
     ],
     "lens --text": ["--text", "DATA", "--ctx", "16", "--max-tokens", "64", "--against", "MODEL"],
+    "lens --text --site": [
+        "--text",
+        "DATA",
+        "--ctx",
+        "16",
+        "--max-tokens",
+        "64",
+        "--site",
+        "attn_out,resid_mid,mlp_out,resid",
+    ],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],
 }

@@ -136,6 +136,16 @@ def lens_modes(tiny: Any, cli: Any, tmp_path: Path) -> dict[str, list[Any]]:
         "site": ["lens", a, *prompt, "--site", "resid,attn_out,mlp_out"],
         "text": ["lens", a, "--text", text, "--ctx", "16"],
         "text-against": ["lens", a, "--text", text, "--ctx", "16", "--against", b],
+        "text-site": [
+            "lens",
+            a,
+            "--text",
+            text,
+            "--ctx",
+            "16",
+            "--site",
+            "attn_out,resid_mid,mlp_out,resid",
+        ],
         "states": ["lens", a, "--states", states, "--target", "queen"],
     }
 
@@ -149,6 +159,7 @@ MODES = [
     "site",
     "text",
     "text-against",
+    "text-site",
     "states",
 ]
 

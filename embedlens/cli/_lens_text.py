@@ -70,10 +70,9 @@ AgainstLogitsOpt = Annotated[
 
 _ALONE = {"prompt": "PROMPT", "prompts": "--prompts", "target": "--target", "chat": "--chat",
           "each": "--each", "skip_bad": "--skip-bad", "states": "--states",
-          "save_states": "--save-states", "device_map": "--device-map",
-          "template_arg": "--template-arg", "chat_template": "--chat-template",
-          "compare_logit": "--compare-logit", "threshold": "--threshold", "site": "--site",
-          "state_layers": "--state-layers"}  # fmt: skip
+          "device_map": "--device-map", "template_arg": "--template-arg",
+          "chat_template": "--chat-template", "compare_logit": "--compare-logit",
+          "threshold": "--threshold", "state_layers": "--state-layers"}  # fmt: skip
 """Options of `lens` that --text does not take."""
 
 
@@ -81,13 +80,7 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     """`lens --text`: checks, the run under a progress bar, the report, the plot."""
     from embedlens.cli._options import common
 
-    if given["text"] is None:
-        raise UsageError("--save-logits and --against-logits apply with --text FILE")
-    for key, flag in _ALONE.items():
-        if given.get(key) not in (None, False, []):
-            raise UsageError(f"--text and {flag} do not combine")
-    if given.get("position") not in (None, "-1"):
-        raise UsageError("--text and --position do not combine: every scored token is read")
+    _refused(given)
     common(quiet=given["quiet"], debug=given["debug"], device=given["device"], split=True)
     plot: Path | None = given.get("plot")
     if plot is not None:
@@ -110,8 +103,10 @@ def run_text(model: str, given: dict[str, Any]) -> None:
         )
     for text in report.notes:
         note("note: " + text)
-    if given["save_logits"] is not None:
-        note(f"wrote {given['save_logits']}")
+    wrote = {"save_logits": "", "save_states": " (each window's states, a file a window)"}
+    for key, what in wrote.items():
+        if given.get(key) is not None:
+            note(f"wrote {given[key]}{what}")
     if plot is not None:
         from embedlens.views.lens_text import save_text_curves
 
@@ -120,12 +115,24 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     emit(report, as_json=given["as_json"])
 
 
+def _refused(given: dict[str, Any]) -> None:
+    """What --text does not take, refused."""
+    if given["text"] is None:
+        raise UsageError("--save-logits and --against-logits apply with --text FILE")
+    for key, flag in _ALONE.items():
+        if given.get(key) not in (None, False, []):
+            raise UsageError(f"--text and {flag} do not combine")
+    if given.get("position") not in (None, "-1"):
+        raise UsageError("--text and --position do not combine: every scored token is read")
+
+
 def _lens_text(model: str, given: dict[str, Any], advance: Callable[[int, int], None]) -> Any:
     """`lens_text` with the command's options (`advance`: the bar, given tokens done and due)."""
     from embedlens.analysis.lens.text import lens_text
 
     keys = ("ctx", "stride", "max_tokens", "score", "layers", "against", "against_revision",
-            "against_logits", "save_logits", "tuned", "dist_backend")  # fmt: skip
+            "against_logits", "save_logits", "tuned", "site", "save_states",
+            "dist_backend")  # fmt: skip
     load = LoadOptions(revision=given["revision"], dtype=given["dtype"], device=given["device"],
                        trust_remote_code=given["trust_remote_code"])  # fmt: skip
     return lens_text(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from embedlens.reports.lens import GridRow, LensLayer, LensLayerStats, LensReport, LensSummaryReport
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+from embedlens.reports.lens_text import LensTextReport, TextLayer
 
 
 @dataclass(frozen=True)
@@ -142,4 +143,23 @@ class LensSitesPairSummaryReport(LensPairSummaryReport):
     site_diff: list[SiteDiffStats] = field(default_factory=list)
     parts_at: str | None = None
     parts_in: str | None = None
+    block_sums: BlockSums | None = None
+
+
+@dataclass(frozen=True)
+class TextSiteLayer(TextLayer):
+    """One (layer, site) row of `lens --text --site`: a site's statistics over the scored
+    tokens, its rows decoded as the residual stream's are (attn_out and mlp_out: the piece
+    alone, directly)."""
+
+    site: str = "resid"
+    row: str = ""
+
+
+@dataclass(frozen=True)
+class LensTextSitesReport(LensTextReport):
+    """`lens --text --site`: `layers` holds a row per (layer, site) in block order."""
+
+    layers: list[TextSiteLayer]  # type: ignore[assignment]  # the lens's rows, with their site
+    sites: list[str] = field(default_factory=list)
     block_sums: BlockSums | None = None

@@ -3,6 +3,7 @@ comparison llama-perplexity's KL table per layer and its perplexity lines; --plo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ from rich.text import Text
 
 from embedlens.reports import register_view
 from embedlens.reports.lens_text import LensTextReport, TextLayer
+from embedlens.reports.sites import LensTextSitesReport, TextSiteLayer
 from embedlens.views.format import Sheet, shown
+from embedlens.views.sites import row_label, sums_line
 
 
 def _label(r: LensTextReport, layer: int) -> str:
@@ -49,6 +52,9 @@ def render(r: LensTextReport) -> RenderableType:
 def _one(r: LensTextReport) -> RenderableType:
     name = "Tuned lens" if r.lens == "tuned" else "Logit lens"
     title = f"{name} of {r.display_model} over a text: {_over(r)}"
+    sites = isinstance(r, LensTextSitesReport)
+    if isinstance(r, LensTextSitesReport):
+        title += f"; sites {', '.join(r.sites)}"
     table = Sheet(title=shown(title, "table.title"))
     cols = ["layer", "CE (nats)", "± ", "bits/byte", "KL to output", "entropy", "top-1 acc"]
     logit = {row.layer: row for row in r.logit_layers or []}
@@ -61,16 +67,22 @@ def _one(r: LensTextReport) -> RenderableType:
         other = logit.get(row.layer)
         if other is not None:
             cells += [f"{other.cross_entropy:.3f}", f"{other.kl:.3f}", f"{other.top1_accuracy:.1%}"]
-        table.add_row(*cells)
+        table.add_row(*cells, end_section=sites and getattr(row, "site", "") == "resid")
     line = (
         f"PPL {r.perplexity:.4f} ± {r.perplexity_err:.4f} at the output; CE: -ln p(true next "
         "token), KL(model's output ‖ lens) and entropy in nats, means over the scored tokens."
     )
-    return Group(table, Text(line, style="dim"))
+    if sites:
+        line += " attn_out and mlp_out rows: the piece decoded directly."
+    parts: list[RenderableType] = [table, Text(line, style="dim")]
+    if isinstance(r, LensTextSitesReport) and r.block_sums is not None:
+        parts.append(sums_line(r.block_sums, reads=False))
+    return Group(*parts)
 
 
 def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
-    return [_label(r, row.layer), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
+    label = row_label(row, r.num_layers) if isinstance(row, TextSiteLayer) else _label(r, row.layer)
+    return [label, f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
             f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
             f"{row.top1_accuracy:.1%}"]  # fmt: skip
 
@@ -112,27 +124,36 @@ def figure(r: LensTextReport) -> Any:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    layers = [row.layer for row in r.layers]
-    panels: list[tuple[str, list[int], list[float], str]] = [
-        ("cross-entropy, nats", layers, [x.cross_entropy for x in r.layers], "linear"),
-        ("KL(output ‖ lens), nats", layers, [x.kl for x in r.layers], "symlog"),
-        ("top-1 accuracy", layers, [x.top1_accuracy for x in r.layers], "linear"),
+    by_site: dict[str, list[TextLayer]] = {}
+    for row in r.layers:  # with --site, a curve per site
+        by_site.setdefault(getattr(row, "site", ""), []).append(row)
+
+    def curves(get: Callable[[TextLayer], float]) -> list[tuple[str, list[int], list[float]]]:
+        return [(site, [x.layer for x in rows], [get(x) for x in rows])
+                for site, rows in by_site.items()]  # fmt: skip
+
+    panels = [
+        ("cross-entropy, nats", curves(lambda x: x.cross_entropy), "linear"),
+        ("KL(output ‖ lens), nats", curves(lambda x: x.kl), "symlog"),
+        ("top-1 accuracy", curves(lambda x: x.top1_accuracy), "linear"),
     ]
     if r.pair is not None and len(r.pair) > 1:
         pl = [p.layer for p in r.pair]
-        panels.append(("mean KL(base ‖ Q), nats", pl, [p.kl for p in r.pair], "log"))
-        panels.append(
-            ("99% KL(base ‖ Q), nats", pl, [p.kl_percentiles["99"] for p in r.pair], "log")
-        )
+        panels.append(("mean KL(base ‖ Q), nats", [("", pl, [p.kl for p in r.pair])], "log"))
+        q99 = [p.kl_percentiles["99"] for p in r.pair]
+        panels.append(("99% KL(base ‖ Q), nats", [("", pl, q99)], "log"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (label, xs, ys, scale) in zip(axes.flat, panels, strict=True):
-        ax.plot(xs, ys, marker="o", markersize=3)
+    for ax, (label, lines, scale) in zip(axes.flat, panels, strict=True):
+        for site, xs, ys in lines:
+            ax.plot(xs, ys, marker="o", markersize=3, label=site or None)
+        if len(lines) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("layer (0 = embedding output)")
         ax.grid(alpha=0.3)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=0.01)
-        elif scale == "log" and all(y > 0 for y in ys):
+        elif scale == "log" and all(y > 0 for _, _, ys in lines for y in ys):
             ax.set_yscale("log")
     title = fig.suptitle(f"{r.display_model}: {_over(r)}", fontsize=10)
     title.set_parse_math(False)

@@ -17,6 +17,7 @@ from embedlens.reports.sites import (
     SiteGridRow,
     SiteLayer,
     SiteStats,
+    TextSiteLayer,
 )
 from embedlens.views.format import Sheet, Words, prob, quoted, shown
 from embedlens.views.lens import render_check, runners_up
@@ -28,7 +29,7 @@ GAINED_SHOWN = 3
 """Tokens a piece raised most that its row shows."""
 
 
-def row_label(row: SiteLayer | SiteGridRow | SiteStats, num_layers: int) -> str:
+def row_label(row: SiteLayer | SiteGridRow | SiteStats | TextSiteLayer, num_layers: int) -> str:
     """`3.attn`, `3.mid`, `3.mlp`, `3`; the embedding and the output named as the lens names
     them."""
     label = row.row or str(row.layer)
@@ -111,20 +112,23 @@ def _grid(r: LensSitesReport) -> Sheet:
     return grid
 
 
-def sums_line(s: BlockSums) -> Text:
-    """The check that every block's pieces add up."""
+def sums_line(s: BlockSums, reads: bool = True) -> Text:
+    """The check that every block's pieces add up (`reads`: and how a piece's rows read)."""
     line = Words().add("✓ ", style="green")
     how = (
         "input + attn_out + mlp_out = output"
         if s.structure == "parallel"
         else "input + attn_out = resid_mid, resid_mid + mlp_out = output"
     )
+    reading = (
+        " 'direct': the piece alone through the final steps; change: KL(lens after the piece ‖ "
+        "before) and the tokens it raised most."
+    )
     line.add(
         shown(
             f"pieces add up in every block ({s.structure}: {how}; max |Δ| = "
             f"{s.max_abs_error:.2g} ≤ {s.tolerance:.2g}). attn_out: {s.attn}'s output; "
-            f"mlp_out: {s.mlp}'s output. 'direct': the piece alone through the final steps; "
-            "change: KL(lens after the piece ‖ before) and the tokens it raised most."
+            f"mlp_out: {s.mlp}'s output." + (reading if reads else "")
         )
     )
     return line

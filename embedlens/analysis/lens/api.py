@@ -23,6 +23,7 @@ from embedlens.analysis.lens.opening import open_model
 from embedlens.analysis.lens.prompt import make_prompt
 from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
+from embedlens.analysis.lens.states_file import saving_many
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions, renamed
 
@@ -222,24 +223,9 @@ def lens_prompts(
         loading, pair = given.models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
         sites_asked(asked.site, None)  # a bad --site refused before the folder is made
-        saving = _saving_many(save_states, load.revision, against, session)
+        saving = saving_many(save_states, load.revision, against, session)
         return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
                      saving, asked.site)  # fmt: skip
-
-
-def _saving_many(
-    path: str | os.PathLike[str] | None, revision: str | None, against: object, session: object
-) -> tuple[str | os.PathLike[str], str | None] | None:
-    """Where --prompts --save-states writes (a folder, checked now, made by rank 0 alone)."""
-    if path is None:
-        return None
-    if against is not None:
-        raise UsageError("--save-states and --against do not combine: save each model's alone")
-    from embedlens.analysis.lens.states_file import states_folder
-
-    if getattr(session, "rank", 0) == 0:
-        states_folder(path)
-    return path, revision
 
 
 def _many(

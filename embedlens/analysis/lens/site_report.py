@@ -164,7 +164,7 @@ def sums(pieces: Pieces) -> BlockSums:
 
 
 def worse(a: BlockSums | None, b: BlockSums) -> BlockSums:
-    """The check over many prompts: the larger miss (relative to its tolerance)."""
+    """The check over many prompts (or windows): the larger miss (relative to its tolerance)."""
     if a is None or b.max_abs_error / b.tolerance > a.max_abs_error / a.tolerance:
         return b
     return a

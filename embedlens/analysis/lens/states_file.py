@@ -338,16 +338,26 @@ def save_run(
 ) -> None:
     """Run the prompt once more, keeping every layer at every position (and every site asked
     for) and the model's own logits at the last position, and write them to `path`."""
-    residual, logits, about, inner = states_of(opened, run, ask, revision, sites)
+    about = prompt_about(run, ask)
+    residual, logits, about, inner = states_of(opened, run.ids, revision, about, sites)
     save_states(path, residual, run.ids, logits, about, inner)
 
 
+def prompt_about(run: Prompt, ask: Ask) -> dict[str, str]:
+    """What a prompt's states file says of it: its text (and its chat message)."""
+    return {"prompt": run.text} | ({} if ask.chat is None else {"chat": ask.chat})
+
+
 def states_of(
-    opened: Opened, run: Prompt, ask: Ask, revision: str | None, sites: Sequence[str] = ("resid",)
+    opened: Opened,
+    ids: list[int],
+    revision: str | None,
+    about: dict[str, str],
+    sites: Sequence[str] = ("resid",),
 ) -> States:
-    """The prompt run alone (as `lens` runs it, on the model's devices): every layer at every
-    position, on the CPU, the model's own logits at the last position, and the `sites` inside
-    the blocks (`site_tensors`)."""
+    """`ids` run alone (as `lens` runs a prompt, on the model's devices): every layer at every
+    position, on the CPU, the model's own logits at the last position, the metadata (the
+    model's and `about`), and the `sites` inside the blocks (`site_tensors`)."""
     import torch
 
     from embedlens.analysis.lens.blocks import capture, find_blocks, hooked
@@ -356,7 +366,7 @@ def states_of(
     model = opened.model
     blocks = find_blocks(model)
     n_layers = len(blocks.modules)
-    every = list(range(len(run.ids)))
+    every = list(range(len(ids)))
     kept: list[torch.Tensor] = []
 
     def own_logits(_m: Any, _args: Any, out: Any) -> None:
@@ -364,20 +374,13 @@ def states_of(
         kept.append(logits[0, -1].detach().float().cpu())
 
     layers = list(range(n_layers + 1))
-    with torch.inference_mode(), threads_for(model, len(run.ids)):
+    with torch.inference_mode(), threads_for(model, len(ids)):
         with hooked([model.register_forward_hook(own_logits)]):
-            cap = capture(model, blocks, [run.ids], [every], layers, masked=False, logits=False)
+            cap = capture(model, blocks, [ids], [every], layers, masked=False, logits=False)
         residual = torch.stack([cap.residual[layer].cpu() for layer in layers], dim=1)
-    about = {
-        "model": opened.name,
-        "revision": revision or "",
-        "num_layers": str(n_layers),
-        "prompt": run.text,
-    }
-    if ask.chat is not None:
-        about["chat"] = ask.chat
-    inner, said = site_tensors(model, run.ids, sites, residual.dtype)
-    return residual, kept[-1] if kept else None, {**about, **said}, inner
+    model_about = {"model": opened.name, "revision": revision or "", "num_layers": str(n_layers)}
+    inner, said = site_tensors(model, ids, sites, residual.dtype)
+    return residual, kept[-1] if kept else None, {**model_about, **about, **said}, inner
 
 
 def site_tensors(
@@ -412,23 +415,38 @@ def site_tensors(
 
 
 def file_for(folder: Path, line: int) -> Path:
-    """The file of the prompt on `line` in a --prompts run's folder."""
+    """The file of the prompt on `line` (of window `line`, from 1) in a run's folder."""
     return folder / f"{line:06d}.safetensors"
 
 
-def states_folder(path: str | os.PathLike[str]) -> Path:
-    """The folder --save-states names with --prompts, made if missing (refused: a file)."""
+def states_folder(path: str | os.PathLike[str], many: str = "--prompts") -> Path:
+    """The folder --save-states names with `many` (--prompts, --text), made if missing
+    (refused: a file)."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
+        each = "window" if many == "--text" else "prompt"
         raise UsageError(
-            f"--save-states '{folder}' is a file: with --prompts it names a folder, where each "
-            "prompt's states go in a file of its own"
+            f"--save-states '{folder}' is a file: with {many} it names a folder, where each "
+            f"{each}'s states go in a file of its own"
         )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise EmbedlensError(f"cannot make the folder '{folder}': {e.strerror or e}") from e
     return folder
+
+
+def saving_many(
+    path: Any, revision: str | None, against: object, session: object, many: str = "--prompts"
+) -> tuple[Any, str | None] | None:
+    """Where --save-states writes with `many` (a folder, checked now, made by rank 0 alone)."""
+    if path is None:
+        return None
+    if against is not None:
+        raise UsageError("--save-states and --against do not combine: save each model's alone")
+    if getattr(session, "rank", 0) == 0:
+        states_folder(path, many)
+    return path, revision
 
 
 class ManySaver:
@@ -450,12 +468,16 @@ class ManySaver:
         self.keep = False
 
     def add(self, line: PromptLine, ask: Ask, run: Prompt) -> None:
-        """One prompt's states: written now, or kept for rank 0 under torchrun."""
-        states = states_of(self.opened, run, ask, self.revision, self.sites)
-        about = {**states[2], "line": str(line.line)}
+        """One prompt's states, in the file of its line."""
+        about = {**prompt_about(run, ask), "line": str(line.line)}
         if line.id is not None:
             about["id"] = str(line.id)
-        item = (line.line, run.ids, (states[0], states[1], about, states[3]))
+        self.put(line.line, run.ids, about)
+
+    def put(self, number: int, ids: list[int], about: dict[str, str]) -> None:
+        """The states of `ids` (`about`: their metadata), in file `number`: written now, or
+        kept for rank 0 under torchrun."""
+        item = (number, ids, states_of(self.opened, ids, self.revision, about, self.sites))
         if self.keep:
             self.kept.append(item)
         else:

@@ -15,6 +15,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options
+from embedlens.analysis.lens.site_report import sites_asked
+from embedlens.analysis.lens.states_file import ManySaver, saving_many
 from embedlens.analysis.lens.text_input import Rule, Tokens, read_text, rule, tokenise
 from embedlens.errors import UsageError
 from embedlens.options import LoadKeywords, LoadOptions
@@ -48,6 +50,8 @@ def lens_text(
     save_logits: str | os.PathLike[str] | None = None,
     residual: bool = True,
     tuned: str | os.PathLike[str] | None = None,
+    site: str | Sequence[str] | None = None,
+    save_states: str | os.PathLike[str] | None = None,
     load: LoadOptions | None = None,
     dist_backend: str = "auto",
     progress: Progress | None = None,
@@ -67,6 +71,7 @@ def lens_text(
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
     tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them; with
         `against`, B read through the same lens (tuned on this model).
+    site: as `lens`'s: statistics per (layer, site); save_states: a folder, a file a window.
     load: `LoadOptions` (or its fields as keywords: `dtype=`, ...), on one device.
     dist_backend: under torchrun, the windows are split over the processes.
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
@@ -75,17 +80,18 @@ def lens_text(
     from embedlens.progress import progress_of
 
     model, load = given.model_and_load("lens_text", model, load, dict(keywords))
-    _check(load, against, against_logits)
+    sites = _check(load, against, against_logits, tuned, site)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
     reference = None if against_logits is None else _reference_file(against_logits)
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
+        saving = saving_many(save_states, load.revision, against, session, "--text")
         loading = given.loading(model, load)
         b = (against, against_tokenizer, against_revision)
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
-                    (tuned, reference, save_logits, residual), session,
+                    (tuned, reference, save_logits, residual, sites, saving), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
 
 
@@ -96,12 +102,23 @@ def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
     return logits_file.load(path)
 
 
-def _check(load: LoadOptions, against: object, against_logits: object) -> None:
-    """What `lens_text` cannot combine, refused before any file is read."""
+def _check(
+    load: LoadOptions, against: object, against_logits: object, tuned: object, site: Any
+) -> tuple[str, ...]:
+    """What `lens_text` cannot combine, refused before any file is read; the sites asked."""
     if load.device_map is not None or load.max_memory is not None or load.offload_folder:
         raise UsageError("lens_text runs the model on one device: --device-map does not apply")
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
+    sites = sites_asked(site, tuned)
+    if against is not None and sites != ("resid",):
+        raise UsageError(
+            "--text --against compares the two models' residual streams: --site other than "
+            "resid is read on one model over a text",
+            hint="compare where inside the blocks two models part on a prompt: PROMPT --against "
+            "--site",
+        )
+    return sites
 
 
 def _run(
@@ -110,7 +127,7 @@ def _run(
     load: options.Load | dict[str, bool],
     asked: tuple[str, str, Rule, Any],
     b: tuple[Any, Any, str | None],
-    more: tuple[Any, LogitsFile | None, Any, bool],
+    more: tuple[Any, LogitsFile | None, Any, bool, tuple[str, ...], Any],
     session: Session | None,
     progress: Progress,
 ) -> LensTextReport:
@@ -118,7 +135,7 @@ def _run(
     from embedlens.analysis.lens.opening import open_model
 
     name, body, r, items = asked
-    tuned, reference, save_logits, residual = more
+    tuned, reference, save_logits, residual, sites, saving = more
     lens_dir = None
     if tuned is not None:
         from embedlens.analysis.lens.decoders import open_tuned
@@ -133,8 +150,9 @@ def _run(
     with ExitStack() as stack:
         opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
         other = stack.enter_context(_other(opened, *b, load, lens_dir))
-        run = _text_run(opened, items, other, lens_dir, save_logits, residual)
-        totals = _all(run, r, tokens, reference, session, progress)
+        run = _text_run(opened, items, other, lens_dir, (save_logits, residual, sites))
+        saver = None if saving is None else ManySaver(saving[0], opened, saving[1], sites)
+        totals = _all(run, (r, name), tokens, reference, (session, saver), progress)
         report = _report(opened, run, totals, (name, r, tokens), other, reference)
         if save_logits is not None and (session is None or session.rank == 0):
             _save(save_logits, opened, r, tokens, totals, run.vocab)
@@ -218,11 +236,11 @@ def _text_run(
     items: Any,
     other: Opened | None,
     lens_dir: Any,
-    save_logits: object,
-    residual: bool,
+    more: tuple[object, bool, tuple[str, ...]],
 ) -> TextRun:
-    """The window runner for A (its tuned lens beside the logit lens), and B (through the same
-    tuned lens: A's, checked against B's blocks alone)."""
+    """The window runner for A (its tuned lens beside the logit lens, the sites asked), and B
+    (through the same tuned lens: A's, checked against B's blocks alone); `more`: where the
+    logits are saved, whether B's residual is read by A, the sites."""
     from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
     from embedlens.analysis.lens.text_run import Side, TextRun
 
@@ -241,8 +259,9 @@ def _text_run(
     layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
     vocab = min(len(opened.tokenizer), _outputs(opened))
     b = None if other is None else side(other, own=False)
+    save_logits, residual, sites = more
     return TextRun(main, layers, vocab, b, keep_logits=save_logits is not None,
-                   residual=residual)  # fmt: skip
+                   residual=residual, sites=sites)  # fmt: skip
 
 
 def _outputs(opened: Opened) -> int:
@@ -270,17 +289,21 @@ def windows(r: Rule, tokens: Tokens) -> list[Window]:
 
 def _all(
     run: TextRun,
-    r: Rule,
+    what: tuple[Rule, str],
     tokens: Tokens,
     reference: LogitsFile | None,
-    session: Session | None,
+    split: tuple[Session | None, ManySaver | None],
     progress: Progress,
 ) -> TextTotals:
-    """Every window run (this process's share under torchrun), the sums combined."""
+    """Every window run (this process's share under torchrun), the sums combined; with a
+    saver, each window's states saved (rank 0 writes them all, `ManySaver`)."""
     from embedlens.analysis.lens.text_stats import TextTotals
     from embedlens.runtime import heap_kept
 
+    (r, name), (session, saver) = what, split
     found = windows(r, tokens)
+    if saver is not None:
+        saver.keep = session is not None and session.rank != 0
     if reference is not None:
         reference.check_run(tokens.ids, r.ctx, r.stride, r.score, run.vocab)
     totals = TextTotals(run.layers)
@@ -288,13 +311,12 @@ def _all(
     done = 0
     mine: list[WindowSums] = []
     with heap_kept():
-        for w in found:
-            if session is not None:
-                session.check()
-                if w.index % session.size != session.rank:
-                    continue
+        for w in _mine(found, session, saver):
             ref = None if reference is None else _reference(reference, w.index)
             mine.append(run.run(w, ref))
+            if saver is not None:
+                about = {"text": name, "window": str(w.index + 1), "start": str(w.index * r.stride)}
+                saver.put(w.index + 1, w.ids, about)
             n = len(w.positions)
             done = done + n if session is None else session.total("text", n)
             if session is None or session.rank == 0:
@@ -308,6 +330,24 @@ def _all(
             checks = [c for c in session.all_gather(run.check) if c is not None]
             run.check = max(checks)
     return totals
+
+
+def _mine(
+    found: list[Window], session: Session | None, saver: ManySaver | None
+) -> Iterator[Window]:
+    """This process's windows (under torchrun window w runs on rank w mod N), and a saver's
+    states handed to rank 0 after each round of N windows (every rank takes part)."""
+    for w in found:
+        if session is None:
+            yield w
+            continue
+        session.check()
+        if saver is not None and w.index % session.size == 0 and w.index:
+            saver.hand_on(session)
+        if w.index % session.size == session.rank:
+            yield w
+    if session is not None and saver is not None:
+        saver.hand_on(session)
 
 
 def _reference(reference: LogitsFile, index: int) -> Any:
@@ -360,6 +400,7 @@ def _report(
         max_abs_logit_diff=diff,
         notes=[*opened.before, *opened.after],
     )
+    report = _with_sites(report, totals, run.sites)
     if other is None and reference is None:
         return report
     from dataclasses import replace
@@ -377,6 +418,34 @@ def _report(
         pair=totals.pair(residual=other is not None and run.residual),
         pair_output=totals.pair_output(),
     )
+
+
+def _with_sites(
+    report: LensTextReport, totals: TextTotals, sites: tuple[str, ...]
+) -> LensTextReport:
+    """The report with a row per (layer, site asked) in block order, and the blocks' check
+    over every window; the report itself for `resid` alone."""
+    if sites == ("resid",):
+        return report
+    from dataclasses import asdict, fields
+
+    from embedlens.analysis.lens.site_report import SUFFIX, worse
+    from embedlens.reports.sites import BlockSums, LensTextSitesReport, TextSiteLayer
+
+    each = {site: totals.one(site=site) for site in sites}
+    rows = [
+        TextSiteLayer(**asdict(each[site][i]), site=site, row=f"{layer}{SUFFIX[site]}")
+        for i, layer in enumerate(totals.layers)
+        for site in sites
+        if site == "resid" or layer >= 1
+    ]
+    blocks: BlockSums | None = None
+    for w in totals.windows:
+        assert w.blocks is not None
+        blocks = worse(blocks, w.blocks)
+    values = {f.name: getattr(report, f.name) for f in fields(report)}
+    values["layers"] = rows
+    return LensTextSitesReport(**values, sites=list(sites), block_sums=blocks)
 
 
 def _save(

@@ -206,8 +206,11 @@ class TextRun:
         *,
         keep_logits: bool = False,
         residual: bool = True,
+        sites: tuple[str, ...] = ("resid",),
     ) -> None:
         self.main, self.other, self.layers, self.vocab = main, other, layers, vocab
+        self.sites = sites
+        """The sites inside the blocks read beside the residual stream (`--site`)."""
         self.n_layers = len(find_blocks(main.model).modules)
         self.keep_logits = keep_logits
         self.residual = residual
@@ -234,7 +237,38 @@ class TextRun:
             t = torch.tensor(w.targets, dtype=torch.long, device=real.device)
             if self.check is None:
                 self._self_check(cap, device)
-            return self._reduce(w, cap, theirs, real, t, ref, device)
+            sums = self._reduce(w, cap, theirs, real, t, ref, device)
+            if self.sites != ("resid",):
+                self._site_sums(sums, w, real, t, device)
+            return sums
+
+    def _site_sums(
+        self, sums: WindowSums, w: Window, real: torch.Tensor, t: torch.Tensor, device: torch.device
+    ) -> None:
+        """Each site's sums, its rows decoded and reduced as the residual stream's are, from
+        the window's blocks taken apart (their sums checked: `sites`); layer 0 has none."""
+        from embedlens.analysis.lens.site_report import sums as block_sums
+        from embedlens.analysis.lens.site_report import take_apart
+        from embedlens.analysis.lens.site_rows import PIECE, stream
+
+        pieces = take_apart(self.main.model, w.ids, w.positions, "resid_mid" in self.sites)
+        sums.blocks = block_sums(pieces)
+        out_lp = _lp(real)
+        out = out_lp.exp(), rowdot(out_lp.exp(), out_lp)
+        chunk = max(1, CHUNK_BYTES // (4 * real.shape[1]))
+        rows = [(x, j) for x in self.layers if x >= 1 for j in range(real.shape[0])]
+        for site in (s for s in self.sites if s != "resid"):
+            streams = {x: stream((PIECE[site], x), pieces) for x, _ in rows}
+            one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
+            for s in range(0, len(rows), chunk):
+                part = rows[s : s + chunk]
+                js = torch.tensor([j for _, j in part], device=real.device)
+                mine = decode_rows(self.main.decoder, streams, part, device)
+                lp, p = _log_probs(mine, self.scratch, "main")
+                oj = out[0][js], out[1][js]
+                got = _one_rows(mine, oj, t[js], self.vocab, self.scratch, lp, p)[0]
+                one.index_add_(0, torch.tensor([self.layers.index(x) for x, _ in part]), got.cpu())
+            sums.sites[site] = one.numpy()
 
     def _self_check(self, cap: Capture, device: torch.device) -> None:
         """Decoding the last block's output at the first rows must give the model's logits."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
+from embedlens.reports.sites import BlockSums
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
@@ -69,6 +70,10 @@ class WindowSums:
     dp_values: np.ndarray | None = None
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     """What a logits file keeps of this window (`logits_file`)."""
+    sites: dict[str, np.ndarray] = field(default_factory=dict)
+    """With --site: each site inside the blocks' sums, as `one` (layer 0's row: zeros)."""
+    blocks: BlockSums | None = None
+    """With --site: the check that this window's blocks' pieces add up."""
 
 
 def mean_and_uncertainty(s: float, s2: float, n: int) -> tuple[float, float]:
@@ -137,17 +142,18 @@ class TextTotals:
     def n_bytes(self) -> int:
         return sum(w.n_bytes for w in self.windows)
 
-    def _sum(self, name: str) -> np.ndarray:
-        parts = [getattr(w, name) for w in self.windows]
+    def _sum(self, name: str, site: str = "resid") -> np.ndarray:
+        parts = [getattr(w, name) if site == "resid" else w.sites[site] for w in self.windows]
         out = np.zeros_like(parts[0])
         for part in parts:  # in window order: the same bits however the windows were split
             out += part
         result: np.ndarray = out
         return result
 
-    def one(self, logit: bool = False) -> list[TextLayer]:
-        """Per layer statistics of the lens (`logit`: the logit lens's, beside a tuned lens)."""
-        sums = self._sum("logit" if logit else "one")
+    def one(self, logit: bool = False, site: str = "resid") -> list[TextLayer]:
+        """Per layer statistics of the lens (`logit`: the logit lens's, beside a tuned lens;
+        `site`: of a site inside the blocks)."""
+        sums = self._sum("logit" if logit else "one", site)
         n, n_bytes = self.n, self.n_bytes
         out = []
         for i, layer in enumerate(self.layers):
