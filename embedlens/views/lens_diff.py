@@ -87,7 +87,7 @@ def render(r: LensPairReport) -> RenderableType:
     return Group(tokens, table, *lines)
 
 
-def _through_tuned(path: str, num_layers: int) -> RenderableType:
+def _through_tuned(path: str, num_layers: int) -> Words:
     """The line that says both models were read through one tuned lens."""
     return shown(
         f"Both models read through the tuned lens in '{path}' (its translator at layers "
