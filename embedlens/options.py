@@ -2,7 +2,8 @@
 asked (`LensOptions`).
 
 `lens`, `lens_prompts`, `lens_states` and `tune` take them as `load=` and `options=`; their
-keyword arguments of the same names build them (`options_from`). A field is added here alone:
+keyword arguments of the same names build them (`options_from`). `params` and `tied` take a
+`LoadOptions` as `load=` too: the weights are loaded with it (`weights_load`). A field is added here alone:
 the functions route keywords by these fields, and the command line builds the objects from its
 options of the same names. Nothing is checked on construction: each function checks what it is
 given in its own order, before any file is read, so that a mistake is named as the command line
@@ -170,6 +171,52 @@ def renamed(
         f"{function}({old}=...) is deprecated: {what} {new}=", DeprecationWarning, stacklevel=3
     )
     return given
+
+
+COUNT_KEYWORDS: dict[str, Any] = dict(
+    revision=None, dtype="auto", device="cpu", trust_remote_code=False
+)
+"""The loading keywords of `params` and `tied`, with their defaults."""
+
+
+def weights_load(
+    function: str, model: object, load: LoadOptions | bool | None, keywords: dict[str, Any]
+) -> tuple[LoadOptions, bool]:
+    """How `params` and `tied` read `model`: the options (`load=` with the keywords given set on
+    it, or the keywords alone) and whether the weights are loaded (a `LoadOptions` given). The
+    former `load=True`/`load=False` warn; a model's loading over devices is refused."""
+    if isinstance(load, bool):
+        warnings.warn(
+            f"{function}(load={load}) is deprecated: give load=LoadOptions(...) to count from "
+            "the loaded weights (loaded with those options), or leave load= out",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return LoadOptions(**keywords), load
+    if load is None:
+        return LoadOptions(**keywords), False
+    given = {name: value for name, value in keywords.items() if value != COUNT_KEYWORDS[name]}
+    options = named(model, options_from(LoadOptions, load, given))
+    over = [
+        name for name in ("device_map", "max_memory", "offload_folder") if options.given()[name]
+    ]
+    if over:
+        raise UsageError(
+            f"{function} loads the model on one device: {', '.join(over)} do not apply"
+        )
+    return options, True
+
+
+def named(model: object, load: LoadOptions) -> LoadOptions:
+    """`load`, once a source it names is the model given (UsageError where it is another)."""
+    if load.source is not None:
+        name = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        if name != os.fspath(load.source):
+            raise UsageError(
+                "load= names another model than the one given: leave its source out, or give "
+                "it as the model"
+            )
+    return load
 
 
 def _fields(kind: type[LoadOptions] | type[LensOptions]) -> frozenset[str]:

@@ -14,6 +14,7 @@ import pytest
 from embedlens.analysis.params import META_FALLBACK, params
 from embedlens.analysis.tied import tied
 from embedlens.errors import CheckpointError, SourceError, UnsupportedError, UsageError
+from embedlens.options import LoadOptions
 from tests.models import FAMILIES, write_config
 
 
@@ -158,7 +159,7 @@ def test_tied_on_a_model_built_on_meta(cli, tiny):
 
 @pytest.mark.parametrize(
     "options",
-    [{"meta_only": True}, {"load": True}, {"revision": "main"}, {"dtype": "float16"}],
+    [{"meta_only": True}, {"load": LoadOptions()}, {"revision": "main"}, {"dtype": "float16"}],
 )
 def test_options_for_reading_a_model_are_refused_with_a_loaded_one(tiny, options):
     model = _load(tiny("llama-tied"))
@@ -175,7 +176,7 @@ def test_errors_raise_embedlens_errors(tiny, tmp_path, smollm2):
     folder = tiny("llama-tied")
     for run in (params, tied):
         with pytest.raises(UsageError, match="exclude each other"):
-            run(folder, meta_only=True, load=True)
+            run(folder, meta_only=True, load=LoadOptions())
         with pytest.raises(UsageError, match="unknown device"):
             run(folder, device="tpu")
         with pytest.raises(UsageError, match="unknown dtype"):

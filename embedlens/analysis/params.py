@@ -20,6 +20,7 @@ from embedlens.model.loaded import (
 )
 from embedlens.model.loading import check_choices
 from embedlens.model.quant import kinds
+from embedlens.options import LoadOptions, weights_load
 from embedlens.reports.params import (
     BlockRow,
     BookkeepingRow,
@@ -45,7 +46,7 @@ def params(
     model: ModelSpec | PreTrainedModel,
     *,
     meta_only: bool = False,
-    load: bool = False,
+    load: LoadOptions | bool | None = None,
     per_block: bool = False,
     revision: str | None = None,
     dtype: str = "auto",
@@ -58,13 +59,19 @@ def params(
         never moved or changed; meta_only, load, revision and dtype do not apply to it).
     By default the figures come from the checkpoint's safetensors or GGUF headers (no weights
     read), else from the config on the meta device; meta_only: always from the config on the
-    meta device; load: from the loaded weights (dtype, device, trust_remote_code apply).
+    meta device; load: a `LoadOptions`, from the weights loaded with it (its fields may be given
+    as keywords instead: revision, dtype, device, trust_remote_code; load=True, the former
+    spelling, loads with the keywords, whose dtype is 'auto').
     """
+    keywords = dict(
+        revision=revision, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+    )
+    options, weights = weights_load("params", model, load, keywords)
     if not is_spec(model):
         built = check_loaded(
             model,
             meta_only=meta_only,
-            load=load,
+            load=weights,
             revision=revision is not None,
             dtype=dtype != "auto",
         )
@@ -73,14 +80,14 @@ def params(
         return params_report(
             loaded_name(built), inv, "meta" if meta else "weights", per_block=per_block
         )
-    check_modes(meta_only=meta_only, load=load, dtype=dtype, device=device)
+    check_modes(meta_only=meta_only, load=weights, dtype=options.dtype, device=options.device)
     spec = spec_text(model)
     inv, used, _ = take_inventory(
-        resolve(spec, revision),
-        "meta" if meta_only else "weights" if load else None,
-        trust_remote_code=trust_remote_code,
-        dtype=dtype,
-        device=device,
+        resolve(spec, options.revision),
+        "meta" if meta_only else "weights" if weights else None,
+        trust_remote_code=options.trust_remote_code,
+        dtype=options.dtype,
+        device=options.device,
     )
     if used == "meta" and not meta_only:
         inv.notes.insert(0, META_FALLBACK)

@@ -15,6 +15,7 @@ from embedlens.model.loaded import (
     on_meta,
     spec_text,
 )
+from embedlens.options import LoadOptions, weights_load
 from embedlens.reports.tied import TiedEvidence, TiedReport
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def tied(
     model: ModelSpec | PreTrainedModel,
     *,
     meta_only: bool = False,
-    load: bool = False,
+    load: LoadOptions | bool | None = None,
     revision: str | None = None,
     dtype: str = "auto",
     device: str = "cpu",
@@ -42,29 +43,32 @@ def tied(
         data_ptr() are read; it is never moved or changed; meta_only, load, revision and dtype
         do not apply to it).
     By default the evidence is the config and the checkpoint's headers; meta_only adds parameter
-    identity in a build on the meta device (headers not read); load adds data_ptr() of the
-    loaded weights (dtype, device, trust_remote_code apply).
+    identity in a build on the meta device (headers not read); load, a `LoadOptions`, adds
+    data_ptr() of the weights loaded with it (as `params` takes it).
     """
+    keywords = dict(
+        revision=revision, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+    )
+    options, weights = weights_load("tied", model, load, keywords)
     if not is_spec(model):
         built = check_loaded(
             model,
             meta_only=meta_only,
-            load=load,
+            load=weights,
             revision=revision is not None,
             dtype=dtype != "auto",
         )
         return _tied_loaded(built)
-    check_modes(meta_only=meta_only, load=load, dtype=dtype, device=device)
+    check_modes(meta_only=meta_only, load=weights, dtype=options.dtype, device=options.device)
     spec = spec_text(model)
-    source = resolve(spec, revision)
-    header_inv = None
-    if not meta_only:
-        header_inv = take_inventory(source, "header", trust_remote_code=trust_remote_code)[0]
+    source = resolve(spec, options.revision)
+    trust = options.trust_remote_code
+    header_inv = None if meta_only else take_inventory(source, "header", trust_remote_code=trust)[0]
     inv, built_model, check = header_inv, None, None
-    if meta_only or load:
+    if meta_only or weights:
         mode: InventoryMode = "meta" if meta_only else "weights"
         inv, _, built_model = take_inventory(
-            source, mode, trust_remote_code=trust_remote_code, dtype=dtype, device=device
+            source, mode, trust_remote_code=trust, dtype=options.dtype, device=options.device
         )
         check = ON_META if meta_only else LOADED
     assert inv is not None
@@ -79,7 +83,7 @@ def tied(
         inv,
         checkpoint_has_head=has_head,
         config_flag=flag,
-        same_storage=None if built_model is None else storage_shared(built_model, loaded=load),
+        same_storage=None if built_model is None else storage_shared(built_model, loaded=weights),
         storage_check=check,
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -120,3 +120,11 @@ def _split_run(split: bool) -> None:
     session = cli_session()
     if session is not None:
         attach(session)
+
+
+def counted(load: bool, **keywords: Any) -> dict[str, Any]:
+    """`params`' and `tied`'s loading arguments from the options: with --load, a `LoadOptions`
+    of them as `load=`; without, the options as keywords (the headers are read)."""
+    from embedlens.options import LoadOptions
+
+    return {"load": LoadOptions(**keywords)} if load else keywords

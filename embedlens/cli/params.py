@@ -16,6 +16,7 @@ from embedlens.cli._options import (
     QuietOpt,
     RevisionOpt,
     TrustOpt,
+    counted,
 )
 from embedlens.cli._run import run_report
 
@@ -60,12 +61,14 @@ def params(
         lambda: run(
             model,
             meta_only=meta_only,
-            load=load,
             per_block=per_block,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
+            **counted(
+                load,
+                revision=revision,
+                dtype=dtype,
+                device=device,
+                trust_remote_code=trust_remote_code,
+            ),
         ),
         as_json=as_json,
         quiet=quiet,

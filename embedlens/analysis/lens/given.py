@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens import options as checks
 from embedlens.errors import UsageError
-from embedlens.options import LensOptions, LoadOptions, no_other_keywords, options_from
+from embedlens.options import LensOptions, LoadOptions, named, no_other_keywords, options_from
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.pairing import Pair
@@ -29,7 +29,7 @@ def model_and_load(
     its `source`; `load=` and the loading keywords build the rest. Any keyword left over is
     refused as Python refuses an unknown one (`function` names the call)."""
     model, load = _split(model, load)
-    load = _named(model, options_from(LoadOptions, load, keywords))
+    load = named(model, options_from(LoadOptions, load, keywords))
     no_other_keywords(function, keywords)
     return model, load
 
@@ -44,7 +44,7 @@ def lens_given(
     """`model_and_load`, and the lens's options: `options=` with the keywords of its fields set
     on it; any keyword left over is refused."""
     model, load = _split(model, load)
-    load = _named(model, options_from(LoadOptions, load, keywords))
+    load = named(model, options_from(LoadOptions, load, keywords))
     asked = options_from(LensOptions, options, keywords)
     no_other_keywords(function, keywords)
     return model, load, asked
@@ -59,18 +59,6 @@ def _split(model: object, load: LoadOptions | None) -> tuple[Any, LoadOptions | 
     if model.source is None:
         raise UsageError("LoadOptions given as the model need its source")
     return model.source, model
-
-
-def _named(model: object, load: LoadOptions) -> LoadOptions:
-    """`load`, once a source it names is the model given (UsageError where it is another)."""
-    if load.source is not None:
-        named = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-        if named != os.fspath(load.source):
-            raise UsageError(
-                "load= names another model than the one given: leave its source out, or give "
-                "it as the model"
-            )
-    return load
 
 
 def loading(model: object, load: LoadOptions) -> Loading:
