@@ -225,8 +225,9 @@ def test_text_tuned_against_a_b_of_another_width_is_refused_before_its_weights(
     cli,
     tmp_path,
 ):
-    """B shares A's vocabulary and layers, but not its width: the lens (A's) is refused for it
-    from its config, with the two sizes, before B's weights are read (they are not there)."""
+    """B shares A's vocabulary and layers, but not its width: it is refused from its config,
+    with the two sizes, before B's weights are read (they are not there): the pair's own check
+    comes first (A's decoder cannot read B's stream), before the lens (A's) is checked for it."""
     import shutil
 
     from transformers import AutoConfig
@@ -240,5 +241,5 @@ def test_text_tuned_against_a_b_of_another_width_is_refused_before_its_weights(
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, wide / f.name)
     said = cli.fails("lens", a, "--text", text, "--ctx", CTX, "--tuned", lens, "--against", wide,
-                     code=2)  # fmt: skip
-    assert f"residual stream is {config.hidden_size} wide" in said
+                     code=1)  # fmt: skip
+    assert f"has a hidden size of {config.hidden_size}" in said

@@ -33,7 +33,12 @@ from embedlens.reports.sites import (
     LensSitesSummaryReport,
     LensTextSitesReport,
 )
-from embedlens.reports.states import StatesLensReport
+from embedlens.reports.states import (
+    StatesLensReport,
+    StatesPairReport,
+    StatesSitesPairReport,
+    StatesSitesReport,
+)
 from embedlens.reports.tied import TiedReport
 from embedlens.reports.tune import (
     TunedLensPairReport,
@@ -63,6 +68,9 @@ REPORTS: dict[str, type[Report]] = {
     "lens --against": LensPairReport,
     "lens --prompts --against": LensPairSummaryReport,
     "lens --states": StatesLensReport,
+    "lens --states --site": StatesSitesReport,
+    "lens --states --against": StatesPairReport,
+    "lens --states --against --site": StatesSitesPairReport,
     "lens --site": LensSitesReport,
     "lens --prompts --site": LensSitesSummaryReport,
     "lens --against --site": LensSitesPairReport,
@@ -87,8 +95,12 @@ EXTENDS = {
     "lens --tuned --against": "lens --against",
     "lens --prompts --tuned --against": "lens --prompts --against",
     "lens --text --site": "lens --text",
+    "lens --states --site": ("lens --states", "lens --site"),
+    "lens --states --against": ("lens --states", "lens --against"),
+    "lens --states --against --site": ("lens --states", "lens --against --site"),
 }
-"""Sections whose report extends another section's (a subclass): they name only what it adds."""
+"""Sections whose report extends another section's (a subclass): they name only what it adds.
+A report that is two sections' objects together (a states file's, with sites) extends both."""
 EACH_LINE = {
     "lens --prompts": "lens",
     "lens --prompts --tuned": "lens --tuned",
@@ -115,6 +127,16 @@ ARGS: dict[str, list[str]] = {
     "lens --against": ["the king of France is", "--against", "MODEL", "--target", "king"],
     "lens --prompts --against": ["--prompts", "PROMPTS", "--against", "MODEL", "-k", "2"],
     "lens --states": ["--states", "STATES", "--target", "king", "--position", "all", "-k", "2"],
+    "lens --states --site": ["--states", "SITES", "--site", "attn_out,resid_mid,mlp_out,resid"],
+    "lens --states --against": ["--states", "STATES", "--against", "MODEL", "--target", "king"],
+    "lens --states --against --site": [
+        "--states",
+        "SITES",
+        "--against",
+        "MODEL",
+        "--site",
+        "attn_out",
+    ],
     "lens --site": [
         "the king of France is",
         "--site",
@@ -229,10 +251,15 @@ def json_paths(value: Any, documented: set[str], prefix: str = "") -> set[str]:
     return out
 
 
+def bases(section: str) -> tuple[str, ...]:
+    """The sections a section extends (none, one or two)."""
+    base = EXTENDS.get(section, ())
+    return (base,) if isinstance(base, str) else base
+
+
 def documented(section: str) -> set[str]:
-    """The field paths of a section's object: its own, and those of the section it extends."""
-    base = EXTENDS.get(section)
-    return DOCUMENTED[section] | (documented(base) if base is not None else set())
+    """The field paths of a section's object: its own, and those of the sections it extends."""
+    return DOCUMENTED[section].union(*(documented(base) for base in bases(section)))
 
 
 def report_classes() -> set[type]:
@@ -254,7 +281,7 @@ def test_the_document_has_a_section_for_every_command_and_report():
         section: section.split()[0] for section in REPORTS
     }
     assert set(ARGS) == set(REPORTS)
-    assert all(issubclass(REPORTS[s], REPORTS[base]) for s, base in EXTENDS.items())
+    assert all(issubclass(REPORTS[s], REPORTS[b]) for s in EXTENDS for b in bases(s))
     assert set(EACH_LINE) | set(EACH_LINE.values()) <= set(REPORTS)
     assert DOCUMENTED[COMMON] == {"schema_version", "command", "model"}
     row = re.search(r"^\| `command` \|.*$", DOC, flags=re.M)
@@ -264,8 +291,8 @@ def test_the_document_has_a_section_for_every_command_and_report():
 @pytest.mark.parametrize("section", sorted(REPORTS))
 def test_the_document_names_exactly_the_reports_fields(section):
     fields = field_paths(REPORTS[section]) - {"model"}
-    if section in EXTENDS:  # what the section it extends names is not named again
-        fields -= field_paths(REPORTS[EXTENDS[section]])
+    for base in bases(section):  # what the sections it extends name is not named again
+        fields -= field_paths(REPORTS[base])
     if section == "lens --prompts":
         fields |= PER_PROMPT_LINE
     documented = DOCUMENTED[section]
@@ -314,6 +341,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], l
                 "TUNED": lambda: run(model, "tune")[0]["out"],
                 "MODEL": lambda: model,
                 "STATES": lambda: _saved_states(cli, model, folder / "states.safetensors"),
+                "SITES": lambda: _saved_states(cli, model, folder / "sites.safetensors", SITES),
             }
             args = [stands_for[a]() if a in stands_for else a for a in ARGS[section]]
             result = cli(section.split()[0], model, *args, "--json")
@@ -324,9 +352,12 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], l
     return run
 
 
-def _saved_states(cli: Runner, model: Path, path: Path) -> Path:
-    """A states file `lens --save-states` wrote for `model`."""
-    result = cli("lens", model, "the king of France is", "--save-states", path)
+SITES = "attn_out,resid_mid,mlp_out,resid"
+
+
+def _saved_states(cli: Runner, model: Path, path: Path, sites: str = "resid") -> Path:
+    """A states file `lens --save-states` wrote for `model` (with the sites asked)."""
+    result = cli("lens", model, "the king of France is", "--save-states", path, "--site", sites)
     assert result.exit_code == 0, result.stderr
     return path
 

@@ -169,3 +169,4 @@ def save_text_curves(r: LensTextReport, path: Path) -> None:
 
 
 register_view(LensTextReport, render)
+register_view(LensTextSitesReport, render)
