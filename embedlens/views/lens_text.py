@@ -11,8 +11,8 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.lens_text import LensTextReport, TextLayer
-from embedlens.reports.sites import LensTextSitesReport, TextSiteLayer
+from embedlens.reports.lens_text import LensTextReport, TextLayer, TextPairLayer
+from embedlens.reports.sites import LensTextSitesReport, TextSiteLayer, TextSitePairLayer
 from embedlens.views.format import Sheet, shown
 from embedlens.views.sites import row_label, sums_line
 
@@ -80,9 +80,15 @@ def _one(r: LensTextReport) -> RenderableType:
     return Group(*parts)
 
 
+def _row(r: LensTextReport, row: TextLayer | TextPairLayer) -> str:
+    """A row's label: its layer, or its (layer, site) with --site."""
+    if isinstance(row, TextSiteLayer | TextSitePairLayer):
+        return row_label(row, r.num_layers)
+    return _label(r, row.layer)
+
+
 def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
-    label = row_label(row, r.num_layers) if isinstance(row, TextSiteLayer) else _label(r, row.layer)
-    return [label, f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
+    return [_row(r, row), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
             f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
             f"{row.top1_accuracy:.1%}"]  # fmt: skip
 
@@ -102,18 +108,22 @@ def _pair(r: LensTextReport) -> RenderableType:
         probs.add_column(c, justify="right", no_wrap=c == "layer")
     for p in r.pair:
         q = p.kl_percentiles
-        kl.add_row(_label(r, p.layer), f"{p.kl:.6f} ± {p.kl_err:.6f}",
-                   *(f"{q[k]:.6f}" for k in ("median", "90", "99", "99.9", "max")))  # fmt: skip
-        cells = [_label(r, p.layer), f"{100 * p.same_top:.3f} ± {100 * p.same_top_err:.3f}%",
+        end = isinstance(p, TextSitePairLayer) and p.site == "resid"
+        kl.add_row(_row(r, p), f"{p.kl:.6f} ± {p.kl_err:.6f}",
+                   *(f"{q[k]:.6f}" for k in ("median", "90", "99", "99.9", "max")),
+                   end_section=end)  # fmt: skip
+        cells = [_row(r, p), f"{100 * p.same_top:.3f} ± {100 * p.same_top_err:.3f}%",
                  f"{100 * p.dp_mean:.3f}%", f"{100 * p.dp_rms:.3f} ± {100 * p.dp_rms_err:.3f}%",
                  f"{p.ln_ppl_ratio:.6f} ± {p.ln_ppl_ratio_err:.6f}"]  # fmt: skip
         if residual:
-            cells.append(f"{p.residual_kl:.6f}")
-        probs.add_row(*cells)
+            cells.append("" if p.residual_kl is None else f"{p.residual_kl:.6f}")
+        probs.add_row(*cells, end_section=end)
     line = (
         "llama-perplexity's definitions at every layer (docs/text.md): KL in nats; Δp = "
         "p_Q(true token) - p_base(true token)."
     )
+    if isinstance(r, LensTextSitesReport):
+        line += " Each model's site rows through its own lens; residual KL: resid rows alone."
     return Group(kl, probs, Text(line, style="dim"))
 
 
