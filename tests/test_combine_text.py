@@ -249,7 +249,7 @@ def test_against_site_rows_equal_both_models_site_rows_by_hand(tiny, text):
     assert r.pair_output is not None and out_a.shape[0] == n
 
 
-def test_against_site_resid_rows_are_the_text_against_run(tiny, cli, text):
+def test_against_site_resid_rows_are_the_text_against_run(tiny, cli, text, tmp_path):
     """The resid rows of `--text --against --site` are `--text --against`'s; `--site resid`
     alone is `--text --against` byte for byte."""
     from dataclasses import asdict
@@ -276,3 +276,8 @@ def test_against_site_resid_rows_are_the_text_against_run(tiny, cli, text):
     assert all(row["residual_kl"] is None for row in data["pair"] if row["site"] != "resid")
     shown = cli("lens", a, "--text", text, "--ctx", CTX, "--against", b, "--site", "attn_out")
     assert shown.exit_code == 0 and "1.attn" in shown.stdout
+    plot = tmp_path / "curves.svg"
+    args = ["lens", a, "--text", text, "--ctx", CTX, "--against", b, "--site", "attn_out,resid"]
+    drawn = cli(*args, "--plot", plot)
+    assert drawn.exit_code == 0, drawn.stderr
+    assert plot.read_text(encoding="utf-8").count(">attn_out<") >= 1

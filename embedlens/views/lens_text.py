@@ -134,24 +134,22 @@ def figure(r: LensTextReport) -> Any:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    by_site: dict[str, list[TextLayer]] = {}
-    for row in r.layers:  # with --site, a curve per site
-        by_site.setdefault(getattr(row, "site", ""), []).append(row)
-
-    def curves(get: Callable[[TextLayer], float]) -> list[tuple[str, list[int], list[float]]]:
-        return [(site, [x.layer for x in rows], [get(x) for x in rows])
-                for site, rows in by_site.items()]  # fmt: skip
+    def curves(rows: Any, get: Callable[[Any], float]) -> list[tuple[str, list[int], list[float]]]:
+        by_site: dict[str, list[Any]] = {}
+        for row in rows:  # with --site, a curve per site
+            by_site.setdefault(getattr(row, "site", ""), []).append(row)
+        return [(site, [x.layer for x in each], [get(x) for x in each])
+                for site, each in by_site.items()]  # fmt: skip
 
     panels = [
-        ("cross-entropy, nats", curves(lambda x: x.cross_entropy), "linear"),
-        ("KL(output ‖ lens), nats", curves(lambda x: x.kl), "symlog"),
-        ("top-1 accuracy", curves(lambda x: x.top1_accuracy), "linear"),
+        ("cross-entropy, nats", curves(r.layers, lambda x: x.cross_entropy), "linear"),
+        ("KL(output ‖ lens), nats", curves(r.layers, lambda x: x.kl), "symlog"),
+        ("top-1 accuracy", curves(r.layers, lambda x: x.top1_accuracy), "linear"),
     ]
     if r.pair is not None and len(r.pair) > 1:
-        pl = [p.layer for p in r.pair]
-        panels.append(("mean KL(base ‖ Q), nats", [("", pl, [p.kl for p in r.pair])], "log"))
-        q99 = [p.kl_percentiles["99"] for p in r.pair]
-        panels.append(("99% KL(base ‖ Q), nats", [("", pl, q99)], "log"))
+        panels.append(("mean KL(base ‖ Q), nats", curves(r.pair, lambda p: p.kl), "log"))
+        q99 = curves(r.pair, lambda p: p.kl_percentiles["99"])
+        panels.append(("99% KL(base ‖ Q), nats", q99, "log"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (label, lines, scale) in zip(axes.flat, panels, strict=True):
         for site, xs, ys in lines:
