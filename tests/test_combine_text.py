@@ -37,9 +37,12 @@ def test_site_resid_is_the_text_run_byte_for_byte(tiny, cli, text):
         assert site.stdout == plain.stdout
 
 
-def by_hand(folder: Path, family: str, text: Path) -> dict[tuple[str, int], dict[str, float]]:
-    """Each (site, layer)'s statistics over the scored tokens: the pieces by forward hooks
-    (`reference_pieces`), each row through the tail by hand, against the model's own logits."""
+def site_rows_by_hand(
+    folder: Path, family: str, text: Path
+) -> tuple[dict[tuple[str, int], np.ndarray], np.ndarray, np.ndarray]:
+    """Each (site, layer)'s rows over the scored tokens, the pieces by forward hooks
+    (`reference_pieces`) and each row through the tail by hand; the output's log-probabilities
+    and the true next tokens."""
     import torch
 
     from tests.test_lens import _load, reference_tail
@@ -60,11 +63,17 @@ def by_hand(folder: Path, family: str, text: Path) -> dict[tuple[str, int], dict
                 for site, h in streams.items():
                     logits = reference_tail(model, family, h[pos]).double().numpy()
                     rows.setdefault((site, layer), []).append(logits)
-    out, t = log_softmax(np.concatenate(outs)), np.array(targets)
+    joined = {key: np.concatenate(parts) for key, parts in rows.items()}
+    return joined, log_softmax(np.concatenate(outs)), np.array(targets)
+
+
+def by_hand(folder: Path, family: str, text: Path) -> dict[tuple[str, int], dict[str, float]]:
+    """Each (site, layer)'s statistics over the scored tokens (`site_rows_by_hand`), against
+    the model's own logits."""
+    rows, out, t = site_rows_by_hand(folder, family, text)
     n, vocab = len(t), 4 + len(WORDS)
     stats = {}
-    for key, parts in rows.items():
-        x = np.concatenate(parts)
+    for key, x in rows.items():
         lp = log_softmax(x)
         stats[key] = {
             "cross_entropy": float(-lp[np.arange(n), t].mean()),
@@ -146,8 +155,6 @@ def test_what_stays_refused(tiny, cli, text, tmp_path):
     said = cli.fails("lens", a, "--text", text, "--tuned", tmp_path / "none", "--site",
                      "attn_out", code=2)  # fmt: skip
     assert "--tuned reads the residual stream only" in said
-    said = cli.fails("lens", a, "--text", text, "--against", b, "--site", "mlp_out", code=2)
-    assert "--site other than resid is read on one model" in said
     said = cli.fails("lens", tiny("gpt-neox"), "--text", text, "--ctx", CTX, "--site",
                      "resid_mid", code=1)  # fmt: skip
     assert "--site resid_mid does not exist in block 1" in said
@@ -208,3 +215,69 @@ def test_torchrun_merges_the_sites_and_saves_every_window(tiny, cli, text, tmp_p
     assert alone == sorted(p.name for p in (tmp_path / "two").iterdir()) and len(alone) > 2
     for name in alone:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+def test_against_site_rows_equal_both_models_site_rows_by_hand(tiny, text):
+    """`--text --against --site`: each (layer, site) row's comparison is llama-perplexity's
+    figures of A's site rows against B's, both taken by hooks and the tail by hand."""
+    from embedlens import lens_text
+    from embedlens.analysis.lens.site_report import SUFFIX
+
+    a, b = tiny("llama-untied"), tiny("llama-tied")
+    r = lens_text(a, text, ctx=CTX, against=b, site=EVERY)
+    rows_a, out_a, t = site_rows_by_hand(a, "llama-untied", text)
+    rows_b, _, _ = site_rows_by_hand(b, "llama-tied", text)
+    n, vocab = len(t), 4 + len(WORDS)
+    assert r.pair is not None
+    inner = [row for row in r.pair if row.site != "resid"]
+    assert sorted((row.site, row.layer) for row in inner) == sorted(rows_a)
+    for row in inner:
+        key = (row.site, row.layer)
+        la, lb = log_softmax(rows_a[key]), log_softmax(rows_b[key])
+        kl = (np.exp(la) * (la - lb)).sum(-1)
+        dp = np.exp(lb[np.arange(n), t]) - np.exp(la[np.arange(n), t])
+        same = rows_a[key][:, :vocab].argmax(-1) == rows_b[key][:, :vocab].argmax(-1)
+        assert close(row.kl, float(kl.mean()), 1e-4), row
+        assert close(row.kl_percentiles["max"], float(kl.max()), 1e-4), row
+        assert close(row.dp_mean, float(dp.mean()), 1e-4), row
+        assert row.same_top == float(same.mean()), row
+        assert close(row.cross_entropy_evaluated, float(-lb[np.arange(n), t].mean())), row
+        assert row.residual_kl is None and row.row == f"{row.layer}{SUFFIX[row.site]}", row
+    layers = [row for row in r.layers if row.site != "resid"]
+    alone = lens_text(a, text, ctx=CTX, site=EVERY)
+    assert layers == [row for row in alone.layers if row.site != "resid"]
+    assert r.pair_output is not None and out_a.shape[0] == n
+
+
+def test_against_site_resid_rows_are_the_text_against_run(tiny, cli, text, tmp_path):
+    """The resid rows of `--text --against --site` are `--text --against`'s; `--site resid`
+    alone is `--text --against` byte for byte."""
+    from dataclasses import asdict
+
+    from embedlens import lens_text
+
+    a, b = tiny("llama-untied"), tiny("llama-tied")
+    plain = lens_text(a, text, ctx=CTX, against=b, layers="0,2")
+    r = lens_text(a, text, ctx=CTX, against=b, layers="0,2", site="mlp_out,resid")
+    assert r.pair is not None and plain.pair is not None
+    resid = [row for row in r.pair if row.site == "resid"]
+    assert [{k: v for k, v in asdict(x).items() if k not in ("site", "row")} for x in resid] == [
+        asdict(x) for x in plain.pair
+    ]
+    assert r.pair_output == plain.pair_output
+    for shown in ([], ["--json"]):
+        args = ["lens", a, "--text", text, "--ctx", CTX, "--against", b, *shown]
+        one = cli(*args)
+        site = cli(*args, "--site", "resid")
+        assert one.exit_code == site.exit_code == 0, site.stderr
+        assert site.stdout == one.stdout
+    data = cli.json("lens", a, "--text", text, "--ctx", CTX, "--against", b, "--site", EVERY)
+    assert {row["site"] for row in data["pair"]} == set(data["sites"])
+    assert all(row["residual_kl"] is None for row in data["pair"] if row["site"] != "resid")
+    shown = cli("lens", a, "--text", text, "--ctx", CTX, "--against", b, "--site", "attn_out")
+    assert shown.exit_code == 0 and "1.attn" in shown.stdout
+    plot = tmp_path / "curves.svg"
+    args = ["lens", a, "--text", text, "--ctx", CTX, "--against", b, "--site", "attn_out,resid"]
+    drawn = cli(*args, "--plot", plot)
+    assert drawn.exit_code == 0, drawn.stderr
+    assert plot.read_text(encoding="utf-8").count(">attn_out<") >= 1

@@ -190,6 +190,8 @@ ARGS: dict[str, list[str]] = {
         "64",
         "--site",
         "attn_out,resid_mid,mlp_out,resid",
+        "--against",
+        "MODEL",
     ],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "vocab": [],

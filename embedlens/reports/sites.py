@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from embedlens.reports.lens import GridRow, LensLayer, LensLayerStats, LensReport, LensSummaryReport
 from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
-from embedlens.reports.lens_text import LensTextReport, TextLayer
+from embedlens.reports.lens_text import LensTextReport, TextLayer, TextPairLayer
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,21 @@ class TextSiteLayer(TextLayer):
 
 
 @dataclass(frozen=True)
+class TextSitePairLayer(TextPairLayer):
+    """One (layer, site) row of `lens --text --against --site`: llama-perplexity's figures of
+    A's site rows against B's (each through its own decoder) over the scored tokens;
+    `residual_kl` is given on the residual stream's rows alone."""
+
+    site: str = "resid"
+    row: str = ""
+
+
+@dataclass(frozen=True)
 class LensTextSitesReport(LensTextReport):
-    """`lens --text --site`: `layers` holds a row per (layer, site) in block order."""
+    """`lens --text --site`: `layers` holds a row per (layer, site) in block order; with
+    --against, so does `pair`."""
 
     layers: list[TextSiteLayer]  # type: ignore[assignment]  # the lens's rows, with their site
+    pair: list[TextSitePairLayer] | None = None  # type: ignore[assignment]  # with their site
     sites: list[str] = field(default_factory=list)
     block_sums: BlockSums | None = None

@@ -11,8 +11,8 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.lens_text import LensTextReport, TextLayer
-from embedlens.reports.sites import LensTextSitesReport, TextSiteLayer
+from embedlens.reports.lens_text import LensTextReport, TextLayer, TextPairLayer
+from embedlens.reports.sites import LensTextSitesReport, TextSiteLayer, TextSitePairLayer
 from embedlens.views.format import Sheet, shown
 from embedlens.views.sites import row_label, sums_line
 
@@ -80,9 +80,15 @@ def _one(r: LensTextReport) -> RenderableType:
     return Group(*parts)
 
 
+def _row(r: LensTextReport, row: TextLayer | TextPairLayer) -> str:
+    """A row's label: its layer, or its (layer, site) with --site."""
+    if isinstance(row, TextSiteLayer | TextSitePairLayer):
+        return row_label(row, r.num_layers)
+    return _label(r, row.layer)
+
+
 def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
-    label = row_label(row, r.num_layers) if isinstance(row, TextSiteLayer) else _label(r, row.layer)
-    return [label, f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
+    return [_row(r, row), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
             f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
             f"{row.top1_accuracy:.1%}"]  # fmt: skip
 
@@ -102,18 +108,22 @@ def _pair(r: LensTextReport) -> RenderableType:
         probs.add_column(c, justify="right", no_wrap=c == "layer")
     for p in r.pair:
         q = p.kl_percentiles
-        kl.add_row(_label(r, p.layer), f"{p.kl:.6f} ± {p.kl_err:.6f}",
-                   *(f"{q[k]:.6f}" for k in ("median", "90", "99", "99.9", "max")))  # fmt: skip
-        cells = [_label(r, p.layer), f"{100 * p.same_top:.3f} ± {100 * p.same_top_err:.3f}%",
+        end = isinstance(p, TextSitePairLayer) and p.site == "resid"
+        kl.add_row(_row(r, p), f"{p.kl:.6f} ± {p.kl_err:.6f}",
+                   *(f"{q[k]:.6f}" for k in ("median", "90", "99", "99.9", "max")),
+                   end_section=end)  # fmt: skip
+        cells = [_row(r, p), f"{100 * p.same_top:.3f} ± {100 * p.same_top_err:.3f}%",
                  f"{100 * p.dp_mean:.3f}%", f"{100 * p.dp_rms:.3f} ± {100 * p.dp_rms_err:.3f}%",
                  f"{p.ln_ppl_ratio:.6f} ± {p.ln_ppl_ratio_err:.6f}"]  # fmt: skip
         if residual:
-            cells.append(f"{p.residual_kl:.6f}")
-        probs.add_row(*cells)
+            cells.append("" if p.residual_kl is None else f"{p.residual_kl:.6f}")
+        probs.add_row(*cells, end_section=end)
     line = (
         "llama-perplexity's definitions at every layer (docs/text.md): KL in nats; Δp = "
         "p_Q(true token) - p_base(true token)."
     )
+    if isinstance(r, LensTextSitesReport):
+        line += " Each model's site rows through its own lens; residual KL: resid rows alone."
     return Group(kl, probs, Text(line, style="dim"))
 
 
@@ -124,24 +134,22 @@ def figure(r: LensTextReport) -> Any:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    by_site: dict[str, list[TextLayer]] = {}
-    for row in r.layers:  # with --site, a curve per site
-        by_site.setdefault(getattr(row, "site", ""), []).append(row)
-
-    def curves(get: Callable[[TextLayer], float]) -> list[tuple[str, list[int], list[float]]]:
-        return [(site, [x.layer for x in rows], [get(x) for x in rows])
-                for site, rows in by_site.items()]  # fmt: skip
+    def curves(rows: Any, get: Callable[[Any], float]) -> list[tuple[str, list[int], list[float]]]:
+        by_site: dict[str, list[Any]] = {}
+        for row in rows:  # with --site, a curve per site
+            by_site.setdefault(getattr(row, "site", ""), []).append(row)
+        return [(site, [x.layer for x in each], [get(x) for x in each])
+                for site, each in by_site.items()]  # fmt: skip
 
     panels = [
-        ("cross-entropy, nats", curves(lambda x: x.cross_entropy), "linear"),
-        ("KL(output ‖ lens), nats", curves(lambda x: x.kl), "symlog"),
-        ("top-1 accuracy", curves(lambda x: x.top1_accuracy), "linear"),
+        ("cross-entropy, nats", curves(r.layers, lambda x: x.cross_entropy), "linear"),
+        ("KL(output ‖ lens), nats", curves(r.layers, lambda x: x.kl), "symlog"),
+        ("top-1 accuracy", curves(r.layers, lambda x: x.top1_accuracy), "linear"),
     ]
     if r.pair is not None and len(r.pair) > 1:
-        pl = [p.layer for p in r.pair]
-        panels.append(("mean KL(base ‖ Q), nats", [("", pl, [p.kl for p in r.pair])], "log"))
-        q99 = [p.kl_percentiles["99"] for p in r.pair]
-        panels.append(("99% KL(base ‖ Q), nats", [("", pl, q99)], "log"))
+        panels.append(("mean KL(base ‖ Q), nats", curves(r.pair, lambda p: p.kl), "log"))
+        q99 = curves(r.pair, lambda p: p.kl_percentiles["99"])
+        panels.append(("99% KL(base ‖ Q), nats", q99, "log"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (label, lines, scale) in zip(axes.flat, panels, strict=True):
         for site, xs, ys in lines:

@@ -18,6 +18,7 @@ from embedlens.reports.sites import (
     SiteLayer,
     SiteStats,
     TextSiteLayer,
+    TextSitePairLayer,
 )
 from embedlens.views.format import Sheet, Words, prob, quoted, shown
 from embedlens.views.lens import render_check, runners_up
@@ -29,7 +30,9 @@ GAINED_SHOWN = 3
 """Tokens a piece raised most that its row shows."""
 
 
-def row_label(row: SiteLayer | SiteGridRow | SiteStats | TextSiteLayer, num_layers: int) -> str:
+def row_label(
+    row: SiteLayer | SiteGridRow | SiteStats | TextSiteLayer | TextSitePairLayer, num_layers: int
+) -> str:
     """`3.attn`, `3.mid`, `3.mlp`, `3`; the embedding and the output named as the lens names
     them."""
     label = row.row or str(row.layer)

@@ -71,7 +71,7 @@ def lens_text(
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
     tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them; with
         `against`, B read through the same lens (tuned on this model).
-    site: as `lens`'s: statistics per (layer, site); save_states: a folder, a file a window.
+    site: statistics per (layer, site) (and B's against A's); save_states: a file a window.
     load: `LoadOptions` (or its fields as keywords: `dtype=`, ...), on one device.
     dist_backend: under torchrun, the windows are split over the processes.
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
@@ -111,13 +111,6 @@ def _check(
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
     sites = sites_asked(site, tuned)
-    if against is not None and sites != ("resid",):
-        raise UsageError(
-            "--text --against compares the two models' residual streams: --site other than "
-            "resid is read on one model over a text",
-            hint="compare where inside the blocks two models part on a prompt: PROMPT --against "
-            "--site",
-        )
     return sites
 
 
@@ -400,9 +393,8 @@ def _report(
         max_abs_logit_diff=diff,
         notes=[*opened.before, *opened.after],
     )
-    report = _with_sites(report, totals, run.sites)
     if other is None and reference is None:
-        return report
+        return _with_sites(report, totals, run.sites)
     from dataclasses import replace
 
     if reference is not None:
@@ -411,41 +403,59 @@ def _report(
     else:
         assert other is not None
         ref_name, evaluated = opened.name, other.name
-    return replace(
+    report = replace(
         report,
         reference=ref_name,
         evaluated=evaluated,
         pair=totals.pair(residual=other is not None and run.residual),
         pair_output=totals.pair_output(),
     )
+    return _with_sites(report, totals, run.sites, paired=other is not None)
 
 
 def _with_sites(
-    report: LensTextReport, totals: TextTotals, sites: tuple[str, ...]
+    report: LensTextReport, totals: TextTotals, sites: tuple[str, ...], paired: bool = False
 ) -> LensTextReport:
     """The report with a row per (layer, site asked) in block order, and the blocks' check
-    over every window; the report itself for `resid` alone."""
+    over every window (`paired`: the comparison's rows too, B's sites against A's); the report
+    itself for `resid` alone."""
     if sites == ("resid",):
         return report
-    from dataclasses import asdict, fields
+    from dataclasses import fields
 
-    from embedlens.analysis.lens.site_report import SUFFIX, worse
+    from embedlens.analysis.lens.site_report import worse
     from embedlens.reports.sites import BlockSums, LensTextSitesReport, TextSiteLayer
+    from embedlens.reports.sites import TextSitePairLayer as Paired
 
-    each = {site: totals.one(site=site) for site in sites}
-    rows = [
-        TextSiteLayer(**asdict(each[site][i]), site=site, row=f"{layer}{SUFFIX[site]}")
-        for i, layer in enumerate(totals.layers)
-        for site in sites
-        if site == "resid" or layer >= 1
-    ]
     blocks: BlockSums | None = None
     for w in totals.windows:
         assert w.blocks is not None
         blocks = worse(blocks, w.blocks)
     values = {f.name: getattr(report, f.name) for f in fields(report)}
-    values["layers"] = rows
+    values["layers"] = _site_rows(totals, sites, TextSiteLayer, lambda s: totals.one(site=s))
+    if paired:
+        residual = report.pair is not None and report.pair[0].residual_kl is not None
+        values["pair"] = _site_rows(totals, sites, Paired,
+                                    lambda s: totals.pair(residual and s == "resid", site=s))  # fmt: skip
     return LensTextSitesReport(**values, sites=list(sites), block_sums=blocks)
+
+
+def _site_rows(
+    totals: TextTotals, sites: tuple[str, ...], kind: type[Any], per_site: Any
+) -> list[Any]:
+    """A row of `kind` per (layer, site) in block order, from `per_site(site)`'s rows per layer
+    (layer 0: the embedding's residual stream alone)."""
+    from dataclasses import asdict
+
+    from embedlens.analysis.lens.site_report import SUFFIX
+
+    each = {site: per_site(site) for site in sites}
+    return [
+        kind(**asdict(each[site][i]), site=site, row=f"{layer}{SUFFIX[site]}")
+        for i, layer in enumerate(totals.layers)
+        for site in sites
+        if site == "resid" or layer >= 1
+    ]
 
 
 def _save(

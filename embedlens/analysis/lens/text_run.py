@@ -9,6 +9,7 @@ KL and one Δp per (layer, token) are kept (`text_stats.WindowSums`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.ranking import rowdot
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
 from embedlens.analysis.lens.threads import threads_for
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.sites import Pieces
 
 CHUNK_BYTES = 64 * 2**20
 """float32 logits decoded and reduced at once (the reduction holds a few such arrays)."""
@@ -246,29 +250,57 @@ class TextRun:
         self, sums: WindowSums, w: Window, real: torch.Tensor, t: torch.Tensor, device: torch.device
     ) -> None:
         """Each site's sums, its rows decoded and reduced as the residual stream's are, from
-        the window's blocks taken apart (their sums checked: `sites`); layer 0 has none."""
+        the window's blocks taken apart (their sums checked: `sites`); with --against, B's
+        blocks taken apart on the same window and its site rows compared with A's as the
+        residual stream's are (through B's own decoder); layer 0 has none."""
         from embedlens.analysis.lens.site_report import sums as block_sums
         from embedlens.analysis.lens.site_report import take_apart
-        from embedlens.analysis.lens.site_rows import PIECE, stream
 
-        pieces = take_apart(self.main.model, w.ids, w.positions, "resid_mid" in self.sites)
+        mid = "resid_mid" in self.sites
+        pieces = take_apart(self.main.model, w.ids, w.positions, mid)
         sums.blocks = block_sums(pieces)
+        theirs = None
+        if self.other is not None:
+            theirs = take_apart(self.other.model, w.ids, w.positions, mid)
         out_lp = _lp(real)
         out = out_lp.exp(), rowdot(out_lp.exp(), out_lp)
-        chunk = max(1, CHUNK_BYTES // (4 * real.shape[1]))
-        rows = [(x, j) for x in self.layers if x >= 1 for j in range(real.shape[0])]
         for site in (s for s in self.sites if s != "resid"):
-            streams = {x: stream((PIECE[site], x), pieces) for x, _ in rows}
-            one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
-            for s in range(0, len(rows), chunk):
-                part = rows[s : s + chunk]
-                js = torch.tensor([j for _, j in part], device=real.device)
-                mine = decode_rows(self.main.decoder, streams, part, device)
-                lp, p = _log_probs(mine, self.scratch, "main")
-                oj = out[0][js], out[1][js]
-                got = _one_rows(mine, oj, t[js], self.vocab, self.scratch, lp, p)[0]
-                one.index_add_(0, torch.tensor([self.layers.index(x) for x, _ in part]), got.cpu())
-            sums.sites[site] = one.numpy()
+            sums.sites[site] = self._site(site, (pieces, theirs), w, out, t, device)
+
+    def _site(
+        self, site: str, pieces: tuple[Pieces, Pieces | None], w: Window,
+        out: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor, device: torch.device,
+    ) -> WindowSums:  # fmt: skip
+        """One site's sums over a window (`pieces`: A's blocks taken apart, and B's)."""
+        from embedlens.analysis.lens.site_rows import PIECE, stream
+
+        n_pos = out[0].shape[0]
+        rows = [(x, j) for x in self.layers if x >= 1 for j in range(n_pos)]
+        streams = [None if p is None else {x: stream((PIECE[site], x), p) for x, _ in rows}
+                   for p in pieces]  # fmt: skip
+        one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
+        pair = torch.zeros(len(self.layers), len(PAIR), dtype=torch.float64)
+        kl_v, dp_v = torch.zeros(len(self.layers), n_pos), torch.zeros(len(self.layers), n_pos)
+        chunk = max(1, CHUNK_BYTES // (4 * out[0].shape[1]))
+        for s in range(0, len(rows), chunk):
+            part = rows[s : s + chunk]
+            js = torch.tensor([j for _, j in part], device=out[0].device)
+            at = torch.tensor([self.layers.index(x) for x, _ in part])
+            mine = decode_rows(self.main.decoder, streams[0], part, device)  # type: ignore[arg-type]
+            lp, p = _log_probs(mine, self.scratch, "main")
+            oj = out[0][js], out[1][js]
+            got, top = _one_rows(mine, oj, t[js], self.vocab, self.scratch, lp, p)
+            one.index_add_(0, at, got.cpu())
+            if self.other is not None and streams[1] is not None:
+                b = decode_rows(self.other.decoder, streams[1], part, device).to(mine.device)
+                a = (mine, lp, p, top)
+                got, kl, dp = _pair_rows(a, b, None, t[js], self.vocab, self.scratch)
+                pair.index_add_(0, at, got.cpu())
+                kl_v[at, js.cpu()], dp_v[at, js.cpu()] = kl.float().cpu(), dp.float().cpu()
+        done = WindowSums(w.index, n_pos, w.n_bytes, one.numpy())
+        if self.other is not None:
+            done.pair, done.kl_values, done.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
+        return done
 
     def _self_check(self, cap: Capture, device: torch.device) -> None:
         """Decoding the last block's output at the first rows must give the model's logits."""

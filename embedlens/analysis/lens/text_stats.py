@@ -70,8 +70,10 @@ class WindowSums:
     dp_values: np.ndarray | None = None
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     """What a logits file keeps of this window (`logits_file`)."""
-    sites: dict[str, np.ndarray] = field(default_factory=dict)
-    """With --site: each site inside the blocks' sums, as `one` (layer 0's row: zeros)."""
+    sites: dict[str, WindowSums] = field(default_factory=dict)
+    """With --site: each site inside the blocks' sums, as this window's own (`one`; with
+    --against, `pair` and the per-token values: B's site rows through B's decoder); layer 0's
+    rows: zeros."""
     blocks: BlockSums | None = None
     """With --site: the check that this window's blocks' pieces add up."""
 
@@ -143,7 +145,7 @@ class TextTotals:
         return sum(w.n_bytes for w in self.windows)
 
     def _sum(self, name: str, site: str = "resid") -> np.ndarray:
-        parts = [getattr(w, name) if site == "resid" else w.sites[site] for w in self.windows]
+        parts = [getattr(w if site == "resid" else w.sites[site], name) for w in self.windows]
         out = np.zeros_like(parts[0])
         for part in parts:  # in window order: the same bits however the windows were split
             out += part
@@ -169,15 +171,13 @@ class TextTotals:
         f, df = mean_and_uncertainty(nll, nll2, self.n)
         return math.exp(f), math.exp(f) * df
 
-    def pair(self, residual: bool) -> list[TextPairLayer]:
-        """Per layer llama.cpp's KL table (reference: this model; evaluated: the other)."""
-        sums, n = self._sum("pair"), self.n
-        kl_values = np.concatenate(
-            [w.kl_values for w in self.windows if w.kl_values is not None], 1
-        )
-        dp_values = np.concatenate(
-            [w.dp_values for w in self.windows if w.dp_values is not None], 1
-        )
+    def pair(self, residual: bool, site: str = "resid") -> list[TextPairLayer]:
+        """Per layer llama.cpp's KL table (reference: this model; evaluated: the other;
+        `site`: of a site inside the blocks)."""
+        sums, n = self._sum("pair", site), self.n
+        each = [w if site == "resid" else w.sites[site] for w in self.windows]
+        kl_values = np.concatenate([w.kl_values for w in each if w.kl_values is not None], 1)
+        dp_values = np.concatenate([w.dp_values for w in each if w.dp_values is not None], 1)
         out = []
         for i, layer in enumerate(self.pair_layers):
             s = dict(zip(PAIR, (float(x) for x in sums[i]), strict=True))
