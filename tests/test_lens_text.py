@@ -328,6 +328,10 @@ def test_refusals(pair, cli, tmp_path):
                                    text, code=2)  # fmt: skip
     assert "logits file" in cli.fails("lens", a, "--text", text, "--ctx", CTX, "--against-logits",
                                       text, code=2)  # fmt: skip
+    nothing = tmp_path / "nothing.npz"  # numpy's reader ends in EOFError on an empty file
+    nothing.write_bytes(b"")
+    assert "logits file" in cli.fails("lens", a, "--text", text, "--ctx", CTX, "--against-logits",
+                                      nothing, code=2)  # fmt: skip
     assert "do not combine" in cli.fails("lens", a, "Hello", "--text", text, code=2)
     assert "apply with --text" in cli.fails("lens", a, "--save-logits", tmp_path / "x.npz", code=2)
 

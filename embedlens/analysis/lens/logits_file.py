@@ -84,7 +84,7 @@ def load(path: str | os.PathLike[str]) -> LogitsFile:
             rows = {k: z[k] for k in KEYS}
     except FileNotFoundError:
         raise UsageError(f"--against-logits {name}: no such file") from None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
         raise UsageError(
             f"--against-logits {name} is not a logits file of lens --text --save-logits ({e})"
         ) from None
