@@ -65,12 +65,6 @@ def ct_scheme(module: str, quant: dict[str, Any]) -> dict[str, Any] | None:
     return by_name or by_class
 
 
-def ct_bits(module: str, quant: dict[str, Any]) -> int | None:
-    """The weights' bits for a compressed-tensors module."""
-    scheme = ct_scheme(module, quant)
-    return None if scheme is None else _int(scheme.get("num_bits"))
-
-
 def plain_bits(quant: dict[str, Any]) -> int | None:
     """GPTQ's and AWQ's `bits` (AutoAWQ's `w_bit`)."""
     return _int(quant.get("bits")) or _int(quant.get("w_bit"))
