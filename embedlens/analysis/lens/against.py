@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
-from embedlens.analysis.lens.decoders import fits_tuned, through_of, tuned_decoder
 from embedlens.analysis.lens.opening import Check, Opened, Targets, open_model
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
 from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, make_prompt
 from embedlens.analysis.lens.report import one_report, run_one
+from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ def lens_pair(
     with _ready_a(a, b, b_first, target=ask.target, texts=texts) as (oa, ran):
         run, rb, named, b_sites = ran
         assert rb.kept is not None
+        from embedlens.analysis.lens.decoders import tuned_decoder
+
         decoder, described = tuned_decoder(tuned, oa, run)
         ra_every = run_one(oa, every, run, keep=True, other=rb.kept.residual, decoder=decoder)
         ra = _shown(ra_every, ask)
@@ -127,6 +129,8 @@ def run_b(
     kept for the comparison; its name and notes; its rows inside the blocks (`_site_logits`)."""
     every = dataclasses.replace(ask, layers=None)
     with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
+        from embedlens.analysis.lens.decoders import tuned_decoder
+
         decoder, _ = tuned_decoder(tuned, ob, run, fingerprints=False)
         result = run_one(ob, every, run, keep=True, decoder=decoder)
         named = _named(ob)
@@ -293,6 +297,8 @@ def _run_b(
 ) -> Callable[[many.Window], Ran]:
     """B's run of a window (`reading`: the tuned lens, A's, and the sites)."""
     tuned, sites = reading
+    from embedlens.analysis.lens.decoders import through_of
+
     through = through_of(tuned, opened, fingerprints=False)
     run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
 
@@ -339,6 +345,8 @@ class _PairRun:
         from embedlens.analysis.lens.site_pair import SitePairStats
 
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
+        from embedlens.analysis.lens.decoders import through_of
+
         through = through_of(tuned, opened)
         self.run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
         self.stats: PairStats = PairStats()

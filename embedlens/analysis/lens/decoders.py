@@ -214,12 +214,6 @@ def load_translators(lens: LensFolder) -> Translators:
     return Translators(*read_translators(lens))
 
 
-def fits_tuned(tuned: LensFolder | None, config: Any) -> None:
-    """A tuned lens's size checked against a model's config, before its weights are read."""
-    if tuned is not None:
-        before_load(tuned, config)
-
-
 def through_of(
     tuned: LensFolder | None, opened: Opened, *, fingerprints: bool = True
 ) -> Through | None:

@@ -403,3 +403,10 @@ def vocab_fingerprint(tokenizer: Any, size: int) -> str | None:
         origin="tokenizer",
     )
     return fingerprint(vocab)
+
+
+def fits_tuned(tuned: LensFolder | None, config: Any) -> None:
+    """A tuned lens's size checked against a model's config, before its weights are read
+    (`check_config`; nothing without a lens)."""
+    if tuned is not None:
+        check_config(tuned, config)
