@@ -317,9 +317,9 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
         return check
 
     def both(tok: Any, config: Any, template: str) -> T:
-        from embedlens.analysis.lens.decoders import before_load
+        from embedlens.analysis.lens.tuned_folder import fits_tuned
 
-        before_load(lens_dir, config)
+        fits_tuned(lens_dir, config)
         return check(tok, config, template)
 
     return both

@@ -8,7 +8,7 @@ identity), then the model's own tail; the last layer L has no translator, so the
 self-check still holds. Both are public objects that work on a caller's own tensors, as
 tuned-lens's `LogitLens` and `TunedLens` do; the lens engine runs the same decoders (`Decoder`).
 A lens folder (`tuned_folder`) is checked against the model's config before its weights load
-(`before_load`), then against the loaded model (`tuned_through`).
+(`tuned_folder.fits_tuned`), then against the loaded model (`tuned_through`).
 """
 
 from __future__ import annotations
@@ -147,8 +147,10 @@ class TunedLens(LogitLens):
         """The tuned lens in `folder` (`embedlens tune`'s, or one tuned-lens saved) on `model`,
         refused for another model (its size, its decoder's weights, and with `tokenizer` its
         vocabulary, as `lens --tuned` checks them)."""
+        from embedlens.analysis.lens.tuned_folder import fits_tuned
+
         lens = open_tuned(folder)
-        before_load(lens, getattr(model, "config", None))
+        fits_tuned(lens, getattr(model, "config", None))
         through = tuned_through(lens, model, tokenizer)
         own = ModelDecoder(model, find_blocks(model), dummy_id=0)
         return cls(model, through.wrap(own))
@@ -173,13 +175,6 @@ def open_tuned(path: str | os.PathLike[str]) -> LensFolder:
     from embedlens.analysis.lens.tuned_folder import open_folder
 
     return open_folder(path)
-
-
-def before_load(lens: LensFolder, config: Any) -> None:
-    """Refuse, before any weight is read, a lens whose size is not the model's."""
-    from embedlens.analysis.lens.tuned_folder import check_config
-
-    check_config(lens, config)
 
 
 def tuned_through(

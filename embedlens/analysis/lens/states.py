@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
+from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions
 
@@ -176,10 +177,7 @@ def _run_on(
     n_layers = _check_fits(file, config, len(tokenizer))
     ids = file.token_ids()
     _check_ids(file, ids, config, len(tokenizer))
-    if lens_dir is not None:
-        from embedlens.analysis.lens.decoders import before_load
-
-        before_load(lens_dir, config)
+    fits_tuned(lens_dir, config)
     with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
     shown = _shown(ask, n_layers, file)

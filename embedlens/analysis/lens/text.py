@@ -18,6 +18,7 @@ from embedlens.analysis.lens import options
 from embedlens.analysis.lens.site_report import sites_asked
 from embedlens.analysis.lens.states_file import ManySaver, saving_many
 from embedlens.analysis.lens.text_input import Rule, Tokens, read_text, rule, tokenise
+from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
 from embedlens.options import LoadKeywords, LoadOptions
 
@@ -136,7 +137,7 @@ def _run(
         lens_dir = open_tuned(tuned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
-        _fits(lens_dir, config)
+        fits_tuned(lens_dir, config)
         _check_ctx(config, r)
         return tokenise(body, tok, r, name)
 
@@ -150,14 +151,6 @@ def _run(
         if save_logits is not None and (session is None or session.rank == 0):
             _save(save_logits, opened, r, tokens, totals, run.vocab)
         return report
-
-
-def _fits(lens_dir: Any, config: Any) -> None:
-    """A tuned lens's size checked against a model's config, before its weights are read."""
-    if lens_dir is not None:
-        from embedlens.analysis.lens.decoders import before_load
-
-        before_load(lens_dir, config)
 
 
 def _check_ctx(config: Any, r: Rule) -> None:
@@ -218,7 +211,7 @@ def _other(
     b_tok = b_tok if b_tok is not None or isinstance(b_load, options.Load) else opened.tokenizer
 
     def fits(_tok: Any, config: Any, _template: str) -> None:
-        _fits(lens_dir, config)
+        fits_tuned(lens_dir, config)
 
     with open_model(against, b_tok, b_load, fits) as (other, _):
         yield other
