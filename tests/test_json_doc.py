@@ -1,6 +1,9 @@
 """docs/json.md is the JSON contract: it names every field each command's `--json` writes (at any
-depth), and no field the reports do not have; each report the package defines has its section
-(`lens --against`, `lens --tuned` and their `--prompts` summaries name what they add to `lens`)."""
+depth), and no field the reports do not have; each report the package defines has its section.
+The lens's three shapes (one prompt's, the `--prompts` summary's, `--text`'s) hold optional parts:
+a mode's subsection (`### lens --against`, ...) names the parts it adds, each run writes exactly
+the fields of its shape's table and of its mode's subsections, and a report's optional parts
+(`reports.part`) are the fields its subsections name, never its table."""
 
 from __future__ import annotations
 
@@ -19,34 +22,14 @@ from typing import Any
 import pytest
 
 import embedlens.reports
-from embedlens.reports import Report
+from embedlens.reports import PART, Report
 from embedlens.reports.addr import AddrReport
 from embedlens.reports.lens import LensReport, LensSummaryReport
-from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 from embedlens.reports.lens_text import LensTextReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
-from embedlens.reports.sites import (
-    LensSitesPairReport,
-    LensSitesPairSummaryReport,
-    LensSitesReport,
-    LensSitesSummaryReport,
-    LensTextSitesReport,
-)
-from embedlens.reports.states import (
-    StatesLensReport,
-    StatesPairReport,
-    StatesSitesPairReport,
-    StatesSitesReport,
-)
 from embedlens.reports.tied import TiedReport
-from embedlens.reports.tune import (
-    TunedLensPairReport,
-    TunedLensPairSummaryReport,
-    TunedLensReport,
-    TunedLensSummaryReport,
-    TuneReport,
-)
+from embedlens.reports.tune import TuneReport
 from embedlens.reports.vocab import VocabReport
 from tests.conftest import Runner
 from tests.test_commands import APP_COMMANDS
@@ -63,44 +46,41 @@ REPORTS: dict[str, type[Report]] = {
     "addr": AddrReport,
     "lens": LensReport,
     "lens --prompts": LensSummaryReport,
-    "lens --tuned": TunedLensReport,
-    "lens --prompts --tuned": TunedLensSummaryReport,
-    "lens --against": LensPairReport,
-    "lens --prompts --against": LensPairSummaryReport,
-    "lens --states": StatesLensReport,
-    "lens --states --site": StatesSitesReport,
-    "lens --states --against": StatesPairReport,
-    "lens --states --against --site": StatesSitesPairReport,
-    "lens --site": LensSitesReport,
-    "lens --prompts --site": LensSitesSummaryReport,
-    "lens --against --site": LensSitesPairReport,
-    "lens --prompts --against --site": LensSitesPairSummaryReport,
-    "lens --tuned --against": TunedLensPairReport,
-    "lens --prompts --tuned --against": TunedLensPairSummaryReport,
     "lens --text": LensTextReport,
-    "lens --text --site": LensTextSitesReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
-EXTENDS = {
-    "lens --tuned": "lens",
-    "lens --prompts --tuned": "lens --prompts",
-    "lens --against": "lens",
-    "lens --prompts --against": "lens --prompts",
-    "lens --states": "lens",
-    "lens --site": "lens",
-    "lens --prompts --site": "lens --prompts",
-    "lens --against --site": "lens --against",
-    "lens --prompts --against --site": "lens --prompts --against",
-    "lens --tuned --against": "lens --against",
-    "lens --prompts --tuned --against": "lens --prompts --against",
-    "lens --text --site": "lens --text",
-    "lens --states --site": ("lens --states", "lens --site"),
-    "lens --states --against": ("lens --states", "lens --against"),
-    "lens --states --against --site": ("lens --states", "lens --against --site"),
+"""Each section's report (the lens's three shapes: one prompt's, the summary's, --text's)."""
+STATES = "lens --states"
+MODES: dict[str, tuple[str, ...]] = {
+    "lens --tuned": ("lens --tuned",),
+    "lens --against": ("lens --against",),
+    "lens --site": ("lens --site",),
+    "lens --against --site": ("lens --against", "lens --against --site"),
+    "lens --tuned --against": ("lens --tuned", "lens --against", "lens --tuned --against"),
+    "lens --states": (STATES,),
+    "lens --states --site": (STATES, "lens --site", "lens --states --site"),
+    "lens --states --against": (STATES, "lens --against", "lens --states --against"),
+    "lens --states --against --site": (
+        STATES,
+        "lens --against",
+        "lens --against --site",
+        "lens --states --against --site",
+    ),
+    "lens --prompts --tuned": ("lens --prompts --tuned",),
+    "lens --prompts --against": ("lens --prompts --against",),
+    "lens --prompts --site": ("lens --prompts --site",),
+    "lens --prompts --against --site": (
+        "lens --prompts --against",
+        "lens --prompts --against --site",
+    ),
+    "lens --prompts --tuned --against": (
+        "lens --prompts --against",
+        "lens --prompts --tuned --against",
+    ),
+    "lens --text --site": ("lens --text --site",),
 }
-"""Sections whose report extends another section's (a subclass): they name only what it adds.
-A report that is two sections' objects together (a states file's, with sites) extends both."""
+"""Each lens mode with parts: the subsections (of its shape's section) naming the parts it holds."""
 EACH_LINE = {
     "lens --prompts": "lens",
     "lens --prompts --tuned": "lens --tuned",
@@ -109,7 +89,7 @@ EACH_LINE = {
     "lens --prompts --against --site": "lens --against --site",
     "lens --prompts --tuned --against": "lens --tuned --against",
 }
-"""JSON Lines runs: the section of each prompt's line (the summary comes last)."""
+"""JSON Lines runs: the mode of each prompt's line (the summary comes last)."""
 PER_PROMPT_LINE = frozenset({"id"})  # added to a --prompts line's lens object when its line has one
 
 # Each command's --json run on a model (MODEL is put first, and stands for it in the arguments);
@@ -199,17 +179,26 @@ ARGS: dict[str, list[str]] = {
 PROMPTS = '{"prompt": "Hello world", "id": "first"}\n{"prompt": "The capital of France is"}\n'
 
 
-def sections(doc: str) -> dict[str, set[str]]:
-    """The field paths named in the first column of each section's tables, by section."""
+def sections(doc: str, level: str = "## ") -> dict[str, set[str]]:
+    """The field paths named in the first column of each section's tables, by section (`level`
+    "### ": each subsection's alone; a section's are its own table's and its subsections')."""
     found: dict[str, set[str]] = {}
-    for part in re.split(r"^## ", doc, flags=re.M)[1:]:
+    for part in re.split(f"^{level}", doc, flags=re.M)[1:]:
         title, _, body = part.partition("\n")
+        body = body.split("\n## ")[0]  # a subsection ends where the next section begins
         name = title.strip().strip("`")
         found[name] = set(re.findall(r"^\| `([^`]+)` \|", body, flags=re.M))
     return found
 
 
 DOCUMENTED = sections(DOC)
+SUBSECTIONS = sections(DOC, "### ")
+TABLES = {
+    name: fields
+    for part in re.split(r"^(?=## )", DOC, flags=re.M)
+    for name, fields in sections(part.split("\n### ")[0]).items()
+}
+"""Each section's own table (without its subsections')."""
 
 
 def _inner(hint: Any) -> list[Any]:
@@ -253,15 +242,18 @@ def json_paths(value: Any, documented: set[str], prefix: str = "") -> set[str]:
     return out
 
 
-def bases(section: str) -> tuple[str, ...]:
-    """The sections a section extends (none, one or two)."""
-    base = EXTENDS.get(section, ())
-    return (base,) if isinstance(base, str) else base
+def shape(mode: str) -> str:
+    """The section of the report a mode (a key of ARGS) writes."""
+    if mode in REPORTS:
+        return mode
+    return (
+        "lens --text" if "--text" in mode else "lens --prompts" if "--prompts" in mode else "lens"
+    )
 
 
-def documented(section: str) -> set[str]:
-    """The field paths of a section's object: its own, and those of the sections it extends."""
-    return DOCUMENTED[section].union(*(documented(base) for base in bases(section)))
+def documented(mode: str) -> set[str]:
+    """The field paths of a mode's object: its shape's table's, and its parts' subsections'."""
+    return TABLES[shape(mode)].union(*(SUBSECTIONS[sub] for sub in MODES.get(mode, ())))
 
 
 def report_classes() -> set[type]:
@@ -282,9 +274,12 @@ def test_the_document_has_a_section_for_every_command_and_report():
     assert {section: REPORTS[section].command for section in REPORTS} == {
         section: section.split()[0] for section in REPORTS
     }
-    assert set(ARGS) == set(REPORTS)
-    assert all(issubclass(REPORTS[s], REPORTS[b]) for s in EXTENDS for b in bases(s))
-    assert set(EACH_LINE) | set(EACH_LINE.values()) <= set(REPORTS)
+    assert set(ARGS) == set(REPORTS) | set(MODES)
+    assert set(SUBSECTIONS) == {sub for subs in MODES.values() for sub in subs}
+    for mode, subs in MODES.items():  # a mode's subsections are in its shape's section
+        section = re.search(f"^## `{shape(mode)}`$(.*?)(?=^## )", DOC, flags=re.M | re.S)
+        assert section is not None and all(f"\n### `{sub}`\n" in section[1] for sub in subs)
+    assert set(EACH_LINE) | set(EACH_LINE.values()) <= set(ARGS)
     assert DOCUMENTED[COMMON] == {"schema_version", "command", "model"}
     row = re.search(r"^\| `command` \|.*$", DOC, flags=re.M)
     assert row is not None and all(f"`{name}`" in row.group() for name in APP_COMMANDS)
@@ -293,13 +288,18 @@ def test_the_document_has_a_section_for_every_command_and_report():
 @pytest.mark.parametrize("section", sorted(REPORTS))
 def test_the_document_names_exactly_the_reports_fields(section):
     fields = field_paths(REPORTS[section]) - {"model"}
-    for base in bases(section):  # what the sections it extends name is not named again
-        fields -= field_paths(REPORTS[base])
     if section == "lens --prompts":
         fields |= PER_PROMPT_LINE
     documented = DOCUMENTED[section]
     assert sorted(fields - documented) == [], "fields docs/json.md does not name"
     assert sorted(documented - fields) == [], "names in docs/json.md that are no field"
+    # the optional parts are named in the subsections, every other field in the table
+    parts = {f.name for f in dataclasses.fields(REPORTS[section]) if PART in f.metadata}
+    top = {name for name in TABLES[section] if "." not in name} - {"model"}
+    assert top == {name for name in fields if "." not in name} - parts
+    subs = {sub for mode, subs in MODES.items() if shape(mode) == section for sub in subs}
+    named = set().union(*(SUBSECTIONS[sub] for sub in subs))
+    assert {name for name in named if "." not in name} == parts
 
 
 def filled(value: dict[str, Any], prefix: str = "") -> set[str]:
@@ -374,7 +374,7 @@ def _check_output(section: str, objects: list[dict[str, Any]]) -> None:
             _names_every_field(each, line, extra=PER_PROMPT_LINE)
     else:
         assert len(objects) == 1
-    assert last["command"] == REPORTS[section].command
+    assert last["command"] == REPORTS[shape(section)].command
     _names_every_field(section, last)
 
 

@@ -107,20 +107,18 @@ class _Shown:
                 f"{summary.n_prompts} prompts: its rows are not faithful for this architecture "
                 "(run one of them alone to see the suspect step)"
             )
-        from embedlens.reports.lens_diff import LensPairSummaryReport
-
-        pair = summary if isinstance(summary, LensPairSummaryReport) else None
-        if pair is not None and pair.diff.n_against_unfaithful:
+        diff = summary.diff
+        if diff is not None and diff.n_against_unfaithful:
             warn(
-                f"the lens does not reproduce the logits of '{pair.diff.against}' on "
-                f"{pair.diff.n_against_unfaithful} of {summary.n_prompts} prompts: its rows "
+                f"the lens does not reproduce the logits of '{diff.against}' on "
+                f"{diff.n_against_unfaithful} of {summary.n_prompts} prompts: its rows "
                 "are not faithful for this architecture"
             )
         self.notes(summary.notes)
-        if plot is not None and pair is not None:
+        if plot is not None and diff is not None:
             from embedlens.views.diff_curves import save_diff_curves
 
-            save_diff_curves(pair, plot)
+            save_diff_curves(summary, plot)
             note(f"wrote {plot}")
         elif plot is not None:
             from embedlens.views.curves import save_curves

@@ -11,7 +11,7 @@ from embedlens.errors import UsageError
 from embedlens.options import LensOptions, LoadOptions
 
 if TYPE_CHECKING:
-    from embedlens.reports.states import StatesLensReport
+    from embedlens.reports.lens import LensReport
 
 
 def run_states(model: str, given: dict[str, Any], load: LoadOptions, asked: LensOptions) -> None:
@@ -40,7 +40,7 @@ def run_states(model: str, given: dict[str, Any], load: LoadOptions, asked: Lens
                         threshold=asked.threshold)  # fmt: skip
     layers, against = given["state_layers"], given["against"]
 
-    def work() -> StatesLensReport:
+    def work() -> LensReport:
         return lens_states(model, states or Path(), state_layers=layers, load=taken,
                            options=shown, against=against,
                            against_revision=given["against_revision"])  # fmt: skip
@@ -67,7 +67,7 @@ _NOT_WITH = {
 """What a states file refuses, by option and `lens`'s argument."""
 
 
-def _say(report: StatesLensReport) -> None:
+def _say(report: LensReport) -> None:
     """On stderr: a check that failed or was not made, then the notes."""
     from embedlens.cli._output import warn
 

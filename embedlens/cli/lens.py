@@ -436,12 +436,10 @@ def _check_one(plot: Path | None, compare_logit: bool) -> None:
 def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> None:
     """On stderr: the not-faithful warnings and the notes; then the plot, when one was asked
     for (with --against: the KL curves, else the heatmap)."""
-    from embedlens.reports.lens_diff import LensPairReport
-
-    pair = report if isinstance(report, LensPairReport) else None
+    diff = report.diff
     checks = [("this model's logits", report.check)]
-    if pair is not None:
-        checks.append((f"the logits of '{pair.diff.against}'", pair.diff.against_check))
+    if diff is not None:
+        checks.append((f"the logits of '{diff.against}'", diff.against_check))
     for whose, c in checks:
         if not c.ok:
             warn(
@@ -452,10 +450,10 @@ def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> No
     say_notes(report)
     if saved is not None:
         note(f"wrote the states to {saved}")
-    if plot is not None and pair is not None:
+    if plot is not None and diff is not None:
         from embedlens.views.diff_curves import save_diff_curves
 
-        save_diff_curves(pair, plot)
+        save_diff_curves(report, plot)
         note(f"wrote {plot}")
     elif plot is not None:
         from embedlens.views.heatmap import save_heatmap

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 SHOWN_ONLY = {"json": False}
 """`field(metadata=SHOWN_ONLY)`: a field that says how a report is shown, left out of its JSON."""
+PART = "part"
+"""Field metadata of an optional part: when the part is in the JSON (`part`)."""
 SCHEMA_VERSION = 1
 
 R = TypeVar("R", bound="Report")
@@ -57,8 +59,8 @@ class Report:
             "model": body["model"],
         }
         fields: dict[str, dataclasses.Field[Any]] = getattr(self, "__dataclass_fields__", {})
-        shown_only = {name for name, f in fields.items() if not f.metadata.get("json", True)}
-        out.update((k, v) for k, v in body.items() if k not in out and k not in shown_only)
+        left_out = {name for name, f in fields.items() if not _written(self, f)}
+        out.update((k, v) for k, v in body.items() if k not in out and k not in left_out)
         return out
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -78,6 +80,23 @@ class Report:
     def _repr_html_(self) -> str:
         """The same tables as HTML, for Jupyter."""
         return _registered(_HTML, type(self))(self)
+
+
+def part(written: Callable[[Any], bool] | None = None) -> dict[str, Any]:
+    """`field(default=None, metadata=part())`: an optional part of a report, in its JSON only when
+    it is set (not None); given `written`, only when `written(report)` holds (a part that comes
+    with another, written as null when that one is set without it)."""
+    return {PART: written}
+
+
+def _written(report: Report, f: dataclasses.Field[Any]) -> bool:
+    """Whether the field is in the report's JSON (not SHOWN_ONLY; an optional part when set)."""
+    if not f.metadata.get("json", True):
+        return False
+    if PART not in f.metadata:
+        return True
+    written = f.metadata[PART]
+    return getattr(report, f.name) is not None if written is None else bool(written(report))
 
 
 def register_view(kind: type[R], render: Callable[[R], RenderableType]) -> None:

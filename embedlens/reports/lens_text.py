@@ -1,11 +1,13 @@
-"""The `lens --text` report: the lens's statistics over every scored token of a text."""
+"""The `lens --text` report: the lens's statistics over every scored token of a text; with
+--site, a row per (layer, site) and the parts --site adds (`sites`, `block_sums`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from embedlens.reports import Report
+from embedlens.reports import Report, part
+from embedlens.reports.lens import BlockSums
 from embedlens.text import model_title
 
 
@@ -76,8 +78,29 @@ class TextPairOutput:
 
 
 @dataclass(frozen=True)
+class TextSiteLayer(TextLayer):
+    """One (layer, site) row of `lens --text --site`: a site's statistics over the scored
+    tokens, its rows decoded as the residual stream's are (attn_out and mlp_out: the piece
+    alone, directly)."""
+
+    site: str = "resid"
+    row: str = ""
+
+
+@dataclass(frozen=True)
+class TextSitePairLayer(TextPairLayer):
+    """One (layer, site) row of `lens --text --against --site`: llama-perplexity's figures of
+    A's site rows against B's (each through its own decoder) over the scored tokens;
+    `residual_kl` is given on the residual stream's rows alone."""
+
+    site: str = "resid"
+    row: str = ""
+
+
+@dataclass(frozen=True)
 class LensTextReport(Report):
-    """The lens over a text (`lens --text`): per layer, over every scored token."""
+    """The lens over a text (`lens --text`): per layer, over every scored token (with --site:
+    per (layer, site))."""
 
     command: ClassVar[str] = "lens"
     model: str
@@ -99,7 +122,7 @@ class LensTextReport(Report):
     perplexity: float
     """exp(mean cross-entropy) of the model's own output."""
     perplexity_err: float
-    layers: list[TextLayer]
+    layers: list[TextLayer] | list[TextSiteLayer]
     """The logit lens (with --tuned: the tuned lens, the logit lens in `logit_layers`)."""
     lens: str = "logit"
     """'logit' or 'tuned'."""
@@ -109,13 +132,17 @@ class LensTextReport(Report):
     """With --against or --against-logits: the reference side (llama.cpp's 'base')."""
     evaluated: str | None = None
     """The evaluated side (llama.cpp's 'Q')."""
-    pair: list[TextPairLayer] | None = None
+    pair: list[TextPairLayer] | list[TextSitePairLayer] | None = None
     pair_output: TextPairOutput | None = None
     check_ok: bool = True
     """Decoding the last block's output reproduced the model's logits (first window)."""
     max_abs_logit_diff: float = 0.0
     summary: bool = True
     notes: list[str] = field(default_factory=list)
+    sites: list[str] | None = field(default=None, metadata=part())
+    """With --site (a site other than resid): the sites asked for; `layers` (and with --against,
+    `pair`) then hold a row per (layer, site) in block order."""
+    block_sums: BlockSums | None = field(default=None, metadata=part(lambda r: r.sites is not None))
 
     @property
     def display_model(self) -> str:

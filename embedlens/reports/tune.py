@@ -1,16 +1,13 @@
-"""The `tune` report (a lens fitted, and its held-out evaluation), and the lens reports of a run
-through a tuned lens (`lens --tuned`): the logit lens's reports with the lens that drew them."""
+"""The `tune` report (a lens fitted, and its held-out evaluation), and the tuned lens a lens
+report was read through (`lens --tuned`: the report's `tuned`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from embedlens.reports import Report
-from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
-from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
 
 
 @dataclass(frozen=True)
@@ -83,64 +80,3 @@ class TunedLens:
     """The model it was tuned on, as its config.json names it."""
     num_layers: int
     """Layers with a translator: 0..num_layers-1 (the model's output has none)."""
-
-
-@dataclass(frozen=True)
-class TunedLensReport(LensReport):
-    """`lens --tuned`: the lens report of one prompt, every layer but the last decoded through
-    the tuned lens's translator, then the model's own decoder."""
-
-    tuned: TunedLens | None = None
-
-
-@dataclass(frozen=True)
-class TunedLensSummaryReport(LensSummaryReport):
-    """`lens --prompts --tuned`: the summary over many prompts through the tuned lens; with
-    `--compare-logit`, the logit lens's statistics over the same prompts beside it."""
-
-    tuned: TunedLens | None = None
-    logit_layers: list[LensLayerStats] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class TunedLensPairReport(LensPairReport):
-    """`lens --tuned --against`: A's lens report and B's `diff`, both models read through the
-    tuned lens (tuned on A), each then through its own model's tail."""
-
-    tuned: TunedLens | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class TunedLensPairSummaryReport(LensPairSummaryReport):
-    """`lens --prompts --tuned --against`: the pair's summary over many prompts, both models read
-    through the tuned lens (tuned on A)."""
-
-    tuned: TunedLens | None = None
-
-
-def tuned_pair_report(report: LensPairReport, tuned: TunedLens) -> TunedLensPairReport:
-    """A pair's report as drawn through the tuned lens `tuned` on both sides."""
-    return TunedLensPairReport(**_values(report), tuned=tuned)
-
-
-def tuned_pair_summary(
-    report: LensPairSummaryReport, tuned: TunedLens
-) -> TunedLensPairSummaryReport:
-    """A pair's summary as drawn through the tuned lens `tuned` on both sides."""
-    return TunedLensPairSummaryReport(**_values(report), tuned=tuned)
-
-
-def tuned_report(report: LensReport, tuned: TunedLens) -> TunedLensReport:
-    """One prompt's lens report as drawn through the tuned lens `tuned`."""
-    return TunedLensReport(**_values(report), tuned=tuned)
-
-
-def tuned_summary(
-    report: LensSummaryReport, tuned: TunedLens, logit_layers: list[LensLayerStats] | None
-) -> TunedLensSummaryReport:
-    """The summary over many prompts as drawn through `tuned`, with the logit lens's beside."""
-    return TunedLensSummaryReport(**_values(report), tuned=tuned, logit_layers=logit_layers)
-
-
-def _values(report: Report) -> dict[str, Any]:
-    return {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}  # type: ignore[arg-type]

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.views.curves import save_figure
 
-Pair = LensPairReport | LensPairSummaryReport
+Pair = LensReport | LensSummaryReport
+"""A lens report with its `diff`."""
 
 
 def figure(report: Pair) -> Any:
@@ -25,6 +26,7 @@ def figure(report: Pair) -> Any:
     import matplotlib.pyplot as plt
 
     d = report.diff
+    assert d is not None
     layers = [row.layer for row in d.layers]
     fig, ax = plt.subplots(figsize=(7.0, 3.8))
     ax.plot(layers, [row.kl for row in d.layers], marker="o", markersize=3, label="KL(A ‖ B)")
@@ -56,9 +58,10 @@ def figure(report: Pair) -> Any:
 def _title(report: Pair) -> str:
     where = (
         f"over {report.n_prompts} prompts"
-        if isinstance(report, LensPairSummaryReport)
+        if isinstance(report, LensSummaryReport)
         else f"at position {report.position_index}"
     )
+    assert report.diff is not None
     return f"{report.display_model} (A) against {report.diff.against} (B), {where}"
 
 

@@ -1,4 +1,5 @@
-"""How the `lens` report is shown: the prompt's tokens, a row per layer, the grid and the self-check."""
+"""How the `lens` report is shown without its optional parts: the prompt's tokens, a row per
+layer, the grid and the self-check (`lens_report` adds the parts' tables)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from collections.abc import Sequence
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from embedlens.reports import register_view
-from embedlens.reports.lens import LensReport, Prediction
-from embedlens.reports.states import StatesSource
+from embedlens.reports.lens import LensReport, Prediction, StatesSource
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 
 NEXT_SHOWN = 100
@@ -52,7 +51,7 @@ def render(r: LensReport) -> RenderableType:
     if r.grid is not None:
         parts.append(_render_grid(r))
     parts.append(render_check(r))
-    tuned = getattr(r, "tuned", None)
+    tuned = r.tuned
     if tuned is not None:
         parts.append(
             shown(
@@ -97,7 +96,7 @@ def _render_grid(r: LensReport) -> Sheet:
 
 
 def render_check(r: LensReport) -> Text:
-    states = getattr(r, "states", None)
+    states = r.states
     if states is not None:  # lens --states: the check against the file, or why none was made
         return render_states_check(r, states)
     c = r.check
@@ -120,9 +119,6 @@ def render_check(r: LensReport) -> Text:
             )
         )
     return line
-
-
-register_view(LensReport, render)
 
 
 def render_states_check(r: LensReport, states: StatesSource) -> Text:

@@ -10,9 +10,7 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from embedlens.reports import register_view
-from embedlens.reports.lens import LensCheck
-from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+from embedlens.reports.lens import LensCheck, LensReport, LensSummaryReport
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 from embedlens.views.lens import render_states_check
 
@@ -31,9 +29,10 @@ def layer_label(layer: int, num_layers: int, first: int | None) -> str:
     return label + (MARK if layer == first else "")
 
 
-def render(r: LensPairReport) -> RenderableType:
+def render(r: LensReport) -> RenderableType:
     """The prompt's tokens, the table of A against B, and both self-checks."""
     d = r.diff
+    assert d is not None
     tokens = Words("tokens: ")
     for i, t in enumerate(r.tokens):
         tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
@@ -77,13 +76,12 @@ def render(r: LensPairReport) -> RenderableType:
         delta = Words("Δ log p: B's log-probability of ").token(r.target.token).add(" minus A's")
     shown_layers = {row.layer for row in r.layers}
     legend = _legend(d.first_divergent_layer, d.threshold, delta=delta, shown_layers=shown_layers)
-    states = getattr(r, "states", None)  # A from a states file: its check said on its own line
+    states = r.states  # A from a states file: its check said on its own line
     lines = [legend, _checks(None if states is not None else r.check, d.against_check)]
     if states is not None:
         lines.append(render_states_check(r, states))
-    tuned = getattr(r, "tuned", None)
-    if tuned is not None:
-        lines.append(_through_tuned(tuned.path, r.num_layers))
+    if r.tuned is not None:
+        lines.append(_through_tuned(r.tuned.path, r.num_layers))
     return Group(tokens, table, *lines)
 
 
@@ -96,9 +94,10 @@ def _through_tuned(path: str, num_layers: int) -> Words:
     )
 
 
-def render_summary(r: LensPairSummaryReport) -> RenderableType:
+def render_summary(r: LensSummaryReport) -> RenderableType:
     """The per-layer means of A against B over every prompt and position read."""
     d = r.diff
+    assert d is not None
     title = (
         f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B) over {r.n_prompts} "
         f"prompts ({r.n_positions} positions, {r.dtype})"
@@ -175,7 +174,3 @@ def _checks(a: LensCheck | None, b: LensCheck) -> Text:
     line = Words().add("✓ " if ok else "✗ NOT FAITHFUL ", style="green" if ok else "bold red")
     mine = "" if a is None else f"{one('A', a)}; "
     return line.add(shown(f"self-check: {mine}{one('B', b)}."))
-
-
-register_view(LensPairReport, render)
-register_view(LensPairSummaryReport, render_summary)

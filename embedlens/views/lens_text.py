@@ -11,8 +11,13 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.lens_text import LensTextReport, TextLayer, TextPairLayer
-from embedlens.reports.sites import LensTextSitesReport, TextSiteLayer, TextSitePairLayer
+from embedlens.reports.lens_text import (
+    LensTextReport,
+    TextLayer,
+    TextPairLayer,
+    TextSiteLayer,
+    TextSitePairLayer,
+)
 from embedlens.views.format import Sheet, shown
 from embedlens.views.sites import row_label, sums_line
 
@@ -52,8 +57,8 @@ def render(r: LensTextReport) -> RenderableType:
 def _one(r: LensTextReport) -> RenderableType:
     name = "Tuned lens" if r.lens == "tuned" else "Logit lens"
     title = f"{name} of {r.display_model} over a text: {_over(r)}"
-    sites = isinstance(r, LensTextSitesReport)
-    if isinstance(r, LensTextSitesReport):
+    sites = r.sites is not None
+    if r.sites is not None:
         title += f"; sites {', '.join(r.sites)}"
     table = Sheet(title=shown(title, "table.title"))
     cols = ["layer", "CE (nats)", "± ", "bits/byte", "KL to output", "entropy", "top-1 acc"]
@@ -75,7 +80,7 @@ def _one(r: LensTextReport) -> RenderableType:
     if sites:
         line += " attn_out and mlp_out rows: the piece decoded directly."
     parts: list[RenderableType] = [table, Text(line, style="dim")]
-    if isinstance(r, LensTextSitesReport) and r.block_sums is not None:
+    if r.block_sums is not None:
         parts.append(sums_line(r.block_sums, reads=False))
     return Group(*parts)
 
@@ -122,7 +127,7 @@ def _pair(r: LensTextReport) -> RenderableType:
         "llama-perplexity's definitions at every layer (docs/text.md): KL in nats; Δp = "
         "p_Q(true token) - p_base(true token)."
     )
-    if isinstance(r, LensTextSitesReport):
+    if r.sites is not None:
         line += " Each model's site rows through its own lens; residual KL: resid rows alone."
     return Group(kl, probs, Text(line, style="dim"))
 
@@ -177,4 +182,3 @@ def save_text_curves(r: LensTextReport, path: Path) -> None:
 
 
 register_view(LensTextReport, render)
-register_view(LensTextSitesReport, render)

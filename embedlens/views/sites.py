@@ -1,30 +1,25 @@
-"""How `lens --site` is shown: a row per (layer, site), what each piece does to the lens, the
-check that the pieces add up, then the lens's own self-check."""
+"""How a lens report's `sites` part is shown: a row per (layer, site), what each piece does to
+the lens, the check that the pieces add up, then the lens's own self-check; with `diff` too,
+where inside the blocks the two models part."""
 
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from embedlens.reports import register_view
-from embedlens.reports.sites import (
+from embedlens.reports.lens import (
     BlockSums,
-    LensSitesPairReport,
-    LensSitesPairSummaryReport,
-    LensSitesReport,
-    LensSitesSummaryReport,
+    LensReport,
+    LensSummaryReport,
     SiteDiffStats,
     SiteGridRow,
     SiteLayer,
     SiteStats,
-    TextSiteLayer,
-    TextSitePairLayer,
 )
+from embedlens.reports.lens_text import TextSiteLayer, TextSitePairLayer
 from embedlens.views.format import Sheet, Words, prob, quoted, shown
 from embedlens.views.lens import render_check, runners_up
 from embedlens.views.lens_diff import nats
-from embedlens.views.lens_diff import render as render_pair
-from embedlens.views.lens_diff import render_summary as render_pair_summary
 
 GAINED_SHOWN = 3
 """Tokens a piece raised most that its row shows."""
@@ -43,8 +38,9 @@ def row_label(
     return label
 
 
-def render(r: LensSitesReport) -> RenderableType:
+def render(r: LensReport) -> RenderableType:
     """The prompt's tokens, the rows, the grid, the blocks' sums and the self-check."""
+    assert r.sites is not None
     tokens = Words("tokens: ")
     for i, t in enumerate(r.tokens):
         tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
@@ -60,7 +56,7 @@ def render(r: LensSitesReport) -> RenderableType:
     return Group(*parts)
 
 
-def _table(r: LensSitesReport, title: Words) -> Sheet:
+def _table(r: LensReport, title: Words) -> Sheet:
     table = Sheet(title=title)
     table.add_column("row", justify="right", no_wrap=True)
     table.add_column("read", no_wrap=True)
@@ -100,7 +96,7 @@ def _change_cells(row: SiteLayer) -> list[Text | str]:
     return [f"{row.change.kl:.3g}", gained]
 
 
-def _grid(r: LensSitesReport) -> Sheet:
+def _grid(r: LensReport) -> Sheet:
     assert r.grid is not None
     grid = Sheet(title="Top-1 at every row (layer and site) and position (columns)")
     grid.add_column("row", justify="right", no_wrap=True)
@@ -137,7 +133,7 @@ def sums_line(s: BlockSums, reads: bool = True) -> Text:
     return line
 
 
-def render_summary(r: LensSitesSummaryReport) -> RenderableType:
+def render_summary(r: LensSummaryReport) -> RenderableType:
     """The statistics per (layer, site), a piece's change KL beside, and the blocks' sums."""
     table = Sheet(title=shown(f"Logit lens inside the blocks of {r.display_model} over "
                               f"{r.n_prompts} prompts ({r.n_positions} positions, {r.dtype})",
@@ -170,11 +166,13 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render_sites_pair(r: LensSitesPairReport | LensSitesPairSummaryReport) -> RenderableType:
-    """The pair's tables, then its rows inside the blocks and where the two models part (over
-    many prompts: the means)."""
-    many = isinstance(r, LensSitesPairSummaryReport)
-    over = f" over {r.n_prompts} prompts" if isinstance(r, LensSitesPairSummaryReport) else ""
+def render_sites_pair(
+    r: LensReport | LensSummaryReport, pair: RenderableType, over: str = ""
+) -> RenderableType:
+    """The pair's tables (`pair`), then its rows inside the blocks and where the two models part
+    (`over` many prompts: the means)."""
+    assert r.sites is not None and r.site_diff is not None and r.diff is not None
+    many = bool(over)
     table = Sheet(title=shown(f"Inside the blocks: {r.display_model} against "
                               f"{r.diff.against}{over} (sites {', '.join(r.sites)})", "table.title"))  # fmt: skip
     kl, top1 = ("mean KL(A ‖ B)", "top-1 agrees") if many else ("KL(A ‖ B)", "top-1")
@@ -193,14 +191,7 @@ def render_sites_pair(r: LensSitesPairReport | LensSitesPairSummaryReport) -> Re
     else:
         where = f"row {r.parts_at}: {r.parts_in}"
         line = f"The two first part at {where} ({mean}KL > {r.diff.threshold:g})."
-    pair = render_pair_summary(r) if isinstance(r, LensSitesPairSummaryReport) else render_pair(r)
     parts: list[RenderableType] = [pair, table, Text(line, style="bold")]
     if r.block_sums is not None:
         parts.append(sums_line(r.block_sums))
     return Group(*parts)
-
-
-register_view(LensSitesReport, render)
-register_view(LensSitesPairReport, render_sites_pair)
-register_view(LensSitesPairSummaryReport, render_sites_pair)
-register_view(LensSitesSummaryReport, render_summary)

@@ -1,5 +1,4 @@
-"""How the `tune` report is shown: the held-out table, logit lens against tuned lens per layer;
-and the lens reports drawn through a tuned lens (`lens --tuned`)."""
+"""How the `tune` report is shown: the held-out table, logit lens against tuned lens per layer."""
 
 from __future__ import annotations
 
@@ -7,14 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from embedlens.reports import register_view
-from embedlens.reports.tune import (
-    TunedLensPairReport,
-    TunedLensPairSummaryReport,
-    TunedLensReport,
-    TunedLensSummaryReport,
-    TuneReport,
-)
-from embedlens.views import lens, lens_diff, lens_summary
+from embedlens.reports.tune import TuneReport
 from embedlens.views.format import shown
 
 
@@ -72,7 +64,3 @@ def _ranges(layers: list[int]) -> str:
 
 
 register_view(TuneReport, render)
-register_view(TunedLensReport, lens.render)
-register_view(TunedLensSummaryReport, lens_summary.render)
-register_view(TunedLensPairReport, lens_diff.render)
-register_view(TunedLensPairSummaryReport, lens_diff.render_summary)

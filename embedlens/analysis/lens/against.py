@@ -42,8 +42,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.pair import PairStats
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import BadLine, PromptSource
-    from embedlens.reports.lens import LensReport
-    from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+    from embedlens.reports.lens import LensReport, LensSummaryReport
 
 T = TypeVar("T")
 
@@ -62,7 +61,7 @@ class Named:
 
 def lens_pair(
     pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",), tuned: LensFolder | None = None
-) -> LensPairReport:
+) -> LensReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
     inside the blocks the two part, with `sites` other than resid: `site_pair`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
@@ -87,9 +86,7 @@ def lens_pair(
         ra = _shown(ra_every, ask)
         report = one_report(oa, ask, run, ra)
         if described is not None:
-            from embedlens.reports.tune import tuned_report
-
-            report = tuned_report(report, described)
+            report = dataclasses.replace(report, tuned=described)
         a_sites = functools.partial(_site_logits, oa, run, sites, ra.layers)
         b_ran = (rb, named, b_sites)
         return paired(report, ra_every, b_ran, pair.threshold, oa.tokenizer, run.index, ra.layers,
@@ -105,7 +102,7 @@ def paired(
     index: int,
     shown: list[int],
     a_sites: tuple[Callable[[], Any], Sequence[str]],
-) -> LensPairReport:
+) -> LensReport:
     """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
     beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
     part there (`a_sites`: what reads A's rows there, once B's are read, and the sites)."""
@@ -173,7 +170,7 @@ def lens_pair_prompts(
     each: many.OnReport | None,
     tuned: LensFolder | None = None,
     sites: Sequence[str] = ("resid",),
-) -> LensPairSummaryReport:
+) -> LensSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
     other; A's summary with the per-layer means of B against it (with `tuned`, both read
     through that lens, as `lens_pair` reads one prompt; with `sites`, the rows inside the
@@ -228,7 +225,7 @@ def _together(
     source: PromptSource,
     pair: Callable[[Opened, Named], _PairRun],
     reading: tuple[LensFolder | None, Sequence[str]],
-) -> LensPairSummaryReport:
+) -> LensSummaryReport:
     """Both models loaded; B then A on each window of prompts (`reading`: the tuned lens and
     the sites)."""
     tuned, sites = reading
@@ -257,7 +254,7 @@ def _apart(
     pair: Callable[[Opened, Named], _PairRun],
     note: str,
     reading: tuple[LensFolder | None, Sequence[str]],
-) -> LensPairSummaryReport:
+) -> LensSummaryReport:
     """B on every prompt, its rows kept in a temporary folder, B freed; then A."""
     tuned, sites = reading
     with tempfile.TemporaryDirectory(prefix="embedlens-against-") as tmp:
@@ -387,7 +384,7 @@ class _PairRun:
                     pair = pair_sites(pair, inside, inside_b[i], self.sites, prompt.index)
                 self.each(pair, line)
 
-    def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensPairSummaryReport:
+    def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensSummaryReport:
         """A's summary with the means of B against it; `notes` after B's."""
         from embedlens.analysis.lens.pair_report import pair_summary
 

@@ -97,8 +97,8 @@ def lens(
     load: how to load the model (`LoadOptions`); options: what the lens is asked
         (`LensOptions`). Each field of either may be given as a keyword instead (`layers=`,
         `dtype=`, ...); a field given both ways is refused.
-    against: B, read on the same ids and loaded as `model` (but `against_revision`); the report
-        is then a `LensPairReport`, whose `diff` says where B parts from A (`threshold`: nats).
+    against: B, read on the same ids and loaded as `model` (but `against_revision`); the report's
+        `diff` then says where B parts from A (`threshold`: nats).
     save_states: a file for every layer's residual stream at every position (`lens_states`).
     site: 'resid' (default), 'resid_mid', 'attn_out', 'mlp_out' or several: docs/lens.md.
     Many prompts: `lens_prompts` (`lens(model, prompts=...)` calls it, deprecated).
@@ -161,9 +161,9 @@ def _one_prompt(
             save_run(save[0], opened, run, ask, save[1], sites)
         if described is None:
             return report
-        from embedlens.reports.tune import tuned_report
+        from dataclasses import replace
 
-        return tuned_report(report, described)
+        return replace(report, tuned=described)
 
 
 def lens_prompts(
@@ -195,9 +195,9 @@ def lens_prompts(
         returns for it) as it comes (formerly `each`, deprecated).
     progress: called as `progress("prompts", done, 0, "prompts")` after each window of prompts
         (`embedlens.progress.Progress`).
-    against: B (`against_tokenizer`: a loaded B's own, else A's is used); then a
-        `LensPairSummaryReport`, with `on_report` given each prompt's `LensPairReport` (with
-        `site`: the `LensSitesPairReport` `lens` gives, the summary comparing the sites too).
+    against: B (`against_tokenizer`: a loaded B's own, else A's is used); the summary then
+        has its `diff`, and `on_report` is given each prompt's report with its own (with `site`:
+        the report `lens` gives, the summary comparing the sites too).
     dist_backend: under torchrun (WORLD_SIZE > 1), the process group's backend ('auto', 'gloo'
         or 'nccl'): window w of the prompts runs on rank w mod WORLD_SIZE, `on_report` is called
         on rank 0 with every prompt's report in input order, every rank returns the summary.

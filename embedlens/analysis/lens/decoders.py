@@ -167,7 +167,7 @@ class Through:
     wrap: Wrap
     """Builds the tuned lens's decoder on the model's own."""
     described: TunedDescription
-    """What reports say of the lens (`tuned_report`, `tuned_summary`)."""
+    """What reports say of the lens (their `tuned`)."""
 
 
 def open_tuned(path: str | os.PathLike[str]) -> LensFolder:

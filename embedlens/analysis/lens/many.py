@@ -19,7 +19,6 @@ from embedlens.errors import UsageError
 from embedlens.model.prompts import BadLine, PromptLine, PromptSource
 from embedlens.progress import Progress, no_progress
 from embedlens.reports.lens import LensReport, LensSummaryReport
-from embedlens.reports.tune import tuned_report, tuned_summary
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
@@ -335,7 +334,9 @@ class ManyRun:
         around = (o.before, o.after)
         result = shown_rows(out.result, self.shown)
         report = lens_report(o.name, o.tokenizer, o.model, result, ask, prompt, around)
-        return report if self.through is None else tuned_report(report, self.through.described)
+        if self.through is None:
+            return report
+        return dataclasses.replace(report, tuned=self.through.described)
 
     def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         """The per-layer statistics of every prompt run so far."""
@@ -358,7 +359,7 @@ class ManyRun:
         if self.through is None:
             return summary
         logit = None if self.logit is None else self.logit[1].summary()
-        return tuned_summary(summary, self.through.described, logit)
+        return dataclasses.replace(summary, tuned=self.through.described, logit_layers=logit)
 
 
 def shown_rows(result: LensResult, shown: list[int]) -> LensResult:

@@ -20,7 +20,7 @@ from embedlens.analysis.lens.ranking import Top
 from embedlens.analysis.lens.stats import Sums
 from embedlens.analysis.lens.threads import one_thread
 from embedlens.errors import UnsupportedError
-from embedlens.reports.lens_diff import LensDiffLayerStats
+from embedlens.reports.lens import LensDiffLayerStats
 
 
 @dataclass(frozen=True)

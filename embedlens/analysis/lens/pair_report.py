@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.pair import LayerDiff, PairStats, first_above
 from embedlens.analysis.lens.prompt import token_text
-from embedlens.reports.lens import LensCheck, LensReport, LensSummaryReport, Prediction
-from embedlens.reports.lens_diff import (
+from embedlens.reports.lens import (
+    LensCheck,
     LensDiff,
     LensDiffLayer,
     LensDiffLayerStats,
-    LensPairReport,
-    LensPairSummaryReport,
+    LensReport,
     LensSummaryDiff,
+    LensSummaryReport,
+    Prediction,
 )
-from embedlens.reports.tune import tuned_pair_report, tuned_pair_summary
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.engine import LensResult
@@ -31,7 +31,7 @@ def pair_report(
     tokenizer: Any,
     notes: list[str],
     shown: list[int] | None = None,
-) -> LensPairReport:
+) -> LensReport:
     """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
     `pair.compare`; `b`: B's result); `notes` (B's) follow A's. `shown`: the layers the report
     holds when `diffs` has more (the first divergent layer is found among all of `diffs`)."""
@@ -61,10 +61,7 @@ def pair_report(
     c = b.check
     check = LensCheck(c.max_abs_logit_diff, c.tolerance, c.ok, c.top1_agrees, c.suspect)
     diff = LensDiff(against, threshold, first, layers, check)
-    fields = _with_notes(report, notes)
-    tuned = fields.pop("tuned", None)  # through a tuned lens: both sides were
-    pair = LensPairReport(**fields, diff=diff)
-    return pair if tuned is None else tuned_pair_report(pair, tuned)
+    return dataclasses.replace(report, notes=[*report.notes, *notes], diff=diff)
 
 
 def pair_summary(
@@ -74,22 +71,11 @@ def pair_summary(
     threshold: float,
     notes: list[str],
     shown: list[int] | None = None,
-) -> LensPairSummaryReport:
+) -> LensSummaryReport:
     """A's summary with, in `diff`, the per-layer means of B against it. `shown`: the layers the
     summary holds when `stats` has more (the first divergent layer is found among all)."""
     every = [LensDiffLayerStats(**row) for row in stats.means()]
     first = first_above([x.layer for x in every], [x.kl for x in every], threshold)
     layers = [x for x in every if shown is None or x.layer in shown]
     diff = LensSummaryDiff(against, threshold, first, layers, stats.n_against_unfaithful)
-    fields = _with_notes(summary, notes)
-    tuned = fields.pop("tuned", None)
-    fields.pop("logit_layers", None)  # --compare-logit is refused with --against
-    pair = LensPairSummaryReport(**fields, diff=diff)
-    return pair if tuned is None else tuned_pair_summary(pair, tuned)
-
-
-def _with_notes(report: LensReport | LensSummaryReport, notes: list[str]) -> dict[str, Any]:
-    """The report's fields, `notes` after its own."""
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    fields["notes"] = [*report.notes, *notes]
-    return fields
+    return dataclasses.replace(summary, notes=[*summary.notes, *notes], diff=diff)

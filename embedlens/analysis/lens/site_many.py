@@ -26,7 +26,7 @@ from embedlens.analysis.lens.site_report import (
 )
 from embedlens.analysis.lens.site_rows import PIECE, Key, before_after, decoded_rows
 from embedlens.analysis.lens.stats import LAYER_STATS, Sums
-from embedlens.reports.sites import BlockSums, LensSitesSummaryReport, SiteStats
+from embedlens.reports.lens import BlockSums, SiteStats
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
@@ -46,8 +46,8 @@ SITE_STATS = (*LAYER_STATS, "change_kl")
 
 
 class SiteManyRun(ManyRun):
-    """`ManyRun` with the sites inside the blocks: each prompt's report a `LensSitesReport`,
-    the summary a `LensSitesSummaryReport`."""
+    """`ManyRun` with the sites inside the blocks: each prompt's report and the summary with
+    their `sites` parts."""
 
     sites: tuple[str, ...] = ("resid",)
 
@@ -80,9 +80,8 @@ class SiteManyRun(ManyRun):
                     rows.append(SiteStats(**dataclasses.asdict(r), site=site, row=str(layer)))
                 elif (site, layer) in self._sums:
                     rows.append(_means(site, layer, self._sums[(site, layer)]))
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        fields["layers"] = rows
-        return LensSitesSummaryReport(**fields, sites=list(self.sites), block_sums=self._blocks)
+        sites = list(self.sites)
+        return dataclasses.replace(base, layers=rows, sites=sites, block_sums=self._blocks)
 
     def _merge(self, session: Session, ran: int) -> None:
         """Under torchrun: the sites' sums of every process added (in rank order) too."""

@@ -17,20 +17,14 @@ import torch
 from embedlens.analysis.lens.site_report import SITES, SUFFIX, sums, take_apart, worse
 from embedlens.analysis.lens.site_rows import Key, decoded_rows
 from embedlens.analysis.lens.stats import Sums
-from embedlens.reports.sites import (
-    BlockSums,
-    LensSitesPairReport,
-    LensSitesPairSummaryReport,
-    SiteDiff,
-    SiteDiffStats,
-)
+from embedlens.reports.lens import BlockSums, SiteDiff, SiteDiffStats
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.sites import Pieces
-    from embedlens.reports.lens_diff import LensPairReport, LensPairSummaryReport
+    from embedlens.reports.lens import LensReport, LensSummaryReport
 
 STREAM = {"attn_out": "attn", "resid_mid": "mid", "mlp_out": "mlp", "resid": "post"}
 """The stream each site's row decodes (resid: the block's output; layer 0: the embedding's)."""
@@ -104,8 +98,8 @@ def _in_block_order(keys: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 def pair_sites(
-    report: LensPairReport, a: SiteLogits, b: SiteLogits, sites: Sequence[str], read: int
-) -> LensSitesPairReport:
+    report: LensReport, a: SiteLogits, b: SiteLogits, sites: Sequence[str], read: int
+) -> LensReport:
     """A's pair report with the rows inside the blocks compared at the position `read`, and
     where the two part."""
     j = a.positions.index(read)
@@ -113,9 +107,9 @@ def pair_sites(
     for site, layer in _in_block_order(a.logprobs):
         kl, agree = _compared(a.logprobs[(site, layer)][j], b.logprobs[(site, layer)][j])
         rows.append(SiteDiff(layer, site, f"{layer}{SUFFIX[site]}", kl, agree))
-    base = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    assert report.diff is not None
     parts = _parts(rows, sites, report.diff.threshold)
-    return LensSitesPairReport(**base, **parts, site_diff=rows, block_sums=sums(a.pieces))
+    return dataclasses.replace(report, **parts, site_diff=rows, block_sums=sums(a.pieces))
 
 
 def _parts(
@@ -148,17 +142,15 @@ class SitePairStats:
                 acc.add("top1_agreement", int(agree))
         self.blocks = worse(self.blocks, sums(a.pieces))
 
-    def summary(
-        self, summary: LensPairSummaryReport, sites: Sequence[str]
-    ) -> LensSitesPairSummaryReport:
+    def summary(self, summary: LensSummaryReport, sites: Sequence[str]) -> LensSummaryReport:
         """The pair's summary with the means inside the blocks, and where the two part."""
         rows: list[SiteDiffStats] = []
         for site, layer in _in_block_order(self.sums):
             means = self.sums[(site, layer)].values(("kl", "top1_agreement"))
             rows.append(SiteDiffStats(layer, site, f"{layer}{SUFFIX[site]}", **means))
-        base = {f.name: getattr(summary, f.name) for f in dataclasses.fields(summary)}
+        assert summary.diff is not None
         parts = _parts(rows, sites, summary.diff.threshold)
-        return LensSitesPairSummaryReport(**base, **parts, site_diff=rows, block_sums=self.blocks)
+        return dataclasses.replace(summary, **parts, site_diff=rows, block_sums=self.blocks)
 
 
 def _half(row: SiteDiff | SiteDiffStats, sites: Sequence[str]) -> str:

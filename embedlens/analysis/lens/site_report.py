@@ -8,14 +8,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import UsageError
-from embedlens.reports.lens import GridCell, LensReport, Prediction, TargetAt
-from embedlens.reports.sites import (
+from embedlens.reports.lens import (
     BlockSums,
     Gained,
-    LensSitesReport,
+    GridCell,
+    LensReport,
+    Prediction,
     SiteChange,
     SiteGridRow,
     SiteLayer,
+    TargetAt,
 )
 
 if TYPE_CHECKING:
@@ -112,7 +114,7 @@ def read_sites(
     run: Prompt,
     result: LensResult,
     model: nn.Module,
-) -> LensSitesReport:
+) -> LensReport:
     """The lens's report with the rows of `sites` decoded from `pieces` (a model's blocks taken
     apart, or a states file's) through `decoder`, on `model`'s device."""
     import torch
@@ -140,7 +142,7 @@ def read_sites(
 
 def joined(
     report: LensReport, sites: Sequence[str], decoded: SiteRows, pieces: Pieces, tok: Tok
-) -> LensSitesReport:
+) -> LensReport:
     """The lens's report, a row per (layer, site asked) in block order."""
     own = {row.layer: row for row in report.layers}
     rows: list[SiteLayer] = []
@@ -151,9 +153,10 @@ def joined(
                 rows.append(SiteLayer(r.layer, r.top, r.target, site, str(layer)))
             elif layer >= 1:
                 rows.append(_row(decoded, site, layer, report.position_index, tok))
-    base = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    base.update(layers=rows, grid=_grid(report, sites, decoded, tok))
-    return LensSitesReport(**base, sites=list(sites), block_sums=sums(pieces))
+    grid = _grid(report, sites, decoded, tok)
+    return dataclasses.replace(
+        report, layers=rows, grid=grid, sites=list(sites), block_sums=sums(pieces)
+    )
 
 
 def sums(pieces: Pieces) -> BlockSums:

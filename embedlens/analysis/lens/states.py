@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.tail import Tail
     from embedlens.model.files import ModelFiles
     from embedlens.reports.lens import LensReport
-    from embedlens.reports.states import StatesLensReport
     from embedlens.reports.tune import TunedLens
 
 
@@ -45,7 +44,7 @@ def lens_states(
     against: str | os.PathLike[str] | None = None,
     against_revision: str | None = None,
     **keywords: Unpack[LensKeywords],
-) -> StatesLensReport:
+) -> LensReport:
     """The lens on the hidden states in `states` (a safetensors file: vLLM's hidden-states
     connector's, or `lens --save-states`'s), decoded with `model`'s own final norm, head and
     post-head steps, of which alone the tensors are read (a folder's safetensors or a GGUF file).
@@ -129,7 +128,7 @@ def _run(
     file: StatesFile,
     ask: checks.Ask,
     parts: Parts,
-) -> StatesLensReport:
+) -> LensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
     import dataclasses
 
@@ -161,7 +160,7 @@ def _run_on(
     file: StatesFile,
     ask: checks.Ask,
     parts: Parts,
-) -> StatesLensReport:
+) -> LensReport:
     """`_run` once the model's files are found: with a pair, B runs first on the file's ids (and
     is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
     import torch
@@ -464,12 +463,12 @@ def _check(
 
 def _states_report(
     report: LensReport, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
-) -> StatesLensReport:
+) -> LensReport:
     """The lens report (with sites, or B's diff) with where its states came from and what the
     check did."""
     import dataclasses
 
-    from embedlens.reports.states import StatesSource, states_report
+    from embedlens.reports.lens import StatesSource
 
     n_layers = len(tail.blocks.modules)
     why = file.why_not_checked(n_layers)
@@ -490,5 +489,4 @@ def _states_report(
         tensors_read=list(tail.read),
         metadata=dict(file.metadata),
     )
-    values = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    return states_report(values, tuned, source)
+    return dataclasses.replace(report, tuned=tuned, states=source)

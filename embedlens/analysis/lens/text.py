@@ -414,23 +414,24 @@ def _with_sites(
     itself for `resid` alone."""
     if sites == ("resid",):
         return report
-    from dataclasses import fields
+    from dataclasses import replace
 
     from embedlens.analysis.lens.site_report import worse
-    from embedlens.reports.sites import BlockSums, LensTextSitesReport, TextSiteLayer
-    from embedlens.reports.sites import TextSitePairLayer as Paired
+    from embedlens.reports.lens import BlockSums
+    from embedlens.reports.lens_text import TextSiteLayer
+    from embedlens.reports.lens_text import TextSitePairLayer as Paired
 
     blocks: BlockSums | None = None
     for w in totals.windows:
         assert w.blocks is not None
         blocks = worse(blocks, w.blocks)
-    values = {f.name: getattr(report, f.name) for f in fields(report)}
-    values["layers"] = _site_rows(totals, sites, TextSiteLayer, lambda s: totals.one(site=s))
+    pair = report.pair
     if paired:
-        residual = report.pair is not None and report.pair[0].residual_kl is not None
-        values["pair"] = _site_rows(totals, sites, Paired,
-                                    lambda s: totals.pair(residual and s == "resid", site=s))  # fmt: skip
-    return LensTextSitesReport(**values, sites=list(sites), block_sums=blocks)
+        residual = pair is not None and pair[0].residual_kl is not None
+        pair = _site_rows(totals, sites, Paired,
+                          lambda s: totals.pair(residual and s == "resid", site=s))  # fmt: skip
+    layers = _site_rows(totals, sites, TextSiteLayer, lambda s: totals.one(site=s))
+    return replace(report, layers=layers, pair=pair, sites=list(sites), block_sums=blocks)
 
 
 def _site_rows(

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from embedlens.reports.lens import BlockSums
 from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
-from embedlens.reports.sites import BlockSums
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""

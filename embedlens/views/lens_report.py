@@ -1,4 +1,7 @@
-"""How the `lens --prompts` summary is shown: one row per layer of statistics over the prompts."""
+"""How the two lens report shapes are shown, each with the parts it holds: one prompt's
+(`LensReport`: the lens's tables, or with `diff` A against B, with `sites` the rows inside the
+blocks, with both where inside them the two part) and the `--prompts` summary (the same, over
+the prompts: one row per layer of statistics)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,31 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.lens import LensLayerStats, LensSummaryReport
+from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
+from embedlens.views import lens, lens_diff, sites
 from embedlens.views.format import Sheet, lens_name, shown
 
 
-def render(r: LensSummaryReport) -> RenderableType:
+def render(r: LensReport) -> RenderableType:
+    """One prompt's tables, with its parts'."""
+    if r.sites is not None and r.diff is not None:
+        return sites.render_sites_pair(r, lens_diff.render(r))
+    if r.sites is not None:
+        return sites.render(r)
+    return lens_diff.render(r) if r.diff is not None else lens.render(r)
+
+
+def render_summary(r: LensSummaryReport) -> RenderableType:
+    """The summary's tables, with its parts'."""
+    if r.sites is not None and r.diff is not None:
+        over = f" over {r.n_prompts} prompts"
+        return sites.render_sites_pair(r, lens_diff.render_summary(r), over)
+    if r.sites is not None:
+        return sites.render_summary(r)
+    return lens_diff.render_summary(r) if r.diff is not None else _summary(r)
+
+
+def _summary(r: LensSummaryReport) -> RenderableType:
     """The per-layer table, and a line saying what it was taken over."""
     where = {-1: "the last position"}.get(r.position) if isinstance(r.position, int) else None
     if where is None:
@@ -20,7 +43,7 @@ def render(r: LensSummaryReport) -> RenderableType:
         f"({r.n_positions} positions, {r.dtype})"
     )
     table = Sheet(title=shown(title, "table.title"))
-    logit = {row.layer: row for row in getattr(r, "logit_layers", None) or []}
+    logit = {row.layer: row for row in r.logit_layers or []}
     names = ["KL (nats)", "entropy", "top-1 agrees"]
     if logit:  # --compare-logit: the logit lens beside the tuned lens
         names += ["logit KL", "logit top-1"]
@@ -68,4 +91,5 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-register_view(LensSummaryReport, render)
+register_view(LensReport, render)
+register_view(LensSummaryReport, render_summary)
