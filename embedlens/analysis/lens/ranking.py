@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from embedlens.analysis.lens.stats import ROW_STATS, Scored, row_stats
+from embedlens.analysis.lens.stats import ROW_STATS, RowValues, Scored, row_stats
 from embedlens.analysis.lens.threads import one_thread
 
 LSE_ROWS = 64
@@ -36,7 +36,7 @@ class Top:
     target_rank: int | None = None
     """1 + the real tokens ranked above the target: a higher logit, or the same and a lower id."""
     target_logprob: float | None = None
-    stats: dict[str, float | None] = field(default_factory=dict)
+    stats: RowValues = field(default_factory=dict)
     """The row's `stats.ROW_STATS`, by name."""
 
 
@@ -83,7 +83,7 @@ def _row_stats(
     real_vocab: int,
     targets: Sequence[int | None],
     nexts: Sequence[int | None] | None,
-) -> list[dict[str, float | None]]:
+) -> list[RowValues]:
     """Each row's `stats.ROW_STATS` (`nexts`: each row's next token, None: unknown)."""
     if not ROW_STATS:
         return [{} for _ in range(x.shape[0])]

@@ -53,8 +53,9 @@ class Scored:
 class RowStat:
     """A statistic each decoded row gives, and how the reductions keep it."""
 
-    values: Callable[[Scored], list[float | None]]
-    """Its value at each row of a chunk (None where the row has none)."""
+    values: Callable[[Scored], list[Any]]
+    """Its value at each row of a chunk, as its report field types it (None where the row has
+    none)."""
     summary: str
     """The name of its reduction's report field."""
     median: bool = False
@@ -65,7 +66,11 @@ ROW_STATS: dict[str, RowStat] = {}
 """The per-row statistics, by the name a row's report field has."""
 
 
-def row_stats(scored: Scored) -> list[dict[str, float | None]]:
+RowValues = dict[str, Any]
+"""A row's `ROW_STATS` by name, each as its report field types it (None where it has none)."""
+
+
+def row_stats(scored: Scored) -> list[RowValues]:
     """Every `ROW_STATS` statistic at each row of a chunk."""
     values = {name: stat.values(scored) for name, stat in ROW_STATS.items()}
     return [{name: v[r] for name, v in values.items()} for r in range(int(scored.x.shape[0]))]
@@ -76,7 +81,7 @@ def next_ids(ids: Sequence[int], positions: Iterable[int]) -> list[int | None]:
     return [int(ids[p + 1]) if 0 <= p + 1 < len(ids) else None for p in positions]
 
 
-def add_row(acc: Sums, stats: dict[str, float | None], prefix: str = "") -> None:
+def add_row(acc: Sums, stats: RowValues, prefix: str = "") -> None:
     """One row's `ROW_STATS` values added to `acc`, each under its summary's name (`prefix`
     before it: the other side of a comparison)."""
     for name, value in stats.items():

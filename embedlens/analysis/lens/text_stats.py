@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -156,7 +157,7 @@ class TextTotals:
         result: np.ndarray = out
         return result
 
-    def _rows(self, key: str, site: str, prefix: str = "") -> list[dict[str, float | None]]:
+    def _rows(self, key: str, site: str, prefix: str = "") -> list[dict[str, Any]]:
         """Each layer's `ROW_STATS` over every window (in window order), by report field."""
         if not ROW_STATS:
             return [{} for _ in self.layers]
