@@ -158,7 +158,8 @@ class TextTotals:
         return result
 
     def _rows(self, key: str, site: str, prefix: str = "") -> list[dict[str, Any]]:
-        """Each layer's `ROW_STATS` over every window (in window order), by report field."""
+        """Each layer's `ROW_STATS` over every window (in window order), by report field
+        (`prefix` before each name: the evaluated side's)."""
         if not ROW_STATS:
             return [{} for _ in self.layers]
         each = [(w if site == "resid" else w.sites[site]).rows[key] for w in self.windows]
@@ -167,8 +168,8 @@ class TextTotals:
             acc = Sums()
             for part in each:
                 acc.update(part[i])
-            names = [prefix + stat.summary for stat in ROW_STATS.values()]
-            out.append(acc.values(names))
+            values = acc.values(stat.summary for stat in ROW_STATS.values())
+            out.append({prefix + name: value for name, value in values.items()})
         return out
 
     def one(self, logit: bool = False, site: str = "resid") -> list[TextLayer]:
