@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from embedlens.analysis.lens.stats import ROW_STATS, RowValues, Scored, row_stats
+from embedlens.analysis.lens.stats import RowValues, row_stats, target_ranks
 from embedlens.analysis.lens.threads import one_thread
 
 LSE_ROWS = 64
@@ -65,32 +65,6 @@ def best(real: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def target_ranks(
-    x: torch.Tensor, real: torch.Tensor, rows: list[int], tids: list[int]
-) -> list[int]:
-    """The rank of token tids[j] in row rows[j]: 1 + the real tokens of a higher logit, or of the
-    same logit and a lower id."""
-    tid = torch.tensor(tids, device=x.device)
-    at = torch.tensor(rows, device=x.device)
-    value = x[at, tid][:, None]
-    sub = real[at]
-    lower = torch.arange(sub.shape[1], device=x.device)[None, :] < tid[:, None]
-    return ((sub > value).sum(-1) + ((sub == value) & lower).sum(-1) + 1).tolist()
-
-
-def _row_stats(
-    x: torch.Tensor,
-    real_vocab: int,
-    targets: Sequence[int | None],
-    nexts: Sequence[int | None] | None,
-) -> list[RowValues]:
-    """Each row's `stats.ROW_STATS` (`nexts`: each row's next token, None: unknown)."""
-    if not ROW_STATS:
-        return [{} for _ in range(x.shape[0])]
-    after = [None] * len(targets) if nexts is None else nexts
-    return row_stats(Scored(x, real_vocab, targets, after))
-
-
 def exact_tops(
     logits: torch.Tensor,
     k: int,
@@ -109,7 +83,7 @@ def exact_tops(
     with one_thread():  # a reduction to one value is split between threads: same bytes on any
         lses = [torch.logsumexp(x[r].double(), dim=-1) for r in range(x.shape[0])]
     ranks = [] if target is None else target_ranks(x, real, list(range(len(x))), [target] * len(x))
-    stats = _row_stats(x, real_vocab, [target] * len(x), nexts)
+    stats = row_stats(x, real_vocab, [target] * len(x), nexts)
     out: list[Top] = []
     for r, lse in enumerate(lses):
         at: dict[str, Any] = {}
@@ -162,7 +136,7 @@ def tops_from_log_softmax(
         probs, logprobs = lp.exp().tolist(), lp.tolist()
         at = {r: (probs[j], int(ranks[j]), logprobs[j]) for j, r in enumerate(rows)}
     id_rows, logprob_rows, prob_rows = ids.tolist(), chosen.tolist(), chosen.exp().tolist()
-    stats = _row_stats(x, real_vocab, targets, nexts)
+    stats = row_stats(x, real_vocab, targets, nexts)
     out = []
     for r in range(x.shape[0]):
         prob, rank, logprob = at.get(r, (None, None, None))

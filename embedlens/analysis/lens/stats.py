@@ -70,10 +70,35 @@ RowValues = dict[str, Any]
 """A row's `ROW_STATS` by name, each as its report field types it (None where it has none)."""
 
 
-def row_stats(scored: Scored) -> list[RowValues]:
-    """Every `ROW_STATS` statistic at each row of a chunk."""
+def row_stats(
+    x: torch.Tensor,
+    real_vocab: int,
+    targets: Sequence[int | None],
+    nexts: Sequence[int | None] | None = None,
+) -> list[RowValues]:
+    """Every `ROW_STATS` statistic at each row of a chunk of logits `x` (`targets`, `nexts`:
+    each row's --target and observed next token; None: none, or not known)."""
+    if not ROW_STATS:
+        return [{} for _ in range(x.shape[0])]
+    after = [None] * len(targets) if nexts is None else nexts
+    scored = Scored(x, real_vocab, targets, after)
     values = {name: stat.values(scored) for name, stat in ROW_STATS.items()}
-    return [{name: v[r] for name, v in values.items()} for r in range(int(scored.x.shape[0]))]
+    return [{name: v[r] for name, v in values.items()} for r in range(int(x.shape[0]))]
+
+
+def target_ranks(
+    x: torch.Tensor, real: torch.Tensor, rows: list[int], tids: list[int]
+) -> list[int]:
+    """The rank of token tids[j] in row rows[j]: 1 + the real tokens of a higher logit, or of the
+    same logit and a lower id (`ranking`'s order: equal logits, the lower id first)."""
+    import torch
+
+    tid = torch.tensor(tids, device=x.device)
+    at = torch.tensor(rows, device=x.device)
+    value = x[at, tid][:, None]
+    sub = real[at]
+    lower = torch.arange(sub.shape[1], device=x.device)[None, :] < tid[:, None]
+    return ((sub > value).sum(-1) + ((sub == value) & lower).sum(-1) + 1).tolist()
 
 
 def next_ids(ids: Sequence[int], positions: Iterable[int]) -> list[int | None]:

@@ -18,7 +18,7 @@ from torch import nn
 from embedlens.analysis.lens.blocks import Capture, Decoder, capture, find_blocks, input_device
 from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.ranking import rowdot
-from embedlens.analysis.lens.stats import ROW_STATS, Scored, Sums, add_row, row_stats
+from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
 from embedlens.analysis.lens.threads import threads_for
 
@@ -423,9 +423,9 @@ class TextRun:
         if not ROW_STATS:
             return
         each = rows.setdefault(key, [Sums() for _ in self.layers])
-        scored = Scored(logits, self.vocab, [None] * len(t), t.tolist())
-        for i, values in zip(at.tolist(), row_stats(scored), strict=True):
-            add_row(each[i], values)
+        values = row_stats(logits, self.vocab, [None] * len(t), t.tolist())
+        for i, row in zip(at.tolist(), values, strict=True):
+            add_row(each[i], row)
 
     @staticmethod
     def _decode(
