@@ -38,6 +38,9 @@ class LensLayer:
     layer: int
     top: list[Prediction]
     target: TargetAt | None = None
+    next_rank: int | None = None
+    """The rank (1 = top, by logit among real tokens) of --target's token, else of the observed
+    next token (None after the prompt's last)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class LensLayerStats:
     target_logprob: float | None
     target_rank_median: float | None
     """Over the prompts with a target (null without any); ranks by logit, 1 = top."""
+    next_rank_median: float | None = None
+    """The median `LensLayer.next_rank` over the rows that have one (null without any)."""
 
 
 @dataclass(frozen=True)

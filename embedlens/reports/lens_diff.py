@@ -31,6 +31,8 @@ class LensDiffLayer:
     """With a target: B's natural-log probability of it minus A's."""
     against_top: list[Prediction]
     """B's top-k at this layer (A's are the report's `layers`)."""
+    against_next_rank: int | None = None
+    """B's `next_rank` at this layer."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class LensDiffLayerStats:
     """The fraction of (prompt, position) where the two lenses' top-1 tokens are equal."""
     target_logprob_delta: float | None
     """Mean of B's log p(target) minus A's, over the rows with a target (null without any)."""
+    against_next_rank_median: float | None = None
+    """B's `next_rank_median`."""
 
 
 @dataclass(frozen=True)
