@@ -62,7 +62,23 @@ class RowStat:
     """Reduced to the median of its values (integers), else to their mean."""
 
 
-ROW_STATS: dict[str, RowStat] = {}
+def _next_rank(rows: Scored) -> list[int | None]:
+    """The rank of each row's target, else of its observed next token, among the real tokens
+    by logit (`target_ranks`: 1 = top, equal logits the lower id first)."""
+    tokens = [t if t is not None else n for t, n in zip(rows.targets, rows.nexts, strict=True)]
+    at = [r for r, t in enumerate(tokens) if t is not None]
+    out: list[int | None] = [None] * len(tokens)
+    if at:
+        real = rows.x[:, : rows.real_vocab]
+        ranked = target_ranks(rows.x, real, at, [int(tokens[r] or 0) for r in at])
+        for r, value in zip(at, ranked, strict=True):
+            out[r] = value
+    return out
+
+
+ROW_STATS: dict[str, RowStat] = {
+    "next_rank": RowStat(_next_rank, "next_rank_median", median=True),
+}
 """The per-row statistics, by the name a row's report field has."""
 
 
