@@ -119,7 +119,7 @@ def test_statistics_of_two_shares_add_up_to_those_of_all(tiny):
     statistics of every prompt, up to the order of float sums."""
     from embedlens import lens_prompts
     from embedlens.analysis.lens import many
-    from embedlens.analysis.lens.stats import LensStats
+    from embedlens.analysis.lens.many import LensStats
 
     rng = random.Random(3)
     prompts = [{"prompt": " ".join(rng.choices(WORDS, k=5)), "target": " king"} for _ in range(9)]

@@ -163,8 +163,9 @@ def test_summary_without_targets_has_null_target_keys(tiny, cli, tmp_path):
     assert summary["n_targets"] == 0 and summary["n_skipped"] == 0
     row = summary["layers"][0]
     assert set(row) == {"layer", "kl", "entropy", "top1_agreement", "target_prob",
-                        "target_logprob", "target_rank_median"}  # fmt: skip
+                        "target_logprob", "target_rank_median", "next_rank_median"}  # fmt: skip
     assert row["target_prob"] is None and row["target_rank_median"] is None
+    assert row["next_rank_median"] is None  # the last positions: no next token
 
 
 def test_position_list_reads_those_positions(tiny, cli, tmp_path):

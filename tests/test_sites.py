@@ -329,7 +329,9 @@ def test_smollm2_sums_and_pieces_as_plain_transformers(smollm2, smollm2_plain, c
     data = cli.json("lens", smollm2, prompt, "--site", "resid_mid,resid", "--layers", "20:")
     plain = cli.json("lens", smollm2, prompt, "--layers", "20:")
     resid = [row for row in data["layers"] if row["site"] == "resid"]
-    assert [{k: r[k] for k in ("layer", "top", "target")} for r in resid] == plain["layers"]
+    assert [{k: r[k] for k in ("layer", "top", "target", "next_rank")} for r in resid] == plain[
+        "layers"
+    ]
     for row in (r for r in data["layers"] if r["site"] == "resid_mid"):
         h = ref[row["layer"] - 1]
         with torch.no_grad():

@@ -46,6 +46,9 @@ class LensLayer:
     layer: int
     top: list[Prediction]
     target: TargetAt | None = None
+    next_rank: int | None = None
+    """The rank (1 = top, by logit among real tokens) of --target's token, else of the observed
+    next token (None after the prompt's last)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,8 @@ class LensLayerStats:
     target_logprob: float | None
     target_rank_median: float | None
     """Over the prompts with a target (null without any); ranks by logit, 1 = top."""
+    next_rank_median: float | None = None
+    """The median `LensLayer.next_rank` over the rows that have one (null without any)."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,8 @@ class LensDiffLayer:
     """With a target: B's natural-log probability of it minus A's."""
     against_top: list[Prediction]
     """B's top-k at this layer (A's are the report's `layers`)."""
+    against_next_rank: int | None = None
+    """B's `next_rank` at this layer."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,8 @@ class LensDiffLayerStats:
     """The fraction of (prompt, position) where the two lenses' top-1 tokens are equal."""
     target_logprob_delta: float | None
     """Mean of B's log p(target) minus A's, over the rows with a target (null without any)."""
+    against_next_rank_median: float | None = None
+    """B's `next_rank_median`."""
 
 
 @dataclass(frozen=True)

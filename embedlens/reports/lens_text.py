@@ -27,6 +27,8 @@ class TextLayer:
     """Mean entropy of the lens's distribution, nats."""
     top1_accuracy: float
     """The fraction of scored tokens the lens's top-1 is the true next token."""
+    next_rank_median: float | None = None
+    """The median rank (1 = top, by logit among real tokens) of the true next token."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class TextPairLayer:
     residual_kl: float | None
     """Mean KL(reference ‖ reference's decoder on the evaluated model's residual); None when
     the evaluated side is a logits file."""
+    against_next_rank_median: float | None = None
+    """The evaluated model's `TextLayer.next_rank_median`; None when the reference is a
+    logits file."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from embedlens.analysis.lens.engine import (
     tolerance,
 )
 from embedlens.analysis.lens.ranking import Top, rowdot, tops_from_log_softmax
+from embedlens.analysis.lens.stats import next_ids
 from embedlens.analysis.lens.threads import threads_for
 
 BATCH_TOKENS = 512
@@ -289,11 +290,14 @@ class _Decode:
         the top-1 elsewhere (with the target in both)."""
         k, vocab = self.lens.k, self._vocab()
         full = [j for j, (b, p) in enumerate(where) if self.items[b].read in (None, p)]
+        nexts = [next_ids(self.items[b].ids, [p])[0] for b, p in where]
         if k == 1 or len(full) == len(where):
-            return tops_from_log_softmax(x, lx, k, vocab, targets)
-        tops = tops_from_log_softmax(x, lx, 1, vocab, targets)
+            return tops_from_log_softmax(x, lx, k, vocab, targets, nexts)
+        tops = tops_from_log_softmax(x, lx, 1, vocab, targets, nexts)
         if full:
-            chosen = tops_from_log_softmax(x[full], lx[full], k, vocab, [targets[j] for j in full])
+            chosen = tops_from_log_softmax(
+                x[full], lx[full], k, vocab, [targets[j] for j in full], [nexts[j] for j in full]
+            )
             for j, top in zip(full, chosen, strict=True):
                 tops[j] = top
         return tops

@@ -25,6 +25,7 @@ from embedlens.analysis.lens.blocks import (
     input_device,
 )
 from embedlens.analysis.lens.ranking import Top, exact_top1, exact_tops
+from embedlens.analysis.lens.stats import next_ids
 from embedlens.analysis.lens.threads import threads_for
 from embedlens.errors import NumericError, UnsupportedError
 
@@ -164,13 +165,12 @@ def run_lens(
         cap = capture(model, blocks, [input_ids], [pos], wanted, decoder.watch, masked=False)
         assert cap.logits is not None
         real = cap.logits
-        if not bool(torch.isfinite(real).all()):
-            raise _model_not_finite(model, blocks, input_ids, pos, real)
+        _refuse(model, blocks, input_ids, pos, real, target)
         vocab = int(real.shape[-1])
-        if target is not None and not 0 <= target < vocab:
-            raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
         full = None if full_at is None else frozenset(int(p) for p in full_at)
-        job = _OnePrompt(layers, n_layers, pos, k, min(real_vocab, vocab), target, real, full)
+        job = _OnePrompt(
+            layers, n_layers, pos, k, min(real_vocab, vocab), target, real, full, input_ids
+        )
         keeping = None if not keep else _Keeping(other or {})
         tol = tolerance(next(model.parameters()).dtype, real)
         rows, diff, agrees, kept = _decode_checked(job, decoder, cap.residual, device, keeping, tol)
@@ -188,6 +188,23 @@ def run_lens(
         output=real,
         kept=None if kept is None else Kept(kept.logits, kept.other, _at(cap.residual, wanted)),
     )
+
+
+def _refuse(
+    model: nn.Module,
+    blocks: Blocks,
+    input_ids: Sequence[int],
+    pos: list[int],
+    real: torch.Tensor,
+    target: int | None,
+) -> None:
+    """Refuse the model's own logits when not finite (saying where), and a target with no row
+    in the model's output."""
+    if not bool(torch.isfinite(real).all()):
+        raise _model_not_finite(model, blocks, input_ids, pos, real)
+    vocab = int(real.shape[-1])
+    if target is not None and not 0 <= target < vocab:
+        raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
 
 
 def _decode_checked(
@@ -267,6 +284,8 @@ class _OnePrompt:
     """The model's own logits at `pos`, float32 [P, V]."""
     full_at: frozenset[int] | None = None
     """Positions reduced to the top-k and the target (None: all); the others to their top-1."""
+    ids: Sequence[int] = ()
+    """The prompt's ids (each row's next token)."""
 
     def decode(
         self,
@@ -325,14 +344,16 @@ class _OnePrompt:
         asked = self.full_at
         full = [i for i, (_, p) in enumerate(where) if asked is None or p in asked]
         if len(full) == len(where):
-            return dict(zip(where, self._top(logits), strict=True))
+            return dict(zip(where, self._top(logits, where), strict=True))
         out = dict(zip(where, exact_top1(logits, self.real_vocab), strict=True))
         if full:
-            out.update(zip([where[i] for i in full], self._top(logits[full]), strict=True))
+            at = [where[i] for i in full]
+            out.update(zip(at, self._top(logits[full], at), strict=True))
         return out
 
-    def _top(self, logits: torch.Tensor) -> list[Top]:
-        return exact_tops(logits, self.k, self.real_vocab, self.target)
+    def _top(self, logits: torch.Tensor, where: list[tuple[int, int]]) -> list[Top]:
+        nexts = next_ids(self.ids, [p for _, p in where])
+        return exact_tops(logits, self.k, self.real_vocab, self.target, nexts)
 
 
 def _kind(t: torch.Tensor) -> str:

@@ -3,7 +3,7 @@
 Every prompt is checked before the model loads (a bad one stops the run with its line number, or
 is counted and skipped with `skip_bad`). Then prompts are read again one window at a time, run in
 batches (`batch`), handed to `each` as the report a single run gives, and folded into per-layer
-statistics (`stats`): memory does not grow with the number of prompts.
+statistics (`LensStats`, sums of `stats`): memory does not grow with the number of prompts.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Any
 from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
 from embedlens.analysis.lens.prompt import Prompt, make_prompt, position_index
 from embedlens.analysis.lens.report import dtype_name, lens_report
+from embedlens.analysis.lens.stats import LAYER_STATS, Sums, add_row
 from embedlens.errors import UsageError
 from embedlens.model.prompts import BadLine, PromptLine, PromptSource
 from embedlens.progress import Progress, no_progress
-from embedlens.reports.lens import LensReport, LensSummaryReport
+from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.batch import BatchOut
+    from embedlens.analysis.lens.batch import KL, BatchOut
     from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.opening import Opened
@@ -205,7 +206,6 @@ class ManyRun:
     ) -> None:
         from embedlens.analysis.lens.batch import BatchLens
         from embedlens.analysis.lens.blocks import find_blocks
-        from embedlens.analysis.lens.stats import LensStats
 
         model = opened.model
         n_blocks = len(find_blocks(model).modules)
@@ -290,7 +290,6 @@ class ManyRun:
 
     def _merge(self, session: Session, ran: int) -> None:
         """Every process's statistics summed (in rank order), and the note of who ran what."""
-        from embedlens.analysis.lens.stats import LensStats
 
         parts = session.all_gather((self.stats, None if self.logit is None else self.logit[1], ran))
         self.stats = LensStats.merged([p[0] for p in parts])
@@ -382,3 +381,53 @@ def _hand_on(
     for part in parts:
         for report, line in part:
             each(report, line)
+
+
+class LensStats:
+    """Sums per layer, added to one prompt at a time."""
+
+    def __init__(self) -> None:
+        self._layers: dict[int, Sums] = {}
+        self.n_prompts = 0
+        self.n_positions = 0
+        self.n_targets = 0
+
+    def add(self, result: LensResult, kl: KL, model_top1: dict[int, int]) -> None:
+        """One prompt: its decoded rows, (KL, entropy) for each (layer, position), and the
+        model's own top-1 at each position."""
+        self.n_prompts += 1
+        self.n_positions += len(result.positions)
+        has_target = False
+        for layer in result.layers:
+            acc = self._layers.setdefault(layer, Sums())
+            for pos in result.positions:
+                top = result.rows[(layer, pos)]
+                k, h = kl[(layer, pos)]
+                acc.add("kl", k)
+                acc.add("entropy", h)
+                acc.add("top1_agreement", int(top.ids[0] == model_top1[pos]))
+                if top.target_rank is not None:
+                    has_target = True
+                    acc.add("target_prob", float(top.target_prob or 0.0))
+                    acc.add("target_logprob", float(top.target_logprob or 0.0))
+                    acc.rank("target_rank_median", top.target_rank)
+                add_row(acc, top.stats)
+        self.n_targets += int(has_target)
+
+    @classmethod
+    def merged(cls, parts: list[LensStats]) -> LensStats:
+        """The statistics of every part together (its sums added, in the order given): the
+        statistics of processes that each ran a share of the prompts."""
+        out = cls()
+        for part in parts:
+            out.n_prompts += part.n_prompts
+            out.n_positions += part.n_positions
+            out.n_targets += part.n_targets
+            for layer, acc in part._layers.items():
+                out._layers.setdefault(layer, Sums()).update(acc)
+        return out
+
+    def summary(self) -> list[LensLayerStats]:
+        """The means per layer, in layer order."""
+        rows = sorted(self._layers.items())
+        return [LensLayerStats(layer=layer, **acc.values(LAYER_STATS)) for layer, acc in rows]

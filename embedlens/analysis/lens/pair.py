@@ -17,7 +17,7 @@ import torch
 
 from embedlens.analysis.lens.engine import LensResult
 from embedlens.analysis.lens.ranking import Top
-from embedlens.analysis.lens.stats import Sums
+from embedlens.analysis.lens.stats import Sums, add_row
 from embedlens.analysis.lens.threads import one_thread
 from embedlens.errors import UnsupportedError
 from embedlens.reports.lens import LensDiffLayerStats
@@ -157,6 +157,7 @@ class PairStats:
                 acc.add("top1_agreement", int(d.top1_agree))
                 if d.target_logprob_delta is not None:
                     acc.add("target_logprob_delta", d.target_logprob_delta)
+                add_row(acc, d.against.stats, "against_")
         return shown
 
     def means(self) -> list[dict[str, Any]]:

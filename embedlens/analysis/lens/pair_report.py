@@ -53,6 +53,7 @@ def pair_report(
                 Prediction(i, tok(i), p, lp)
                 for i, p, lp in zip(d.against.ids, d.against.probs, d.against.logprobs, strict=True)
             ],
+            **{f"against_{name}": value for name, value in d.against.stats.items()},
         )
         for d in diffs
         if shown is None or d.layer in shown

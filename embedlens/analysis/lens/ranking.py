@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from embedlens.analysis.lens.stats import RowValues, row_stats, target_ranks
 from embedlens.analysis.lens.threads import one_thread
 
 LSE_ROWS = 64
@@ -35,6 +36,8 @@ class Top:
     target_rank: int | None = None
     """1 + the real tokens ranked above the target: a higher logit, or the same and a lower id."""
     target_logprob: float | None = None
+    stats: RowValues = field(default_factory=dict)
+    """The row's `stats.ROW_STATS`, by name."""
 
 
 def best_ids(row: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
@@ -62,23 +65,17 @@ def best(real: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def target_ranks(
-    x: torch.Tensor, real: torch.Tensor, rows: list[int], tids: list[int]
-) -> list[int]:
-    """The rank of token tids[j] in row rows[j]: 1 + the real tokens of a higher logit, or of the
-    same logit and a lower id."""
-    tid = torch.tensor(tids, device=x.device)
-    at = torch.tensor(rows, device=x.device)
-    value = x[at, tid][:, None]
-    sub = real[at]
-    lower = torch.arange(sub.shape[1], device=x.device)[None, :] < tid[:, None]
-    return ((sub > value).sum(-1) + ((sub == value) & lower).sum(-1) + 1).tolist()
-
-
-def exact_tops(logits: torch.Tensor, k: int, real_vocab: int, target: int | None) -> list[Top]:
+def exact_tops(
+    logits: torch.Tensor,
+    k: int,
+    real_vocab: int,
+    target: int | None,
+    nexts: Sequence[int | None] | None = None,
+) -> list[Top]:
     """Predictions only among the tokenizer's ids, ranked by logit; probabilities from the softmax
     over the model's whole output (padding rows too), which can underflow where logits cannot;
-    log-probabilities in float64, each row's log-sum-exp on one thread."""
+    log-probabilities in float64, each row's log-sum-exp on one thread; each row's `ROW_STATS`
+    (`nexts`: the token after each row's position)."""
     x = logits.float()
     probs = torch.softmax(x, dim=-1)
     real = x[:, :real_vocab]
@@ -86,6 +83,7 @@ def exact_tops(logits: torch.Tensor, k: int, real_vocab: int, target: int | None
     with one_thread():  # a reduction to one value is split between threads: same bytes on any
         lses = [torch.logsumexp(x[r].double(), dim=-1) for r in range(x.shape[0])]
     ranks = [] if target is None else target_ranks(x, real, list(range(len(x))), [target] * len(x))
+    stats = row_stats(x, real_vocab, [target] * len(x), nexts)
     out: list[Top] = []
     for r, lse in enumerate(lses):
         at: dict[str, Any] = {}
@@ -97,7 +95,7 @@ def exact_tops(logits: torch.Tensor, k: int, real_vocab: int, target: int | None
                 "target_logprob": float(t.double() - lse),
             }
         logprobs = (x[r, ids[r]].double() - lse).tolist()
-        out.append(Top(ids[r].tolist(), probs[r, ids[r]].tolist(), logprobs, **at))
+        out.append(Top(ids[r].tolist(), probs[r, ids[r]].tolist(), logprobs, **at, stats=stats[r]))
     return out
 
 
@@ -116,10 +114,16 @@ def exact_top1(logits: torch.Tensor, real_vocab: int) -> list[Top]:
 
 
 def tops_from_log_softmax(
-    x: torch.Tensor, lx: torch.Tensor, k: int, real_vocab: int, targets: Sequence[int | None]
+    x: torch.Tensor,
+    lx: torch.Tensor,
+    k: int,
+    real_vocab: int,
+    targets: Sequence[int | None],
+    nexts: Sequence[int | None] | None = None,
 ) -> list[Top]:
     """The ranking of `exact_tops` for many rows at once, probabilities and log-probabilities read
-    from `lx` (the rows' log_softmax over the whole output), each row with its own target."""
+    from `lx` (the rows' log_softmax over the whole output), each row with its own target and
+    next token."""
     real = x[:, :real_vocab]
     ids = best(real, k)
     chosen = lx.gather(1, ids)
@@ -132,10 +136,12 @@ def tops_from_log_softmax(
         probs, logprobs = lp.exp().tolist(), lp.tolist()
         at = {r: (probs[j], int(ranks[j]), logprobs[j]) for j, r in enumerate(rows)}
     id_rows, logprob_rows, prob_rows = ids.tolist(), chosen.tolist(), chosen.exp().tolist()
-    return [
-        Top(id_rows[r], prob_rows[r], logprob_rows[r], *at.get(r, (None, None, None)))
-        for r in range(x.shape[0])
-    ]
+    stats = row_stats(x, real_vocab, targets, nexts)
+    out = []
+    for r in range(x.shape[0]):
+        prob, rank, logprob = at.get(r, (None, None, None))
+        out.append(Top(id_rows[r], prob_rows[r], logprob_rows[r], prob, rank, logprob, stats[r]))
+    return out
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -118,7 +118,7 @@ def _layer_rows(result: LensResult, index: int, tok: Callable[[int], str]) -> li
             Prediction(i, tok(i), p, lp)
             for i, p, lp in zip(top.ids, top.probs, top.logprobs, strict=True)
         ]
-        rows.append(LensLayer(layer=layer, top=predictions, target=at))
+        rows.append(LensLayer(layer=layer, top=predictions, target=at, **top.stats))
     return rows
 
 

@@ -25,7 +25,7 @@ from embedlens.analysis.lens.site_report import (
     worse,
 )
 from embedlens.analysis.lens.site_rows import PIECE, Key, before_after, decoded_rows
-from embedlens.analysis.lens.stats import LAYER_STATS, Sums
+from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
 from embedlens.reports.lens import BlockSums, SiteStats
 
 if TYPE_CHECKING:
@@ -105,7 +105,8 @@ class SiteManyRun(ManyRun):
         decoder = ModelDecoder(model, find_blocks(model), dummy_id=prompt.ids[0])
         assert result.output is not None
         real = torch.log_softmax(result.output.float(), -1)
-        job = _Job(pieces, decoder, input_device(model), result.vocab_size, real)
+        nexts = next_ids(prompt.ids, result.positions)
+        job = _Job(pieces, decoder, input_device(model), result.vocab_size, real, nexts)
         with torch.inference_mode(), threads_for(model, len(prompt.ids)):
             for layer in (x for x in result.layers if x >= 1):
                 self._layer(job, layer, prompt.target_id)
@@ -124,7 +125,7 @@ class SiteManyRun(ManyRun):
         for s in inner:
             x = torch.stack([got[(PIECE[s], layer), j] for j in range(n)])
             acc = self._sums.setdefault((s, layer), Sums())
-            _add_rows(acc, x, job.real, real_vocab, target)
+            _add_rows(acc, x, job, real_vocab, target)
             if s != "resid_mid":
                 before, after = before_after(PIECE[s], layer, job.pieces)
                 lb = torch.stack([got[before, j] for j in range(n)]).double().log_softmax(-1)
@@ -141,24 +142,27 @@ class _Job:
     vocab: int
     real: torch.Tensor
     """The model's own log-probabilities at the positions read, float32 [P, V]."""
+    nexts: list[int | None]
+    """The token after each position read."""
 
 
-def _add_rows(
-    acc: Sums, x: torch.Tensor, real: torch.Tensor, real_vocab: int, target: int | None
-) -> None:
+def _add_rows(acc: Sums, x: torch.Tensor, job: _Job, real_vocab: int, target: int | None) -> None:
     """One site's rows [P, V] at one layer added to its sums."""
+    real = job.real
     lx = torch.log_softmax(x.float(), -1)
     n = int(x.shape[0])
     acc.add("kl", float((real.exp() * (real - lx)).sum(-1).sum()), n)
     acc.add("entropy", float(-(lx.exp() * lx).sum(-1).sum()), n)
     model_top1 = real[:, :real_vocab].argmax(-1)
     acc.add("top1_agreement", int((x[:, :real_vocab].argmax(-1) == model_top1).sum()), n)
-    if target is None:
+    if target is None and not ROW_STATS:
         return
-    for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x)):
-        acc.add("target_prob", float(top.target_prob or 0.0))
-        acc.add("target_logprob", float(top.target_logprob or 0.0))
-        acc.rank("target_rank_median", int(top.target_rank or 0))
+    for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x), job.nexts):
+        if target is not None:
+            acc.add("target_prob", float(top.target_prob or 0.0))
+            acc.add("target_logprob", float(top.target_logprob or 0.0))
+            acc.rank("target_rank_median", int(top.target_rank or 0))
+        add_row(acc, top.stats)
 
 
 def _means(site: str, layer: int, acc: Sums) -> SiteStats:

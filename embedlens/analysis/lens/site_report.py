@@ -127,7 +127,7 @@ def read_sites(
     inner = [s for s in sites if s != "resid"]
     layers = [layer for layer in result.layers if layer >= 1]
     job = SiteJob(inner, layers, result.positions, run.index, ask.top_k, len(tokenizer),
-                  run.target_id)  # fmt: skip
+                  run.target_id, run.ids)  # fmt: skip
     with torch.inference_mode(), threads_for(model, len(run.ids)):
         decoded = decode_sites(job, pieces, decoder, input_device(model), result.vocab_size)
     cache: dict[int, str] = {}
@@ -149,8 +149,8 @@ def joined(
     for layer in own:
         for site in (s for s in SITES if s in sites):
             if site == "resid":
-                r = own[layer]
-                rows.append(SiteLayer(r.layer, r.top, r.target, site, str(layer)))
+                r = {f.name: getattr(own[layer], f.name) for f in dataclasses.fields(own[layer])}
+                rows.append(SiteLayer(**r, site=site, row=str(layer)))
             elif layer >= 1:
                 rows.append(_row(decoded, site, layer, report.position_index, tok))
     grid = _grid(report, sites, decoded, tok)
@@ -177,13 +177,14 @@ def _row(decoded: SiteRows, site: str, layer: int, index: int, tok: Tok) -> Site
     top = decoded.rows[(site, layer, index)]
     change = decoded.changes.get((site, layer))
     return SiteLayer(
-        layer,
-        predictions(top, tok),
-        target_at(top),
-        site,
-        f"{layer}{SUFFIX[site]}",
-        "lens" if site == "resid_mid" else "direct",
-        None if change is None else site_change(change, tok),
+        layer=layer,
+        top=predictions(top, tok),
+        target=target_at(top),
+        **top.stats,
+        site=site,
+        row=f"{layer}{SUFFIX[site]}",
+        decoded="lens" if site == "resid_mid" else "direct",
+        change=None if change is None else site_change(change, tok),
     )
 
 

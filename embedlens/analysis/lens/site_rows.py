@@ -13,6 +13,7 @@ from embedlens.analysis.lens.blocks import Decoder
 from embedlens.analysis.lens.engine import CHUNK_BYTES
 from embedlens.analysis.lens.ranking import Top, best, exact_top1, exact_tops
 from embedlens.analysis.lens.sites import Pieces
+from embedlens.analysis.lens.stats import next_ids
 from embedlens.errors import NumericError
 
 Key = tuple[str, int]
@@ -50,6 +51,8 @@ class SiteJob:
     k: int
     real_vocab: int
     target: int | None
+    ids: Sequence[int] = ()
+    """The prompt's ids (each row's next token)."""
 
 
 def before_after(piece: str, layer: int, pieces: Pieces) -> tuple[Key, Key]:
@@ -110,7 +113,10 @@ def _tops(
     ones = exact_top1(x, job.real_vocab)
     for j, p in enumerate(job.positions):
         if p == job.index:
-            out[(site, layer, p)] = exact_tops(x[j : j + 1], job.k, job.real_vocab, job.target)[0]
+            nexts = next_ids(job.ids, [p])
+            out[(site, layer, p)] = exact_tops(
+                x[j : j + 1], job.k, job.real_vocab, job.target, nexts
+            )[0]
         else:
             out[(site, layer, p)] = ones[j]
     return out

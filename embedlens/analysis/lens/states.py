@@ -192,8 +192,8 @@ def _run_on(
     positions = list(range(len(ids))) if ask.grid else [index]
     decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
-    result = _decode(tail, decoder, file, decoding, positions, index, ask, run.target_id,
-                     len(tokenizer), other)  # fmt: skip
+    result = _decode(tail, decoder, file, decoding, positions, index, ask,
+                     (run.target_id, ids), len(tokenizer), other)  # fmt: skip
     made = (name, tokenizer, tail, decoder, run, ask)
     report = _composed(made, result, file, shown, sites, b, pair)
     return _states_report(report, file, tail, result.check, tuned)
@@ -324,7 +324,7 @@ def _decode(
     positions: list[int],
     index: int,
     ask: checks.Ask,
-    target: int | None,
+    told: tuple[int | None, list[int]],
     real_vocab: int,
     other: dict[int, torch.Tensor] | None = None,
 ) -> LensResult:
@@ -355,10 +355,10 @@ def _decode(
             keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
             if keep:
                 chosen = [where[i] for i in keep]
-                rows.update(_reduce(chosen, out[keep], ask, index, real_vocab, target))
+                rows.update(_reduce(chosen, out[keep], ask, index, real_vocab, told))
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
-            rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, target))
+            rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, told))
         tol = tolerance(next(tail.model.parameters()).dtype, torch.zeros(1) if own is None else own)
         check = _check(file, decoder, own, n_layers, last, tol)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
@@ -421,19 +421,21 @@ def _reduce(
     ask: checks.Ask,
     index: int,
     real_vocab: int,
-    target: int | None,
+    told: tuple[int | None, list[int]],
 ) -> dict[tuple[int, int], Any]:
     """Each (layer, position) row reduced as the engine reduces it: to its top-k and target at
-    the position read, to its top-1 elsewhere (a grid's cells)."""
+    the position read, to its top-1 elsewhere (a grid's cells); `told`: the target, the ids."""
     from embedlens.analysis.lens.ranking import exact_top1, exact_tops
+    from embedlens.analysis.lens.stats import next_ids
 
     vocab = min(real_vocab, int(logits.shape[-1]))
     full = [i for i, (_, p) in enumerate(where) if p == index]
+    target, nexts = told[0], next_ids(told[1], [p for _, p in where])
     if len(full) == len(where):
-        return dict(zip(where, exact_tops(logits, ask.top_k, vocab, target), strict=True))
+        return dict(zip(where, exact_tops(logits, ask.top_k, vocab, target, nexts), strict=True))
     out: dict[tuple[int, int], Any] = dict(zip(where, exact_top1(logits, vocab), strict=True))
     if full:
-        tops = exact_tops(logits[full], ask.top_k, vocab, target)
+        tops = exact_tops(logits[full], ask.top_k, vocab, target, [nexts[i] for i in full])
         out.update(zip([where[i] for i in full], tops, strict=True))
     return out
 

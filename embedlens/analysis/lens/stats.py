@@ -1,26 +1,28 @@
-"""Per-layer statistics of the lens over many prompts and positions.
+"""Per-layer statistics of the lens: what each is, and the one accumulator they are summed in.
 
-For each (prompt, position, layer) read: KL(model's output ‖ lens at the layer) in nats, the
-entropy of the lens's distribution (both over the model's whole output, as its softmax runs),
-whether the lens's top-1 is the model's top-1 (by logit, among real tokens), and, with a target,
-its probability, log-probability and rank. Sums and a histogram of ranks are kept per layer, so
-memory does not grow with the number of prompts.
-
-`Sums` is the one accumulator every reduction over many prompts adds into (this summary, the
-sites' rows of `--prompts --site`, a pair's means), and `STATS` says once how each per-layer
+`Sums` is the accumulator every reduction over many rows adds into (the `--prompts` summary
+(`many.LensStats`), the sites' rows of `--prompts --site`, a pair's means, and the row
+statistics of `--text`'s windows); it keeps a total and a count per statistic, and ranks as a
+histogram, so memory does not grow with the rows added. `STATS` says once how each per-layer
 statistic is read out of it, by the name its report field has.
+
+`ROW_STATS` defines, each in one place, a statistic every decoded row gives from its logits and
+its tokens (`Scored`: its target, its observed next token): every ranking of decoded rows
+(`ranking`) computes them, a row's report shows them by name, and every reduction adds them to
+its sums (`add_row`) under their summary's name (B's with `against_` before it).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from embedlens.analysis.lens.batch import KL
-from embedlens.analysis.lens.engine import LensResult
 from embedlens.reports.lens import LensLayerStats
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,106 @@ class Stat:
     """None where nothing was added (a target's figures without one); else 0 then."""
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A chunk of decoded rows, as the per-row statistics read them."""
+
+    x: torch.Tensor
+    """The rows' logits, float32 [n, V] (over the model's whole output)."""
+    real_vocab: int
+    """Ids at or past this are padding rows: never ranked."""
+    targets: Sequence[int | None]
+    """Each row's --target (None: none)."""
+    nexts: Sequence[int | None]
+    """Each row's observed next token (None: the row is the prompt's last)."""
+
+
+@dataclass(frozen=True)
+class RowStat:
+    """A statistic each decoded row gives, and how the reductions keep it."""
+
+    values: Callable[[Scored], list[Any]]
+    """Its value at each row of a chunk, as its report field types it (None where the row has
+    none)."""
+    summary: str
+    """The name of its reduction's report field."""
+    median: bool = False
+    """Reduced to the median of its values (integers), else to their mean."""
+
+
+def _next_rank(rows: Scored) -> list[int | None]:
+    """The rank of each row's target, else of its observed next token, among the real tokens
+    by logit (`target_ranks`: 1 = top, equal logits the lower id first)."""
+    tokens = [t if t is not None else n for t, n in zip(rows.targets, rows.nexts, strict=True)]
+    at = [r for r, t in enumerate(tokens) if t is not None]
+    out: list[int | None] = [None] * len(tokens)
+    if at:
+        real = rows.x[:, : rows.real_vocab]
+        ranked = target_ranks(rows.x, real, at, [int(tokens[r] or 0) for r in at])
+        for r, value in zip(at, ranked, strict=True):
+            out[r] = value
+    return out
+
+
+ROW_STATS: dict[str, RowStat] = {
+    "next_rank": RowStat(_next_rank, "next_rank_median", median=True),
+}
+"""The per-row statistics, by the name a row's report field has."""
+
+
+RowValues = dict[str, Any]
+"""A row's `ROW_STATS` by name, each as its report field types it (None where it has none)."""
+
+
+def row_stats(
+    x: torch.Tensor,
+    real_vocab: int,
+    targets: Sequence[int | None],
+    nexts: Sequence[int | None] | None = None,
+) -> list[RowValues]:
+    """Every `ROW_STATS` statistic at each row of a chunk of logits `x` (`targets`, `nexts`:
+    each row's --target and observed next token; None: none, or not known)."""
+    if not ROW_STATS:
+        return [{} for _ in range(x.shape[0])]
+    after = [None] * len(targets) if nexts is None else nexts
+    scored = Scored(x, real_vocab, targets, after)
+    values = {name: stat.values(scored) for name, stat in ROW_STATS.items()}
+    return [{name: v[r] for name, v in values.items()} for r in range(int(x.shape[0]))]
+
+
+def target_ranks(
+    x: torch.Tensor, real: torch.Tensor, rows: list[int], tids: list[int]
+) -> list[int]:
+    """The rank of token tids[j] in row rows[j]: 1 + the real tokens of a higher logit, or of the
+    same logit and a lower id (`ranking`'s order: equal logits, the lower id first)."""
+    import torch
+
+    tid = torch.tensor(tids, device=x.device)
+    at = torch.tensor(rows, device=x.device)
+    value = x[at, tid][:, None]
+    sub = real[at]
+    lower = torch.arange(sub.shape[1], device=x.device)[None, :] < tid[:, None]
+    return ((sub > value).sum(-1) + ((sub == value) & lower).sum(-1) + 1).tolist()
+
+
+def next_ids(ids: Sequence[int], positions: Iterable[int]) -> list[int | None]:
+    """The observed next token after each position of a prompt (None after its last)."""
+    return [int(ids[p + 1]) if 0 <= p + 1 < len(ids) else None for p in positions]
+
+
+def add_row(acc: Sums, stats: RowValues, prefix: str = "") -> None:
+    """One row's `ROW_STATS` values added to `acc`, each under its summary's name (`prefix`
+    before it: the other side of a comparison)."""
+    for name, value in stats.items():
+        if value is None:
+            continue
+        stat = ROW_STATS[name]
+        if stat.median:
+            acc.rank(prefix + stat.summary, int(value))
+        else:
+            acc.add(prefix + stat.summary, float(value))
+
+
 STATS: dict[str, Stat] = {
     "kl": Stat(),
     "entropy": Stat(),
@@ -43,9 +145,15 @@ STATS: dict[str, Stat] = {
     "target_rank_median": Stat(median=True, optional=True),
     "target_logprob_delta": Stat(optional=True),
     "change_kl": Stat(optional=True),
+    **{
+        prefix + row.summary: Stat(median=row.median, optional=True)
+        for row in ROW_STATS.values()
+        for prefix in ("", "against_")
+    },
 }
 """Every per-layer statistic the reductions keep, by the name its report field has: a mean of
-the values added (each counted), or a median of ranks."""
+the values added (each counted), or a median of ranks; a row statistic's for each side of a
+comparison."""
 
 
 @dataclass
@@ -90,60 +198,8 @@ class Sums:
         return {name: self.value(name) for name in names}
 
 
-class LensStats:
-    """Sums per layer, added to one prompt at a time."""
-
-    def __init__(self) -> None:
-        self._layers: dict[int, Sums] = {}
-        self.n_prompts = 0
-        self.n_positions = 0
-        self.n_targets = 0
-
-    def add(self, result: LensResult, kl: KL, model_top1: dict[int, int]) -> None:
-        """One prompt: its decoded rows, (KL, entropy) for each (layer, position), and the
-        model's own top-1 at each position."""
-        self.n_prompts += 1
-        self.n_positions += len(result.positions)
-        has_target = False
-        for layer in result.layers:
-            acc = self._layers.setdefault(layer, Sums())
-            for pos in result.positions:
-                top = result.rows[(layer, pos)]
-                k, h = kl[(layer, pos)]
-                acc.add("kl", k)
-                acc.add("entropy", h)
-                acc.add("top1_agreement", int(top.ids[0] == model_top1[pos]))
-                if top.target_rank is not None:
-                    has_target = True
-                    acc.add("target_prob", float(top.target_prob or 0.0))
-                    acc.add("target_logprob", float(top.target_logprob or 0.0))
-                    acc.rank("target_rank_median", top.target_rank)
-        self.n_targets += int(has_target)
-
-    @classmethod
-    def merged(cls, parts: list[LensStats]) -> LensStats:
-        """The statistics of every part together (its sums added, in the order given): the
-        statistics of processes that each ran a share of the prompts."""
-        out = cls()
-        for part in parts:
-            out.n_prompts += part.n_prompts
-            out.n_positions += part.n_positions
-            out.n_targets += part.n_targets
-            for layer, acc in part._layers.items():
-                out._layers.setdefault(layer, Sums()).update(acc)
-        return out
-
-    def summary(self) -> list[LensLayerStats]:
-        """The means per layer, in layer order."""
-        return [_means(layer, acc) for layer, acc in sorted(self._layers.items())]
-
-
 LAYER_STATS = tuple(f.name for f in fields(LensLayerStats) if f.name != "layer")
 """The statistics of a `--prompts` summary's rows."""
-
-
-def _means(layer: int, acc: Sums) -> LensLayerStats:
-    return LensLayerStats(layer=layer, **acc.values(LAYER_STATS))
 
 
 def median_of_counts(counts: Counter[int]) -> float:

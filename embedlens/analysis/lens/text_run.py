@@ -18,6 +18,7 @@ from torch import nn
 from embedlens.analysis.lens.blocks import Capture, Decoder, capture, find_blocks, input_device
 from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.ranking import rowdot
+from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
 from embedlens.analysis.lens.threads import threads_for
 
@@ -281,6 +282,7 @@ class TextRun:
         one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
         pair = torch.zeros(len(self.layers), len(PAIR), dtype=torch.float64)
         kl_v, dp_v = torch.zeros(len(self.layers), n_pos), torch.zeros(len(self.layers), n_pos)
+        kept: dict[str, list[Sums]] = {}
         chunk = max(1, CHUNK_BYTES // (4 * out[0].shape[1]))
         for s in range(0, len(rows), chunk):
             part = rows[s : s + chunk]
@@ -291,13 +293,15 @@ class TextRun:
             oj = out[0][js], out[1][js]
             got, top = _one_rows(mine, oj, t[js], self.vocab, self.scratch, lp, p)
             one.index_add_(0, at, got.cpu())
+            self._row_sums(kept, "one", mine, t[js], at)
             if self.other is not None and streams[1] is not None:
                 b = decode_rows(self.other.decoder, streams[1], part, device).to(mine.device)
                 a = (mine, lp, p, top)
                 got, kl, dp = _pair_rows(a, b, None, t[js], self.vocab, self.scratch)
                 pair.index_add_(0, at, got.cpu())
                 kl_v[at, js.cpu()], dp_v[at, js.cpu()] = kl.float().cpu(), dp.float().cpu()
-        done = WindowSums(w.index, n_pos, w.n_bytes, one.numpy())
+                self._row_sums(kept, "against", b, t[js], at)
+        done = WindowSums(w.index, n_pos, w.n_bytes, one.numpy(), rows=kept)
         if self.other is not None:
             done.pair, done.kl_values, done.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
         return done
@@ -329,14 +333,11 @@ class TextRun:
         index = {layer: i for i, layer in enumerate(self.layers)}
         one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
         logit = None if self.main.logit is None else torch.zeros_like(one)
-        pair = (
-            None
-            if theirs is None
-            else torch.zeros(len(self.layers), len(PAIR), dtype=torch.float64)
-        )
+        pair = None if theirs is None else one.new_zeros(len(self.layers), len(PAIR))
         kl_v = None if theirs is None else torch.zeros(len(self.layers), n_pos)
         dp_v = None if theirs is None else torch.zeros(len(self.layers), n_pos)
         chunk = max(1, CHUNK_BYTES // (4 * vocab))
+        kept: dict[str, list[Sums]] = {}
         decoded = [(x, j) for x in self.layers if x != self.n_layers for j in range(n_pos)]
         parts = [(decoded[s : s + chunk], False) for s in range(0, len(decoded), chunk)]
         if self.n_layers in index:  # the model's own output: its logits, never decoded
@@ -354,19 +355,21 @@ class TextRun:
             lp, p = _log_probs(mine, self.scratch, "main")
             rows, top = _one_rows(mine, oj, tj, self.vocab, self.scratch, lp, p)
             one.index_add_(0, at, rows.cpu())
+            self._row_sums(kept, "one", mine, tj, at)
             if logit is not None:
                 plain = mine if last else self._decode(self.main.logit, cap.residual, part, device)  # type: ignore[arg-type]
                 plp, pp = _log_probs(plain, self.scratch, "logit")
                 logit.index_add_(
                     0, at, _one_rows(plain, oj, tj, self.vocab, self.scratch, plp, pp)[0].cpu()
                 )
+                self._row_sums(kept, "logit", plain, tj, at)
             if theirs is not None and pair is not None and kl_v is not None and dp_v is not None:
-                rows, kl, dp = self._pair(theirs, part, last, js, (mine, lp, p, top), tj, device)
+                rows, kl, dp, b = self._pair(theirs, part, last, js, (mine, lp, p, top), tj, device)
                 pair.index_add_(0, at, rows.cpu())
-                kl_v[at, js] = kl.float().cpu()
-                dp_v[at, js] = dp.float().cpu()
+                self._row_sums(kept, "against", b, tj, at)
+                kl_v[at, js], dp_v[at, js] = kl.float().cpu(), dp.float().cpu()
         sums = WindowSums(w.index, n_pos, w.n_bytes, one.numpy(),
-                          None if logit is None else logit.numpy())  # fmt: skip
+                          None if logit is None else logit.numpy(), rows=kept)  # fmt: skip
         if pair is not None and kl_v is not None and dp_v is not None:
             sums.pair, sums.kl_values, sums.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
         return self._with_file(sums, ref, real, t)
@@ -393,9 +396,10 @@ class TextRun:
         a: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         tj: torch.Tensor,
         device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk's rows of the other model (its logits at the output, else its own lens) and,
-        with `residual`, this model's decoder on its residual: the comparison's per-row figures."""
+        with `residual`, this model's decoder on its residual: the comparison's per-row figures,
+        and the other model's rows."""
         assert self.other is not None and theirs.logits is not None
         if last:
             b = theirs.logits[js.to(theirs.logits.device)]
@@ -408,7 +412,20 @@ class TextRun:
             r = b  # the same computation on the same rows: the same bits
         elif self.residual:
             r = self._decode(self.main.decoder, theirs.residual, part, device).to(mine.device)
-        return _pair_rows(a, b, r, tj, self.vocab, self.scratch)
+        return (*_pair_rows(a, b, r, tj, self.vocab, self.scratch), b)
+
+    def _row_sums(
+        self, rows: dict[str, list[Sums]], key: str, logits: torch.Tensor, t: torch.Tensor,
+        at: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Each row's `ROW_STATS` (`t`: the observed next tokens) added to the sums `key` of
+        its layer (`at`: the layers' indices)."""
+        if not ROW_STATS:
+            return
+        each = rows.setdefault(key, [Sums() for _ in self.layers])
+        values = row_stats(logits, self.vocab, [None] * len(t), t.tolist())
+        for i, row in zip(at.tolist(), values, strict=True):
+            add_row(each[i], row)
 
     @staticmethod
     def _decode(

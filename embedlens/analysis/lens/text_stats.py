@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from embedlens.analysis.lens.stats import ROW_STATS, Sums
 from embedlens.reports.lens import BlockSums
 from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
 
@@ -76,6 +78,9 @@ class WindowSums:
     rows: zeros."""
     blocks: BlockSums | None = None
     """With --site: the check that this window's blocks' pieces add up."""
+    rows: dict[str, list[Sums]] = field(default_factory=dict)
+    """Each layer's `stats.ROW_STATS` sums: 'one' (the lens), 'logit' (the logit lens beside a
+    tuned one), 'against' (the evaluated side of a comparison)."""
 
 
 def mean_and_uncertainty(s: float, s2: float, n: int) -> tuple[float, float]:
@@ -152,17 +157,33 @@ class TextTotals:
         result: np.ndarray = out
         return result
 
+    def _rows(self, key: str, site: str, prefix: str = "") -> list[dict[str, Any]]:
+        """Each layer's `ROW_STATS` over every window (in window order), by report field
+        (`prefix` before each name: the evaluated side's)."""
+        if not ROW_STATS:
+            return [{} for _ in self.layers]
+        each = [(w if site == "resid" else w.sites[site]).rows[key] for w in self.windows]
+        out = []
+        for i in range(len(each[0])):
+            acc = Sums()
+            for part in each:
+                acc.update(part[i])
+            values = acc.values(stat.summary for stat in ROW_STATS.values())
+            out.append({prefix + name: value for name, value in values.items()})
+        return out
+
     def one(self, logit: bool = False, site: str = "resid") -> list[TextLayer]:
         """Per layer statistics of the lens (`logit`: the logit lens's, beside a tuned lens;
         `site`: of a site inside the blocks)."""
         sums = self._sum("logit" if logit else "one", site)
+        rows = self._rows("logit" if logit else "one", site)
         n, n_bytes = self.n, self.n_bytes
         out = []
         for i, layer in enumerate(self.layers):
             nll, nll2, kl, ent, top1 = (float(x) for x in sums[i])
             ce, err = mean_and_uncertainty(nll, nll2, n)
             bpb = nll / math.log(2) / n_bytes if n_bytes else math.nan
-            out.append(TextLayer(layer, ce, err, bpb, kl / n, ent / n, top1 / n))
+            out.append(TextLayer(layer, ce, err, bpb, kl / n, ent / n, top1 / n, **rows[i]))
         return out
 
     def perplexity(self) -> tuple[float, float]:
@@ -178,6 +199,7 @@ class TextTotals:
         each = [w if site == "resid" else w.sites[site] for w in self.windows]
         kl_values = np.concatenate([w.kl_values for w in each if w.kl_values is not None], 1)
         dp_values = np.concatenate([w.dp_values for w in each if w.dp_values is not None], 1)
+        rows = self._rows("against", site, "against_") if "against" in each[0].rows else None
         out = []
         for i, layer in enumerate(self.pair_layers):
             s = dict(zip(PAIR, (float(x) for x in sums[i]), strict=True))
@@ -208,6 +230,7 @@ class TextTotals:
                     ln_ppl_ratio=b - a,
                     ln_ppl_ratio_err=ratio_err,
                     residual_kl=s["res_kl"] / n if residual else None,
+                    **({} if rows is None else rows[i]),
                 )
             )
         return out
