@@ -106,12 +106,12 @@ def special_ends(header: GGUFHeader) -> tuple[list[int], list[int]]:
     """The ids a GGUF file's tokenizer puts before and after a text: BOS when
     `tokenizer.ggml.add_bos_token` is true (when absent: for a SentencePiece vocabulary,
     'llama'), EOS when `add_eos_token` is."""
-    add_bos = header.meta("tokenizer.ggml.add_bos_token")
+    add_bos = header.metadata.get("tokenizer.ggml.add_bos_token")
     if not isinstance(add_bos, bool):
-        add_bos = header.meta("tokenizer.ggml.model") == "llama"
-    add_eos = header.meta("tokenizer.ggml.add_eos_token") is True
-    bos = header.meta("tokenizer.ggml.bos_token_id")
-    eos = header.meta("tokenizer.ggml.eos_token_id")
+        add_bos = header.metadata.get("tokenizer.ggml.model") == "llama"
+    add_eos = header.metadata.get("tokenizer.ggml.add_eos_token") is True
+    bos = header.metadata.get("tokenizer.ggml.bos_token_id")
+    eos = header.metadata.get("tokenizer.ggml.eos_token_id")
     first = [bos] if add_bos and isinstance(bos, int) else []
     last = [eos] if add_eos and isinstance(eos, int) else []
     return first, last

@@ -247,7 +247,7 @@ def gguf_config(header: GGUFHeader) -> ModelConfig:
     if isinstance(tokens, list):
         n_tokens = len(tokens)
     raw: dict[str, Any] = {
-        "model_type": header.meta("general.architecture"),
+        "model_type": header.metadata.get("general.architecture"),
         "vocab_size": header.meta("{arch}.vocab_size") or n_tokens,
         "hidden_size": header.meta("{arch}.embedding_length"),
         "num_hidden_layers": header.meta("{arch}.block_count"),

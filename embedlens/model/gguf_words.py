@@ -52,7 +52,7 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     reader = WordReader(header, meta, spelled, first, byte_level)
     control, user = reader.added_tokens()
     special = {i for i, t in enumerate(meta.types) if t == gv.CONTROL} | control
-    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     return tk.Vocab(
         None,
         len(first),
@@ -170,9 +170,11 @@ class WordReader:
         merges = self._merges(pieces)
         if self.byte_level:
             assert merges is not None, "a byte-level vocabulary has merges (checked)"
-            tok = tb.byte_level_tokenizer(pieces, merges, self.header.meta("tokenizer.ggml.pre"))
+            tok = tb.byte_level_tokenizer(
+                pieces, merges, self.header.metadata.get("tokenizer.ggml.pre")
+            )
         else:
-            add_space = bool(self.header.meta("tokenizer.ggml.add_space_prefix", True))
+            add_space = bool(self.header.metadata.get("tokenizer.ggml.add_space_prefix", True))
             scores = None if merges is not None else self._scores_of(pieces)
             tok = tb.sentencepiece_tokenizer(pieces, merges, scores, add_space=add_space)
         ids = self._ids_of(pieces)

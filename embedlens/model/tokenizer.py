@@ -243,7 +243,7 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     if tok is None:
         tok = _build_gguf_tokenizer(header, meta, spelled)
         tokenizer_cache.store(key, tok)
-    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == CONTROL}
     vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, pieces=stored_pieces(spelled, vocab.size))
@@ -256,10 +256,10 @@ def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list
         if meta.kind == "gpt2":
             assert meta.merges is not None, "vocab_from_gguf checks that it has merges"
             tok = byte_level_tokenizer(
-                first_ids(spelled), meta.merges, header.meta("tokenizer.ggml.pre")
+                first_ids(spelled), meta.merges, header.metadata.get("tokenizer.ggml.pre")
             )
         else:
-            add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
+            add_space = header.metadata.get("tokenizer.ggml.add_space_prefix", True)
             scores = (
                 None if meta.scores is None else dict(zip(meta.tokens, meta.scores, strict=False))
             )
@@ -324,7 +324,7 @@ def gguf_rows_vocab(header: GGUFHeader, ids: Iterable[int]) -> Vocab:
         raise CheckpointError(
             f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
         ) from e
-    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in zip(order, kinds, strict=True) if t == CONTROL}
     vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, size=value.count, only=frozenset(order))
