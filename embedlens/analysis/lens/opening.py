@@ -105,11 +105,11 @@ def from_files(
     `target`, a --target that is not one token of a GGUF file's vocabulary; `targets` is given
     the same check for the targets of many prompts; `texts` (the texts run as they are) and
     `target`, the ids a folder's tokenizer.json gives them against the embeddings' rows
-    (`token_rows.early`). Every text `check` tokenises is checked against the rows and the GGUF
+    (`file_tokens.early`). Every text `check` tokenises is checked against the rows and the GGUF
     tokenizer of the model's file, if it is one, and of `others` (`file_tokens`)."""
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
-    from embedlens.model import file_tokens, loading, token_rows
+    from embedlens.model import file_tokens, loading
     from embedlens.model.files import check_source
 
     trust = load.trust_remote_code
@@ -129,8 +129,9 @@ def from_files(
                 tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
             config = loading.hf_config(source, trust_remote_code=trust)
             template = _template_name(source)
-            rows = token_rows.of_files(files, tokenizer, name, others, trust_remote_code=trust)
-            with file_tokens.watching(source, loaded=loaded, others=others, model=name, rows=rows):
+            with file_tokens.watching_files(
+                files, tokenizer, others, loaded=loaded, model=name, trust_remote_code=trust
+            ):
                 checked = check(tokenizer, config, template)
             notes: list[str] = []
             model = loading.load_model(
@@ -171,13 +172,13 @@ def _own_tokenizer_checks(
 ) -> None:
     """What the model's own tokenizer files tell before transformers reads them: a GGUF file's
     tokenizer arrays, and the ids a folder's tokenizer.json gives `texts` against the
-    embeddings' rows, where it can tell (`token_rows.early`)."""
-    from embedlens.model import loading, token_rows
+    embeddings' rows, where it can tell (`file_tokens.early`)."""
+    from embedlens.model import file_tokens, loading
 
     if files.source.is_gguf:
         loading.check_tokenizer_files(files)
         return
-    check = token_rows.early(files, name, others, trust_remote_code=trust)
+    check = file_tokens.early(files, name, others, trust_remote_code=trust)
     if check is not None:
         for text in texts:
             if text:
@@ -216,7 +217,7 @@ def from_loaded(
 ) -> Iterator[tuple[Opened, T]]:
     """A model the caller loaded, after `check`; `given` names the loading options the caller
     set (refused: a loaded model runs as it is); `others` as `from_files` takes them."""
-    from embedlens.model import file_tokens, token_rows
+    from embedlens.model import file_tokens
     from embedlens.model.loaded import check_loaded, loaded_name
 
     built = check_loaded(model, **given)
@@ -228,7 +229,7 @@ def from_loaded(
     name = loaded_name(built)
     config = getattr(built, "config", None)
     template = f"the chat template of '{name}'"
-    rows = token_rows.of_loaded(built, tokenizer, name)
+    rows = file_tokens.of_loaded(built, tokenizer, name)
     with file_tokens.watching(None, loaded=False, others=others, model=name, rows=rows):
         checked = check(tokenizer, config, template)
     with _eval_mode(built):
