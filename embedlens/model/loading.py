@@ -27,7 +27,7 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import gguf_cache, prefetch, preflight
+from embedlens.model import gguf_cache, preflight
 from embedlens.model.files import ModelFiles, files_of
 from embedlens.model.load_errors import check_loaded, reading, translated
 
@@ -175,23 +175,36 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
         if source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
-
-        def build() -> Any:
-            with reading(source, "reading the config"):
-                config = None if source.is_gguf else direct.read_config(Path(where))
-                if config is None:
-                    from transformers import AutoConfig
-
-                    config = AutoConfig.from_pretrained(
-                        where, trust_remote_code=trust_remote_code, **kwargs
-                    )
-                return config
-
+        build = functools.partial(_built, source, "config.json", where, kwargs, trust_remote_code)
         config, kept = gguf_cache.kept(source, "config.json", build)
         if kept:
             config.name_or_path = where  # as transformers names a config it read from the file
     check_rope(source, config)
     return config
+
+
+def _built(
+    source: ModelSource, name: str, where: str, kwargs: dict[str, Any], trust_remote_code: bool
+) -> Any:
+    """What transformers builds of `source` (from `where`, with `kwargs`) for `name`: its config
+    ('config.json': for a folder from the class its model type names, `direct.read_config`, else
+    through AutoConfig) or its tokenizer ('tokenizer.json', through AutoTokenizer)."""
+    what = "reading the config" if name == "config.json" else "loading the tokenizer"
+    with reading(source, what):
+        if name == "tokenizer.json":
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
+        config = None if source.is_gguf else direct.read_config(Path(where))
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
+        return config
 
 
 def check_rope(source: ModelSource, config: Any) -> None:
@@ -312,24 +325,22 @@ def load_model(
     it with random values); tensors the model does not use are appended to `notes`. A folder's
     float32 model loaded whole on one device has its weights assigned directly
     (`direct.load_folder`: the same model, without transformers' per-tensor machinery), its
-    half-precision tensors copied to float32 on a second thread meanwhile (`prefetch`).
+    half-precision tensors copied to float32 on a second thread meanwhile (`direct.copies_for`).
     """
     source = files.source
     options = _load_options(dtype, config, device_map, max_memory, offload_folder)
     preflight.check_load(files, dtype=dtype, device=None if device_map else resolve_device(device))
-    direct_ok = dtype == "float32" and not device_map
+    folder = source.path if dtype == "float32" and not device_map and source.kind == "dir" else None
     with (
-        prefetch.copies_for(_early_files(files, trust_remote_code, direct_ok)) as early,
+        direct.copies_for(folder, files.config_json, trust_remote_code) as early,
         _where(source) as (where, kwargs),
         reading(source, "loading the model", weights=True),
     ):
         loaded: Any = None
-        if direct_ok and source.kind == "dir" and source.path is not None:
+        if folder is not None:
             if config is None:
                 config = hf_config(source, trust_remote_code=trust_remote_code)
-            loaded = direct.load_folder(source.path, config, early)
-        if early is not None:
-            early.close()  # the copies not taken let go (all of them, before from_pretrained)
+            loaded = direct.load_folder(folder, config, early)  # the copies not taken let go
         if loaded is None:
             loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
         model, info = loaded
@@ -356,15 +367,6 @@ def _from_pretrained(where: str, trust_remote_code: bool, options: dict[str, Any
         ignore_mismatched_sizes=True,
         **options,
     )
-
-
-def _early_files(files: ModelFiles, trust_remote_code: bool, direct_ok: bool) -> list[Path] | None:
-    """The safetensors files a folder's direct load will likely read, as far as config.json
-    tells before transformers is imported (`direct.early_files`); None where it will not."""
-    source = files.source
-    if not direct_ok or source.kind != "dir":
-        return None
-    return direct.early_files(source.path, files.config_json, trust_remote_code)
 
 
 def _load_options(
@@ -399,18 +401,12 @@ def load_tokenizer(files: ModelFiles, *, trust_remote_code: bool = False) -> Any
     if fast is not None:
         return fast  # tokenizer.json checked by `tokenizers` and `direct_tokenizer`
     check_tokenizer_files(files)
-    from transformers import AutoTokenizer
-
     try:
         with _where(source) as (where, kwargs):
-
-            def build() -> Any:
-                with reading(source, "loading the tokenizer"):
-                    return AutoTokenizer.from_pretrained(
-                        where, trust_remote_code=trust_remote_code, **kwargs
-                    )
-
-            tokenizer, kept = gguf_cache.kept(source, "tokenizer.json", build)
+            args = (source, "tokenizer.json", where, kwargs, trust_remote_code)
+            tokenizer, kept = gguf_cache.kept(
+                source, "tokenizer.json", functools.partial(_built, *args)
+            )
             if kept:
                 tokenizer.name_or_path = where  # as transformers names one it built from the file
             return tokenizer
