@@ -28,7 +28,7 @@ from embedlens.errors import (
 )
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_cache, preflight
-from embedlens.model.files import ModelFiles, files_of
+from embedlens.model.files import ModelFiles, check_source
 from embedlens.model.load_errors import check_loaded, reading, translated
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -114,13 +114,18 @@ def _survivors_to_oldest() -> None:
 def reads_files(
     func: Callable[Concatenate[ModelFiles, P], R],
 ) -> Callable[Concatenate[ModelSource | ModelFiles, P], R]:
-    """`func` given its source's files as read once (`files_of`: a source is read and checked by
+    """`func` given its source's files as read once (`check_source`: a source is read and checked by
     embedlens here, before transformers is imported), then transformers imported quietly
     (`import_scan.quiet`): what a load of the model or its tokenizer does first."""
 
     @functools.wraps(func)
     def wrapper(source: ModelSource | ModelFiles, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        files = files_of(source, trust_remote_code=bool(kwargs.get("trust_remote_code")))
+        trust = bool(kwargs.get("trust_remote_code"))
+        files = (
+            source
+            if isinstance(source, ModelFiles)
+            else check_source(source, trust_remote_code=trust)
+        )
         import_scan.quiet()
         return func(files, *args, **kwargs)
 

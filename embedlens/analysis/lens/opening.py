@@ -9,6 +9,8 @@ re-typed, in eval mode for the run and every module's training flag restored aft
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -113,7 +115,7 @@ def from_files(
     from embedlens.model.files import check_source
 
     trust = load.trust_remote_code
-    with load.offload_dir() as folder:
+    with _offload_dir(load) as folder:
         source = resolve(name, load.revision)
         if tokenizer is None:
             _from_the_files(source, own_template, target, targets)
@@ -145,9 +147,22 @@ def from_files(
                 config=config,
                 notes=notes,
             )
-        built_in = files.config.builtin_code_note(trust_remote_code=trust)
-        after = [] if built_in is None else [built_in]
+        after = [] if files.code_note is None else [files.code_note]
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
+
+
+@contextmanager
+def _offload_dir(load: Load) -> Iterator[str | None]:
+    """The offload folder for --device-map: the user's, or a temporary one removed after."""
+    folder = load.offload_folder
+    if load.device_map is None or folder is not None:
+        yield None if folder is None else str(folder)
+        return
+    tmp = tempfile.mkdtemp(prefix="embedlens-offload-")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _from_the_files(
