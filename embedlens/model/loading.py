@@ -176,16 +176,40 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     class its model type names (`direct.read_config`), else through AutoConfig; a GGUF file's
     as kept from an earlier run (`gguf_cache`) where it reads back the same."""
     import_scan.quiet()
-    with _where(source) as (where, kwargs):
-        if source.kind == "hub":
-            assert source.path is not None
-            where, kwargs = str(source.path), {}
-        build = functools.partial(_built, source, "config.json", where, kwargs, trust_remote_code)
-        config, kept = gguf_cache.kept(source, "config.json", build)
-        if kept:
-            config.name_or_path = where  # as transformers names a config it read from the file
+    return _config(source, trust_remote_code)
+
+
+@fewer_collections
+@reads_files
+def tokenizer_and_config(
+    files: ModelFiles, tokenizer: Any = None, *, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
+    """The model's tokenizer (`load_tokenizer`; the one given, if any) and its config
+    (`hf_config`), transformers imported once for both."""
+    if tokenizer is None:
+        tokenizer = _tokenizer(files, trust_remote_code)
+    return tokenizer, _config(files.source, trust_remote_code)
+
+
+def _config(source: ModelSource, trust_remote_code: bool) -> Any:
+    """`hf_config` once transformers is imported."""
+    config = _kept(source, "config.json", trust_remote_code)
     check_rope(source, config)
     return config
+
+
+def _kept(source: ModelSource, name: str, trust_remote_code: bool) -> Any:
+    """`_built` of `source` for `name`, as kept of a GGUF file (`gguf_cache.kept`: then named as
+    transformers names what it read from the file); a hub model's config read from its folder."""
+    with _where(source) as (where, kwargs):
+        if name == "config.json" and source.kind == "hub":
+            assert source.path is not None
+            where, kwargs = str(source.path), {}
+        build = functools.partial(_built, source, name, where, kwargs, trust_remote_code)
+        built, kept = gguf_cache.kept(source, name, build)
+        if kept:
+            built.name_or_path = where
+    return built
 
 
 def _built(
@@ -401,26 +425,23 @@ def load_tokenizer(files: ModelFiles, *, trust_remote_code: bool = False) -> Any
     folder's tokenizer.json through the `tokenizers` library where transformers would read it
     into its generic class unchanged (`direct_tokenizer`), else through transformers (GGUF:
     rebuilt from the file's metadata)."""
-    source = files.source
+    return _tokenizer(files, trust_remote_code)
+
+
+def _tokenizer(files: ModelFiles, trust_remote_code: bool) -> Any:
+    """`load_tokenizer` once transformers is imported."""
     fast = _direct_tokenizer(files, trust_remote_code=trust_remote_code)
     if fast is not None:
         return fast  # tokenizer.json checked by `tokenizers` and `direct_tokenizer`
     check_tokenizer_files(files)
     try:
-        with _where(source) as (where, kwargs):
-            args = (source, "tokenizer.json", where, kwargs, trust_remote_code)
-            tokenizer, kept = gguf_cache.kept(
-                source, "tokenizer.json", functools.partial(_built, *args)
-            )
-            if kept:
-                tokenizer.name_or_path = where  # as transformers names one it built from the file
-            return tokenizer
+        return _kept(files.source, "tokenizer.json", trust_remote_code)
     except CheckpointError as e:
         if "Couldn't instantiate the backend tokenizer" not in e.message:
             raise
         raise UnsupportedError(
-            f"'{source.spec}' has no tokenizer.json, and transformers cannot build its tokenizer "
-            "from the files it has",
+            f"'{files.source.spec}' has no tokenizer.json, and transformers cannot build its "
+            "tokenizer from the files it has",
             hint="save a fast tokenizer (tokenizer.json) beside the model, or install "
             "sentencepiece (or tiktoken) for a slow one",
         ) from e

@@ -127,9 +127,9 @@ def from_files(
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loaded = tokenizer is None
-            if tokenizer is None:
-                tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
-            config = loading.hf_config(source, trust_remote_code=trust)
+            tokenizer, config = loading.tokenizer_and_config(
+                files, tokenizer, trust_remote_code=trust
+            )
             template = _template_name(source)
             with file_tokens.watching_files(
                 files, tokenizer, others, loaded=loaded, model=name, trust_remote_code=trust
