@@ -205,6 +205,8 @@ def _kept(source: ModelSource, name: str, trust_remote_code: bool) -> Any:
         if name == "config.json" and source.kind == "hub":
             assert source.path is not None
             where, kwargs = str(source.path), {}
+        if not source.is_gguf:  # the cache keeps what transformers reads of a GGUF file alone
+            return _built(source, name, where, kwargs, trust_remote_code)
         build = functools.partial(_built, source, name, where, kwargs, trust_remote_code)
         built, kept = gguf_cache.kept(source, name, build)
         if kept:
