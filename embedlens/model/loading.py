@@ -14,7 +14,7 @@ import functools
 import gc
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -29,7 +29,12 @@ from embedlens.errors import (
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_cache, preflight
 from embedlens.model.files import ModelFiles, check_source
-from embedlens.model.load_errors import check_loaded, reading, translated
+from embedlens.model.load_errors import (
+    check_loaded,
+    conversion_errors_named,
+    reading,
+    translated,
+)
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
@@ -365,15 +370,18 @@ def load_model(
     with (
         direct.copies_for(folder, files.config_json, trust_remote_code) as early,
         _where(source) as (where, kwargs),
-        reading(source, "loading the model", weights=True),
+        reading(source, "loading the model", weights=folder is None),
     ):
         loaded: Any = None
         if folder is not None:
             if config is None:
                 config = hf_config(source, trust_remote_code=trust_remote_code)
             loaded = direct.load_folder(folder, config, early)  # the copies not taken let go
-        if loaded is None:
-            loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
+        if loaded is None:  # the weights transformers could not convert named (the direct load
+            # converts none: it leaves a checkpoint to convert to from_pretrained)
+            named = nullcontext() if folder is None else conversion_errors_named(source)
+            with named:
+                loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
         model, info = loaded
     extra = check_loaded(source, model, info)
     if notes is not None:
