@@ -57,6 +57,13 @@ def gguf_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
     return GGUFTokenizer(str(kind), tokens or [], [int(t) for t in types], merges, scores)
 
 
+def checked_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
+    """`gguf_tokenizer`, of a kind embedlens rebuilds (`check_gguf_kind`)."""
+    meta = gguf_tokenizer(header)
+    check_gguf_kind(header, meta)
+    return meta
+
+
 def gguf_kind(header: GGUFHeader) -> str:
     """The GGUF tokenizer's model ('gpt2', 'llama', ...); UnsupportedError when it has none."""
     kind = header.metadata.get("tokenizer.ggml.model")

@@ -19,7 +19,7 @@ from embedlens.io.gguf import GGUFHeader, read_gguf_header
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_vocab as gv
 from embedlens.model import tokenizer as tk
-from embedlens.model import tokenizer_build as tb
+from embedlens.model import tokens as tb
 from embedlens.model.tokens import SPACE, byte_alphabet
 
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     """The vocabulary of a GGUF file, reading text with `WordReader` (its tokenizer built only
     if something else asks for it, its stored entries with it): the size, special, added and
     unknown ids of the whole one."""
-    meta = gv.gguf_tokenizer(header)
-    gv.check_gguf_kind(header, meta)
+    meta = gv.checked_tokenizer(header)
     byte_level = meta.kind == "gpt2"
     spelled = tb.byte_alphabet_spelling(meta.tokens) if byte_level else meta.tokens
     first = gv.first_ids(spelled)
