@@ -344,7 +344,7 @@ def _sentencepiece_gguf(path: Path) -> tuple[Path, list[int]]:
 
 def _builds_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record each call of the builders of a whole GGUF tokenizer (calling through)."""
-    from embedlens.model import gguf_vocab, gguf_words, tokenizer, tokenizer_build
+    from embedlens.model import gguf_vocab, gguf_words, tokenizer, tokens
 
     built: list[str] = []
     for name in (
@@ -353,7 +353,7 @@ def _builds_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         "byte_level_tokenizer",
         "sentencepiece_tokenizer",
     ):
-        holders = [m for m in (tokenizer, gguf_vocab, tokenizer_build) if hasattr(m, name)]
+        holders = [m for m in (tokenizer, gguf_vocab, tokens) if hasattr(m, name)]
         real = getattr(holders[0], name)
 
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -362,7 +362,7 @@ def _builds_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         for holder in holders:  # where it is defined, and where it is imported by name
             monkeypatch.setattr(holder, name, counted)
-    assert gguf_words.gv is gguf_vocab and gguf_words.tb is tokenizer_build
+    assert gguf_words.gv is gguf_vocab and gguf_words.tb is tokens
     return built
 
 

@@ -1,5 +1,5 @@
 """A folder's bfloat16 and float16 weights copied to float32 on a second thread while the model is
-built (embedlens.model.prefetch): the model the lens loads is still transformers' own, bit for
+built (embedlens.compat.transformers.direct): the model the lens loads is still transformers' own, bit for
 bit, the copies are the ones the load uses, and no thread or copy outlives a load that stops.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from embedlens.compat.transformers import direct
+from embedlens.compat.transformers.direct import Prefetch
 from embedlens.errors import CheckpointError
 from embedlens.io.source import resolve
-from embedlens.model import loading, prefetch
-from embedlens.model.prefetch import Prefetch
+from embedlens.model import loading
 from tests.test_direct_load import assert_same_model, reference
 
 
@@ -48,7 +48,7 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The keys whose float32 copy the load took from the prefetch (on a machine of two cores
     or more, as the one that runs the tests may not be)."""
     keys: list[str] = []
-    monkeypatch.setattr(prefetch, "worth_it", lambda: True)
+    monkeypatch.setattr(direct, "worth_it", lambda: True)
     original = Prefetch.take
 
     def counted(self: Prefetch, path: Path, key: str, dtype: Any) -> Any:
@@ -140,7 +140,7 @@ def test_the_thread_copies_in_pieces_and_never_sets_torchs_thread_count(tmp_path
         original(n)
 
     monkeypatch.setattr(torch, "set_num_threads", recorded)
-    n = prefetch.PIECE * prefetch.PER_CALL * 2 + 12345
+    n = direct.PIECE * direct.PER_CALL * 2 + 12345
     seed = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**15), 2**15, (n,), generator=seed, dtype=torch.int32).to(torch.int16)
     tensors = {"b": bits.view(torch.bfloat16), "h": bits[:777].clone().view(torch.float16)}
@@ -214,7 +214,7 @@ def test_a_broken_file_is_reported_as_without_the_prefetch(tiny, tmp_path):
 
 def test_on_one_core_the_load_reads_the_tensors_itself(tiny, tmp_path, taken, monkeypatch):
     """One core: no second thread (the copies would only take turns with the imports)."""
-    monkeypatch.setattr(prefetch, "worth_it", lambda: False)
+    monkeypatch.setattr(direct, "worth_it", lambda: False)
     folder = halved(tiny, tmp_path, "llama-tied", "bfloat16")
     model = loading.load_model(resolve(str(folder)), dtype="float32")
     assert taken == []
@@ -225,6 +225,6 @@ def test_worth_it_follows_the_cores_this_process_may_use(monkeypatch):
     import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
-    assert not prefetch.worth_it()
+    assert not direct.worth_it()
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
-    assert prefetch.worth_it()
+    assert direct.worth_it()

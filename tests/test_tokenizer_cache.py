@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from embedlens.io.gguf import read_gguf_header
-from embedlens.model import tokenizer, tokenizer_cache
+from embedlens.model import gguf_vocab, tokenizer, tokenizer_cache
 from embedlens.model.tokenizer import Vocab, vocab_from_gguf
 from tests.gemma_vocab import WORDS, gemma_like_vocab, write_gemma_like_gguf
 from tests.test_vocab import _write_gguf
@@ -139,7 +139,7 @@ def test_numeric_arrays_read_whole_as_item_by_item(tmp_path):
     """Scores and token types unpacked in one call are what LazyArray.read decodes."""
     path = _sentencepiece_file(tmp_path / "sp.gguf", n=1000)
     header = read_gguf_header(path)
-    meta = tokenizer.gguf_tokenizer(header)
+    meta = gguf_vocab.gguf_tokenizer(header)
     assert meta.scores == header.metadata["tokenizer.ggml.scores"].read()
     assert meta.types == header.metadata["tokenizer.ggml.token_type"].read()
 

@@ -297,13 +297,12 @@ def test_progress_says_each_stage_and_how_far_it_is(tiny, tmp_path):
 
 def test_the_refinement_follows_its_seed(tiny, tmp_path):
     """The same seed, the same steps to the bit; another seed, another order of rows."""
-    from embedlens.analysis.tune.api import plan
-    from embedlens.analysis.tune.options import ask
+    from embedlens.analysis.tune.api import plan, tune_ask
     from embedlens.analysis.tune.refine import Recipe
     from embedlens.analysis.tune.run import Tuning
 
     model, tokenizer = _load(tiny("llama-tied"))
-    asked = ask(words_file(tmp_path / "w.txt"), tmp_path / "out", None, None, 512, 128,
+    asked = tune_ask(words_file(tmp_path / "w.txt"), tmp_path / "out", None, None, 512, 128,
                 (256, 4, None), "kl", 0)  # fmt: skip
     the_plan = plan(asked, tokenizer, model.config)
     run = Tuning(model)

@@ -263,23 +263,24 @@ def gguf_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint("gguf", tensors, (path.name,), gguf=header)
 
 
-def safetensors_files(source: ModelSource) -> list[str] | None:
-    """Names of the safetensors files holding the weights (via the index when sharded).
+def safetensors_files(source: ModelSource) -> tuple[list[str] | None, Path | None]:
+    """Names of the safetensors files holding the weights (via the index when sharded), and the
+    index (None without one).
 
     Only the index (a small JSON file) is ever downloaded here; weight files are not.
     """
     index = source.find(WEIGHT_INDEX)
     if index is not None:
         weight_map = _read_index(index)
-        return sorted(set(weight_map.values()))
+        return sorted(set(weight_map.values())), index
     if source.kind == "hub":
         if source.cached(WEIGHT_SINGLE) is not None or _hub_has(source, WEIGHT_SINGLE):
-            return [WEIGHT_SINGLE]
+            return [WEIGHT_SINGLE], None
     elif source.find(WEIGHT_SINGLE) is not None:
-        return [WEIGHT_SINGLE]
+        return [WEIGHT_SINGLE], None
     listing = source.listing() or []
     shards = [n for n in listing if n.endswith(".safetensors") and "adapter" not in n]
-    return shards or None
+    return shards or None, None
 
 
 def _hub_has(source: ModelSource, name: str) -> bool:
@@ -327,7 +328,7 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
             return ckpt
         # A hub GGUF's sparse copy holds its header alone: its tensors are fetched when read.
         return replace(ckpt, tensors={n: replace(t, path=None) for n, t in ckpt.tensors.items()})
-    names = safetensors_files(source)
+    names, index = safetensors_files(source)
     if names is None:
         return None
     tensors: dict[str, TensorEntry] = {}
@@ -352,10 +353,8 @@ def open_checkpoint(source: ModelSource, *, partial: bool = False) -> Checkpoint
         if missing and not partial:
             raise offline_error(source, missing[0], len(missing))
         if missing:
-            index = source.cached(WEIGHT_INDEX)
             weight_map = _read_index(index) if index is not None else {}
             unread = {n: s for n, s in weight_map.items() if s in missing}
-    index = source.cached(WEIGHT_INDEX)
     return Checkpoint(
         "safetensors",
         tensors,

@@ -14,7 +14,7 @@ import mmap
 import struct
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,48 +98,45 @@ class LazyArray:
 
 @dataclass(frozen=True)
 class GGUFTensorInfo:
-    """One tensor's record in a GGUF header (shape in ggml order: fastest dimension first)."""
+    """One tensor's record in a GGUF header (shape in ggml order: fastest dimension first), with
+    the figures its type gives, worked out once when the record is made."""
 
     name: str
     ggml_shape: tuple[int, ...]
     type_id: int
     offset: int
     """Absolute byte offset of the data in the file."""
+    type_name: str = field(init=False, compare=False, repr=False)
+    """ggml type name, e.g. 'Q4_1' ('' for a type embedlens does not know: refused by the parse)."""
+    shape: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    """Shape in row-major (PyTorch) order."""
+    numel: int = field(init=False, compare=False, repr=False)
+    """Number of elements."""
+    block: tuple[int, int] = field(init=False, compare=False, repr=False)
+    """(elements per block, bytes per block) of its type."""
+    row_bytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of one row (the fastest dimension) in the file's quantised layout."""
+    nbytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of the whole tensor."""
 
-    @property
-    def type_name(self) -> str:
-        """ggml type name, e.g. 'Q4_1'."""
-        return ggml_types()[self.type_id][0]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape in row-major (PyTorch) order."""
-        return tuple(reversed(self.ggml_shape))
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        n = 1
-        for d in self.ggml_shape:
-            n *= d
-        return n
-
-    @property
-    def block(self) -> tuple[int, int]:
-        """(elements per block, bytes per block) of its type."""
-        _, elems, size = ggml_types()[self.type_id]
-        return elems, size
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row (the fastest dimension) in the file's quantised layout."""
-        elems, size = self.block
-        return (self.ggml_shape[0] // elems) * size if self.ggml_shape else size
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole tensor."""
-        return self.row_bytes * (self.numel // self.ggml_shape[0] if self.ggml_shape else 1)
+    def __post_init__(self) -> None:
+        dims = self.ggml_shape
+        type_name, elems, size = ggml_types().get(self.type_id, ("", 1, 0))
+        numel = 1
+        for d in dims:
+            numel *= d
+        row_bytes = (dims[0] // elems) * size if dims else size
+        rows = 1 if not dims else numel // dims[0] if dims[0] else 0  # rows of 0: refused
+        found = {
+            "type_name": type_name,
+            "shape": tuple(reversed(dims)),
+            "numel": numel,
+            "block": (elems, size),
+            "row_bytes": row_bytes,
+            "nbytes": row_bytes * rows,
+        }
+        for key, value in found.items():
+            object.__setattr__(self, key, value)
 
 
 @dataclass(frozen=True)

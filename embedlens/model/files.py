@@ -247,7 +247,7 @@ def gguf_config(header: GGUFHeader) -> ModelConfig:
     if isinstance(tokens, list):
         n_tokens = len(tokens)
     raw: dict[str, Any] = {
-        "model_type": header.meta("general.architecture"),
+        "model_type": header.metadata.get("general.architecture"),
         "vocab_size": header.meta("{arch}.vocab_size") or n_tokens,
         "hidden_size": header.meta("{arch}.embedding_length"),
         "num_hidden_layers": header.meta("{arch}.block_count"),
@@ -420,12 +420,20 @@ class ModelFiles:
     """The embedding's tensor name in the checkpoint (None: not found, or no headers read)."""
     head: str | None = None
     """The head's own tensor name (None: tied, not found, or no headers read)."""
+    trust_remote_code: bool = field(default=False, compare=False)
+    """Whether the files were read for a load that may run the repository's code."""
     config_json: dict[str, Any] | None = field(init=False, compare=False, repr=False)
     """config.json as JSON (None for a GGUF file, whose config is its metadata)."""
+    code_note: str | None = field(init=False, compare=False, repr=False)
+    """The note that transformers' built-in class stands for the repository's own code
+    (`ModelConfig.builtin_code_note`), None where there is nothing to say."""
 
     def __post_init__(self) -> None:
         raw = None if self.source.is_gguf else self.config.raw
         object.__setattr__(self, "config_json", raw)
+        trust = self.trust_remote_code
+        note = self.config.builtin_code_note(trust_remote_code=trust)
+        object.__setattr__(self, "code_note", note)
 
 
 _Read = tuple[Checkpoint | None, ModelConfig, str | None, str | None]
@@ -454,7 +462,7 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Mod
     read = _read(source)
     kept = read.get(trust_remote_code)
     if kept is not None:
-        return ModelFiles(source, *kept)
+        return ModelFiles(source, *kept, trust_remote_code)
 
     ckpt = open_checkpoint(source)
     config = read_config(source, ckpt, trust_remote_code=trust_remote_code)
@@ -464,7 +472,7 @@ def check_source(source: ModelSource, *, trust_remote_code: bool = False) -> Mod
         check_matches(source, config, ckpt, embedding)
         check_integer_weights(ckpt, config)
     read[trust_remote_code] = ckpt, config, embedding, head
-    return ModelFiles(source, ckpt, config, embedding, head)
+    return ModelFiles(source, ckpt, config, embedding, head, trust_remote_code)
 
 
 def files_of(given: ModelSource | ModelFiles, *, trust_remote_code: bool = False) -> ModelFiles:

@@ -57,9 +57,16 @@ def gguf_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
     return GGUFTokenizer(str(kind), tokens or [], [int(t) for t in types], merges, scores)
 
 
+def checked_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
+    """`gguf_tokenizer`, of a kind embedlens rebuilds (`check_gguf_kind`)."""
+    meta = gguf_tokenizer(header)
+    check_gguf_kind(header, meta)
+    return meta
+
+
 def gguf_kind(header: GGUFHeader) -> str:
     """The GGUF tokenizer's model ('gpt2', 'llama', ...); UnsupportedError when it has none."""
-    kind = header.meta("tokenizer.ggml.model")
+    kind = header.metadata.get("tokenizer.ggml.model")
     if kind is None or header.metadata.get("tokenizer.ggml.tokens") is None:
         raise UnsupportedError(f"'{header.path.name}' carries no tokenizer in its metadata")
     return str(kind)
@@ -157,7 +164,7 @@ def first_ids(tokens: list[str]) -> dict[str, int]:
 def byte_level_merge_results(header: GGUFHeader) -> frozenset[str] | None:
     """Every piece a byte-level BPE GGUF's merges build ('a b' builds 'ab'), as the tokenizer
     vocab_from_gguf rebuilds applies them; None for another kind of vocabulary."""
-    if header.meta("tokenizer.ggml.model") != "gpt2":
+    if header.metadata.get("tokenizer.ggml.model") != "gpt2":
         return None
     merges = _string_array(header, "tokenizer.ggml.merges")
     if merges is None:

@@ -19,7 +19,7 @@ from embedlens.io.gguf import GGUFHeader, read_gguf_header
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_vocab as gv
 from embedlens.model import tokenizer as tk
-from embedlens.model import tokenizer_build as tb
+from embedlens.model import tokens as tb
 from embedlens.model.tokens import SPACE, byte_alphabet
 
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     """The vocabulary of a GGUF file, reading text with `WordReader` (its tokenizer built only
     if something else asks for it, its stored entries with it): the size, special, added and
     unknown ids of the whole one."""
-    meta = gv.gguf_tokenizer(header)
-    gv.check_gguf_kind(header, meta)
+    meta = gv.checked_tokenizer(header)
     byte_level = meta.kind == "gpt2"
     spelled = tb.byte_alphabet_spelling(meta.tokens) if byte_level else meta.tokens
     first = gv.first_ids(spelled)
@@ -52,7 +51,7 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     reader = WordReader(header, meta, spelled, first, byte_level)
     control, user = reader.added_tokens()
     special = {i for i, t in enumerate(meta.types) if t == gv.CONTROL} | control
-    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     return tk.Vocab(
         None,
         len(first),
@@ -170,9 +169,11 @@ class WordReader:
         merges = self._merges(pieces)
         if self.byte_level:
             assert merges is not None, "a byte-level vocabulary has merges (checked)"
-            tok = tb.byte_level_tokenizer(pieces, merges, self.header.meta("tokenizer.ggml.pre"))
+            tok = tb.byte_level_tokenizer(
+                pieces, merges, self.header.metadata.get("tokenizer.ggml.pre")
+            )
         else:
-            add_space = bool(self.header.meta("tokenizer.ggml.add_space_prefix", True))
+            add_space = bool(self.header.metadata.get("tokenizer.ggml.add_space_prefix", True))
             scores = None if merges is not None else self._scores_of(pieces)
             tok = tb.sentencepiece_tokenizer(pieces, merges, scores, add_space=add_space)
         ids = self._ids_of(pieces)

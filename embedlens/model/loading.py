@@ -14,7 +14,7 @@ import functools
 import gc
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -27,9 +27,14 @@ from embedlens.errors import (
     UsageError,
 )
 from embedlens.io.source import ModelSource
-from embedlens.model import gguf_cache, prefetch, preflight
-from embedlens.model.files import ModelFiles, files_of
-from embedlens.model.load_errors import check_loaded, reading, translated
+from embedlens.model import gguf_cache, preflight
+from embedlens.model.files import ModelFiles, check_source
+from embedlens.model.load_errors import (
+    check_loaded,
+    conversion_errors_named,
+    reading,
+    translated,
+)
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
@@ -114,13 +119,18 @@ def _survivors_to_oldest() -> None:
 def reads_files(
     func: Callable[Concatenate[ModelFiles, P], R],
 ) -> Callable[Concatenate[ModelSource | ModelFiles, P], R]:
-    """`func` given its source's files as read once (`files_of`: a source is read and checked by
+    """`func` given its source's files as read once (`check_source`: a source is read and checked by
     embedlens here, before transformers is imported), then transformers imported quietly
     (`import_scan.quiet`): what a load of the model or its tokenizer does first."""
 
     @functools.wraps(func)
     def wrapper(source: ModelSource | ModelFiles, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        files = files_of(source, trust_remote_code=bool(kwargs.get("trust_remote_code")))
+        trust = bool(kwargs.get("trust_remote_code"))
+        files = (
+            source
+            if isinstance(source, ModelFiles)
+            else check_source(source, trust_remote_code=trust)
+        )
         import_scan.quiet()
         return func(files, *args, **kwargs)
 
@@ -171,27 +181,66 @@ def hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
     class its model type names (`direct.read_config`), else through AutoConfig; a GGUF file's
     as kept from an earlier run (`gguf_cache`) where it reads back the same."""
     import_scan.quiet()
-    with _where(source) as (where, kwargs):
-        if source.kind == "hub":
-            assert source.path is not None
-            where, kwargs = str(source.path), {}
+    return _config(source, trust_remote_code)
 
-        def build() -> Any:
-            with reading(source, "reading the config"):
-                config = None if source.is_gguf else direct.read_config(Path(where))
-                if config is None:
-                    from transformers import AutoConfig
 
-                    config = AutoConfig.from_pretrained(
-                        where, trust_remote_code=trust_remote_code, **kwargs
-                    )
-                return config
+@fewer_collections
+@reads_files
+def tokenizer_and_config(
+    files: ModelFiles, tokenizer: Any = None, *, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
+    """The model's tokenizer (`load_tokenizer`; the one given, if any) and its config
+    (`hf_config`), transformers imported once for both."""
+    if tokenizer is None:
+        tokenizer = _tokenizer(files, trust_remote_code)
+    return tokenizer, _config(files.source, trust_remote_code)
 
-        config, kept = gguf_cache.kept(source, "config.json", build)
-        if kept:
-            config.name_or_path = where  # as transformers names a config it read from the file
+
+def _config(source: ModelSource, trust_remote_code: bool) -> Any:
+    """`hf_config` once transformers is imported."""
+    config = _kept(source, "config.json", trust_remote_code)
     check_rope(source, config)
     return config
+
+
+def _kept(source: ModelSource, name: str, trust_remote_code: bool) -> Any:
+    """`_built` of `source` for `name`, as kept of a GGUF file (`gguf_cache.kept`: then named as
+    transformers names what it read from the file); a hub model's config read from its folder."""
+    with _where(source) as (where, kwargs):
+        if name == "config.json" and source.kind == "hub":
+            assert source.path is not None
+            where, kwargs = str(source.path), {}
+        if not source.is_gguf:  # the cache keeps what transformers reads of a GGUF file alone
+            return _built(source, name, where, kwargs, trust_remote_code)
+        build = functools.partial(_built, source, name, where, kwargs, trust_remote_code)
+        built, kept = gguf_cache.kept(source, name, build)
+        if kept:
+            built.name_or_path = where
+    return built
+
+
+def _built(
+    source: ModelSource, name: str, where: str, kwargs: dict[str, Any], trust_remote_code: bool
+) -> Any:
+    """What transformers builds of `source` (from `where`, with `kwargs`) for `name`: its config
+    ('config.json': for a folder from the class its model type names, `direct.read_config`, else
+    through AutoConfig) or its tokenizer ('tokenizer.json', through AutoTokenizer)."""
+    what = "reading the config" if name == "config.json" else "loading the tokenizer"
+    with reading(source, what):
+        if name == "tokenizer.json":
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
+        config = None if source.is_gguf else direct.read_config(Path(where))
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs
+            )
+        return config
 
 
 def check_rope(source: ModelSource, config: Any) -> None:
@@ -312,26 +361,27 @@ def load_model(
     it with random values); tensors the model does not use are appended to `notes`. A folder's
     float32 model loaded whole on one device has its weights assigned directly
     (`direct.load_folder`: the same model, without transformers' per-tensor machinery), its
-    half-precision tensors copied to float32 on a second thread meanwhile (`prefetch`).
+    half-precision tensors copied to float32 on a second thread meanwhile (`direct.copies_for`).
     """
     source = files.source
     options = _load_options(dtype, config, device_map, max_memory, offload_folder)
     preflight.check_load(files, dtype=dtype, device=None if device_map else resolve_device(device))
-    direct_ok = dtype == "float32" and not device_map
+    folder = source.path if dtype == "float32" and not device_map and source.kind == "dir" else None
     with (
-        prefetch.copies_for(_early_files(files, trust_remote_code, direct_ok)) as early,
+        direct.copies_for(folder, files.config_json, trust_remote_code) as early,
         _where(source) as (where, kwargs),
-        reading(source, "loading the model", weights=True),
+        reading(source, "loading the model", weights=folder is None),
     ):
         loaded: Any = None
-        if direct_ok and source.kind == "dir" and source.path is not None:
+        if folder is not None:
             if config is None:
                 config = hf_config(source, trust_remote_code=trust_remote_code)
-            loaded = direct.load_folder(source.path, config, early)
-        if early is not None:
-            early.close()  # the copies not taken let go (all of them, before from_pretrained)
-        if loaded is None:
-            loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
+            loaded = direct.load_folder(folder, config, early)  # the copies not taken let go
+        if loaded is None:  # the weights transformers could not convert named (the direct load
+            # converts none: it leaves a checkpoint to convert to from_pretrained)
+            named = nullcontext() if folder is None else conversion_errors_named(source)
+            with named:
+                loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
         model, info = loaded
     extra = check_loaded(source, model, info)
     if notes is not None:
@@ -356,15 +406,6 @@ def _from_pretrained(where: str, trust_remote_code: bool, options: dict[str, Any
         ignore_mismatched_sizes=True,
         **options,
     )
-
-
-def _early_files(files: ModelFiles, trust_remote_code: bool, direct_ok: bool) -> list[Path] | None:
-    """The safetensors files a folder's direct load will likely read, as far as config.json
-    tells before transformers is imported (`direct.early_files`); None where it will not."""
-    source = files.source
-    if not direct_ok or source.kind != "dir":
-        return None
-    return direct.early_files(source.path, files.config_json, trust_remote_code)
 
 
 def _load_options(
@@ -394,32 +435,23 @@ def load_tokenizer(files: ModelFiles, *, trust_remote_code: bool = False) -> Any
     folder's tokenizer.json through the `tokenizers` library where transformers would read it
     into its generic class unchanged (`direct_tokenizer`), else through transformers (GGUF:
     rebuilt from the file's metadata)."""
-    source = files.source
+    return _tokenizer(files, trust_remote_code)
+
+
+def _tokenizer(files: ModelFiles, trust_remote_code: bool) -> Any:
+    """`load_tokenizer` once transformers is imported."""
     fast = _direct_tokenizer(files, trust_remote_code=trust_remote_code)
     if fast is not None:
         return fast  # tokenizer.json checked by `tokenizers` and `direct_tokenizer`
     check_tokenizer_files(files)
-    from transformers import AutoTokenizer
-
     try:
-        with _where(source) as (where, kwargs):
-
-            def build() -> Any:
-                with reading(source, "loading the tokenizer"):
-                    return AutoTokenizer.from_pretrained(
-                        where, trust_remote_code=trust_remote_code, **kwargs
-                    )
-
-            tokenizer, kept = gguf_cache.kept(source, "tokenizer.json", build)
-            if kept:
-                tokenizer.name_or_path = where  # as transformers names one it built from the file
-            return tokenizer
+        return _kept(files.source, "tokenizer.json", trust_remote_code)
     except CheckpointError as e:
         if "Couldn't instantiate the backend tokenizer" not in e.message:
             raise
         raise UnsupportedError(
-            f"'{source.spec}' has no tokenizer.json, and transformers cannot build its tokenizer "
-            "from the files it has",
+            f"'{files.source.spec}' has no tokenizer.json, and transformers cannot build its "
+            "tokenizer from the files it has",
             hint="save a fast tokenizer (tokenizer.json) beside the model, or install "
             "sentencepiece (or tiktoken) for a slow one",
         ) from e

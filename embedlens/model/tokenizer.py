@@ -6,12 +6,13 @@ show one token's text, and know which ids are real tokens (below the tokenizer's
 which are special. The `tokenizers` library does all three in a fraction of the time transformers
 takes to import. A GGUF file carries its vocabulary as metadata (read and checked in
 `gguf_vocab`): byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) vocabularies are rebuilt
-(`tokenizer_build`) the way transformers rebuilds them, and kept built in embedlens' cache
+(`tokens`) the way transformers rebuilds them, and kept built in embedlens' cache
 (tokenizer_cache): a 262k-piece vocabulary takes seconds to rebuild.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,24 +26,23 @@ from embedlens.model.gguf_vocab import (
     CONTROL,
     STRING,
     GGUFTokenizer,
-    check_gguf_kind,
     check_merges,
+    checked_tokenizer,
     corrupt,
     first_ids,
     gguf_kind,
-    gguf_tokenizer,
     not_strings,
     numbers_at,
     unsupported_kind,
 )
-from embedlens.model.tokenizer_build import (
+from embedlens.model.tokens import (
     add_gguf_tokens,
     byte_alphabet_spelling,
     byte_level_tokenizer,
     partial_tokenizer,
     sentencepiece_tokenizer,
+    token_text,
 )
-from embedlens.model.tokens import token_text
 from embedlens.text import error_line
 
 if TYPE_CHECKING:
@@ -234,16 +234,13 @@ def vocab_from_tokenizer(tok: Tokenizer, origin: str) -> Vocab:
 def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE), or load
     the one built before from the same metadata (tokenizer_cache)."""
-    meta = gguf_tokenizer(header)
+    meta = checked_tokenizer(header)
     kind, tokens, types = meta.kind, meta.tokens, meta.types
-    check_gguf_kind(header, meta)
     spelled = byte_alphabet_spelling(tokens) if kind == "gpt2" else tokens
-    key = tokenizer_cache.tokenizer_key(header)
-    tok = tokenizer_cache.load(key)
-    if tok is None:
-        tok = _build_gguf_tokenizer(header, meta, spelled)
-        tokenizer_cache.store(key, tok)
-    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    tok = tokenizer_cache.kept(
+        header, functools.partial(_build_gguf_tokenizer, header, meta, spelled)
+    )
+    unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == CONTROL}
     vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, pieces=stored_pieces(spelled, vocab.size))
@@ -256,10 +253,10 @@ def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list
         if meta.kind == "gpt2":
             assert meta.merges is not None, "vocab_from_gguf checks that it has merges"
             tok = byte_level_tokenizer(
-                first_ids(spelled), meta.merges, header.meta("tokenizer.ggml.pre")
+                first_ids(spelled), meta.merges, header.metadata.get("tokenizer.ggml.pre")
             )
         else:
-            add_space = header.meta("tokenizer.ggml.add_space_prefix", True)
+            add_space = header.metadata.get("tokenizer.ggml.add_space_prefix", True)
             scores = (
                 None if meta.scores is None else dict(zip(meta.tokens, meta.scores, strict=False))
             )
@@ -324,7 +321,7 @@ def gguf_rows_vocab(header: GGUFHeader, ids: Iterable[int]) -> Vocab:
         raise CheckpointError(
             f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
         ) from e
-    unk = header.meta("tokenizer.ggml.unknown_token_id")
+    unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in zip(order, kinds, strict=True) if t == CONTROL}
     vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, size=value.count, only=frozenset(order))

@@ -96,6 +96,17 @@ def load(key: str) -> Tokenizer | None:
         return None
 
 
+def kept(header: GGUFHeader, build: Callable[[], Tokenizer]) -> Tokenizer:
+    """The tokenizer of a GGUF file's metadata as kept (`load`), else `build()` and kept
+    (`store`)."""
+    key = tokenizer_key(header)
+    tok = load(key)
+    if tok is None:
+        tok = build()
+        store(key, tok)
+    return tok
+
+
 def store(key: str, tok: Tokenizer) -> None:
     """Keep a built tokenizer under its key: written to a temporary name, then renamed into
     place, so a reader never sees half a file; nothing happens when the cache is not writable."""

@@ -9,6 +9,8 @@ re-typed, in eval mode for the run and every module's training flag restored aft
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,15 +107,15 @@ def from_files(
     `target`, a --target that is not one token of a GGUF file's vocabulary; `targets` is given
     the same check for the targets of many prompts; `texts` (the texts run as they are) and
     `target`, the ids a folder's tokenizer.json gives them against the embeddings' rows
-    (`token_rows.early`). Every text `check` tokenises is checked against the rows and the GGUF
+    (`file_tokens.early`). Every text `check` tokenises is checked against the rows and the GGUF
     tokenizer of the model's file, if it is one, and of `others` (`file_tokens`)."""
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.source import resolve
-    from embedlens.model import file_tokens, loading, token_rows
+    from embedlens.model import file_tokens, loading
     from embedlens.model.files import check_source
 
     trust = load.trust_remote_code
-    with load.offload_dir() as folder:
+    with _offload_dir(load) as folder:
         source = resolve(name, load.revision)
         if tokenizer is None:
             _from_the_files(source, own_template, target, targets)
@@ -125,12 +127,13 @@ def from_files(
         # GGUF: the file is parsed once for tokenizer, config and weights, and let go after
         with gguf_reads_shared(source):
             loaded = tokenizer is None
-            if tokenizer is None:
-                tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
-            config = loading.hf_config(source, trust_remote_code=trust)
+            tokenizer, config = loading.tokenizer_and_config(
+                files, tokenizer, trust_remote_code=trust
+            )
             template = _template_name(source)
-            rows = token_rows.of_files(files, tokenizer, name, others, trust_remote_code=trust)
-            with file_tokens.watching(source, loaded=loaded, others=others, model=name, rows=rows):
+            with file_tokens.watching_files(
+                files, tokenizer, others, loaded=loaded, model=name, trust_remote_code=trust
+            ):
                 checked = check(tokenizer, config, template)
             notes: list[str] = []
             model = loading.load_model(
@@ -144,9 +147,22 @@ def from_files(
                 config=config,
                 notes=notes,
             )
-        built_in = files.config.builtin_code_note(trust_remote_code=trust)
-        after = [] if built_in is None else [built_in]
+        after = [] if files.code_note is None else [files.code_note]
         yield Opened(name, model, tokenizer, config, template, notes, after), checked
+
+
+@contextmanager
+def _offload_dir(load: Load) -> Iterator[str | None]:
+    """The offload folder for --device-map: the user's, or a temporary one removed after."""
+    folder = load.offload_folder
+    if load.device_map is None or folder is not None:
+        yield None if folder is None else str(folder)
+        return
+    tmp = tempfile.mkdtemp(prefix="embedlens-offload-")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _from_the_files(
@@ -171,13 +187,13 @@ def _own_tokenizer_checks(
 ) -> None:
     """What the model's own tokenizer files tell before transformers reads them: a GGUF file's
     tokenizer arrays, and the ids a folder's tokenizer.json gives `texts` against the
-    embeddings' rows, where it can tell (`token_rows.early`)."""
-    from embedlens.model import loading, token_rows
+    embeddings' rows, where it can tell (`file_tokens.early`)."""
+    from embedlens.model import file_tokens, loading
 
     if files.source.is_gguf:
         loading.check_tokenizer_files(files)
         return
-    check = token_rows.early(files, name, others, trust_remote_code=trust)
+    check = file_tokens.early(files, name, others, trust_remote_code=trust)
     if check is not None:
         for text in texts:
             if text:
@@ -216,7 +232,7 @@ def from_loaded(
 ) -> Iterator[tuple[Opened, T]]:
     """A model the caller loaded, after `check`; `given` names the loading options the caller
     set (refused: a loaded model runs as it is); `others` as `from_files` takes them."""
-    from embedlens.model import file_tokens, token_rows
+    from embedlens.model import file_tokens
     from embedlens.model.loaded import check_loaded, loaded_name
 
     built = check_loaded(model, **given)
@@ -228,7 +244,7 @@ def from_loaded(
     name = loaded_name(built)
     config = getattr(built, "config", None)
     template = f"the chat template of '{name}'"
-    rows = token_rows.of_loaded(built, tokenizer, name)
+    rows = file_tokens.of_loaded(built, tokenizer, name)
     with file_tokens.watching(None, loaded=False, others=others, model=name, rows=rows):
         checked = check(tokenizer, config, template)
     with _eval_mode(built):

@@ -4,10 +4,7 @@ template variables, and how to load the model."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,19 +76,6 @@ class Load:
     max_memory: MemoryMap | None
     offload_folder: Path | None
     trust_remote_code: bool
-
-    @contextmanager
-    def offload_dir(self) -> Iterator[str | None]:
-        """The offload folder for --device-map: the user's, or a temporary one removed after."""
-        folder = self.offload_folder
-        if self.device_map is None or folder is not None:
-            yield None if folder is None else str(folder)
-            return
-        tmp = tempfile.mkdtemp(prefix="embedlens-offload-")
-        try:
-            yield tmp
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ask(

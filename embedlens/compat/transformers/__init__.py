@@ -117,7 +117,12 @@ def release_key(text: str) -> tuple[int, ...]:
 def release_fits() -> bool:
     """Whether the shortcuts may be taken as far as EMBEDLENS_PLAIN and the installed release
     tell, without importing transformers (what `fast` checks first)."""
-    return bool(checked_release("transformers", *FAST_RELEASES))
+    return bool(_fits())
+
+
+def _fits() -> bool | None:
+    """Whether the installed release is one of FAST_RELEASES; None under EMBEDLENS_PLAIN."""
+    return checked_release("transformers", *FAST_RELEASES)
 
 
 def fast_releases() -> str:
@@ -134,7 +139,7 @@ def fast(part: str = "model") -> bool:
     EMBEDLENS_PLAIN=1; only on a release in FAST_RELEASES whose private parts are as this module
     lists them. Where they are not, one note says so (not under EMBEDLENS_PLAIN). Decided once
     per process and part."""
-    fits = checked_release("transformers", *FAST_RELEASES)
+    fits = _fits()
     if fits is None:
         return False
     if part not in _verdicts:

@@ -10,6 +10,16 @@ quantised or converted checkpoint, a class the tables do not settle), and where 
 `embedlens.compat.transformers` closes the shortcuts (another release, EMBEDLENS_PLAIN=1): the
 caller then goes through transformers' public API (`AutoConfig`, `AutoModelForCausalLM`).
 
+While the main thread imports transformers and builds the model on the meta device, a folder's
+bfloat16 and float16 tensors are copied to float32 on a second thread (`copies_for`, `Prefetch`):
+on SmolLM2 and Qwen3-0.6B the copies are a third of the load, and the imports and the build leave
+the second core idle. They are the elementwise conversions `Tensor.to(torch.float32)` makes
+(exact: every bfloat16 and float16 value is a float32 value), run by torch's batched copy
+(`_foreach_copy_`, which holds no GIL) on pieces of torch's grain size, which torch never splits
+between threads: the same bits whichever thread made them, on one core without the thread setting
+torch's thread count (the main thread's to set). A call copies a few pieces, so that a load that
+ends early (`close`) waits for one call at most.
+
 Like `loading`, nothing here imports torch or transformers at module level.
 """
 
@@ -18,18 +28,23 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from embedlens.compat.transformers import fast, release_fits
 
-if TYPE_CHECKING:
-    from embedlens.model.prefetch import Prefetch
-
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def _open() -> bool:
+    """Whether the gate lets this module's shortcuts be taken in this process (`fast`: the
+    config, the meta model and the weights)."""
+    return fast()
 
 
 def read_config(folder: Path) -> Any | None:
@@ -37,7 +52,7 @@ def read_config(folder: Path) -> Any | None:
     config class the model type names; None for repository code or a type transformers lacks."""
     from transformers import PretrainedConfig
 
-    if not fast():
+    if not _open():
         return None
     where = str(folder)
     raw, unused = PretrainedConfig.get_config_dict(where, _from_auto=True, name_or_path=where)
@@ -81,7 +96,7 @@ def causal_lm_class(config: Any) -> tuple[Any, Any] | None:
     look further (repository code, classes registered at run time, no causal LM)."""
     from transformers.models.auto import modeling_auto
 
-    if not fast():
+    if not _open():
         return None
     auto_map = getattr(config, "auto_map", None)
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
@@ -143,16 +158,21 @@ def load_folder(
     folder: Path, config: Any, early: Prefetch | None = None
 ) -> tuple[Any, dict[str, Any]] | None:
     """A folder's float32 model and loading info read directly (`load_float32` of its
-    `weight_files`), or None where transformers' from_pretrained is needed."""
-    files = weight_files(folder, config)
-    return None if files is None else load_float32(folder, config, files, early)
+    `weight_files`), or None where transformers' from_pretrained is needed; the copies of
+    `early` not taken are let go of either way (before from_pretrained holds its own)."""
+    try:
+        files = weight_files(folder, config)
+        return None if files is None else load_float32(folder, config, files, early)
+    finally:
+        if early is not None:
+            early.close()
 
 
 def weight_files(folder: Path, config: Any) -> list[Path] | None:
     """The safetensors files `from_pretrained(folder)` reads, when it reads them plainly: one
     file or the shards of an index; None for anything else (an adapter, a distributed or
     explicitly named checkpoint, extra files, pickles)."""
-    if not fast() or (folder / "adapter_config.json").exists() or _distributed(folder):
+    if not _open() or (folder / "adapter_config.json").exists() or _distributed(folder):
         return None
     if getattr(config, "transformers_weights", None) or type(config).extra_files:
         return None
@@ -165,7 +185,7 @@ def early_files(
     """`weight_files` as far as config.json read as JSON (`raw`, as embedlens read it) tells,
     before transformers is imported: None also where the direct load surely does not apply (a
     quantised checkpoint, repository code the caller trusts)."""
-    if not release_fits() or folder is None or (folder / "adapter_config.json").exists():
+    if folder is None or not release_fits() or (folder / "adapter_config.json").exists():
         return None
     if raw is None or raw.get("quantization_config") is not None:
         return None
@@ -204,7 +224,7 @@ def load_float32(
     its tensors read from the memory-mapped files and assigned in place; None (nothing loaded)
     when transformers would convert a tensor on the way (merge, split, transpose), quantise, or
     keep some modules in another dtype. The generation config is not read: the lens never
-    generates. `early`: float32 copies of the tensors already begun (`prefetch`)."""
+    generates. `early`: float32 copies of the tensors already begun (`copies_for`)."""
     if getattr(config, "quantization_config", None) is not None:
         return None
     found = causal_lm_class(config)  # None also where the gate closes the shortcuts
@@ -353,3 +373,123 @@ def _finalised(
     model.set_use_kernels(False, None)
     result: dict[str, Any] = info.to_dict()
     return result
+
+
+# --- a folder's half-precision weights copied to float32 on a second thread ---
+
+CONVERTED = ("BF16", "F16")
+"""safetensors dtypes that the load converts to float32 (a float32 tensor is used as it is read)."""
+PIECE = 2**15
+"""Elements a copy converts at once: torch's grain size (`at::internal::GRAIN_SIZE`), up to which
+an elementwise op runs on the calling thread alone (were it smaller in another torch release, a
+piece would be split between threads: the same bits, at another speed)."""
+PER_CALL = 64
+"""Pieces copied by one call of the thread (2 Mi elements): a stop is seen between calls."""
+
+
+def worth_it() -> bool:
+    """Whether a second thread can run beside the main one: this process may use more than one
+    core (a fact of the machine, not of its load; on one core the copies would only take turns
+    with the imports)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):
+        return (os.cpu_count() or 1) > 1
+
+
+@contextmanager
+def copies_for(
+    folder: Path | None, raw: dict[str, Any] | None, trust_remote_code: bool
+) -> Iterator[Prefetch | None]:
+    """The float32 copies of the half-precision weights a folder's direct load will likely read
+    (`early_files`), begun on a second thread where the process may use two cores
+    (`worth_it`): None elsewhere, for no files, and where the files cannot be opened (the load
+    then says why). Waited for and let go of on the way out (or once `load_folder` is done)."""
+    files = early_files(folder, raw, trust_remote_code)
+    early = None
+    if files is not None and worth_it():
+        try:
+            early = Prefetch(files)
+        except Exception:  # a broken file: the load reports it as it does without this
+            early = None
+    try:
+        yield early
+    finally:
+        if early is not None:
+            early.close()
+
+
+class Prefetch:
+    """float32 copies of the files' bfloat16 and float16 tensors, made on a second thread from
+    the moment it is built; `take` waits for them."""
+
+    def __init__(self, files: list[Path]) -> None:
+        import torch
+        from safetensors import safe_open
+
+        self._handles: list[Any] = []
+        self._copies: dict[tuple[Path, str], Any] = {}
+        pairs: list[tuple[Any, Any]] = []
+        for path in files:
+            handle: Any = safe_open(str(path), framework="pt", device="cpu")
+            self._handles.append(handle)
+            keys = list(handle.keys())
+            for key in keys:
+                part = handle.get_slice(key)
+                if part.get_dtype() not in CONVERTED:
+                    continue
+                source = part[...]  # the memory-mapped bytes, not read yet
+                copy = torch.empty(source.shape, dtype=torch.float32)
+                pairs.append((source, copy))
+                self._copies[(path, key)] = copy
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(pairs,), name="embedlens-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Copy the pairs, PER_CALL pieces at a time, each piece on this thread alone (a copy is
+        bound by the fresh pages it touches: see `_one_thread`)."""
+        from embedlens.compat.torch import batched_copy
+
+        # torch's batched copy is private: taken on the releases it was measured on, else each
+        # piece is copied by the public `copy_` (the same elementwise conversion, the same bits)
+        batched = batched_copy()
+        step = PIECE * PER_CALL
+        try:
+            for source, copy in pairs:
+                whole, into = source.reshape(-1), copy.view(-1)
+                for start in range(0, whole.numel(), step):
+                    if self._stop.is_set():
+                        return
+                    sources = whole[start : start + step].split(PIECE)
+                    copies = into[start : start + step].split(PIECE)
+                    if batched is not None:
+                        batched(list(copies), list(sources))
+                    else:
+                        for piece, target in zip(sources, copies, strict=True):
+                            target.copy_(piece)
+        except BaseException as e:  # the load then reads the tensors itself
+            self._error = e
+
+    def take(self, path: Path, key: str, dtype: Any) -> Any | None:
+        """The float32 copy of `key` in `path` once it is made (None when the load should read
+        it itself: not converted here, another dtype wanted, or the copies failed)."""
+        self._thread.join()
+        if self._error is not None:
+            self._copies.clear()
+        import torch
+
+        if dtype != torch.float32:
+            return None
+        return self._copies.pop((path, key), None)
+
+    def close(self) -> None:
+        """Stop copying (after the current call), wait for the thread and let go of every copy
+        not taken."""
+        self._stop.set()
+        self._thread.join()
+        self._copies.clear()
+        self._handles.clear()

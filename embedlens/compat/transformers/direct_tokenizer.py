@@ -50,6 +50,18 @@ CHAT_TEMPLATE = "chat_template.jinja"
 CHAT_TEMPLATES = "additional_chat_templates"
 
 
+SPECIAL_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""transformers' named special tokens: each an attribute (None when not set), with its id."""
+
+
 class DirectTokenizer:
     """tokenizer.json as transformers' generic tokenizer uses it (see the module's docstring)."""
 
@@ -63,14 +75,17 @@ class DirectTokenizer:
         backend.encode_special_tokens = False
         self._tokenizer = backend
         self._special = special
-        self._extra = extra
         self.chat_template = chat
         self.name_or_path = name
-
-    @property
-    def backend_tokenizer(self) -> Tokenizer:
+        self.backend_tokenizer = backend
         """The `tokenizers` tokenizer."""
-        return self._tokenizer
+        for token in {*SPECIAL_NAMES, *special}:  # `bos_token`, `bos_token_id`, ...
+            value = special.get(token)
+            setattr(self, token, value)
+            setattr(self, f"{token}_id", None if value is None else backend.token_to_id(value))
+        self.all_special_tokens = list(dict.fromkeys([*special.values(), *extra]))
+        """The named and the extra special tokens, each once."""
+        self.all_special_ids = [self._id(t) for t in self.all_special_tokens]
 
     def __len__(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
@@ -117,17 +132,9 @@ class DirectTokenizer:
         """The named special tokens that are set (what chat templates are given)."""
         return dict(self._special)
 
-    @property
-    def all_special_tokens(self) -> list[str]:
-        """The named and the extra special tokens, each once."""
-        return list(dict.fromkeys([*self._special.values(), *self._extra]))
-
-    @property
-    def all_special_ids(self) -> list[int | None]:
-        return [self._id(t) for t in self.all_special_tokens]
-
     def __getattr__(self, name: str) -> Any:
-        """`bos_token`, `unk_token_id` and the like, as transformers' tokenizer answers them."""
+        """`bos_token`, `unk_token_id` and the like, as transformers' tokenizer answers them
+        (those of SPECIAL_NAMES and of the tokens set are attributes already)."""
         token = name.removesuffix("_id")
         if not token.endswith("_token") or name.startswith("_"):
             raise AttributeError(name)
