@@ -41,18 +41,12 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def _open() -> bool:
-    """Whether the gate lets this module's shortcuts be taken in this process (`fast`: the
-    config, the meta model and the weights)."""
-    return fast()
-
-
 def read_config(folder: Path) -> Any | None:
     """What `AutoConfig.from_pretrained(folder)` returns for a built-in model type, from the
     config class the model type names; None for repository code or a type transformers lacks."""
     from transformers import PretrainedConfig
 
-    if not _open():
+    if not fast():
         return None
     where = str(folder)
     raw, unused = PretrainedConfig.get_config_dict(where, _from_auto=True, name_or_path=where)
@@ -96,7 +90,7 @@ def causal_lm_class(config: Any) -> tuple[Any, Any] | None:
     look further (repository code, classes registered at run time, no causal LM)."""
     from transformers.models.auto import modeling_auto
 
-    if not _open():
+    if not fast():
         return None
     auto_map = getattr(config, "auto_map", None)
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
@@ -172,7 +166,7 @@ def weight_files(folder: Path, config: Any) -> list[Path] | None:
     """The safetensors files `from_pretrained(folder)` reads, when it reads them plainly: one
     file or the shards of an index; None for anything else (an adapter, a distributed or
     explicitly named checkpoint, extra files, pickles)."""
-    if not _open() or (folder / "adapter_config.json").exists() or _distributed(folder):
+    if not fast() or (folder / "adapter_config.json").exists() or _distributed(folder):
         return None
     if getattr(config, "transformers_weights", None) or type(config).extra_files:
         return None
