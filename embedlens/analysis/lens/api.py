@@ -4,6 +4,8 @@ Each makes what it is given into its option objects (`given`: `LoadOptions`, `Le
 checks them before any file is read (`options`), gets the model ready one way (`opening`), runs
 the engine, and builds the report. A model given already loaded is used as it
 is: never reloaded, moved, re-typed or left changed.
+
+What a call was given is made into its option objects here too (`model_and_load`, `lens_given`, `loading`, `models`; `tune` uses them as well): keyword arguments build the objects (`embedlens.options.options_from`); a field given both as a keyword and in `load=`/`options=` is refused, as is a keyword neither object has.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
-from embedlens.analysis.lens import given
 from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.many import OnReport
 from embedlens.analysis.lens.opening import open_model
@@ -38,6 +39,13 @@ if TYPE_CHECKING:
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
+from typing import TYPE_CHECKING
+
+from embedlens.options import named, no_other_keywords, options_from
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.pairing import Pair
+
 
 T = TypeVar("T")
 
@@ -105,14 +113,14 @@ def lens(
     """
     if prompts is not None or prompt is None:
         return _deprecated_many(model, prompt, prompts, locals())
-    model, load, asked = given.lens_given("lens", model, load, options, dict(keywords))
+    model, load, asked = lens_given("lens", model, load, options, dict(keywords))
     ask = checks.ask(prompt, asked.layers, asked.top_k, asked.position, asked.target, asked.chat,
                      asked.no_thinking, asked.template_args, asked.grid,
                      asked.chat_template)  # fmt: skip
     if asked.compare_logit:
         raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     b = (against, against_tokenizer, against_revision, asked.threshold)
-    loading, pair = given.models(model, tokenizer, load, *b)
+    loading, pair = models(model, tokenizer, load, *b)
     save = _saving(save_states, load.revision, pair)
     return _one_prompt(model, tokenizer, (loading, pair), ask, asked.target, asked.tuned, save,
                        asked.site)  # fmt: skip
@@ -130,7 +138,7 @@ def _saving(
 def _one_prompt(
     model: object,
     tokenizer: Any,
-    models: tuple[given.Loading, Pair | None],
+    models: tuple[Loading, Pair | None],
     ask: checks.Ask,
     target: str | None,
     tuned: str | os.PathLike[str] | None,
@@ -210,7 +218,7 @@ def lens_prompts(
     extra: dict[str, Any] = dict(keywords)
     on_report = renamed("lens_prompts", extra, "each", "on_report", on_report,
                         "the callback is now named")  # fmt: skip
-    model, load, asked = given.lens_given("lens_prompts", model, load, options, extra)
+    model, load, asked = lens_given("lens_prompts", model, load, options, extra)
     checks.one_prompt_only(asked.target, asked.chat, asked.grid)
     ask = checks.many(asked.top_k, asked.layers, asked.position, asked.no_thinking,
                       asked.template_args, asked.skip_bad, asked.chat_template)  # fmt: skip
@@ -220,7 +228,7 @@ def lens_prompts(
     with nullcontext() if session is None else session.guarded():
         lens_dir = _tuned_folder(asked.tuned)
         b = (against, against_tokenizer, against_revision, asked.threshold)
-        loading, pair = given.models(model, tokenizer, load, *b)
+        loading, pair = models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
         sites_asked(asked.site, None)  # a bad --site refused before the folder is made
         saving = saving_many(save_states, load.revision, against, session)
@@ -231,7 +239,7 @@ def lens_prompts(
 def _many(
     model: object,
     tokenizer: Any,
-    models: tuple[given.Loading, Pair | None],
+    models: tuple[Loading, Pair | None],
     ask: checks.ManyAsk,
     source: PromptSource,
     run: tuple[OnReport | None, Progress, bool],
@@ -336,3 +344,84 @@ def _not_both(tuned: object, against: object, compare_logit: bool = False) -> No
         raise UsageError(
             "--compare-logit compares two lenses on one model: run it without --against"
         )
+
+
+Loading = checks.Load | dict[str, bool]
+"""How to load a model named by its files (checked), or for a model given loaded, which loading
+options were given (it refuses them)."""
+
+
+def model_and_load(
+    function: str, model: object, load: LoadOptions | None, keywords: dict[str, Any]
+) -> tuple[Any, LoadOptions]:
+    """The model (its files, or loaded) and how to load it: `model` may be a `LoadOptions` with
+    its `source`; `load=` and the loading keywords build the rest. Any keyword left over is
+    refused as Python refuses an unknown one (`function` names the call)."""
+    model, load = _split(model, load)
+    load = named(model, options_from(LoadOptions, load, keywords))
+    no_other_keywords(function, keywords)
+    return model, load
+
+
+def lens_given(
+    function: str,
+    model: object,
+    load: LoadOptions | None,
+    options: LensOptions | None,
+    keywords: dict[str, Any],
+) -> tuple[Any, LoadOptions, LensOptions]:
+    """`model_and_load`, and the lens's options: `options=` with the keywords of its fields set
+    on it; any keyword left over is refused."""
+    model, load = _split(model, load)
+    load = named(model, options_from(LoadOptions, load, keywords))
+    asked = options_from(LensOptions, options, keywords)
+    no_other_keywords(function, keywords)
+    return model, load, asked
+
+
+def _split(model: object, load: LoadOptions | None) -> tuple[Any, LoadOptions | None]:
+    """A `LoadOptions` given as the model made into the model (its source) and `load`."""
+    if not isinstance(model, LoadOptions):
+        return model, load
+    if load is not None:
+        raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
+    if model.source is None:
+        raise UsageError("LoadOptions given as the model need its source")
+    return model.source, model
+
+
+def loading(model: object, load: LoadOptions) -> Loading:
+    """How to load a model named by its files, checked; for a model already loaded, which
+    loading options were given (it refuses them)."""
+    if isinstance(model, (str, os.PathLike)):
+        return checks.load_options(load)
+    return load.given()
+
+
+def models(
+    model: object,
+    tokenizer: Any,
+    load: LoadOptions,
+    against: object,
+    against_tokenizer: Any,
+    against_revision: str | None,
+    threshold: float | None,
+) -> tuple[Loading, Pair | None]:
+    """How to load the model (`loading`), and with `against` the pair: B loads as A does, but
+    for its revision (a loaded B refuses that alone)."""
+    a_loading = loading(model, load)
+    limit = checks.check_threshold(threshold, against)
+    if against is None:
+        if against_tokenizer is not None or against_revision is not None:
+            raise UsageError("--against-revision and against_tokenizer apply only with --against")
+        return a_loading, None
+    from dataclasses import replace
+
+    from embedlens.analysis.lens.pairing import Pair, Side
+
+    if isinstance(against, (str, os.PathLike)):
+        b_loading = loading(against, replace(load, source=None, revision=against_revision))
+    else:
+        b_loading = LoadOptions(revision=against_revision).given()
+    a, b = Side(model, tokenizer, a_loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]
+    return a_loading, Pair(a, b, limit)

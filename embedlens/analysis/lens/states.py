@@ -61,16 +61,16 @@ def lens_states(
     against: B, run on the file's ids and compared with the states as `lens(..., against=B)`
         compares two models (`against_revision`: B's revision).
     """
-    from embedlens.analysis.lens import given
+    from embedlens.analysis.lens import api
     from embedlens.analysis.lens.site_report import sites_asked
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
-    name, load, asked = given.lens_given("lens_states", model, load, options, dict(keywords))
+    name, load, asked = api.lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
     sites = sites_asked(asked.site, asked.tuned)
     b = (against, None, against_revision, asked.threshold)
-    pair = given.models(name, None, load, *b)[1]
+    pair = api.models(name, None, load, *b)[1]
     checks.check_top_k(asked.top_k)
     items = None if asked.layers is None else checks.layer_items(asked.layers)
     position = asked.position

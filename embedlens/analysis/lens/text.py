@@ -77,10 +77,10 @@ def lens_text(
     dist_backend: under torchrun, the windows are split over the processes.
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
     """
-    from embedlens.analysis.lens import given
+    from embedlens.analysis.lens import api
     from embedlens.progress import progress_of
 
-    model, load = given.model_and_load("lens_text", model, load, dict(keywords))
+    model, load = api.model_and_load("lens_text", model, load, dict(keywords))
     sites = _check(load, against, against_logits, tuned, site)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
@@ -89,7 +89,7 @@ def lens_text(
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         saving = saving_many(save_states, load.revision, against, session, "--text")
-        loading = given.loading(model, load)
+        loading = api.loading(model, load)
         b = (against, against_tokenizer, against_revision)
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual, sites, saving), session,
@@ -194,7 +194,7 @@ def _other(
         return
     from dataclasses import replace
 
-    from embedlens.analysis.lens import given
+    from embedlens.analysis.lens import api
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.pairing import Side, check_pair
 
@@ -203,7 +203,7 @@ def _other(
                              trust_remote_code=load.trust_remote_code)  # fmt: skip
     else:
         a_load = LoadOptions()
-    b_load = given.loading(against, replace(a_load, revision=revision))
+    b_load = api.loading(against, replace(a_load, revision=revision))
     a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
              opened.tokenizer, load)  # fmt: skip
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]

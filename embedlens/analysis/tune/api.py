@@ -190,20 +190,20 @@ def tune(
         summed; rank 0 writes the folder, every rank returns the report.
     A loaded model (with its `tokenizer`) runs as it is.
     """
-    from embedlens.analysis.lens import given
+    from embedlens.analysis.lens import api
     from embedlens.analysis.torchrun import split_session
     from embedlens.progress import progress_of
 
     extra: dict[str, Any] = dict(keywords)
     eval_data = renamed("tune", extra, "eval", "eval_data", eval_data, _EVAL_NOW)
-    model, load = given.model_and_load("tune", model, load, extra)
+    model, load = api.model_and_load("tune", model, load, extra)
     shown = None if progress is None else progress_of(progress, "tune")
     session = split_session(dist_backend, load.device)
     with nullcontext() if session is None else session.guarded():
         ask = tune_ask(data, out, eval_data, seq_len, tokens, eval_tokens,
                        (refine_tokens, steps, lr), method, seed)  # fmt: skip
         _one_device(load)
-        loading = given.loading(model, load)
+        loading = api.loading(model, load)
 
         def check(tok: Any, config: Any, _template: str) -> Plan:
             return plan(ask, tok, config)
