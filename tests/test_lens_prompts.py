@@ -474,7 +474,7 @@ def test_top_rows_ties_across_the_kth_place():
 
 def test_batch_threads_follow_the_work_never_the_load(tiny):
     """One thread for small work, torch's own setting for large work, busy machine or not."""
-    from embedlens.analysis.lens.threads import threads_for
+    from embedlens.analysis.lens.blocks import threads_for
     from tests.busy import busy_processes
 
     model = _load(tiny("llama-tied"))

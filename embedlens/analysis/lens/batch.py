@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Decoder, ModelDecoder, capture, find_blocks, input_device
+from embedlens.analysis.lens.blocks import (
+    Decoder,
+    ModelDecoder,
+    capture,
+    find_blocks,
+    input_device,
+    threads_for,
+)
 from embedlens.analysis.lens.engine import (
     Check,
     Kept,
@@ -29,7 +36,6 @@ from embedlens.analysis.lens.engine import (
 )
 from embedlens.analysis.lens.ranking import Top, rowdot, tops_from_log_softmax
 from embedlens.analysis.lens.stats import next_ids
-from embedlens.analysis.lens.threads import threads_for
 
 BATCH_TOKENS = 512
 """Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of

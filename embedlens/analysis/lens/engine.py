@@ -23,10 +23,10 @@ from embedlens.analysis.lens.blocks import (
     capture,
     find_blocks,
     input_device,
+    threads_for,
 )
 from embedlens.analysis.lens.ranking import Top, exact_top1, exact_tops
 from embedlens.analysis.lens.stats import next_ids
-from embedlens.analysis.lens.threads import threads_for
 from embedlens.errors import NumericError, UnsupportedError
 
 CHUNK_BYTES = 256 * 2**20

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from embedlens.analysis.lens.blocks import one_thread
 from embedlens.analysis.lens.engine import LensResult
 from embedlens.analysis.lens.ranking import Top
 from embedlens.analysis.lens.stats import Sums, add_row
-from embedlens.analysis.lens.threads import one_thread
 from embedlens.errors import UnsupportedError
 from embedlens.reports.lens import LensDiffLayerStats
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from embedlens.analysis.lens.blocks import one_thread
 from embedlens.analysis.lens.stats import RowValues, row_stats, target_ranks
-from embedlens.analysis.lens.threads import one_thread
 
 LSE_ROWS = 64
 """Rows whose log-sum-exp `exact_top1` takes at once (in float64)."""

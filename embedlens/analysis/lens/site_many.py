@@ -96,8 +96,12 @@ class SiteManyRun(ManyRun):
 
     def _add(self, prompt: Prompt, result: LensResult) -> None:
         """One prompt's sites: taken apart, decoded a layer at a time, added to the sums."""
-        from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
-        from embedlens.analysis.lens.threads import threads_for
+        from embedlens.analysis.lens.blocks import (
+            ModelDecoder,
+            find_blocks,
+            input_device,
+            threads_for,
+        )
 
         model = self.opened.model
         pieces = take_apart(model, prompt.ids, result.positions, "resid_mid" in self.sites)

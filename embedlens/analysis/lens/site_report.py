@@ -69,9 +69,8 @@ def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, 
 def take_apart(model: nn.Module, ids: Sequence[int], positions: Sequence[int], mid: bool) -> Pieces:
     """The model's blocks taken apart on one prompt (refused where the sums fail, or resid_mid
     of a parallel block when `mid`)."""
-    from embedlens.analysis.lens.blocks import find_blocks
+    from embedlens.analysis.lens.blocks import find_blocks, threads_for
     from embedlens.analysis.lens.sites import capture_pieces, refuse_mid_in_parallel
-    from embedlens.analysis.lens.threads import threads_for
 
     blocks = find_blocks(model)
     with threads_for(model, len(ids)):  # as the engine's pass: the same bytes on any threads
@@ -119,10 +118,9 @@ def read_sites(
     apart, or a states file's) through `decoder`, on `model`'s device."""
     import torch
 
-    from embedlens.analysis.lens.blocks import input_device
+    from embedlens.analysis.lens.blocks import input_device, threads_for
     from embedlens.analysis.lens.prompt import token_text
     from embedlens.analysis.lens.site_rows import SiteJob, decode_sites
-    from embedlens.analysis.lens.threads import threads_for
 
     inner = [s for s in sites if s != "resid"]
     layers = [layer for layer in result.layers if layer >= 1]

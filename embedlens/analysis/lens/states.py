@@ -333,8 +333,8 @@ def _decode(
     file holds them (as `lens` shows them). `other`: B's residual, kept beside (`_checked`)."""
     import torch
 
+    from embedlens.analysis.lens.blocks import threads_for
     from embedlens.analysis.lens.engine import CHUNK_BYTES, Kept, LensResult, decoded, tolerance
-    from embedlens.analysis.lens.threads import threads_for
 
     n_layers = len(tail.blocks.modules)
     last = file.n_tokens - 1

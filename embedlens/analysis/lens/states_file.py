@@ -360,8 +360,7 @@ def states_of(
     model's and `about`), and the `sites` inside the blocks (`site_tensors`)."""
     import torch
 
-    from embedlens.analysis.lens.blocks import capture, find_blocks, hooked
-    from embedlens.analysis.lens.threads import threads_for
+    from embedlens.analysis.lens.blocks import capture, find_blocks, hooked, threads_for
 
     model = opened.model
     blocks = find_blocks(model)

@@ -15,12 +15,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Capture, Decoder, capture, find_blocks, input_device
+from embedlens.analysis.lens.blocks import (
+    Capture,
+    Decoder,
+    capture,
+    find_blocks,
+    input_device,
+    threads_for,
+)
 from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.ranking import rowdot
 from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
-from embedlens.analysis.lens.threads import threads_for
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.sites import Pieces

@@ -16,9 +16,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Capture, ModelDecoder, capture, find_blocks, input_device
+from embedlens.analysis.lens.blocks import (
+    Capture,
+    ModelDecoder,
+    capture,
+    find_blocks,
+    input_device,
+    threads_for,
+)
 from embedlens.analysis.lens.engine import tolerance
-from embedlens.analysis.lens.threads import threads_for
 from embedlens.errors import UnsupportedError
 
 

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import ModelDecoder
+from embedlens.analysis.lens.blocks import ModelDecoder, one_thread, threads_for
 from embedlens.analysis.lens.decoders import Translators
-from embedlens.analysis.lens.threads import one_thread, threads_for
 from embedlens.analysis.tune.data import Sequences
 from embedlens.errors import NumericError
 
