@@ -24,7 +24,7 @@ from embedlens.analysis.lens.site_report import (
     take_apart,
     worse,
 )
-from embedlens.analysis.lens.site_rows import PIECE, Key, before_after, decoded_rows
+from embedlens.analysis.lens.sites import PIECE, Key, before_after, decoded_rows
 from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
 from embedlens.reports.lens import BlockSums, SiteStats
 

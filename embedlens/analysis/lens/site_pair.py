@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from embedlens.analysis.lens.site_report import SITES, SUFFIX, sums, take_apart, worse
-from embedlens.analysis.lens.site_rows import Key, decoded_rows
+from embedlens.analysis.lens.sites import Key, decoded_rows
 from embedlens.analysis.lens.stats import Sums
 from embedlens.reports.lens import BlockSums, SiteDiff, SiteDiffStats
 

@@ -29,8 +29,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.options import Ask
     from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.ranking import Top
-    from embedlens.analysis.lens.site_rows import Change, SiteRows
-    from embedlens.analysis.lens.sites import Pieces
+    from embedlens.analysis.lens.sites import Change, Pieces, SiteRows
 
 Tok = Callable[[int], str]
 
@@ -120,7 +119,7 @@ def read_sites(
 
     from embedlens.analysis.lens.blocks import input_device, threads_for
     from embedlens.analysis.lens.prompt import token_text
-    from embedlens.analysis.lens.site_rows import SiteJob, decode_sites
+    from embedlens.analysis.lens.sites import SiteJob, decode_sites
 
     inner = [s for s in sites if s != "resid"]
     layers = [layer for layer in result.layers if layer >= 1]

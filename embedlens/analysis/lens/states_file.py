@@ -113,8 +113,7 @@ class StatesFile:
     def pieces(self, layers: list[int], positions: list[int]) -> Pieces:
         """The blocks taken apart as the file holds them, at `layers` (>= 1) and `positions`,
         float32: each block's input and output from the residual stream, its sites inside."""
-        from embedlens.analysis.lens.site_rows import PIECE
-        from embedlens.analysis.lens.sites import Pieces, Split
+        from embedlens.analysis.lens.sites import PIECE, Pieces, Split
 
         pieces = Pieces(splits={i + 1: Split(*s) for i, s in enumerate(self.splits)})
         for layer in layers:
@@ -394,7 +393,7 @@ def site_tensors(
     import torch
 
     from embedlens.analysis.lens.site_report import SITES, take_apart
-    from embedlens.analysis.lens.site_rows import PIECE
+    from embedlens.analysis.lens.sites import PIECE
 
     if tuple(sites) == ("resid",):
         return {}, {}

@@ -279,7 +279,7 @@ class TextRun:
         out: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor, device: torch.device,
     ) -> WindowSums:  # fmt: skip
         """One site's sums over a window (`pieces`: A's blocks taken apart, and B's)."""
-        from embedlens.analysis.lens.site_rows import PIECE, stream
+        from embedlens.analysis.lens.sites import PIECE, stream
 
         n_pos = out[0].shape[0]
         rows = [(x, j) for x in self.layers if x >= 1 for j in range(n_pos)]
