@@ -106,8 +106,7 @@ def paired(
     """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
     beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
     part there (`a_sites`: what reads A's rows there, once B's are read, and the sites)."""
-    from embedlens.analysis.lens.pair import compare
-    from embedlens.analysis.lens.pair_report import pair_report
+    from embedlens.analysis.lens.pair import compare, pair_report
 
     rb, named, b_sites = b
     diffs = compare(a, rb, index)
@@ -361,7 +360,7 @@ class _PairRun:
         return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned, sites)
 
     def window(self, window: many.Window, ran_b: Ran) -> None:
-        from embedlens.analysis.lens.pair_report import pair_report
+        from embedlens.analysis.lens.pair import pair_report
 
         outs_b, inside_b = ran_b
         others = [_residual(out.result) for out in outs_b]
@@ -386,7 +385,7 @@ class _PairRun:
 
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensSummaryReport:
         """A's summary with the means of B against it; `notes` after B's."""
-        from embedlens.analysis.lens.pair_report import pair_summary
+        from embedlens.analysis.lens.pair import pair_summary
 
         summary = self.run.summary(n_bad, bad)
         named = self.named
