@@ -1,6 +1,7 @@
 """The logit lens: what each layer would predict if it were the last.
 
-One idea per module, read top-down from `api` (the functions users call):
+One idea per module, read top-down from `api` (the functions users call, and what a call was
+given made into its option objects):
 
 - `options`: what users ask for (layers, positions, -k, template variables, loading), checked
   before any file is read;
@@ -9,19 +10,20 @@ One idea per module, read top-down from `api` (the functions users call):
 - `engine`: one prompt through capture, decoder, ranking and the self-check (`run_lens`);
 - `batch`: many prompts through the same engine pieces at once, with KL and entropy per row;
 - `many`: prompts files and lists: every line checked, then run a window at a time;
-- `stats`: per-layer statistics over many prompts;
+- `stats`: every per-row statistic defined once, and the one accumulator they are summed in;
 - `text`: `lens_text`, the lens over every scored token of a text (`text_input`, `text_run`,
   `text_stats`; `logits_file` for --save-logits / --against-logits);
 - `report`: one prompt through the engine, and a run's result as the `LensReport` users get;
 - `against`, `pairing`, `pair`: `--against` (B checked, both run, the figures and reports);
+- `sites`, `site_report`, `site_many`, `site_pair`: `--site` (the pieces inside a block found
+  and checked, and decoded; one prompt, many, a pair);
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
   --save-states`'s: `states_file` reads and writes them), decoded by the model's tail alone
   (`tail`);
 - `decoders`: the decoders as public objects (`LogitLens`, `TunedLens`, the latter's folder read
   and matched to its model in `tuned_folder`);
-- `capture`, `decoder`, `ranking`, `blocks`, `threads`: the engine's parts (one forward pass
-  that keeps the residual stream; what turns a residual into logits; the best tokens by logit;
-  the model's block list; CPU threads).
+- `ranking`, `blocks`: the engine's parts (the best tokens by logit; the model's block list, one
+  forward pass that keeps the residual stream, what turns a residual into logits, CPU threads).
 """
 
 from embedlens.analysis.lens.api import lens, lens_prompts
