@@ -1,9 +1,5 @@
 """Other work on the machine, made by the tests: processes that keep a core busy each, and a
-reading of how many cores other processes keep busy (that the load made is real).
-
-`python -m tests.busy N COMMAND...` runs COMMAND with N such processes beside it (CI runs the
-quick suite so) and exits with COMMAND's status.
-"""
+reading of how many cores other processes keep busy (that the load made is real)."""
 
 from __future__ import annotations
 
@@ -110,17 +106,3 @@ def _from_load_average() -> float:
     elapsed = time.monotonic() - _IMPORTED
     rate = min(float(os.cpu_count() or 1), (own.user + own.system) / elapsed) if elapsed > 1 else 0
     return max(0.0, os.getloadavg()[0] - rate)
-
-
-def main(argv: list[str]) -> int:
-    """Run argv[1:] with int(argv[0]) busy processes beside it; its exit status."""
-    if len(argv) < 2 or not argv[0].isdigit():
-        print("usage: python -m tests.busy N COMMAND...", file=sys.stderr)
-        return 2
-    with busy_processes(int(argv[0])) as spinning:
-        print(f"+ {len(spinning)} busy processes beside: {' '.join(argv[1:])}", file=sys.stderr)
-        return subprocess.run(argv[1:]).returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

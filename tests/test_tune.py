@@ -485,10 +485,11 @@ def test_smollm2_tuned_lens_beats_the_logit_lens_at_every_layer(smollm2, cli, tm
     data = python_docs(tmp_path / "train.txt", held_out=False)
     held = python_docs(tmp_path / "eval.txt", held_out=True)
     out = tmp_path / "lens"
-    # 8,192 tokens fitted by least squares (the refinement, a full softmax per layer and token,
-    # is tested on the tiny models), 256 held out (each a [V] softmax per layer and lens: the
-    # evaluation costs more than the fit)
-    args = ["--tokens", "8192", "--eval-tokens", "256", "--method", "affine"]
+    # 2,048 tokens fitted by least squares (the refinement, a full softmax per layer and token,
+    # is tested on the tiny models; the fit's time grows with the tokens): each layer's tuned KL
+    # is 3 nats or more under the logit lens's, layer 0's 4.6; 256 held out (each a [V] softmax
+    # per layer and lens)
+    args = ["--tokens", "2048", "--eval-tokens", "256", "--method", "affine"]
     report = cli.json("tune", smollm2, "--data", data, "--eval", held, "--out", out, *args)
     layers = report["layers"]
     assert len(layers) == 31
