@@ -50,16 +50,23 @@ def _summary(r: LensSummaryReport) -> RenderableType:
     targets = r.n_targets > 0
     if targets:
         names += ["p(target)", "log p(target)", "median rank"]
+    # with targets, the rank shown is the target's ("median rank"); without, the next token's
+    ranked = not targets and any(row.next_rank_median is not None for row in r.layers)
+    names += ["next rank"] if ranked else []
     # Headers wrap at their spaces on a narrow terminal; the figures never do.
     table.add_column("layer", justify="right", no_wrap=True)
     for name in names:
         table.add_column(name, justify="right")
     for row in r.layers:
         other = logit.get(row.layer)
-        table.add_row(*_cells(r, row, other, targets), end_section=row.layer == r.num_layers - 1)
+        cells = _cells(r, row, other, targets)
+        cells += [_num(row.next_rank_median, "g")] if ranked else []
+        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
     line = f"KL(model's output ‖ lens) and the lens's entropy in nats, at {where} of each prompt"
     if targets:
         line += f"; target statistics over the {r.n_targets} prompts with a target"
+    if ranked:
+        line += "; next rank: the median rank by logit of the token after each position read"
     if logit:
         line += "; logit KL and logit top-1: the logit lens on the same prompts"
     if r.n_skipped:

@@ -62,6 +62,8 @@ def _one(r: LensTextReport) -> RenderableType:
         title += f"; sites {', '.join(r.sites)}"
     table = Sheet(title=shown(title, "table.title"))
     cols = ["layer", "CE (nats)", "± ", "bits/byte", "KL to output", "entropy", "top-1 acc"]
+    ranked = any(row.next_rank_median is not None for row in r.layers)
+    cols += ["median rank"] if ranked else []
     logit = {row.layer: row for row in r.logit_layers or []}
     if logit:
         cols += ["logit CE", "logit KL", "logit top-1"]
@@ -69,6 +71,7 @@ def _one(r: LensTextReport) -> RenderableType:
         table.add_column(c, justify="right", no_wrap=c == "layer")
     for row in r.layers:
         cells = _cells(r, row)
+        cells += [_rank(row.next_rank_median)] if ranked else []
         other = logit.get(row.layer)
         if other is not None:
             cells += [f"{other.cross_entropy:.3f}", f"{other.kl:.3f}", f"{other.top1_accuracy:.1%}"]
@@ -77,6 +80,8 @@ def _one(r: LensTextReport) -> RenderableType:
         f"PPL {r.perplexity:.4f} ± {r.perplexity_err:.4f} at the output; CE: -ln p(true next "
         "token), KL(model's output ‖ lens) and entropy in nats, means over the scored tokens."
     )
+    if ranked:
+        line += " Median rank: of the true next token by the lens's logits (1 = top)."
     if sites:
         line += " attn_out and mlp_out rows: the piece decoded directly."
     parts: list[RenderableType] = [table, Text(line, style="dim")]
@@ -90,6 +95,10 @@ def _row(r: LensTextReport, row: TextLayer | TextPairLayer) -> str:
     if isinstance(row, TextSiteLayer | TextSitePairLayer):
         return row_label(row, r.num_layers)
     return _label(r, row.layer)
+
+
+def _rank(value: float | None) -> str:
+    return "-" if value is None else format(value, "g")
 
 
 def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
