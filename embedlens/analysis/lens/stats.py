@@ -110,11 +110,19 @@ def target_ranks(
     import torch
 
     tid = torch.tensor(tids, device=x.device)
+    every = rows == list(range(x.shape[0]))  # a chunk's every row: no copy of it
     at = torch.tensor(rows, device=x.device)
-    value = x[at, tid][:, None]
-    sub = real[at]
-    lower = torch.arange(sub.shape[1], device=x.device)[None, :] < tid[:, None]
-    return ((sub > value).sum(-1) + ((sub == value) & lower).sum(-1) + 1).tolist()
+    value = (x if every else x[at]).gather(1, tid[:, None])
+    sub = real if every else real[at]
+    ranks = (sub > value).sum(-1) + 1
+    # equal logits of a lower id count too: only rows where another token's logit equals the
+    # token's own (or whose token is past the real ones) have any, and are counted one by one
+    width = int(sub.shape[1])
+    tied = ((sub == value).sum(-1) > 1) | (tid >= width)
+    for j in tied.nonzero().flatten().tolist():
+        below = sub[j, : min(int(tid[j]), width)]
+        ranks[j] += int((below == value[j]).sum())
+    return ranks.tolist()
 
 
 def next_ids(ids: Sequence[int], positions: Iterable[int]) -> list[int | None]:
