@@ -50,18 +50,6 @@ CHAT_TEMPLATE = "chat_template.jinja"
 CHAT_TEMPLATES = "additional_chat_templates"
 
 
-SPECIAL_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
-"""transformers' named special tokens: each an attribute (None when not set), with its id."""
-
-
 class DirectTokenizer:
     """tokenizer.json as transformers' generic tokenizer uses it (see the module's docstring)."""
 
@@ -79,7 +67,7 @@ class DirectTokenizer:
         self.name_or_path = name
         self.backend_tokenizer = backend
         """The `tokenizers` tokenizer."""
-        for token in {*SPECIAL_NAMES, *special}:  # `bos_token`, `bos_token_id`, ...
+        for token in {*SPECIAL, *special}:  # `bos_token`, `bos_token_id`, ...
             value = special.get(token)
             setattr(self, token, value)
             setattr(self, f"{token}_id", None if value is None else backend.token_to_id(value))
@@ -134,7 +122,7 @@ class DirectTokenizer:
 
     def __getattr__(self, name: str) -> Any:
         """`bos_token`, `unk_token_id` and the like, as transformers' tokenizer answers them
-        (those of SPECIAL_NAMES and of the tokens set are attributes already)."""
+        (those of SPECIAL and of the tokens set are attributes already)."""
         token = name.removesuffix("_id")
         if not token.endswith("_token") or name.startswith("_"):
             raise AttributeError(name)
