@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
-from embedlens.analysis.lens.tuned_folder import fits_tuned
+from embedlens.analysis.lens.tuned_folder import config_size, fits_tuned, head_weight, open_folder
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions
 
@@ -25,12 +25,13 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.site_pair import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
+    from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.files import ModelFiles
     from embedlens.reports.lens import LensReport
     from embedlens.reports.tune import TunedLens
 
 
-Parts = tuple[Any, Sequence[str], "Pair | None"]
+Parts = tuple["LensFolder | None", Sequence[str], "Pair | None"]
 """What decodes and compares the states: a tuned lens's folder (or None), the sites, B."""
 
 
@@ -78,11 +79,7 @@ def lens_states(
     if not isinstance(pos, int) and pos is not None:
         raise UsageError("a list of positions applies only with prompts=")
     check_dtype(load.dtype)
-    lens_dir = None
-    if asked.tuned is not None:
-        from embedlens.analysis.lens.decoders import open_tuned
-
-        lens_dir = open_tuned(asked.tuned)
+    lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
     file = open_states(states, state_layers)
     file.check_sites(sites)
     if pair is not None:
@@ -92,8 +89,7 @@ def lens_states(
     chat = file.metadata.get("chat")
     ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
                       asked.grid or pos is None)  # fmt: skip
-    return _run(os.fspath(name), load.revision, load.dtype, load.trust_remote_code, file, ask,
-                (lens_dir, sites, pair))  # fmt: skip
+    return _run(os.fspath(name), load, file, ask, (lens_dir, sites, pair))
 
 
 _NOT_APPLIED = {
@@ -121,13 +117,7 @@ def _applies(load: LoadOptions, asked: LensOptions) -> None:
 
 
 def _run(
-    name: str,
-    revision: str | None,
-    dtype: str,
-    trust: bool,
-    file: StatesFile,
-    ask: checks.Ask,
-    parts: Parts,
+    name: str, load: LoadOptions, file: StatesFile, ask: checks.Ask, parts: Parts
 ) -> LensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
     import dataclasses
@@ -138,44 +128,34 @@ def _run(
     from embedlens.model.files import check_source
     from embedlens.model.loading import check_tokenizer_files
 
-    source = resolve(name, revision)
+    source = resolve(name, load.revision)
     # a GGUF file parsed once for tokenizer, config and tail; a hub repo's tail read by range
     with tally() as hub:
         # the headers, config and a GGUF file's tokenizer, read before transformers is imported
-        files = check_source(source, trust_remote_code=trust)
+        files = check_source(source, trust_remote_code=load.trust_remote_code)
         if source.is_gguf:
             check_tokenizer_files(files)
         with gguf_reads_shared(source):
-            report = _run_on(name, files, dtype, trust, file, ask, parts)
+            report = _run_on(name, files, load, file, ask, parts)
     if not hub.used:
         return report
     return dataclasses.replace(report, notes=[*report.notes, *hub.notes()])
 
 
 def _run_on(
-    name: str,
-    files: ModelFiles,
-    dtype: str,
-    trust: bool,
-    file: StatesFile,
-    ask: checks.Ask,
-    parts: Parts,
+    name: str, files: ModelFiles, load: LoadOptions, file: StatesFile, ask: checks.Ask, parts: Parts
 ) -> LensReport:
     """`_run` once the model's files are found: with a pair, B runs first on the file's ids (and
     is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
-    import torch
-
-    from embedlens.analysis.lens.prompt import position_index
     from embedlens.analysis.lens.tail import open_tail
     from embedlens.model import file_tokens, loading
 
     lens_dir, sites, pair = parts
-    source = files.source
+    source, trust = files.source, load.trust_remote_code
     tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
-    n_layers = _check_fits(file, config, len(tokenizer))
     ids = file.token_ids()
-    _check_ids(file, ids, config, len(tokenizer))
+    n_layers = _check_fits(file, ids, config, len(tokenizer))
     fits_tuned(lens_dir, config)
     with file_tokens.watching(source, loaded=True, others=(), model=name):
         run = _prompt(tokenizer, ids, ask, file)
@@ -185,18 +165,23 @@ def _run_on(
         from embedlens.analysis.lens.against import run_b
 
         b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
-    index = position_index(ask.position, len(ids))
-    want = torch.float32 if dtype == "auto" else loading.torch_dtype(dtype)
-    tail = open_tail(source, want, trust_remote_code=trust)
-    decoder, tuned = _decoder(tail, tokenizer, ids, lens_dir)
-    positions = list(range(len(ids))) if ask.grid else [index]
+    tail = open_tail(source, _dtype(load.dtype), trust_remote_code=trust)
+    decoder, tuned = _decoder(tail, tokenizer, run.ids, lens_dir)
     decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
-    result = _decode(tail, decoder, file, decoding, positions, index, ask,
-                     (run.target_id, ids), len(tokenizer), other)  # fmt: skip
+    result = _decode(tail, decoder, file, decoding, run, ask, len(tokenizer), other)
     made = (name, tokenizer, tail, decoder, run, ask)
     report = _composed(made, result, file, shown, sites, b, pair)
     return _states_report(report, file, tail, result.check, tuned)
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The dtype the tail decodes in: float32 for 'auto'."""
+    import torch
+
+    from embedlens.model.loading import torch_dtype
+
+    return torch.float32 if name == "auto" else torch_dtype(name)
 
 
 def _composed(
@@ -237,19 +222,17 @@ def _composed(
     return paired(report, result, b, pair.threshold, tokenizer, run.index, shown, (a_sites, sites))
 
 
-def _check_fits(file: StatesFile, config: Any, tokenizer_size: int) -> int:
-    """The file's width and layers fit the model's config: its number of blocks."""
-    get = getattr(config, "get_text_config", None)
-    text = get() if callable(get) else config
-    hidden = getattr(text, "hidden_size", None)
-    n_layers = getattr(text, "num_hidden_layers", None)
+def _check_fits(file: StatesFile, ids: list[int], config: Any, tokenizer_size: int) -> int:
+    """The file's width, layers and token ids fit the model's config and tokenizer: its number
+    of blocks."""
+    hidden, n_layers = config_size(config)
     where = f"'{file.path.name}'"
-    if isinstance(hidden, int) and file.hidden_size != hidden:
+    if hidden is not None and file.hidden_size != hidden:
         raise UsageError(
             f"{where} holds states of width {file.hidden_size}, but the model's hidden size is "
             f"{hidden}: they are not this model's"
         )
-    if not isinstance(n_layers, int):
+    if n_layers is None:
         raise UsageError("the model's config gives no num_hidden_layers")
     past = [layer for layer in file.layers if layer > n_layers]
     if past:
@@ -262,17 +245,14 @@ def _check_fits(file: StatesFile, config: Any, tokenizer_size: int) -> int:
             f"{where} holds {len(file.layers)} layers, but the model has {n_layers + 1} "
             f"(0..{n_layers}): the states are not this model's"
         )
-    return n_layers
-
-
-def _check_ids(file: StatesFile, ids: list[int], config: Any, tokenizer_size: int) -> None:
-    """Every token id of the file is a token of the model."""
-    bad = [i for i in ids if not 0 <= i < max(tokenizer_size, getattr(config, "vocab_size", 0))]
+    vocab = max(tokenizer_size, getattr(config, "vocab_size", 0))
+    bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError(
-            f"'{file.path.name}' holds token id {bad[0]}, which is not in the model's vocabulary "
+            f"{where} holds token id {bad[0]}, which is not in the model's vocabulary "
             f"({tokenizer_size} tokens): the states are not this model's"
         )
+    return n_layers
 
 
 def _prompt(tokenizer: Any, ids: list[int], ask: checks.Ask, file: StatesFile) -> Prompt:
@@ -285,8 +265,7 @@ def _prompt(tokenizer: Any, ids: list[int], ask: checks.Ask, file: StatesFile) -
     target_id = alternative = None
     if ask.target is not None:
         target_id, alternative = target_token(tokenizer, ask.target)
-    index = position_index(ask.position, len(ids))
-    return Prompt(text, ids, index, target_id, [], alternative)
+    return Prompt(text, ids, position_index(ask.position, len(ids)), target_id, [], alternative)
 
 
 def _shown(ask: checks.Ask, n_layers: int, file: StatesFile) -> list[int]:
@@ -302,7 +281,7 @@ def _shown(ask: checks.Ask, n_layers: int, file: StatesFile) -> list[int]:
 
 
 def _decoder(
-    tail: Tail, tokenizer: Any, ids: list[int], lens_dir: Any
+    tail: Tail, tokenizer: Any, ids: list[int], lens_dir: LensFolder | None
 ) -> tuple[Decoder, TunedLens | None]:
     """The model's own decoder on the tail, or a tuned lens's built on it."""
     from embedlens.analysis.lens.blocks import ModelDecoder
@@ -321,16 +300,15 @@ def _decode(
     decoder: Decoder,
     file: StatesFile,
     shown: list[int],
-    positions: list[int],
-    index: int,
+    run: Prompt,
     ask: checks.Ask,
-    told: tuple[int | None, list[int]],
     real_vocab: int,
     other: dict[int, torch.Tensor] | None = None,
 ) -> LensResult:
     """Every (layer, position) shown decoded in the engine's chunks and reduced by its ranking
-    as each chunk comes; the last layer at the last position is the model's own logits when the
-    file holds them (as `lens` shows them). `other`: B's residual, kept beside (`_checked`)."""
+    as each chunk comes (at every position with a grid, else at the one read); the last layer at
+    the last position is the model's own logits when the file holds them (as `lens` shows them).
+    `other`: B's residual, kept beside (`_checked`)."""
     import torch
 
     from embedlens.analysis.lens.blocks import threads_for
@@ -339,30 +317,29 @@ def _decode(
     n_layers = len(tail.blocks.modules)
     last = file.n_tokens - 1
     own = file.logits()
+    positions = list(range(len(run.ids))) if ask.grid else [run.index]
     wanted = sorted(set(shown) | ({n_layers} & set(file.layers)))
     residual = {layer: file.finite_rows(layer, positions) for layer in wanted}
     vocab = _vocab(tail, own)
-    device = torch.device("cpu")
     order = [(layer, j) for layer in wanted for j in range(len(positions))]
     rows: dict[tuple[int, int], Any] = {}
     final: dict[int, torch.Tensor] = {}
     own_row = None if own is None else (n_layers, last)
-    keeping = None if other is None else (Kept({}, {}, {}), other, decoder, index)
+    keeping = None if other is None else (Kept({}, {}, {}), other, decoder, run.index)
     with torch.inference_mode(), threads_for(tail.model, len(positions)):
-        for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
+        for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, torch.device("cpu")):
             where = _checked(out, part, positions, keeping)
             final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
             keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
             if keep:
-                chosen = [where[i] for i in keep]
-                rows.update(_reduce(chosen, out[keep], ask, index, real_vocab, told))
+                rows.update(_reduce([where[i] for i in keep], out[keep], run, ask, real_vocab))
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
-            rows.update(_reduce([(n_layers, last)], own[None], ask, index, real_vocab, told))
+            rows.update(_reduce([(n_layers, last)], own[None], run, ask, real_vocab))
         tol = tolerance(next(tail.model.parameters()).dtype, torch.zeros(1) if own is None else own)
-        check = _check(file, decoder, own, n_layers, last, tol)
+        check = _check(file, decoder, own, n_layers, tol)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
-        steps = decoder.steps(first.to(device), tol)
+        steps = decoder.steps(first, tol)
     output = torch.stack([final[p] for p in positions]) if len(final) == len(positions) else None
     return LensResult(
         num_layers=n_layers,
@@ -404,9 +381,7 @@ def _checked(
 
 def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
     """Rows of the model's output: the head's, else the logits the file holds."""
-    get_head: Any = getattr(tail.model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    weight = getattr(head, "weight", None)
+    weight = head_weight(tail.model)[1]
     if weight is not None:
         return int(weight.shape[0])
     if own is not None:
@@ -418,19 +393,18 @@ def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
 def _reduce(
     where: list[tuple[int, int]],
     logits: torch.Tensor,
+    run: Prompt,
     ask: checks.Ask,
-    index: int,
     real_vocab: int,
-    told: tuple[int | None, list[int]],
 ) -> dict[tuple[int, int], Any]:
     """Each (layer, position) row reduced as the engine reduces it: to its top-k and target at
-    the position read, to its top-1 elsewhere (a grid's cells); `told`: the target, the ids."""
+    the position read, to its top-1 elsewhere (a grid's cells)."""
     from embedlens.analysis.lens.ranking import exact_top1, exact_tops
     from embedlens.analysis.lens.stats import next_ids
 
     vocab = min(real_vocab, int(logits.shape[-1]))
-    full = [i for i, (_, p) in enumerate(where) if p == index]
-    target, nexts = told[0], next_ids(told[1], [p for _, p in where])
+    full = [i for i, (_, p) in enumerate(where) if p == run.index]
+    target, nexts = run.target_id, next_ids(run.ids, [p for _, p in where])
     if len(full) == len(where):
         return dict(zip(where, exact_tops(logits, ask.top_k, vocab, target, nexts), strict=True))
     out: dict[tuple[int, int], Any] = dict(zip(where, exact_top1(logits, vocab), strict=True))
@@ -445,7 +419,6 @@ def _check(
     decoder: Decoder,
     own: torch.Tensor | None,
     n_layers: int,
-    last: int,
     tol: float,
 ) -> Check:
     """The decoding of the last layer at the last position against the model's own logits when
@@ -454,7 +427,7 @@ def _check(
 
     if own is None or n_layers not in file.layers:
         return Check(math.nan, tol, False, None)
-    mine = decoder.logits(file.rows(n_layers, [last]), [n_layers]).float()[0]
+    mine = decoder.logits(file.rows(n_layers, [file.n_tokens - 1]), [n_layers]).float()[0]
     diff = float((mine - own).abs().max())
     agrees = bool(mine.argmax() == own.argmax())
     suspect = None
@@ -474,13 +447,10 @@ def _states_report(
 
     n_layers = len(tail.blocks.modules)
     why = file.why_not_checked(n_layers)
-    if why is None:
-        said = (
-            f"made: block {n_layers}'s output decoded at the last position against the model's "
-            f"own logits the file holds (max |Δ| = {check.max_abs_logit_diff:.2g})"
-        )
-    else:
-        said = why
+    said = why or (
+        f"made: block {n_layers}'s output decoded at the last position against the model's "
+        f"own logits the file holds (max |Δ| = {check.max_abs_logit_diff:.2g})"
+    )
     source = StatesSource(
         file=str(file.path),
         layout=file.layout,

@@ -23,7 +23,8 @@ writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -261,25 +262,17 @@ def _parse_layers(spec: str, what: str) -> list[int]:
     return out
 
 
-class _opened:
-    """safe_open as a context whose failures (a file changed since its header was read) are
-    one CheckpointError."""
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """safe_open, its failure (a file changed since its header was read) one CheckpointError."""
+    from safetensors import safe_open
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.handle: Any = None
-
-    def __enter__(self) -> Any:
-        from safetensors import safe_open
-
-        try:
-            self.handle = safe_open(str(self.path), framework="pt", device="cpu")
-        except Exception as e:
-            raise CheckpointError(f"cannot read '{self.path.name}': {e}") from e
-        return self.handle.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.handle.__exit__(*exc)
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:
+        raise CheckpointError(f"cannot read '{path.name}': {e}") from e
+    with handle as opened:
+        yield opened
 
 
 def save_states(
@@ -412,15 +405,18 @@ def site_tensors(
     return out, {"sites": ",".join(held), "block_splits": json.dumps(splits)}
 
 
-def file_for(folder: Path, line: int) -> Path:
-    """The file of the prompt on `line` (of window `line`, from 1) in a run's folder."""
-    return folder / f"{line:06d}.safetensors"
-
-
-def states_folder(path: str | os.PathLike[str], many: str = "--prompts") -> Path:
-    """The folder --save-states names with `many` (--prompts, --text), made if missing
-    (refused: a file)."""
+def saving_many(
+    path: Any, revision: str | None, against: object, session: object, many: str = "--prompts"
+) -> tuple[Any, str | None] | None:
+    """Where --save-states writes with `many` (--prompts, --text): a folder, checked now
+    (refused: a file) and made if missing, by rank 0 alone."""
+    if path is None:
+        return None
+    if against is not None:
+        raise UsageError("--save-states and --against do not combine: save each model's alone")
     folder = Path(path)
+    if getattr(session, "rank", 0) != 0:
+        return path, revision
     if folder.exists() and not folder.is_dir():
         each = "window" if many == "--text" else "prompt"
         raise UsageError(
@@ -431,19 +427,6 @@ def states_folder(path: str | os.PathLike[str], many: str = "--prompts") -> Path
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise EmbedlensError(f"cannot make the folder '{folder}': {e.strerror or e}") from e
-    return folder
-
-
-def saving_many(
-    path: Any, revision: str | None, against: object, session: object, many: str = "--prompts"
-) -> tuple[Any, str | None] | None:
-    """Where --save-states writes with `many` (a folder, checked now, made by rank 0 alone)."""
-    if path is None:
-        return None
-    if against is not None:
-        raise UsageError("--save-states and --against do not combine: save each model's alone")
-    if getattr(session, "rank", 0) == 0:
-        states_folder(path, many)
     return path, revision
 
 
@@ -494,4 +477,5 @@ class ManySaver:
 
     def _write(self, item: tuple[int, list[int], States]) -> None:
         line, ids, (residual, logits, about, sites) = item
-        save_states(file_for(self.folder, line), residual, ids, logits, about, sites)
+        path = self.folder / f"{line:06d}.safetensors"  # the prompt on `line` (window `line`)
+        save_states(path, residual, ids, logits, about, sites)

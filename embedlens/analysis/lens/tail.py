@@ -12,21 +12,24 @@ as the model wrote it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from embedlens.analysis.lens.blocks import Blocks, ModelDecoder, find_blocks
+from embedlens.analysis.lens.tuned_folder import config_size, head_weight
 from embedlens.compat.torch import put_tensor
 from embedlens.errors import UnsupportedError
 
 if TYPE_CHECKING:
     from embedlens.io.source import ModelSource
+
+Reader = tuple[dict[str, str], Callable[[str, torch.dtype], torch.Tensor]]
+"""A checkpoint's tensors by model name: model name -> name in the file, and one read alone."""
 
 
 @dataclass(frozen=True)
@@ -51,39 +54,39 @@ def open_tail(source: ModelSource, dtype: torch.dtype, *, trust_remote_code: boo
     _zeros(model)
     model.eval()
     blocks = find_blocks(model)
-    hidden = _hidden_size(model)
+    hidden = config_size(getattr(model, "config", None))[0]
+    if hidden is None:
+        raise UnsupportedError("the model's config gives no hidden_size")
     _skip_block(blocks.modules[-1])
     with torch.inference_mode(), _head_skipped(model):
-        after = _after_last_block(model, blocks, hidden, dtype)
-    wanted = _tensors_of(model, after)
-    read = _read(source, model, wanted, names, dtype)
+        after = _after_last_block(model, blocks, torch.zeros(hidden, dtype=dtype))
+    read = _read(source, model, _tensors_of(model, after), names, dtype)
     return Tail(model, blocks, after, read)
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
     """Every tensor name -> all the names of the same tensor (a tied head: the embedding's)."""
     groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        groups.setdefault(id(b), []).append(name)
+    named = [*model.named_parameters(remove_duplicate=False)]
+    for name, t in [*named, *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
     return {name: group for group in groups.values() for name in group}
 
 
 def _zeros(model: nn.Module, *, in_memory: bool = False) -> None:
     """Every parameter and buffer a zero of its shape and dtype that takes no memory (with
     `in_memory`: zeros in memory)."""
+
+    def zero(t: torch.Tensor) -> torch.Tensor:
+        if in_memory:
+            return torch.zeros(t.shape, dtype=t.dtype)
+        return torch.zeros((), dtype=t.dtype).expand(t.shape)
+
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-            put_tensor(module, name, nn.Parameter(_zero(p, in_memory), requires_grad=False))
+            put_tensor(module, name, nn.Parameter(zero(p), requires_grad=False))
         for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
-            put_tensor(module, name, _zero(b, in_memory))
-
-
-def _zero(t: torch.Tensor, in_memory: bool = False) -> torch.Tensor:
-    if in_memory:
-        return torch.zeros(t.shape, dtype=t.dtype)
-    return torch.zeros((), dtype=t.dtype).expand(t.shape)
+            put_tensor(module, name, zero(b))
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
@@ -118,10 +121,8 @@ def _head_skipped(model: nn.Module) -> Iterator[None]:
     """While the tail is probed (its outputs are zeros, only which modules run matters): the
     head, a linear map, returns zeros of its output's shape without expanding its zero weight
     into memory (the whole head's bytes, 2.1 GB for Llama-3-70B's)."""
-    get_head: Any = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(head, nn.Linear) or not isinstance(weight, torch.Tensor):
+    head, weight = head_weight(model)
+    if not isinstance(head, nn.Linear) or weight is None:
         yield
         return
     rows = int(weight.shape[0])
@@ -136,37 +137,24 @@ def _head_skipped(model: nn.Module) -> Iterator[None]:
         del vars(head)["forward"]
 
 
-def _hidden_size(model: nn.Module) -> int:
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    size = getattr(text, "hidden_size", None)
-    if not isinstance(size, int):
-        raise UnsupportedError("the model's config gives no hidden_size")
-    return size
-
-
-def _after_last_block(
-    model: nn.Module, blocks: Blocks, hidden: int, dtype: torch.dtype
-) -> list[str]:
+def _after_last_block(model: nn.Module, blocks: Blocks, row: torch.Tensor) -> list[str]:
     """The modules (outermost) that run after the last block, found on one zero state."""
-    row = torch.zeros(hidden, dtype=dtype)
     try:
-        probe = ModelDecoder(model, blocks, dummy_id=0).probe(row)  # the engine's discovery
+        return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)  # the engine's
     except UnsupportedError:
         raise
     except Exception:
         # a kernel that refuses an expanded zero (grouped experts): the last block's tensors as
         # zeros in memory (that block alone), and once more
         _zeros(blocks.modules[-1], in_memory=True)
-        try:
-            probe = ModelDecoder(model, blocks, dummy_id=0).probe(row)
-        except UnsupportedError:
-            raise
-        except Exception as e:
-            raise UnsupportedError(
-                f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: {e})"
-            ) from e
-    return list(probe.steps)
+    try:
+        return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)
+    except UnsupportedError:
+        raise
+    except Exception as e:
+        raise UnsupportedError(
+            f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _tensors_of(model: nn.Module, modules: list[str]) -> list[str]:
@@ -191,54 +179,37 @@ def _read(
     """Read each wanted tensor from the checkpoint into every place it has (a tied head's
     embedding too); the names read, as the file has them."""
     read: list[str] = []
-    reader = _reader(source, model)
+    places, read_one = _reader(source, model)
     for name in wanted:
-        found = next((a for a in names.get(name, [name]) if a in reader.places), None)
+        found = next((a for a in names.get(name, [name]) if a in places), None)
         if found is None:
             raise UnsupportedError(
                 f"'{name}' runs after the last block but the checkpoint of '{source.spec}' does "
                 "not hold it: the states cannot be decoded without the model's blocks",
             )
-        current = model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
-        value = reader.read(found, current.dtype if not current.is_floating_point() else dtype)
+        owner, _, attr = name.rpartition(".")
+        is_param = attr in dict(model.get_submodule(owner).named_parameters(recurse=False))
+        current = model.get_parameter(name) if is_param else model.get_buffer(name)
+        value = read_one(found, current.dtype if not current.is_floating_point() else dtype)
         if tuple(value.shape) != tuple(current.shape):
             raise UnsupportedError(
-                f"'{reader.places[found]}' has shape {tuple(value.shape)}, the model's "
+                f"'{places[found]}' has shape {tuple(value.shape)}, the model's "
                 f"'{name}' {tuple(current.shape)}"
             )
-        shared = nn.Parameter(value, requires_grad=False) if _is_param(model, name) else value
+        shared = nn.Parameter(value, requires_grad=False) if is_param else value
         for alias in names.get(name, [name]):  # one tensor in every place, as tied
-            _put(model, alias, shared)
-        read.append(reader.places[found])
+            owner, _, attr = alias.rpartition(".")
+            put_tensor(model.get_submodule(owner), attr, shared)
+        read.append(places[found])
     return read
 
 
-def _is_param(model: nn.Module, name: str) -> bool:
-    owner, _, attr = name.rpartition(".")
-    return attr in dict(model.get_submodule(owner).named_parameters(recurse=False))
-
-
-def _put(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, attr = name.rpartition(".")
-    put_tensor(model.get_submodule(owner), attr, value)
-
-
-class _Reader:
-    """One checkpoint's tensors by model name: `places` (model name -> name in the file) and
-    `read` (one tensor, alone)."""
-
-    def __init__(self, places: dict[str, str], read: Any) -> None:
-        self.places = places
-        self._read = read
-
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        value: torch.Tensor = self._read(name, dtype)
-        return value
-
-
-def _reader(source: ModelSource, model: nn.Module) -> _Reader:
-    """How the tail's tensors are read: a GGUF file's, or a safetensors folder's."""
+def _reader(source: ModelSource, model: nn.Module) -> Reader:
+    """How the tail's tensors are read: a GGUF file's; a hub repo's safetensors by HTTP range
+    where its weights are not in the hub cache (the headers, then each tensor the tail needs,
+    alone: `io.ranges`, kept for later runs); else a safetensors folder's."""
     from embedlens.compat.transformers import tail_tensors
+    from embedlens.compat.transformers.direct import safetensors_files
 
     if source.is_gguf:
         from embedlens.model.files import files_of
@@ -248,30 +219,26 @@ def _reader(source: ModelSource, model: nn.Module) -> _Reader:
         assert ckpt is not None and ckpt.gguf is not None
         # a hub GGUF whole (its tokenizer was built from it), never the sparse copy of its header
         gguf = tail_tensors.GGUFTensors(source.whole_gguf(), ckpt.gguf, model)
-        return _Reader(gguf.places(), gguf.read)
-    if source.kind == "hub" and not _on_disk(source):
+        return gguf.places(), gguf.read
+    files = None if source.folder is None else safetensors_files(source.folder)
+    on_disk = bool(files) and all(path.is_file() for path in files or [])
+    if source.kind == "hub" and not on_disk:
         return _hub_reader(source, model)
-    files = _safetensors(source)
+    if not files:
+        raise UnsupportedError(
+            f"'{source.spec}' has no safetensors weights on disk: --states reads the final norm "
+            "and the head from a local folder's safetensors or a GGUF file",
+        )
     places = tail_tensors.folder_places(model, files)
 
     def read(name: str, dtype: torch.dtype) -> torch.Tensor:
         return tail_tensors.read_folder_tensor(places[name], dtype)
 
-    return _Reader({name: place.key for name, place in places.items()}, read)
+    return {name: place.key for name, place in places.items()}, read
 
 
-def _on_disk(source: ModelSource) -> bool:
-    """Whether a hub repo's weights are in the hub cache (then read from there)."""
-    from embedlens.compat.transformers.direct import safetensors_files
-
-    folder = source.folder
-    files = None if folder is None else safetensors_files(folder)
-    return bool(files) and all(path.is_file() for path in files or [])
-
-
-def _hub_reader(source: ModelSource, model: nn.Module) -> _Reader:
-    """A hub repo's tensors read by HTTP range: the safetensors headers, then each tensor the
-    tail needs, alone (`io.ranges`; kept for later runs)."""
+def _hub_reader(source: ModelSource, model: nn.Module) -> Reader:
+    """A hub repo's tensors read by HTTP range (`_reader`)."""
     from embedlens.compat.transformers import tail_tensors
     from embedlens.io.checkpoint import open_checkpoint
     from embedlens.model.matrix import on_disk
@@ -287,18 +254,4 @@ def _hub_reader(source: ModelSource, model: nn.Module) -> _Reader:
     def read(name: str, dtype: torch.dtype) -> torch.Tensor:
         return tail_tensors.read_entry(on_disk(source, places[name]), dtype)
 
-    return _Reader({name: entry.name for name, entry in places.items()}, read)
-
-
-def _safetensors(source: ModelSource) -> list[Path]:
-    """The folder's safetensors files (one, or the shards of its index)."""
-    from embedlens.compat.transformers.direct import safetensors_files
-
-    folder = source.folder
-    files = None if folder is None else safetensors_files(folder)
-    if not files:
-        raise UnsupportedError(
-            f"'{source.spec}' has no safetensors weights on disk: --states reads the final norm "
-            "and the head from a local folder's safetensors or a GGUF file",
-        )
-    return files
+    return {name: entry.name for name, entry in places.items()}, read

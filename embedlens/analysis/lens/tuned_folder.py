@@ -138,21 +138,16 @@ def _params_file(folder: Path) -> Path:
     )
 
 
-def expected_shapes(width: int, layers: int, bias: bool) -> dict[str, tuple[int, ...]]:
-    """Every tensor a lens of this size holds, tuned-lens's state-dict keys to shapes."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(layers):
-        shapes[f"{i}.weight"] = (width, width)
-        if bias:
-            shapes[f"{i}.bias"] = (width,)
-    return shapes
-
-
 def check_tensors(
     where: Path, found: dict[str, tuple[int, ...]], width: int, layers: int, bias: bool
 ) -> None:
-    """The translators' names and shapes are what config.json says; CheckpointError if not."""
-    want = expected_shapes(width, layers, bias)
+    """The translators' names and shapes (tuned-lens's state-dict keys) are what config.json
+    says; CheckpointError if not."""
+    want: dict[str, tuple[int, ...]] = {}
+    for i in range(layers):
+        want[f"{i}.weight"] = (width, width)
+        if bias:
+            want[f"{i}.bias"] = (width,)
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
     if missing or extra:
@@ -235,8 +230,14 @@ def _unpickle(lens: LensFolder) -> dict[str, Any]:
     return dict(state)
 
 
-SHOWN = 12
-"""Hex digits of a fingerprint shown in messages."""
+def head_weight(model: nn.Module) -> tuple[nn.Module | None, torch.Tensor | None]:
+    """The model's head (`get_output_embeddings`) and its weight (None where there is none)."""
+    import torch
+
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    return head, weight if isinstance(weight, torch.Tensor) else None
 
 
 def config_size(config: Any) -> tuple[int | None, int | None]:
@@ -250,8 +251,11 @@ def config_size(config: Any) -> tuple[int | None, int | None]:
     )
 
 
-def check_config(lens: LensFolder, config: Any) -> None:
-    """Refuse, before the weights load, a lens whose width or layer count is not the model's."""
+def fits_tuned(lens: LensFolder | None, config: Any) -> None:
+    """Refuse, before the weights load, a lens whose width or layer count is not the model's
+    config's (nothing without a lens)."""
+    if lens is None:
+        return
     width, layers = config_size(config)
     if (width is not None and width != lens.width) or (
         layers is not None and layers != lens.num_layers
@@ -295,7 +299,7 @@ def check_model(
         if mine is not None and mine != recorded:
             raise _other_model(
                 lens,
-                f"{what} {recorded[:SHOWN]} in the lens and {mine[:SHOWN]} in this model",
+                f"{what} {recorded[:12]} in the lens and {mine[:12]} in this model",
             )
 
 
@@ -336,8 +340,7 @@ def _weights(model: nn.Module, blocks: Blocks) -> list[torch.Tensor] | None:
     is not in memory (offloaded)."""
     from torch import nn
 
-    get_head: Any = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = head_weight(model)[0]
     get_input: Any = getattr(model, "get_input_embeddings", None)
     embedding = get_input() if callable(get_input) else None
     skip = {id(p) for p in blocks.modules.parameters()}
@@ -377,10 +380,8 @@ def unembed_hash(model: nn.Module) -> str | None:
     import numpy as np
     import torch
 
-    get_head: Any = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.is_meta:
+    weight = head_weight(model)[1]
+    if weight is None or weight.is_meta:
         return None
     array = weight.detach().to("cpu", torch.float32).numpy()
     return hashlib.sha256(str.encode(np.array_str(array, precision=1))).hexdigest()
@@ -403,10 +404,3 @@ def vocab_fingerprint(tokenizer: Any, size: int) -> str | None:
         origin="tokenizer",
     )
     return fingerprint(vocab)
-
-
-def fits_tuned(tuned: LensFolder | None, config: Any) -> None:
-    """A tuned lens's size checked against a model's config, before its weights are read
-    (`check_config`; nothing without a lens)."""
-    if tuned is not None:
-        check_config(tuned, config)
