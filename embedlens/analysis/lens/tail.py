@@ -38,8 +38,6 @@ class Tail:
 
     model: nn.Module
     blocks: Blocks
-    modules: list[str]
-    """The modules that run after the last block, outermost, in order."""
     read: list[str]
     """The checkpoint tensors read (their names in the file), in order."""
 
@@ -61,7 +59,7 @@ def open_tail(source: ModelSource, dtype: torch.dtype, *, trust_remote_code: boo
     with torch.inference_mode(), _head_skipped(model):
         after = _after_last_block(model, blocks, torch.zeros(hidden, dtype=dtype))
     read = _read(source, model, _tensors_of(model, after), names, dtype)
-    return Tail(model, blocks, after, read)
+    return Tail(model, blocks, read)
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
