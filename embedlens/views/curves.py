@@ -6,7 +6,6 @@ PNG and SVG are written by matplotlib; HTML is a page holding the SVG (no networ
 
 from __future__ import annotations
 
-import html
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from embedlens.reports.lens import LensSummaryReport
 from embedlens.views.format import lens_name
-from embedlens.views.heatmap import write_plot
+from embedlens.views.heatmap import write_page, write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
@@ -102,13 +101,7 @@ def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:
         write_plot(path, _drawn(make, suffix.lstrip(".")))
         return
     svg = _drawn(make, "svg").decode("utf-8")
-    title = html.escape(title)
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
-        f"<h1 style='font-size: 1.2em'>{title}</h1>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
-    )
-    write_plot(path, page.encode("utf-8"))
+    write_page(path, title, svg[svg.index("<svg") :])
 
 
 def _drawn(make: Callable[[], Any], fmt: str) -> bytes:
