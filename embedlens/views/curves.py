@@ -46,12 +46,13 @@ def figure(report: LensSummaryReport) -> Any:
     cols = min(3, len(panels))
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    by_site = _by_site(report.layers)
     for ax, (key, label, scale) in zip(axes.flat, panels, strict=False):
-        for site, rows in _by_site(report.layers).items():
+        for site, rows in by_site.items():
             named = {} if site is None else {"label": site}
             values = [getattr(row, key) for row in rows]
             ax.plot([row.layer for row in rows], values, marker="o", markersize=3, **named)
-        if len(_by_site(report.layers)) > 1:
+        if len(by_site) > 1:
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("layer (0 = embedding output)")
