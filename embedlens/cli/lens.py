@@ -205,6 +205,8 @@ def lens(
 def _run(given: dict[str, Any]) -> None:
     """The command once its options are read (`given`: each by its parameter's name): --text,
     --states, --prompts or one prompt."""
+    from embedlens.analysis.lens import lens as run_lens
+
     model, prompt, plot, against = given["model"], given["prompt"], given["plot"], given["against"]
     if any(given[key] is not None for key in ("text", "save_logits", "against_logits")):
         return run_text(model, given)
@@ -213,8 +215,6 @@ def _run(given: dict[str, Any]) -> None:
         return run_states(model, given, load, asked)
     if given["prompts"] is not None or prompt is None:
         return _prompts(model, given, load, asked)
-    from embedlens.analysis.lens import lens as run_lens
-
     one = replace(asked, grid=plot is not None and against is None)
     save = given["save_states"]
     pair = {"against": against, "against_revision": given["against_revision"]}
