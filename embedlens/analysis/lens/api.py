@@ -115,8 +115,6 @@ def lens(
         return _deprecated_many(model, prompt, prompts, locals())
     model, load, asked = lens_given("lens", model, load, options, dict(keywords))
     ask = checks.ask(prompt, asked)
-    if asked.compare_logit:
-        raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     b = (against, against_tokenizer, against_revision, asked.threshold)
     loading, pair = models(model, tokenizer, load, *b)
     if save_states is not None and pair is not None:
@@ -209,8 +207,7 @@ def lens_prompts(
     on_report = renamed("lens_prompts", extra, "each", "on_report", on_report,
                         "the callback is now named")  # fmt: skip
     model, load, asked = lens_given("lens_prompts", model, load, options, extra)
-    ask = checks.many(asked)
-    _not_both(asked.tuned, against, asked.compare_logit)
+    ask = checks.many(asked, against)
     source = PromptSource.of(prompts)
     session = torchrun.lens_session(dist_backend, load, source, against)
     with nullcontext() if session is None else session.guarded():
@@ -318,19 +315,6 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
         return check(tok, config, template)
 
     return both
-
-
-def _not_both(tuned: object, against: object, compare_logit: bool = False) -> None:
-    """--compare-logit needs --tuned, and compares the tuned lens with the logit lens on one
-    model (not with --against)."""
-    if compare_logit and tuned is None:
-        raise UsageError(
-            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
-        )
-    if compare_logit and against is not None:
-        raise UsageError(
-            "--compare-logit compares two lenses on one model: run it without --against"
-        )
 
 
 Loading = checks.Load | dict[str, bool]

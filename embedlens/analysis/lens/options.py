@@ -92,19 +92,30 @@ def ask(prompt: str, asked: LensOptions) -> Ask:
     if not prompt.strip() and chat is None:
         raise UsageError("the prompt is empty")
     template = user_template(asked.chat_template, chat)
+    if asked.compare_logit:
+        raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     grid = asked.grid or pos is None
     return Ask(prompt, chat, switches, items, pos, asked.top_k, asked.target, grid, template)
 
 
-def many(asked: LensOptions) -> ManyAsk:
+def many(asked: LensOptions, against: object) -> ManyAsk:
     """Check the options that apply to every prompt of many, before any file is read (--target,
-    --chat and --grid are each line's own)."""
+    --chat and --grid are each line's own; --compare-logit needs --tuned, and compares the tuned
+    lens with the logit lens on one model, not with --against)."""
     one_prompt_only(asked.target, asked.chat, asked.grid)
     check_top_k(asked.top_k)
     items = None if asked.layers is None else layer_items(asked.layers)
     switches = template_switches(asked.no_thinking, asked.template_args)
     template = user_template(asked.chat_template, None, per_line=True)
     positions = parse_positions(asked.position)
+    if asked.compare_logit and asked.tuned is None:
+        raise UsageError(
+            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
+        )
+    if asked.compare_logit and against is not None:
+        raise UsageError(
+            "--compare-logit compares two lenses on one model: run it without --against"
+        )
     return ManyAsk(items, positions, asked.top_k, switches, asked.skip_bad, template)
 
 
