@@ -338,8 +338,8 @@ def test_every_name_the_call_takes_itself_is_reserved():
 
     from transformers import PreTrainedTokenizerBase
 
+    from embedlens.analysis.lens.opening import _render_chat
     from embedlens.analysis.lens.options import RESERVED_TEMPLATE_ARGS
-    from embedlens.analysis.lens.prompt import _render_chat
 
     class Recording:
         chat_template = TEMPLATE

@@ -1,8 +1,14 @@
-"""`embedlens lens`: what each layer would predict if it were the last (the logit lens)."""
+"""`embedlens lens`: what each layer would predict if it were the last (the logit lens).
+
+The command declares its options once, in its signature: each takes its help and its `--help`
+panel from `_HELP` and `_PANELS` (`_option`). It then runs one function of
+`embedlens.analysis.lens` for the mode asked (--text, --states, --prompts or one prompt) and
+prints the report, with the warnings, notes and plot that go to stderr and files.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -10,7 +16,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from embedlens.cli._errors import handles_errors
-from embedlens.cli._lens_prompts import run_prompts
 from embedlens.cli._lens_states import run_states
 from embedlens.cli._lens_text import (
     AgainstLogitsOpt,
@@ -36,13 +41,16 @@ from embedlens.cli._options import (
     TrustOpt,
     common,
 )
-from embedlens.cli._output import note, warn
+from embedlens.cli._output import counter, emit, note, rendered, warn, write_stdout
 from embedlens.cli._run import run_report, say_notes
 from embedlens.errors import UsageError
 from embedlens.options import LENS_FIELDS, LOAD_FIELDS, LensOptions, LoadOptions
+from embedlens.runtime import world
+from embedlens.text import model_title
 
 if TYPE_CHECKING:
-    from embedlens.reports.lens import LensReport
+    from embedlens.model.prompts import PromptLine
+    from embedlens.reports.lens import LensReport, LensSummaryReport
 
 EXAMPLES = (
     "Examples:\n\n"
@@ -62,14 +70,73 @@ EXAMPLES = (
     '  $ embedlens lens ./my-model "The capital of France is" --site attn_out,mlp_out,resid'
 )
 
-DtypeLensOpt = Annotated[
-    Dtype,
-    typer.Option(
-        "--dtype",
-        help="Dtype the model is loaded and the lens computed in (float32 by default).",
-        rich_help_panel="Loading",
-    ),
-]
+_PANELS = {
+    "Input": "prompts skip_bad target chat no_thinking template_arg chat_template states "
+    "state_layers",
+    "Sites": "layers position site",
+    "Decoder": "tuned compare_logit",
+    "Comparison": "against threshold",
+    "Output": "top_k plot each save_states",
+    "Loading": "dtype device_map max_memory offload_folder",
+}
+"""The `--help` panel of each option `lens` declares here (the shared ones carry their own)."""
+
+_HELP = {
+    "top_k": "Predictions per layer.",
+    "layers": "Layers to show: 0,4,8 or 20: or 0:10:2 (0 = embedding output, "
+    "the last = the model's output). All by default.",
+    "position": "Token position read (-1 = last); 'all' adds a layer x position grid of top-1 "
+    "predictions.",
+    "target": "Follow this token's probability and rank at every layer.",
+    "chat": "Apply the chat template to this user message (with the generation prompt); "
+    "PROMPT then starts the assistant's answer.",
+    "no_thinking": "With --chat: pass enable_thinking=False to the template.",
+    "template_arg": "With --chat: another template variable.",
+    "chat_template": "With --chat: a Jinja chat template to use instead of the tokenizer's (for "
+    "base models and GGUF files without one).",
+    "plot": "Draw the layer x position grid as a heatmap (.png, .svg or .html; needs "
+    "matplotlib: pip install 'embedlens[plot]').",
+    "device_map": "'auto' spreads the model over GPUs, CPU and disk (accelerate).",
+    "max_memory": "With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB.",
+    "offload_folder": "With --device-map: where weights that fit nowhere go (a temporary folder, "
+    "removed afterwards, by default).",
+    "dtype": "Dtype the model is loaded and the lens computed in (float32 by default).",
+    "prompts": "Run every prompt of FILE (- for stdin), the model loaded once: one per line, or "
+    "JSON Lines with prompt and optional target, chat, id. Prints a per-layer summary; "
+    "--json writes one line per prompt, then the summary.",
+    "each": "With --prompts: also print each prompt's table.",
+    "skip_bad": "With --prompts: skip (and count) bad lines instead of stopping.",
+    "against": "Read another model (B, same vocabulary and layers) on the same ids: per layer, "
+    "KL(A ‖ B), whether the top-1 agree, and the residual KL (A's decoder on B's residual).",
+    "threshold": "With --against: the KL above which a layer counts as divergent (1e-06 by "
+    "default).",
+    "tuned": "Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
+    "folder, or one tuned-lens saved), then the model's own decoder.",
+    "compare_logit": "With --prompts and --tuned: the logit lens's KL and top-1 beside the tuned "
+    "lens's.",
+    "states": "Decode the hidden states FILE holds (vLLM's hidden-states connector's, or "
+    "--save-states'), reading only the model's config, tokenizer, final norm and head: "
+    "no PROMPT (the file holds the ids), no blocks run; with --site, the sites it holds; "
+    "with --against B, B run on its ids. See docs/states.md.",
+    "state_layers": "With --states, for a file that does not say (vLLM's): the layer of each "
+    "state, e.g. 1,2,3,4 or 1:5 (layer i: block i's input; vLLM's "
+    "eagle_aux_hidden_state_layer_ids).",
+    "save_states": "Also write every layer's residual stream at every position (the sites asked "
+    "for with --site too, and the model's logits at the last) to FILE, for --states to "
+    "decode later; with --prompts FILE is a folder, a file a prompt (000001.safetensors "
+    "for line 1).",
+    "site": "Where in each block to read: resid (the block's output, the default), resid_mid "
+    "(after attention), attn_out, mlp_out (what each adds), or several, comma-separated "
+    "(rows 3.attn, 3.mid, 3.mlp, 3). See docs/lens.md.",
+}
+"""The help of each option `lens` declares here, by its parameter."""
+
+
+def _option(name: str, *short: str, metavar: str | None = None) -> Any:
+    """The option of parameter `name` (`--name`, its `_` as `-`), with its help and panel."""
+    panel = next(panel for panel, names in _PANELS.items() if name in names.split())
+    flag = "--" + name.replace("_", "-")
+    return typer.Option(flag, *short, help=_HELP[name], rich_help_panel=panel, metavar=metavar)
 
 
 PromptArg = Annotated[
@@ -81,267 +148,43 @@ PromptArg = Annotated[
     ),
 ]
 
-PromptsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--prompts",
-        metavar="FILE",
-        help="Run every prompt of FILE (- for stdin), the model loaded once: one per line, or "
-        "JSON Lines with prompt and optional target, chat, id. Prints a per-layer summary; "
-        "--json writes one line per prompt, then the summary.",
-        rich_help_panel="Input",
-    ),
-]
-EachOpt = Annotated[
-    bool,
-    typer.Option(
-        "--each", help="With --prompts: also print each prompt's table.", rich_help_panel="Output"
-    ),
-]
-SkipBadOpt = Annotated[
-    bool,
-    typer.Option(
-        "--skip-bad",
-        help="With --prompts: skip (and count) bad lines instead of stopping.",
-        rich_help_panel="Input",
-    ),
-]
-
-TunedOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--tuned",
-        metavar="DIR",
-        help="Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
-        "folder, or one tuned-lens saved), then the model's own decoder.",
-        rich_help_panel="Decoder",
-    ),
-]
-CompareLogitOpt = Annotated[
-    bool,
-    typer.Option(
-        "--compare-logit",
-        help="With --prompts and --tuned: the logit lens's KL and top-1 beside the tuned lens's.",
-        rich_help_panel="Decoder",
-    ),
-]
-
-LayersOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--layers",
-        help="Layers to show: 0,4,8 or 20: or 0:10:2 (0 = embedding output, "
-        "the last = the model's output). All by default.",
-        rich_help_panel="Sites",
-    ),
-]
-
-PositionOpt = Annotated[
-    str,
-    typer.Option(
-        "--position",
-        help="Token position read (-1 = last); 'all' adds a layer x position grid of top-1 "
-        "predictions.",
-        rich_help_panel="Sites",
-    ),
-]
-
-TargetOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--target",
-        help="Follow this token's probability and rank at every layer.",
-        rich_help_panel="Input",
-    ),
-]
-
-ChatOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--chat",
-        metavar="MESSAGE",
-        help="Apply the chat template to this user message (with the generation prompt); "
-        "PROMPT then starts the assistant's answer.",
-        rich_help_panel="Input",
-    ),
-]
-
-NoThinkingOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-thinking",
-        help="With --chat: pass enable_thinking=False to the template.",
-        rich_help_panel="Input",
-    ),
-]
-
-TemplateArgOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--template-arg",
-        metavar="KEY=VALUE",
-        help="With --chat: another template variable.",
-        rich_help_panel="Input",
-    ),
-]
-
-ChatTemplateOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--chat-template",
-        metavar="FILE",
-        help="With --chat: a Jinja chat template to use instead of the tokenizer's (for base "
-        "models and GGUF files without one).",
-        rich_help_panel="Input",
-    ),
-]
-
-PlotOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--plot",
-        metavar="FILE",
-        help="Draw the layer x position grid as a heatmap (.png, .svg or .html; needs "
-        "matplotlib: pip install 'embedlens[plot]').",
-        rich_help_panel="Output",
-    ),
-]
-
-AgainstOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--against",
-        metavar="MODEL",
-        help="Read another model (B, same vocabulary and layers) on the same ids: per layer, "
-        "KL(A ‖ B), whether the top-1 agree, and the residual KL (A's decoder on B's residual).",
-        rich_help_panel="Comparison",
-    ),
-]
-ThresholdOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--threshold",
-        metavar="NATS",
-        help="With --against: the KL above which a layer counts as divergent (1e-06 by default).",
-        rich_help_panel="Comparison",
-    ),
-]
-
-StatesOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--states",
-        metavar="FILE",
-        help="Decode the hidden states FILE holds (vLLM's hidden-states connector's, or "
-        "--save-states'), reading only the model's config, tokenizer, final norm and head: "
-        "no PROMPT (the file holds the ids), no blocks run; with --site, the sites it holds; "
-        "with --against B, B run on its ids. See docs/states.md.",
-        rich_help_panel="Input",
-    ),
-]
-StateLayersOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--state-layers",
-        metavar="LAYERS",
-        help="With --states, for a file that does not say (vLLM's): the layer of each state, "
-        "e.g. 1,2,3,4 or 1:5 (layer i: block i's input; vLLM's "
-        "eagle_aux_hidden_state_layer_ids).",
-        rich_help_panel="Input",
-    ),
-]
-SaveStatesOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--save-states",
-        metavar="FILE",
-        help="Also write every layer's residual stream at every position (the sites asked "
-        "for with --site too, and the model's logits at the last) to FILE, for --states to "
-        "decode later; with --prompts FILE is a folder, a file a prompt (000001.safetensors "
-        "for line 1).",
-        rich_help_panel="Output",
-    ),
-]
-
-SiteOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--site",
-        metavar="SITES",
-        help="Where in each block to read: resid (the block's output, the default), resid_mid "
-        "(after attention), attn_out, mlp_out (what each adds), or several, comma-separated "
-        "(rows 3.attn, 3.mid, 3.mlp, 3). See docs/lens.md.",
-        rich_help_panel="Sites",
-    ),
-]
-
-DeviceMapOpt = Annotated[
-    DeviceMap | None,
-    typer.Option(
-        "--device-map",
-        help="'auto' spreads the model over GPUs, CPU and disk (accelerate).",
-        rich_help_panel="Loading",
-    ),
-]
-
-MaxMemoryOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--max-memory",
-        help="With --device-map: memory per device, e.g. cpu=8GiB,0=20GiB.",
-        rich_help_panel="Loading",
-    ),
-]
-
-OffloadFolderOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--offload-folder",
-        help="With --device-map: where weights that fit nowhere go (a temporary folder, "
-        "removed afterwards, by default).",
-        rich_help_panel="Loading",
-    ),
-]
-
 
 @handles_errors
 def lens(
     model: ModelArg,
     prompt: PromptArg = None,
-    top_k: Annotated[
-        int, typer.Option("--top-k", "-k", help="Predictions per layer.", rich_help_panel="Output")
-    ] = 5,
-    layers: LayersOpt = None,
-    position: PositionOpt = "-1",
-    target: TargetOpt = None,
-    chat: ChatOpt = None,
-    no_thinking: NoThinkingOpt = False,
-    template_arg: TemplateArgOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    plot: PlotOpt = None,
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadFolderOpt = None,
+    top_k: Annotated[int, _option("top_k", "-k")] = 5,
+    layers: Annotated[str | None, _option("layers")] = None,
+    position: Annotated[str, _option("position")] = "-1",
+    target: Annotated[str | None, _option("target")] = None,
+    chat: Annotated[str | None, _option("chat", metavar="MESSAGE")] = None,
+    no_thinking: Annotated[bool, _option("no_thinking")] = False,
+    template_arg: Annotated[list[str] | None, _option("template_arg", metavar="KEY=VALUE")] = None,
+    chat_template: Annotated[Path | None, _option("chat_template", metavar="FILE")] = None,
+    plot: Annotated[Path | None, _option("plot", metavar="FILE")] = None,
+    device_map: Annotated[DeviceMap | None, _option("device_map")] = None,
+    max_memory: Annotated[str | None, _option("max_memory")] = None,
+    offload_folder: Annotated[Path | None, _option("offload_folder")] = None,
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
-    dtype: DtypeLensOpt = "float32",
+    dtype: Annotated[Dtype, _option("dtype")] = "float32",
     device: DeviceOpt = "cpu",
     trust_remote_code: TrustOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
-    prompts: PromptsOpt = None,
-    each: EachOpt = False,
-    skip_bad: SkipBadOpt = False,
-    against: AgainstOpt = None,
+    prompts: Annotated[str | None, _option("prompts", metavar="FILE")] = None,
+    each: Annotated[bool, _option("each")] = False,
+    skip_bad: Annotated[bool, _option("skip_bad")] = False,
+    against: Annotated[str | None, _option("against", metavar="MODEL")] = None,
     against_revision: AgainstRevisionOpt = None,
-    threshold: ThresholdOpt = None,
-    tuned: TunedOpt = None,
-    compare_logit: CompareLogitOpt = False,
+    threshold: Annotated[float | None, _option("threshold", metavar="NATS")] = None,
+    tuned: Annotated[Path | None, _option("tuned", metavar="DIR")] = None,
+    compare_logit: Annotated[bool, _option("compare_logit")] = False,
     dist_backend: DistBackendOpt = "auto",
-    states: StatesOpt = None,
-    state_layers: StateLayersOpt = None,
-    save_states: SaveStatesOpt = None,
-    site: SiteOpt = None,
+    states: Annotated[Path | None, _option("states", metavar="FILE")] = None,
+    state_layers: Annotated[str | None, _option("state_layers", metavar="LAYERS")] = None,
+    save_states: Annotated[Path | None, _option("save_states", metavar="FILE")] = None,
+    site: Annotated[str | None, _option("site", metavar="SITES")] = None,
     text: TextOpt = None,
     ctx: CtxOpt = 512,
     stride: StrideOpt = None,
@@ -370,20 +213,19 @@ def _run(given: dict[str, Any]) -> None:
     load, asked = _options(given)
     if given["states"] is not None or given["state_layers"] is not None:
         return run_states(model, given, load, asked)
-    b = {"against": against, "against_revision": given["against_revision"]}
-    shown = (given["as_json"], given["quiet"], given["debug"], given["device"])
     if given["prompts"] is not None or prompt is None:
-        common(quiet=shown[1], debug=shown[2], device=shown[3], split=True)
-        return run_prompts(model, prompt, given["prompts"], each=given["each"], as_json=shown[0],
-                           plot=plot, load=load, asked=asked,
-                           more={**b, "dist_backend": given["dist_backend"],
-                                 "save_states": given["save_states"]})  # fmt: skip
+        return _prompts(model, given, load, asked)
     one = replace(asked, grid=plot is not None and against is None)
     save = given["save_states"]
-    work = lambda: run_lens(model, prompt, load=load, options=one,  # noqa: E731
-                            save_states=save, against=against,
-                            against_revision=b["against_revision"])  # fmt: skip
-    _one(model, against, work, plot, save, given["compare_logit"], shown)
+    pair = {"against": against, "against_revision": given["against_revision"]}
+    run_report(
+        model if against is None else f"{model} against {against}",
+        lambda: run_lens(model, prompt, load=load, options=one, save_states=save, **pair),
+        doing="Running the lens on",
+        check=lambda: _check_one(plot, given["compare_logit"]),
+        say=lambda report: _say(report, plot, save),
+        **{key: given[key] for key in ("as_json", "quiet", "debug", "device")},
+    )
 
 
 _CLI_NAMES = {"template_args": "template_arg"}
@@ -403,30 +245,15 @@ def _options(given: dict[str, Any]) -> tuple[LoadOptions, LensOptions]:
     return LoadOptions(**of(LOAD_FIELDS)), LensOptions(**of(LENS_FIELDS))
 
 
-def _one(
-    model: str,
-    against: str | None,
-    work: Callable[[], LensReport],
-    plot: Path | None,
-    saved: Path | None,
-    compare_logit: bool,
-    shown: tuple[bool, bool, bool, str],
-) -> None:
-    """One prompt: the lens (`work`) under the common options, its report printed."""
-    as_json, quiet, debug, device = shown
-    run_report(
-        model if against is None else f"{model} against {against}",
-        work, as_json=as_json, quiet=quiet, debug=debug, device=device,
-        doing="Running the lens on", check=lambda: _check_one(plot, compare_logit),
-        say=lambda report: _say(report, plot, saved),
-    )  # fmt: skip
-
-
 def _check_one(plot: Path | None, compare_logit: bool) -> None:
-    """Before any work: --compare-logit is for --prompts; --plot names a format the heatmap is
-    drawn in, and matplotlib is there."""
+    """Before any work: --compare-logit is for --prompts; the plot file is one drawn."""
     if compare_logit:
         raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
+    _check_plot(plot)
+
+
+def _check_plot(plot: Path | None) -> None:
+    """--plot names a format the plot is drawn in, and matplotlib is there."""
     if plot is not None:
         from embedlens.views.heatmap import check_plot_file
 
@@ -435,7 +262,7 @@ def _check_one(plot: Path | None, compare_logit: bool) -> None:
 
 def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> None:
     """On stderr: the not-faithful warnings and the notes; then the plot, when one was asked
-    for (with --against: the KL curves, else the heatmap)."""
+    for."""
     diff = report.diff
     checks = [("this model's logits", report.check)]
     if diff is not None:
@@ -450,14 +277,128 @@ def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> No
     say_notes(report)
     if saved is not None:
         note(f"wrote the states to {saved}")
-    if plot is not None and diff is not None:
+    _plot(report, plot)
+
+
+def _plot(report: LensReport | LensSummaryReport, plot: Path | None) -> None:
+    """The plot asked for: with --against the KL curves, else one prompt's heatmap or the
+    summary's curves."""
+    from embedlens.reports.lens import LensReport
+
+    if plot is None:
+        return
+    if report.diff is not None:
         from embedlens.views.diff_curves import save_diff_curves
 
         save_diff_curves(report, plot)
-        note(f"wrote {plot}")
-    elif plot is not None:
+    elif isinstance(report, LensReport):
         from embedlens.views.heatmap import save_heatmap
 
         for text in save_heatmap(report, plot):
             note("note: " + text)
-        note(f"wrote {plot}")
+    else:
+        from embedlens.views.curves import save_curves
+
+        save_curves(report, plot)
+    note(f"wrote {plot}")
+
+
+def _prompts(model: str, given: dict[str, Any], load: LoadOptions, asked: LensOptions) -> None:
+    """--prompts: each prompt's output as it comes (its JSON line, or its table with --each), the
+    summary last."""
+    from embedlens.analysis.lens import lens_prompts
+    from embedlens.analysis.lens.options import one_prompt_only
+    from embedlens.model.prompts import PromptSource
+
+    common(quiet=given["quiet"], debug=given["debug"], device=given["device"], split=True)
+    prompts, as_json, each, plot = given["prompts"], given["as_json"], given["each"], given["plot"]
+    if prompts is None:
+        raise UsageError("give a PROMPT, or --prompts FILE (- for stdin)")
+    if given["prompt"] is not None:
+        raise UsageError("give either PROMPT or --prompts, not both")
+    rank, size = world()
+    if prompts == "-" and size > 1:
+        raise UsageError(
+            "--prompts - reads stdin, which the processes torchrun starts do not share",
+            hint="give a file every process can read",
+        )
+    one_prompt_only(asked.target, asked.chat, False)
+    _check_plot(plot)
+    if not (as_json or each):  # only the summary is printed, and it reads each prompt's top-1
+        asked = replace(asked, top_k=min(asked.top_k, 1))
+    show = _Shown(as_json=as_json, each=each)
+    source = PromptSource.open(prompts)
+    what, against, save = model_title(model), given["against"], given["save_states"]
+    if against is not None:
+        what = f"{what} against {model_title(str(against))}"
+    with counter(f"Running the lens on {what}", "prompts") as advance:
+
+        def on_report(report: LensReport, line: PromptLine) -> None:
+            show.report(report, line)
+            advance()
+
+        pair = {"against": against, "against_revision": given["against_revision"]}
+        more = {"dist_backend": given["dist_backend"], "save_states": save, **pair}
+        summary = lens_prompts(model, source, load=load, options=asked, on_report=on_report, **more)
+    if rank != 0:  # under torchrun, rank 0 prints every prompt's output and the summary
+        return
+    show.finish(summary, plot)
+    emit(summary, as_json=as_json)
+    if save is not None:
+        note(f"wrote each prompt's states to {save} (a file a line)")
+
+
+class _Shown:
+    """What each prompt prints: its JSON line, or its table with --each; notes once each."""
+
+    def __init__(self, *, as_json: bool, each: bool) -> None:
+        self.as_json = as_json
+        self.each = each
+        self.noted: set[str] = set()
+        self.unfaithful = 0
+
+    def report(self, report: LensReport, line: PromptLine) -> None:
+        if not report.check.ok:
+            self.unfaithful += 1
+        self.notes(report.notes)
+        if self.as_json:
+            write_stdout(json_line(report, line.id))
+        elif self.each:
+            write_stdout(rendered(report.__rich__()))
+
+    def notes(self, notes: list[str]) -> None:
+        for text in notes:
+            if text not in self.noted:
+                self.noted.add(text)
+                note("note: " + text)
+
+    def finish(self, summary: LensSummaryReport, plot: Path | None) -> None:
+        """The warning when some prompts were not faithful, the notes, then the plot."""
+        if self.unfaithful:
+            warn(
+                f"the lens does not reproduce this model's logits on {self.unfaithful} of "
+                f"{summary.n_prompts} prompts: its rows are not faithful for this architecture "
+                "(run one of them alone to see the suspect step)"
+            )
+        diff = summary.diff
+        if diff is not None and diff.n_against_unfaithful:
+            warn(
+                f"the lens does not reproduce the logits of '{diff.against}' on "
+                f"{diff.n_against_unfaithful} of {summary.n_prompts} prompts: its rows "
+                "are not faithful for this architecture"
+            )
+        self.notes(summary.notes)
+        _plot(summary, plot)
+
+
+def json_line(report: LensReport, ident: str | int | None) -> str:
+    """The single run's JSON object on one line, with the line's `id` when it has one."""
+    if ident is None:
+        return report.to_json() + "\n"
+    data = {**report.to_dict(), "id": ident}
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(data, ensure_ascii=True, allow_nan=False)
+    return text + "\n"

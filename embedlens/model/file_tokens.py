@@ -8,7 +8,7 @@ and the lens then runs, and checks itself, on other tokens. embedlens rebuilds t
 itself (`tokenizer.vocab_from_gguf`) and adds what the file's metadata asks: BOS when
 `add_bos_token` says so (a SentencePiece vocabulary that does not say adds it, as llama.cpp and
 transformers read it), EOS when `add_eos_token` does. While a run's prompts are tokenised
-(`watching`), every text `analysis.lens.prompt` encodes (the prompt, a chat-rendered prompt, a
+(`watching`), every text `analysis.lens.opening` encodes (the prompt, a chat-rendered prompt, a
 --target, each line of --prompts) is encoded that way too; a difference refuses the run
 (UnsupportedError) with both id lists. With --against, B's GGUF file is asked as well: B runs on
 A's ids.

@@ -91,11 +91,6 @@ class LensCheck:
     """When not ok: the step that failed to reproduce the model."""
 
 
-def _tuned_or_states(r: LensReport) -> bool:
-    """`tuned` is written with --tuned, and with --states (null without --tuned)."""
-    return r.tuned is not None or r.states is not None
-
-
 @dataclass(frozen=True)
 class LensReport(Report):
     """The logit lens at one position (and optionally the layer x position grid), with the parts
@@ -141,7 +136,9 @@ class LensReport(Report):
     parts_in: str | None = field(default=None, metadata=part(lambda r: r.site_diff is not None))
     """What it blames: 'the attention of block 3', 'the MLP of block 3' or 'block 3'."""
     block_sums: BlockSums | None = field(default=None, metadata=part(lambda r: r.sites is not None))
-    tuned: TunedLens | None = field(default=None, metadata=part(_tuned_or_states))
+    tuned: TunedLens | None = field(
+        default=None, metadata=part(lambda r: r.tuned is not None or r.states is not None)
+    )
     """With --tuned: the tuned lens the layers were read through (with --states: null without)."""
     states: StatesSource | None = field(default=None, metadata=part())
     """With --states: where the states came from."""

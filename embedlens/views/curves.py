@@ -6,7 +6,6 @@ PNG and SVG are written by matplotlib; HTML is a page holding the SVG (no networ
 
 from __future__ import annotations
 
-import html
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from embedlens.reports.lens import LensSummaryReport
 from embedlens.views.format import lens_name
-from embedlens.views.heatmap import write_plot
+from embedlens.views.heatmap import write_page, write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
@@ -47,12 +46,13 @@ def figure(report: LensSummaryReport) -> Any:
     cols = min(3, len(panels))
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    by_site = _by_site(report.layers)
     for ax, (key, label, scale) in zip(axes.flat, panels, strict=False):
-        for site, rows in _by_site(report.layers).items():
+        for site, rows in by_site.items():
             named = {} if site is None else {"label": site}
             values = [getattr(row, key) for row in rows]
             ax.plot([row.layer for row in rows], values, marker="o", markersize=3, **named)
-        if len(_by_site(report.layers)) > 1:
+        if len(by_site) > 1:
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("layer (0 = embedding output)")
@@ -102,13 +102,7 @@ def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:
         write_plot(path, _drawn(make, suffix.lstrip(".")))
         return
     svg = _drawn(make, "svg").decode("utf-8")
-    title = html.escape(title)
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
-        f"<h1 style='font-size: 1.2em'>{title}</h1>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
-    )
-    write_plot(path, page.encode("utf-8"))
+    write_page(path, title, svg[svg.index("<svg") :])
 
 
 def _drawn(make: Callable[[], Any], fmt: str) -> bytes:

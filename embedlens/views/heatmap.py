@@ -64,19 +64,15 @@ MAX_TICKS = 100
 """The most labelled columns: past it, every n-th (2, 5, 10, 20, 50, ...) is labelled."""
 
 
-def require_matplotlib() -> None:
-    """Fail early, with the install hint, when matplotlib is missing."""
+def check_plot_file(path: Path) -> None:
+    """Before any work: the file names a format the heatmap is drawn in, and matplotlib is there
+    (else the install hint)."""
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot '{path}': unknown format", hint="name a .png, .svg or .html file")
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingDependencyError(
             "--plot needs matplotlib", hint="pip install 'embedlens[plot]'"
         )
-
-
-def check_plot_file(path: Path) -> None:
-    """Before any work: the file names a format the heatmap is drawn in, and matplotlib is there."""
-    if path.suffix.lower() not in PLOT_SUFFIXES:
-        raise UsageError(f"--plot '{path}': unknown format", hint="name a .png, .svg or .html file")
-    require_matplotlib()
 
 
 def _width(text: str) -> int:
@@ -114,7 +110,7 @@ def fonts_for(texts: Iterable[str]) -> Fonts:
     from matplotlib import font_manager
 
     chars = {c for text in texts for c in text if c.isprintable() and not c.isspace()}
-    lacking = {c for c in chars if not _covers(font_manager.findfont(BASE_FONT), c)}
+    lacking = {c for c in chars if ord(c) not in _charmap(font_manager.findfont(BASE_FONT))}
     families = [BASE_FONT]
     if lacking:
         by_name: dict[str, str] = {}
@@ -125,7 +121,7 @@ def fonts_for(texts: Iterable[str]) -> Fonts:
         # matplotlib's Last Resort font "has" every character, as a box: it covers nothing
         order = [n for n in order if not n.startswith("Last Resort")]
         for name in order:
-            found = {c for c in lacking if _covers(by_name[name], c)}
+            found = {c for c in lacking if ord(c) in _charmap(by_name[name])}
             if found:
                 families.append(name)
                 lacking -= found
@@ -136,16 +132,13 @@ def fonts_for(texts: Iterable[str]) -> Fonts:
 
 @functools.cache
 def _charmap(path: str) -> frozenset[int]:
+    """The characters a font file has glyphs for (none when it cannot be read)."""
     from matplotlib import ft2font
 
     try:
         return frozenset(ft2font.FT2Font(path).get_charmap())
     except (OSError, RuntimeError, ValueError):
         return frozenset()
-
-
-def _covers(path: str, char: str) -> bool:
-    return ord(char) in _charmap(path)
 
 
 @dataclass(frozen=True)
@@ -452,18 +445,16 @@ def save_heatmap(report: LensReport, path: Path) -> list[str]:
     suffix = path.suffix.lower()
     bounds = plan(report).notes()
     if suffix == ".html":
-        write_plot(path, _page(report, heatmap_svg(report)).encode("utf-8"))
+        title = f"{lens_name(report)}: {report.display_model}"
+        write_page(path, title, _page(report, heatmap_svg(report)))
         return bounds
     fonts = fonts_for(texts(report))
     binary = io.BytesIO()
     with _drawn(report, fonts) as fig:
-        fig.savefig(binary, format=suffix.lstrip("."), dpi=150, metadata=_metadata(suffix))
+        metadata = _NO_METADATA if suffix == ".svg" else None
+        fig.savefig(binary, format=suffix.lstrip("."), dpi=150, metadata=metadata)
     write_plot(path, binary.getvalue())
     return bounds + (_missing_note(fonts.missing) if suffix == ".png" else [])
-
-
-def _metadata(suffix: str) -> dict[str, str | None] | None:
-    return _NO_METADATA if suffix == ".svg" else None
 
 
 def _missing_note(missing: list[str]) -> list[str]:
@@ -485,16 +476,24 @@ def write_plot(path: Path, data: bytes) -> None:
         raise EmbedlensError(f"cannot write the plot to '{path}': {e.strerror or e}") from e
 
 
+def write_page(path: Path, title: str, body: str) -> None:
+    """Write a self-contained HTML page: `title` (escaped here) as its title and heading, then
+    `body`."""
+    title = html.escape(title)
+    page = (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
+        f"<h1 style='font-size: 1.2em'>{title}</h1>\n{body}\n</body></html>\n"
+    )
+    write_plot(path, page.encode("utf-8"))
+
+
 def _page(report: LensReport, svg: str) -> str:
-    prompt = html.escape(report.prompt)
-    title = html.escape(f"{lens_name(report)}: {report.display_model}")
+    """The heatmap page's body: the prompt, the picture and the self-check."""
     check = report.check
     verdict = "reproduces" if check.ok else "does NOT reproduce"
     return (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{title}</title></head>\n<body style='font-family: sans-serif'>\n"
-        f"<h1 style='font-size: 1.2em'>{title}</h1>\n<p>Prompt: <code>{prompt}</code></p>\n"
-        f"{svg}\n<p>Self-check: decoding the last block's output {verdict} the model's logits "
-        f"(max |Δ| = {check.max_abs_logit_diff:.2g}). Decode: "
-        f"{html.escape(' → '.join(report.steps))}.</p>\n</body></html>\n"
+        f"<p>Prompt: <code>{html.escape(report.prompt)}</code></p>\n{svg}\n<p>Self-check: "
+        f"decoding the last block's output {verdict} the model's logits (max |Δ| = "
+        f"{check.max_abs_logit_diff:.2g}). Decode: {html.escape(' → '.join(report.steps))}.</p>"
     )

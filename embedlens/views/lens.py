@@ -96,29 +96,25 @@ def _render_grid(r: LensReport) -> Sheet:
 
 
 def render_check(r: LensReport) -> Text:
+    """The self-check line: whether decoding the last block's output reproduces the model's
+    logits, and the decode's steps (with --states: the file's check, `render_states_check`)."""
     states = r.states
     if states is not None:  # lens --states: the check against the file, or why none was made
         return render_states_check(r, states)
     c = r.check
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
     if c.ok:
-        line = Words().add("✓ ", style="green")
-        line.add(
-            shown(
-                f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
-                f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
-                f"Decode: {steps}."
-            )
+        return _verdict(
+            "✓ ",
+            f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
+            f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
+            f"Decode: {steps}.",
         )
-    else:
-        line = Words().add("✗ NOT FAITHFUL ", style="bold red")
-        line.add(
-            shown(
-                f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
-                f"suspect: {c.suspect}. Decode: {steps}."
-            )
-        )
-    return line
+    return _verdict(
+        "✗ NOT FAITHFUL ",
+        f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
+        f"suspect: {c.suspect}. Decode: {steps}.",
+    )
 
 
 def render_states_check(r: LensReport, states: StatesSource) -> Text:
@@ -132,14 +128,16 @@ def render_states_check(r: LensReport, states: StatesSource) -> Text:
     )
     c = r.check
     if not states.checked:
-        line = Words().add("? ", style="yellow")
-        line.add(shown(f"self-check {states.check}. {where}"))
-    elif c.ok:
-        line = Words().add("✓ ", style="green")
-        line.add(shown(f"self-check {states.check}. {where}"))
-    else:
-        line = Words().add("✗ NOT FAITHFUL ", style="bold red")
-        line.add(
-            shown(f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}. {where}")
-        )
-    return line
+        return _verdict("? ", f"self-check {states.check}. {where}")
+    if c.ok:
+        return _verdict("✓ ", f"self-check {states.check}. {where}")
+    return _verdict(
+        "✗ NOT FAITHFUL ",
+        f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}. {where}",
+    )
+
+
+def _verdict(mark: str, text: str) -> Text:
+    """A self-check line: its mark (✓, ✗ NOT FAITHFUL or ?) in its colour, then the text."""
+    style = {"✓": "green", "✗": "bold red"}.get(mark[0], "yellow")
+    return Words().add(mark, style=style).add(shown(text))

@@ -28,10 +28,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
-from embedlens.analysis.lens.opening import Check, Opened, Targets, open_model
+from embedlens.analysis.lens.opening import (
+    Check,
+    Opened,
+    Prompt,
+    Targets,
+    check_fits,
+    context_length,
+    make_prompt,
+    open_model,
+)
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
-from embedlens.analysis.lens.prompt import Prompt, check_fits, context_length, make_prompt
 from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError

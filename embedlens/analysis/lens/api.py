@@ -14,19 +14,26 @@ import functools
 import inspect
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.many import OnReport
-from embedlens.analysis.lens.opening import open_model
-from embedlens.analysis.lens.prompt import make_prompt
+from embedlens.analysis.lens.opening import make_prompt, open_model
 from embedlens.analysis.lens.report import one_report, run_one
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.analysis.lens.states_file import saving_many
 from embedlens.errors import UsageError
-from embedlens.options import LensKeywords, LensOptions, LoadOptions, renamed
+from embedlens.options import (
+    LensKeywords,
+    LensOptions,
+    LoadOptions,
+    named,
+    no_other_keywords,
+    options_from,
+    renamed,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,13 +46,6 @@ if TYPE_CHECKING:
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
-from typing import TYPE_CHECKING
-
-from embedlens.options import named, no_other_keywords, options_from
-
-if TYPE_CHECKING:
-    from embedlens.analysis.lens.pairing import Pair
-
 
 T = TypeVar("T")
 
@@ -114,49 +114,37 @@ def lens(
     if prompts is not None or prompt is None:
         return _deprecated_many(model, prompt, prompts, locals())
     model, load, asked = lens_given("lens", model, load, options, dict(keywords))
-    ask = checks.ask(prompt, asked.layers, asked.top_k, asked.position, asked.target, asked.chat,
-                     asked.no_thinking, asked.template_args, asked.grid,
-                     asked.chat_template)  # fmt: skip
-    if asked.compare_logit:
-        raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
+    ask = checks.ask(prompt, asked)
     b = (against, against_tokenizer, against_revision, asked.threshold)
     loading, pair = models(model, tokenizer, load, *b)
-    save = _saving(save_states, load.revision, pair)
-    return _one_prompt(model, tokenizer, (loading, pair), ask, asked.target, asked.tuned, save,
-                       asked.site)  # fmt: skip
-
-
-def _saving(
-    path: str | os.PathLike[str] | None, revision: str | None, pair: Pair | None
-) -> tuple[str | os.PathLike[str], str | None] | None:
-    """Where --save-states writes, with the revision its metadata names (None: nowhere)."""
-    if path is not None and pair is not None:
+    if save_states is not None and pair is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
-    return None if path is None else (path, revision)
+    save = None if save_states is None else (save_states, load.revision)
+    return _one_prompt(model, tokenizer, loading, pair, ask, asked, save)
 
 
 def _one_prompt(
     model: object,
     tokenizer: Any,
-    models: tuple[Loading, Pair | None],
+    loading: Loading,
+    pair: Pair | None,
     ask: checks.Ask,
-    target: str | None,
-    tuned: str | os.PathLike[str] | None,
-    save: tuple[str | os.PathLike[str], str | None] | None = None,
-    site: str | Sequence[str] | None = None,
+    asked: LensOptions,
+    save: tuple[str | os.PathLike[str], str | None] | None,
 ) -> LensReport:
     """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
-    the sites inside the blocks, `site`)."""
-    loading, pair = models
-    sites = sites_asked(site, tuned)
+    the sites inside the blocks, `asked.site`; `save`: where --save-states writes, and the
+    revision its metadata names)."""
+    sites = sites_asked(asked.site, asked.tuned)
+    lens_dir = _tuned_folder(asked.tuned)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask, sites, _tuned_folder(tuned))
+        return lens_pair(pair, ask, sites, lens_dir)
     own_template = ask.chat is not None and ask.template is None
-    check = _checked_with(lens_dir := _tuned_folder(tuned), functools.partial(make_prompt, ask))
+    check = _checked_with(lens_dir, functools.partial(make_prompt, ask))
     texts = () if ask.chat is not None else (ask.prompt,)
-    ready = open_model(model, tokenizer, loading, check, own_template, target, texts=texts)
+    ready = open_model(model, tokenizer, loading, check, own_template, asked.target, texts=texts)
     with ready as (opened, run):
         from embedlens.analysis.lens.decoders import tuned_decoder
 
@@ -219,10 +207,7 @@ def lens_prompts(
     on_report = renamed("lens_prompts", extra, "each", "on_report", on_report,
                         "the callback is now named")  # fmt: skip
     model, load, asked = lens_given("lens_prompts", model, load, options, extra)
-    checks.one_prompt_only(asked.target, asked.chat, asked.grid)
-    ask = checks.many(asked.top_k, asked.layers, asked.position, asked.no_thinking,
-                      asked.template_args, asked.skip_bad, asked.chat_template)  # fmt: skip
-    _not_both(asked.tuned, against, asked.compare_logit)
+    ask = checks.many(asked, against)
     source = PromptSource.of(prompts)
     session = torchrun.lens_session(dist_backend, load, source, against)
     with nullcontext() if session is None else session.guarded():
@@ -230,31 +215,30 @@ def lens_prompts(
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
-        sites_asked(asked.site, None)  # a bad --site refused before the folder is made
+        sites = sites_asked(asked.site, lens_dir)  # refused before the folder is made
         saving = saving_many(save_states, load.revision, against, session)
-        return _many(model, tokenizer, (loading, pair), ask, source, run, lens_dir, session,
-                     saving, asked.site)  # fmt: skip
+        return _many(model, tokenizer, loading, pair, ask, source, run, lens_dir, session, saving,
+                     sites)  # fmt: skip
 
 
 def _many(
     model: object,
     tokenizer: Any,
-    models: tuple[Loading, Pair | None],
+    loading: Loading,
+    pair: Pair | None,
     ask: checks.ManyAsk,
     source: PromptSource,
     run: tuple[OnReport | None, Progress, bool],
     lens_dir: LensFolder | None,
     session: Session | None,
-    saving: tuple[str | os.PathLike[str], str | None] | None = None,
-    site: str | Sequence[str] | None = None,
+    saving: tuple[str | os.PathLike[str], str | None] | None,
+    sites: tuple[str, ...],
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
     from embedlens.analysis.lens import many
 
-    loading, pair = models
     on_report, progress, compare_logit = run
-    sites = sites_asked(site, lens_dir)
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
@@ -333,19 +317,6 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
     return both
 
 
-def _not_both(tuned: object, against: object, compare_logit: bool = False) -> None:
-    """--compare-logit needs --tuned, and compares the tuned lens with the logit lens on one
-    model (not with --against)."""
-    if compare_logit and tuned is None:
-        raise UsageError(
-            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
-        )
-    if compare_logit and against is not None:
-        raise UsageError(
-            "--compare-logit compares two lenses on one model: run it without --against"
-        )
-
-
 Loading = checks.Load | dict[str, bool]
 """How to load a model named by its files (checked), or for a model given loaded, which loading
 options were given (it refuses them)."""
@@ -357,9 +328,7 @@ def model_and_load(
     """The model (its files, or loaded) and how to load it: `model` may be a `LoadOptions` with
     its `source`; `load=` and the loading keywords build the rest. Any keyword left over is
     refused as Python refuses an unknown one (`function` names the call)."""
-    model, load = _split(model, load)
-    load = named(model, options_from(LoadOptions, load, keywords))
-    no_other_keywords(function, keywords)
+    model, load, _ = lens_given(function, model, load, None, keywords, lens=False)
     return model, load
 
 
@@ -369,25 +338,21 @@ def lens_given(
     load: LoadOptions | None,
     options: LensOptions | None,
     keywords: dict[str, Any],
+    *,
+    lens: bool = True,
 ) -> tuple[Any, LoadOptions, LensOptions]:
     """`model_and_load`, and the lens's options: `options=` with the keywords of its fields set
-    on it; any keyword left over is refused."""
-    model, load = _split(model, load)
+    on it (`lens`; else left as given); any keyword left over is refused."""
+    if isinstance(model, LoadOptions):
+        if load is not None:
+            raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
+        if model.source is None:
+            raise UsageError("LoadOptions given as the model need its source")
+        load, model = model, model.source
     load = named(model, options_from(LoadOptions, load, keywords))
-    asked = options_from(LensOptions, options, keywords)
+    asked = options_from(LensOptions, options, keywords) if lens else LensOptions()
     no_other_keywords(function, keywords)
     return model, load, asked
-
-
-def _split(model: object, load: LoadOptions | None) -> tuple[Any, LoadOptions | None]:
-    """A `LoadOptions` given as the model made into the model (its source) and `load`."""
-    if not isinstance(model, LoadOptions):
-        return model, load
-    if load is not None:
-        raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
-    if model.source is None:
-        raise UsageError("LoadOptions given as the model need its source")
-    return model.source, model
 
 
 def loading(model: object, load: LoadOptions) -> Loading:

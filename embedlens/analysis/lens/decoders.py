@@ -26,8 +26,7 @@ from embedlens.errors import UsageError
 if TYPE_CHECKING:
     from torch import nn
 
-    from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.reports.tune import TunedLens as TunedDescription
 

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from embedlens.analysis.lens.opening import Prompt, make_prompt, position_index
 from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
-from embedlens.analysis.lens.prompt import Prompt, make_prompt, position_index
 from embedlens.analysis.lens.report import dtype_name, lens_report
 from embedlens.analysis.lens.stats import LAYER_STATS, Sums, add_row
 from embedlens.errors import UsageError

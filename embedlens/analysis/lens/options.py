@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from embedlens.errors import UsageError
-from embedlens.options import LoadOptions
+from embedlens.options import LensOptions, LoadOptions
 
 DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequential")
 LayerItem = int | tuple[int | None, int | None, int | None]
@@ -78,48 +78,45 @@ class Load:
     trust_remote_code: bool
 
 
-def ask(
-    prompt: str,
-    layers: str | Sequence[int] | None,
-    top_k: int,
-    position: int | str | Sequence[int],
-    target: str | None,
-    chat: str | None,
-    no_thinking: bool,
-    template_args: Mapping[str, Any] | Sequence[str] | None,
-    grid: bool,
-    chat_template: str | os.PathLike[str] | None,
-) -> Ask:
+def ask(prompt: str, asked: LensOptions) -> Ask:
     """Check what was asked of one prompt, before any file is read."""
-    if not isinstance(position, (int, str)):
+    if not isinstance(asked.position, (int, str)):
         raise UsageError("a list of positions applies only with prompts=")
-    check_top_k(top_k)
-    items = None if layers is None else layer_items(layers)
-    pos = parse_position(position)
-    switches = template_switches(no_thinking, template_args)
+    check_top_k(asked.top_k)
+    items = None if asked.layers is None else layer_items(asked.layers)
+    pos = parse_position(asked.position)
+    switches = template_switches(asked.no_thinking, asked.template_args)
+    chat = asked.chat
     if switches and chat is None:
         raise UsageError("--no-thinking and --template-arg only apply with --chat")
     if not prompt.strip() and chat is None:
         raise UsageError("the prompt is empty")
-    template = user_template(chat_template, chat)
-    return Ask(prompt, chat, switches, items, pos, top_k, target, grid or pos is None, template)
+    template = user_template(asked.chat_template, chat)
+    if asked.compare_logit:
+        raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
+    grid = asked.grid or pos is None
+    return Ask(prompt, chat, switches, items, pos, asked.top_k, asked.target, grid, template)
 
 
-def many(
-    top_k: int,
-    layers: str | Sequence[int] | None,
-    position: int | str | Sequence[int],
-    no_thinking: bool,
-    template_args: Mapping[str, Any] | Sequence[str] | None,
-    skip_bad: bool,
-    chat_template: str | os.PathLike[str] | None,
-) -> ManyAsk:
-    """Check the options that apply to every prompt of many, before any file is read."""
-    check_top_k(top_k)
-    items = None if layers is None else layer_items(layers)
-    switches = template_switches(no_thinking, template_args)
-    template = user_template(chat_template, None, per_line=True)
-    return ManyAsk(items, parse_positions(position), top_k, switches, skip_bad, template)
+def many(asked: LensOptions, against: object) -> ManyAsk:
+    """Check the options that apply to every prompt of many, before any file is read (--target,
+    --chat and --grid are each line's own; --compare-logit needs --tuned, and compares the tuned
+    lens with the logit lens on one model, not with --against)."""
+    one_prompt_only(asked.target, asked.chat, asked.grid)
+    check_top_k(asked.top_k)
+    items = None if asked.layers is None else layer_items(asked.layers)
+    switches = template_switches(asked.no_thinking, asked.template_args)
+    template = user_template(asked.chat_template, None, per_line=True)
+    positions = parse_positions(asked.position)
+    if asked.compare_logit and asked.tuned is None:
+        raise UsageError(
+            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
+        )
+    if asked.compare_logit and against is not None:
+        raise UsageError(
+            "--compare-logit compares two lenses on one model: run it without --against"
+        )
+    return ManyAsk(items, positions, asked.top_k, switches, asked.skip_bad, template)
 
 
 def load_options(load: LoadOptions) -> Load:

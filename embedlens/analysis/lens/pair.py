@@ -20,7 +20,7 @@ import torch
 
 from embedlens.analysis.lens.blocks import one_thread
 from embedlens.analysis.lens.engine import LensResult
-from embedlens.analysis.lens.prompt import token_text
+from embedlens.analysis.lens.opening import token_text
 from embedlens.analysis.lens.ranking import Top
 from embedlens.analysis.lens.stats import Sums, add_row
 from embedlens.errors import UnsupportedError

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from embedlens.analysis.lens.opening import Prompt, target_note, token_text
 from embedlens.analysis.lens.options import Ask, resolve_layers
-from embedlens.analysis.lens.prompt import Prompt, target_note, token_text
 from embedlens.reports.lens import (
     GridCell,
     GridRow,

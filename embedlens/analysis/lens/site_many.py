@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.many import Window
+    from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.options import Ask
-    from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.sites import Pieces
     from embedlens.model.prompts import BadLine
     from embedlens.reports.lens import LensReport, LensSummaryReport

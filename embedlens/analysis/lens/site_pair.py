@@ -21,8 +21,7 @@ from embedlens.reports.lens import BlockSums, SiteDiff, SiteDiffStats
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.lens.prompt import Prompt
+    from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.sites import Pieces
     from embedlens.reports.lens import LensReport, LensSummaryReport
 

@@ -25,9 +25,8 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import LensResult
-    from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.options import Ask
-    from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.ranking import Top
     from embedlens.analysis.lens.sites import Change, Pieces, SiteRows
 
@@ -118,7 +117,7 @@ def read_sites(
     import torch
 
     from embedlens.analysis.lens.blocks import input_device, threads_for
-    from embedlens.analysis.lens.prompt import token_text
+    from embedlens.analysis.lens.opening import token_text
     from embedlens.analysis.lens.sites import SiteJob, decode_sites
 
     inner = [s for s in sites if s != "resid"]

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.engine import Check, Kept, LensResult
+    from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
-    from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.site_pair import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
@@ -257,7 +257,7 @@ def _check_fits(file: StatesFile, ids: list[int], config: Any, tokenizer_size: i
 
 def _prompt(tokenizer: Any, ids: list[int], ask: checks.Ask, file: StatesFile) -> Prompt:
     """The prompt as the file's ids give it (its text from embedlens' metadata, else decoded)."""
-    from embedlens.analysis.lens.prompt import Prompt, position_index, target_token
+    from embedlens.analysis.lens.opening import Prompt, position_index, target_token
 
     text = file.metadata.get("prompt")
     if text is None:

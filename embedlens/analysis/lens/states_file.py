@@ -35,9 +35,8 @@ if TYPE_CHECKING:
     import torch
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.options import Ask
-    from embedlens.analysis.lens.prompt import Prompt
     from embedlens.analysis.lens.sites import Pieces
     from embedlens.model.prompts import PromptLine
 
