@@ -53,7 +53,7 @@ def test_grid_cells_are_the_top1_of_a_full_run(tiny):
 def test_batch_rows_hold_the_top_k_at_the_position_read_only(tiny):
     """`--prompts`: the rows of a prompt's other positions hold their top-1 and the target, as
     a run reading the top-k everywhere gives them."""
-    from embedlens.analysis.lens.batch import BatchItem, BatchLens
+    from embedlens.analysis.lens.engine import BatchItem, BatchLens
 
     model, ids = _load(tiny("qwen3"))
     last, every = len(ids) - 1, list(range(len(ids)))
@@ -156,7 +156,7 @@ def test_prompts_with_k_past_the_vocabulary_equal_their_single_runs(tiny, cli, t
 
 
 def test_summary_alone_decodes_the_top1_whatever_k_is(tiny, cli, tmp_path, monkeypatch):
-    from embedlens.analysis.lens import batch as lens_batch
+    from embedlens.analysis.lens import engine as lens_batch
 
     asked: list[int] = []
     init = lens_batch.BatchLens.__init__

@@ -82,7 +82,7 @@ def test_lens_row_that_is_not_finite_fails(cli, tiny, monkeypatch):
 
 
 def test_nan_difference_is_never_ok():
-    from embedlens.analysis.lens.engine import Check
+    from embedlens.analysis.lens.report import Check
 
     assert not Check(float("nan"), 1e-3, True, None).ok
     assert Check(0.0, 1e-3, True, None).ok

@@ -459,8 +459,8 @@ def test_decoded_row_not_finite_is_refused(tiny, bad):
 
 def test_top_rows_ties_across_the_kth_place():
     """Equal logits across the k-th place give the lower ids first, as one row at a time does."""
-    from embedlens.analysis.lens.ranking import best_ids
-    from embedlens.analysis.lens.ranking import tops_from_log_softmax as top_rows
+    from embedlens.analysis.lens.stats import best_ids
+    from embedlens.analysis.lens.stats import tops_from_log_softmax as top_rows
 
     x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0], [5.0, 1.0, 1.0, 4.0, 1.0], [0, 2, 2, 2, 9.0]])
     lx = torch.log_softmax(x, dim=-1)
@@ -496,7 +496,7 @@ def test_row_sums_keep_float64_accuracy_over_a_large_vocabulary():
     hundred each they must still agree with float64 to about 1e-6 (a BLAS dot product did not)."""
     import torch
 
-    from embedlens.analysis.lens.ranking import rowdot as _rowdot
+    from embedlens.analysis.lens.stats import rowdot as _rowdot
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 151_936, generator=gen) * 30

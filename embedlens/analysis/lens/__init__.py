@@ -7,13 +7,15 @@ given made into its option objects):
   before any file is read;
 - `prompt`: the prompt as run (chat template, ids, target, position), checked against the model;
 - `opening`: one way to get the model ready, from its files or as the caller loaded it;
-- `engine`: one prompt through capture, decoder, ranking and the self-check (`run_lens`);
-- `batch`: many prompts through the same engine pieces at once, with KL and entropy per row;
-- `many`: prompts files and lists: every line checked, then run a window at a time;
-- `stats`: every per-row statistic defined once, and the one accumulator they are summed in;
+- `engine`: one runner for one prompt (`run_lens`) and for many in batches: capture, decoder,
+  ranking and the self-check, with KL and entropy per row in a batch;
+- `many`: one prompt through the engine (`run_one`); prompts files and lists: every line
+  checked, then run a window at a time;
+- `stats`: the best tokens by logit, every per-row statistic defined once, and the one
+  accumulator they are summed in;
 - `text`: `lens_text`, the lens over every scored token of a text (`text_input`, `text_run`,
   `text_stats`; `logits_file` for --save-logits / --against-logits);
-- `report`: one prompt through the engine, and a run's result as the `LensReport` users get;
+- `report`: a run's result (`LensResult`), and the `LensReport` users get of it;
 - `against`, `pairing`, `pair`: `--against` (B checked, both run, the figures and reports);
 - `sites`, `site_report`, `site_many`, `site_pair`: `--site` (the pieces inside a block found
   and checked, and decoded; one prompt, many, a pair);
@@ -22,8 +24,8 @@ given made into its option objects):
   (`tail`);
 - `decoders`: the decoders as public objects (`LogitLens`, `TunedLens`, the latter's folder read
   and matched to its model in `tuned_folder`);
-- `ranking`, `blocks`: the engine's parts (the best tokens by logit; the model's block list, one
-  forward pass that keeps the residual stream, what turns a residual into logits, CPU threads).
+- `blocks`: the engine's parts (the model's block list, one forward pass that keeps the
+  residual stream, what turns a residual into logits, CPU threads).
 """
 
 from embedlens.analysis.lens.api import lens, lens_prompts

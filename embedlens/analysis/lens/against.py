@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens import many
+from embedlens.analysis.lens.many import run_one
 from embedlens.analysis.lens.opening import (
     Check,
     Opened,
@@ -40,14 +41,14 @@ from embedlens.analysis.lens.opening import (
 )
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
 from embedlens.analysis.lens.pairing import Pair, Side, check_pair
-from embedlens.analysis.lens.report import one_report, run_one
+from embedlens.analysis.lens.report import one_report
 from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.batch import BatchOut
-    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.engine import BatchOut
     from embedlens.analysis.lens.pair import PairStats
+    from embedlens.analysis.lens.report import LensResult
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import BadLine, PromptSource
     from embedlens.reports.lens import LensReport, LensSummaryReport

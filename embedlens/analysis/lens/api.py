@@ -19,9 +19,9 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from embedlens.analysis.lens import options as checks
-from embedlens.analysis.lens.many import OnReport
+from embedlens.analysis.lens.many import OnReport, run_one
 from embedlens.analysis.lens.opening import make_prompt, open_model
-from embedlens.analysis.lens.report import one_report, run_one
+from embedlens.analysis.lens.report import one_report
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.analysis.lens.states_file import saving_many
 from embedlens.errors import UsageError

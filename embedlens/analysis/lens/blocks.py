@@ -150,6 +150,8 @@ class Capture:
     """With a head watched: the head's input and output rows."""
     head_out: torch.Tensor | None = None
     steps: list[str] = field(default_factory=list)
+    device: torch.device | None = None
+    """Where the model's input went (`input_device`)."""
 
 
 Watch = Callable[[Capture], list[Any]]
@@ -192,7 +194,7 @@ def capture(
     ids, mask = padded(prompts, masked)
     bi = torch.tensor([b for b, read in enumerate(reads) for _ in read], dtype=torch.long)
     pi = torch.tensor([p for read in reads for p in read], dtype=torch.long)
-    cap = Capture(residual={})
+    cap = Capture(residual={}, device=device)
 
     def keep(layer: int) -> Callable[..., None]:
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:

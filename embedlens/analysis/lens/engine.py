@@ -1,98 +1,56 @@
-"""The lens engine: capture the residual stream, decode it through a decoder, check the decoding.
+"""The lens engine: capture the residual stream, decode it through a decoder, reduce each row,
+check the decoding.
 
-`run_lens` is the engine on one prompt; `batch.BatchLens` feeds it many at once through the same
-capture (`capture.capture`), the same chunked decoding (`decoded`), ranking (`ranking`) and
-decoder. A self-check compares the decoding of the last block's output with the model's real
-logits, and says which step is suspect if they differ.
+One runner (`BatchLens`) for one prompt (`run_lens`) and for many at once: one forward pass per
+batch (`blocks.capture`), rows decoded in bounded chunks (`decoded`), each chunk reduced as it
+comes (`stats`: the best tokens, a target's rank, the row statistics; in a batch the KL and
+entropy of every row too). A self-check compares the decoding of the last block's output with
+the model's real logits, and says which step is suspect if they differ.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch import nn
 
 from embedlens.analysis.lens.blocks import (
-    Blocks,
     Decoder,
     ModelDecoder,
     capture,
     find_blocks,
-    input_device,
     threads_for,
 )
-from embedlens.analysis.lens.ranking import Top, exact_top1, exact_tops
-from embedlens.analysis.lens.stats import next_ids
+from embedlens.analysis.lens.options import LayerItem, resolve_layers
+from embedlens.analysis.lens.report import Check, Kept, LensResult, model_not_finite, not_finite
+from embedlens.analysis.lens.stats import (
+    Reference,
+    Top,
+    exact_top1,
+    exact_tops,
+    next_ids,
+    tops_from_log_softmax,
+)
 from embedlens.errors import NumericError, UnsupportedError
 
 CHUNK_BYTES = 256 * 2**20
 """Logits decoded at once by `run_lens` (float32 bytes): rows are decoded in chunks of at most
 this size."""
+BATCH_CHUNK_BYTES = 128 * 2**20
+"""Decoded logits of a batch reduced at once (float32 bytes); the reduction holds a few such
+arrays."""
+BATCH_TOKENS = 512
+"""Padded tokens per forward pass, at most (a prompt longer than this runs alone): prompts of
+similar length go together, so little of a pass is padding."""
 
 Row = tuple[int, int]
 """(layer, row of the capture)."""
 K = TypeVar("K")
-
-
-@dataclass(frozen=True)
-class Check:
-    """Decoding the last block's output vs the model's own logits."""
-
-    max_abs_logit_diff: float
-    tolerance: float
-    top1_agrees: bool
-    suspect: str | None
-    """None when the check passes; else the step that does not reproduce the model."""
-
-    @property
-    def ok(self) -> bool:
-        """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
-        return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
-
-
-@dataclass(frozen=True)
-class Kept:
-    """What a run keeps to be compared with another model's (`keep=True`), at the positions read
-    in full: float32 logits [V] by (layer, position) through this run's decoder (the last layer's
-    too: the decoding of the last block's output, beside the model's own `output`); the other
-    model's residual through the same decoder, in the same chunks as this run's own rows (`other`,
-    empty unless given); and the residual stream the run captured, layer -> [positions, d]."""
-
-    logits: dict[tuple[int, int], torch.Tensor]
-    other: dict[tuple[int, int], torch.Tensor]
-    residual: dict[int, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LensResult:
-    """Every (layer, position) asked for, decoded; the last layer is the model's own logits."""
-
-    num_layers: int
-    vocab_size: int
-    """Rows of the model's output."""
-    positions: list[int]
-    layers: list[int]
-    rows: dict[tuple[int, int], Top]
-    """(layer, position) -> predictions."""
-    check: Check
-    steps: list[str]
-    """What runs after the last block, in order: modules by name, then post-head steps."""
-    full_tail: bool
-    """True when the tail had to run with every block in place (cutting the list failed)."""
-    output: torch.Tensor | None = None
-    """The model's own logits at `positions`, float32 [P, V] (a view of the run's)."""
-    kept: Kept | None = None
-    """With `keep`: what a comparison with another model needs."""
-
-    def output_at(self, position: int) -> torch.Tensor | None:
-        """The model's own logits at one position read."""
-        if self.output is None or position not in self.positions:
-            return None
-        return self.output[self.positions.index(position)]
+KL = dict[tuple[int, int], tuple[float, float]]
+"""(layer, position) -> (KL of the model's output from the lens's, the lens's entropy)."""
 
 
 def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
@@ -129,122 +87,6 @@ def decode_rows(
     return decoder.logits(h, [layer for layer, _ in part]).float()
 
 
-def run_lens(
-    model: nn.Module,
-    input_ids: Sequence[int],
-    *,
-    layers: Sequence[int],
-    positions: Sequence[int],
-    k: int,
-    real_vocab: int,
-    target: int | None = None,
-    full_at: Sequence[int] | None = None,
-    decoder: Decoder | None = None,
-    keep: bool = False,
-    other: dict[int, torch.Tensor] | None = None,
-) -> LensResult:
-    """Decode `layers` (0 = embedding output, L = the model's output) at `positions` of one prompt:
-    absolute indices into `input_ids`. `real_vocab` is the tokenizer's length: rows
-    past it are padding and never predicted, though the softmax runs over every row. `full_at`:
-    the positions whose rows hold the top-k and the target (all by default); the others hold
-    their top-1 only (a grid's cells), whatever k is. `decoder`: the model's own by default.
-    `keep`: the result keeps what a comparison needs (`Kept`), with `other` (another model's
-    residual at the same layers and positions, layer -> [P, d]) through this decoder.
-    """
-    blocks = find_blocks(model)
-    n_layers = len(blocks.modules)
-    bad = [x for x in layers if not 0 <= x <= n_layers]
-    if bad:
-        raise UnsupportedError(f"layer {bad[0]} does not exist: the model has {n_layers} blocks")
-    device = input_device(model)
-    pos = [int(p) for p in positions]
-    if decoder is None:
-        decoder = ModelDecoder(model, blocks, dummy_id=int(input_ids[0]))
-    with torch.inference_mode(), threads_for(model, len(input_ids)):
-        wanted = sorted(set(layers) | {n_layers})
-        cap = capture(model, blocks, [input_ids], [pos], wanted, decoder.watch, masked=False)
-        assert cap.logits is not None
-        real = cap.logits
-        _refuse(model, blocks, input_ids, pos, real, target)
-        vocab = int(real.shape[-1])
-        full = None if full_at is None else frozenset(int(p) for p in full_at)
-        job = _OnePrompt(
-            layers, n_layers, pos, k, min(real_vocab, vocab), target, real, full, input_ids
-        )
-        keeping = None if not keep else _Keeping(other or {})
-        tol = tolerance(next(model.parameters()).dtype, real)
-        rows, diff, agrees, kept = _decode_checked(job, decoder, cap.residual, device, keeping, tol)
-        steps = decoder.steps(cap.residual[n_layers][0].to(device), tol)
-        suspect = decoder.suspect(cap, tol) if diff > tol else None
-    return LensResult(
-        num_layers=n_layers,
-        vocab_size=vocab,
-        positions=pos,
-        layers=sorted(set(layers)),
-        rows=rows,
-        check=Check(diff, tol, agrees, suspect),
-        steps=steps,
-        full_tail=decoder.full,
-        output=real,
-        kept=None if kept is None else Kept(kept.logits, kept.other, _at(cap.residual, wanted)),
-    )
-
-
-def _refuse(
-    model: nn.Module,
-    blocks: Blocks,
-    input_ids: Sequence[int],
-    pos: list[int],
-    real: torch.Tensor,
-    target: int | None,
-) -> None:
-    """Refuse the model's own logits when not finite (saying where), and a target with no row
-    in the model's output."""
-    if not bool(torch.isfinite(real).all()):
-        raise _model_not_finite(model, blocks, input_ids, pos, real)
-    vocab = int(real.shape[-1])
-    if target is not None and not 0 <= target < vocab:
-        raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
-
-
-def _decode_checked(
-    job: _OnePrompt,
-    decoder: Decoder,
-    residual: dict[int, torch.Tensor],
-    device: torch.device,
-    keeping: _Keeping | None,
-    tol: float,
-) -> tuple[dict[tuple[int, int], Top], float, bool, _Keeping | None]:
-    """`job.decode`, and once more with every block in place when the last block's decoding
-    misses the model's logits (cutting the block list may have changed the tail): the closer of
-    the two is kept."""
-    first = job.decode(decoder, residual, device, keeping)
-    if not first[1] > tol or decoder.full:  # a NaN difference is not retried
-        return first
-    decoder.full = True
-    retry = job.decode(decoder, residual, device, keeping)
-    if retry[1] < first[1]:
-        return retry
-    decoder.full = False
-    return first
-
-
-def _at(residual: dict[int, torch.Tensor], layers: Sequence[int]) -> dict[int, torch.Tensor]:
-    return {layer: residual[layer] for layer in layers}
-
-
-@dataclass
-class _Keeping:
-    """The rows one decoding keeps for a comparison (a retry starts afresh)."""
-
-    other_residual: dict[int, torch.Tensor]
-    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    other: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-
-    def fresh(self) -> _Keeping:
-        return _Keeping(self.other_residual)
-
-
 def kept_rows(
     decoder: Decoder,
     part: list[Row],
@@ -271,144 +113,387 @@ def kept_rows(
 
 
 @dataclass(frozen=True)
-class _OnePrompt:
-    """What to decode of one prompt, and how to reduce each row as soon as it is decoded."""
+class BatchItem:
+    """One prompt to run: its ids, the absolute positions to read, its target's id."""
 
-    layers: Sequence[int]
-    n_layers: int
-    pos: list[int]
-    k: int
-    real_vocab: int
+    ids: list[int]
+    positions: list[int]
     target: int | None
-    real: torch.Tensor
-    """The model's own logits at `pos`, float32 [P, V]."""
-    full_at: frozenset[int] | None = None
-    """Positions reduced to the top-k and the target (None: all); the others to their top-1."""
-    ids: Sequence[int] = ()
-    """The prompt's ids (each row's next token)."""
+    read: int | None = None
+    """The position whose rows hold the top-k (None: every position); the others hold their
+    top-1 (and in a batch the target)."""
+    other: dict[int, torch.Tensor] | None = None
+    """With `keep`: another model's residual at these positions (layer -> [P, d]), decoded
+    through this model's decoder beside its own rows (`Kept.other`)."""
 
-    def decode(
+
+@dataclass(frozen=True)
+class BatchOut:
+    """One prompt's result, with (KL, entropy) per (layer, position) and the model's top-1 at
+    each position."""
+
+    result: LensResult
+    kl: KL
+    model_top1: dict[int, int]
+
+
+def batches(lengths: Sequence[int], budget: int = BATCH_TOKENS) -> list[list[int]]:
+    """Indices grouped so that each group's padded size (count x longest) stays within budget;
+    similar lengths go together (less padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def run_lens(
+    model: nn.Module,
+    input_ids: Sequence[int],
+    *,
+    layers: Sequence[LayerItem] | None,
+    positions: Sequence[int],
+    k: int,
+    real_vocab: int,
+    target: int | None = None,
+    full_at: Sequence[int] | None = None,
+    decoder: Decoder | None = None,
+    keep: bool = False,
+    other: dict[int, torch.Tensor] | None = None,
+) -> LensResult:
+    """Decode `layers` (as `options.resolve_layers` reads them: 0 = embedding output, L = the
+    model's output, None: all) at `positions` of one prompt: absolute indices into `input_ids`.
+    `real_vocab` is the tokenizer's length: rows past it are padding and never predicted, though
+    the softmax runs over every row. `full_at`:
+    the position whose rows hold the top-k and the target (all by default); the others hold
+    their top-1 only (a grid's cells), whatever k is. `decoder`: the model's own by default.
+    `keep`: the result keeps what a comparison needs (`Kept`), with `other` (another model's
+    residual at the same layers and positions, layer -> [P, d]) through this decoder.
+    """
+    read = None
+    if full_at is not None:
+        (read,) = {int(p) for p in full_at}  # the position read
+    item = BatchItem(list(input_ids), [int(p) for p in positions], target, read, other)
+    return BatchLens(model, layers, k, real_vocab, keep, decoder=decoder, exact=True).one(item)
+
+
+class BatchLens:
+    """Runs the lens on prompts of one model, its decoder (and the steps after the last block)
+    found once: capture, decode in bounded chunks, reduce each row as it comes, self-check.
+
+    A batch (`run`): prompts of similar length padded on the right with an attention mask (every
+    row read equals the single-prompt run's up to float32 rounding), each row's KL and entropy
+    kept too. A prompt whose check fails in the batch, or whose model's logits are not finite,
+    runs again on its own (`exact`: as a plain call runs it, no mask, the head watched, float64
+    log-probabilities), which retries with the full tail, names the suspect step, or says where
+    the model stops being finite. The forward pass runs on one CPU thread for small work
+    (`blocks.threads_for`: from the work's size, never from the machine's load)."""
+
+    def __init__(
         self,
-        decoder: Decoder,
+        model: nn.Module,
+        layers: Sequence[LayerItem] | None,
+        k: int,
+        real_vocab: int,
+        keep: bool = False,
+        wrap: Callable[[Decoder], Decoder] | None = None,
+        *,
+        decoder: Decoder | None = None,
+        exact: bool = False,
+    ) -> None:
+        """`keep`: what a comparison needs is kept (`Kept`); `wrap`: builds the decoder on the
+        model's own (a tuned lens), `decoder`: the decoder itself; neither: the model's."""
+        self.model = model
+        self.wrap = wrap
+        self.blocks = find_blocks(model)
+        self.n_layers = len(self.blocks.modules)
+        self.layers = sorted(
+            set(resolve_layers(None if layers is None else [*layers], self.n_layers))
+        )
+        self.k = k
+        self.real_vocab = real_vocab
+        self.decoder = decoder
+        self.keep = keep
+        """Each result keeps what a comparison with another model needs (`Kept`)."""
+        self.exact = exact
+
+    def run(self, items: Sequence[BatchItem]) -> list[BatchOut]:
+        """Every item's rows and statistics, in the order given."""
+        outs: dict[int, BatchOut] = {}
+        for group in batches([len(item.ids) for item in items]):
+            chosen = [items[i] for i in group]
+            for i, out in zip(group, self._run_group(chosen), strict=True):
+                outs[i] = out
+        return [outs[i] for i in range(len(items))]
+
+    def one(self, item: BatchItem) -> LensResult:
+        """One prompt's rows and self-check."""
+        with torch.inference_mode(), threads_for(self.model, len(item.ids)):
+            decoded = self._decode([item])
+        assert decoded is not None
+        return decoded[0].result
+
+    def _run_group(self, items: list[BatchItem]) -> list[BatchOut]:
+        n_tokens = sum(len(item.ids) for item in items)
+        with torch.inference_mode(), threads_for(self.model, n_tokens):
+            decoded = self._decode(items)
+        if decoded is None:  # the model's own logits are not finite: each alone says where
+            return [self._alone(item) for item in items]
+        outs = []
+        for item, out in zip(items, decoded, strict=True):
+            if not out.result.check.ok:  # the single run names the suspect step
+                out = BatchOut(self._alone(item).result, out.kl, out.model_top1)
+            outs.append(out)
+        return outs
+
+    def _alone(self, item: BatchItem) -> BatchOut:
+        """One prompt on its own (`exact`), its statistics from a batch of one."""
+        decoder = None if self.wrap is None else self._new_decoder(item.ids[0])
+        alone = BatchLens(
+            self.model, self.layers, self.k, self.real_vocab, self.keep, decoder=decoder, exact=True
+        )
+        result = alone.one(item)
+        with torch.inference_mode():
+            decoded = self._decode([item])
+        assert decoded is not None
+        return BatchOut(result, decoded[0].kl, decoded[0].model_top1)
+
+    def _decode(self, items: list[BatchItem]) -> list[BatchOut] | None:
+        """Capture and decode a batch; None when the model's own logits are not finite (one
+        prompt run `exact` raises instead, saying where)."""
+        model, n_layers = self.model, self.n_layers
+        if self.decoder is None:
+            self.decoder = self._new_decoder(items[0].ids[0])
+        decoder = self.decoder
+        wanted = sorted(set(self.layers) | {n_layers})
+        reads = [item.positions for item in items]
+        watch = decoder.watch if self.exact else None
+        ids = [item.ids for item in items]
+        cap = capture(model, self.blocks, ids, reads, wanted, watch, masked=not self.exact)
+        assert cap.logits is not None
+        real = cap.logits
+        if not bool(torch.isfinite(real).all()):
+            if not self.exact:
+                return None
+            raise model_not_finite(model, self.blocks, items[0].ids, reads[0], real)
+        target, vocab = items[0].target, int(real.shape[-1])
+        if self.exact and target is not None and not 0 <= target < vocab:
+            raise UnsupportedError(f"token {target} has no row in the model's output ({vocab})")
+        device = cap.device
+        assert device is not None
+        job = _Decode(self, items, real, cap.residual)
+        job.run(decoder, device)
+        if self.exact and job.diff[0] > job.tol and not decoder.full:  # a NaN is not retried
+            decoder.full = True  # cutting the block list may have changed the tail: run them all
+            retry = _Decode(self, items, real, cap.residual)
+            retry.run(decoder, device)
+            if retry.diff[0] < job.diff[0]:
+                job = retry
+            else:
+                decoder.full = False
+        steps = decoder.steps(cap.residual[n_layers][0].to(device), job.tol)
+        suspect = "the steps after the last block"
+        if self.exact and job.diff[0] > job.tol:
+            suspect = decoder.suspect(cap, job.tol)
+        return [job.result(b, steps, decoder.full, suspect) for b in range(len(items))]
+
+    def _new_decoder(self, dummy_id: int) -> Decoder:
+        """The model's own decoder, or the one `wrap` builds on it."""
+        own = ModelDecoder(self.model, self.blocks, dummy_id=dummy_id)
+        return own if self.wrap is None else self.wrap(own)
+
+
+class _Decode:
+    """Every (prompt, layer, position) row of a batch through the decoder, in bounded chunks,
+    reduced as soon as it is decoded to its top-k (and in a batch its KL and entropy): a layer x
+    position grid never holds more than one chunk of logits."""
+
+    def __init__(
+        self,
+        lens: BatchLens,
+        items: list[BatchItem],
+        real: torch.Tensor,
         residual: dict[int, torch.Tensor],
-        device: torch.device,
-        keeping: _Keeping | None = None,
-    ) -> tuple[dict[tuple[int, int], Top], float, bool, _Keeping | None]:
-        """Every (layer, position) reduced to its top-k, plus the self-check on the last block;
-        with `keeping`, the rows at the positions read in full kept too.
+    ) -> None:
+        self.lens = lens
+        self.items = items
+        self.real = real
+        """The model's own logits, [N, V]: row r is (prompt, position) number r of the batch."""
+        self.residual = residual
+        """The captured residual stream, layer -> [N, d]."""
+        self.where = [(b, p) for b, item in enumerate(items) for p in item.positions]
+        self.first = [self.where.index((b, item.positions[0])) for b, item in enumerate(items)]
+        """Each prompt's first row (its rows are consecutive)."""
+        self.rows: list[dict[tuple[int, int], Top]] = [{} for _ in items]
+        self.kl: list[KL] = [{} for _ in items]
+        self.diff = [0.0] * len(items)
+        self.agrees = [True] * len(items)
+        self.top1: list[dict[int, int]] = [{} for _ in items]
+        self.tol = tolerance(next(lens.model.parameters()).dtype, real)
+        self.kept: list[Kept] = [Kept({}, {}, {}) for _ in items]
+        self.other = _other_rows(items)
+        if not lens.exact:
+            self.ref = Reference(real)
+            """The model's own output at each row: KL is taken against it."""
 
-        Rows go through the decoder in chunks of bounded size and only their top-k is kept, so a
-        layer x position grid never holds more than one chunk of logits.
-        """
-        wanted = sorted(set(self.layers) | {self.n_layers})
-        order = [(layer, j) for layer in wanted for j in range(len(self.pos))]
-        rows: dict[tuple[int, int], Top] = {}
-        diff, agrees = 0.0, True
+    def run(self, decoder: Decoder, device: torch.device) -> None:
+        """Every row decoded and reduced; the last layer's rows are the model's own output."""
+        lens = self.lens
+        n_rows = range(len(self.where))
+        order = [(layer, r) for layer in lens.layers if layer != lens.n_layers for r in n_rows]
+        order += [(lens.n_layers, r) for r in n_rows]
         vocab = int(self.real.shape[-1])
-        kept = None if keeping is None else keeping.fresh()
-        for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, device):
-            check_decoded(out, part, lambda j: self.pos[j])
-            if kept is not None:
-                keys = [self._kept_at(row) for row in part]
-                own, other = kept_rows(decoder, part, out, keys, kept.other_residual, device)
-                kept.logits.update(own)
-                kept.other.update(other)
-            last = [i for i, (layer, _) in enumerate(part) if layer == self.n_layers]
-            if last:
-                mine = out[last]
-                theirs = self.real[[part[i][1] for i in last]].to(mine.device)
-                diff = max(diff, float((mine - theirs).abs().max()))
-                agrees = agrees and bool((mine.argmax(-1) == theirs.argmax(-1)).all())
-            keep = [i for i, (layer, _) in enumerate(part) if layer != self.n_layers]
-            keep = [i for i in keep if part[i][0] in self.layers]
-            if keep:
-                where = [(part[i][0], self.pos[part[i][1]]) for i in keep]
-                rows.update(self._reduce(where, out[keep]))
-        if self.n_layers in self.layers:  # the last layer is the model's own output
-            where = [(self.n_layers, p) for p in self.pos]
-            rows.update(self._reduce(where, self.real))
-        return rows, diff, agrees, kept
+        chunk = CHUNK_BYTES if lens.exact else BATCH_CHUNK_BYTES
+        for part, out in decoded(decoder, self.residual, order, chunk, vocab, device):
+            check_decoded(out, part, lambda r: self.where[r][1])
+            if lens.keep:
+                self._keep(decoder, part, out, device)
+            self._check(part, out)
+            self._take(part, out)
+        if lens.exact and lens.n_layers not in lens.layers:
+            return
+        tops = self._tops(self.where, self.real, None if lens.exact else self.ref.log)
+        for r, ((b, p), top) in enumerate(zip(self.where, tops, strict=True)):
+            self.top1[b][p] = top.ids[0]
+            if lens.n_layers in lens.layers:
+                self.rows[b][(lens.n_layers, p)] = top
+                if not lens.exact:
+                    self.kl[b][(lens.n_layers, p)] = (0.0, -float(self.ref.negent[r]))
 
-    def _kept_at(self, row: Row) -> tuple[int, int] | None:
-        """The (layer, position) a comparison keeps of a decoded row: a layer asked for (or the
-        last) at a position read in full."""
-        layer, j = row
-        p = self.pos[j]
-        return (layer, p) if self.full_at is None or p in self.full_at else None
+    def _full(self, b: int, p: int) -> bool:
+        """Whether prompt b's rows at position p hold the top-k (the position read)."""
+        return self.items[b].read in (None, p)
 
-    def _reduce(
-        self, where: list[tuple[int, int]], logits: torch.Tensor
-    ) -> dict[tuple[int, int], Top]:
-        """Each (layer, position) row of `logits` reduced: to its top-k and target at the positions
-        asked for in full, to its top-1 at the others."""
-        asked = self.full_at
-        full = [i for i, (_, p) in enumerate(where) if asked is None or p in asked]
-        if len(full) == len(where):
-            return dict(zip(where, self._top(logits, where), strict=True))
-        out = dict(zip(where, exact_top1(logits, self.real_vocab), strict=True))
-        if full:
-            at = [where[i] for i in full]
-            out.update(zip(at, self._top(logits[full], at), strict=True))
-        return out
+    def _keep(
+        self, decoder: Decoder, part: list[Row], out: torch.Tensor, device: torch.device
+    ) -> None:
+        """Keep the chunk's rows for a comparison (one prompt's at the position read alone), and
+        the other model's rows through this decoder in the same chunk."""
+        keys = []
+        for layer, r in part:
+            b, p = self.where[r]
+            keys.append((b, (layer, p)) if not self.lens.exact or self._full(b, p) else None)
+        own, other = kept_rows(decoder, part, out, keys, self.other, device)
+        for (b, key), row in own:
+            self.kept[b].logits[key] = row
+        for (b, key), row in other:
+            self.kept[b].other[key] = row
 
-    def _top(self, logits: torch.Tensor, where: list[tuple[int, int]]) -> list[Top]:
-        nexts = next_ids(self.ids, [p for _, p in where])
-        return exact_tops(logits, self.k, self.real_vocab, self.target, nexts)
+    def _check(self, part: list[Row], out: torch.Tensor) -> None:
+        """The self-check: the last block's rows decoded against the model's own logits."""
+        last = [i for i, (layer, _) in enumerate(part) if layer == self.lens.n_layers]
+        if not last:
+            return
+        refs = [part[i][1] for i in last]
+        mine, theirs = out[last], self.real[refs].to(out.device)
+        diffs = (mine - theirs).abs().amax(-1).tolist()
+        agrees = (mine.argmax(-1) == theirs.argmax(-1)).tolist()
+        for r, diff, agree in zip(refs, diffs, agrees, strict=True):
+            b = self.where[r][0]
+            self.diff[b] = max(self.diff[b], diff)
+            self.agrees[b] = self.agrees[b] and agree
+
+    def _take(self, part: list[Row], out: torch.Tensor) -> None:
+        """Keep a chunk's rows below the last layer, reduced, with their statistics."""
+        keep = [i for i, (layer, _) in enumerate(part) if layer != self.lens.n_layers]
+        if not keep:
+            return
+        x = out if len(keep) == len(part) else out[keep]
+        where = [self.where[part[i][1]] for i in keep]
+        if self.lens.exact:
+            tops = self._tops(where, x, None)
+        else:
+            lx = torch.log_softmax(x, dim=-1)
+            kl, entropy = self.ref.kl_entropy([part[i][1] for i in keep], lx)
+            tops = self._tops(where, x, lx)
+        for j, i in enumerate(keep):
+            layer = part[i][0]
+            b, p = where[j]
+            self.rows[b][(layer, p)] = tops[j]
+            if not self.lens.exact:
+                self.kl[b][(layer, p)] = (kl[j], entropy[j])
+
+    def _tops(
+        self, where: list[tuple[int, int]], x: torch.Tensor, lx: torch.Tensor | None
+    ) -> list[Top]:
+        """The ranking of each (prompt, position) row: the top-k at its prompt's position read,
+        the top-1 elsewhere (in a batch with the target, from `lx`, the rows' log_softmax; one
+        prompt's other cells without: `stats.exact_top1`)."""
+        k, vocab = self.lens.k, min(self.lens.real_vocab, int(self.real.shape[-1]))
+        full = [j for j, (b, p) in enumerate(where) if self._full(b, p)]
+        nexts = [next_ids(self.items[b].ids, [p])[0] for b, p in where]
+        targets = [self.items[b].target for b, _ in where]
+
+        def ranked(at: list[int], k: int) -> list[Top]:
+            every = len(at) == len(where)
+            rows, after = (x if every else x[at]), [nexts[j] for j in at]
+            if lx is None:
+                return exact_tops(rows, k, vocab, targets[0], after)
+            told = [targets[j] for j in at]
+            return tops_from_log_softmax(rows, lx if every else lx[at], k, vocab, told, after)
+
+        everyone = list(range(len(where)))
+        if len(full) == len(where) or (k == 1 and lx is not None):
+            return ranked(everyone, k)
+        tops = exact_top1(x, vocab) if lx is None else ranked(everyone, 1)
+        for j, top in zip(full, ranked(full, k) if full else [], strict=True):
+            tops[j] = top
+        return tops
+
+    def result(self, b: int, steps: list[str], full: bool, suspect: str) -> BatchOut:
+        """Prompt b's result (`suspect`: the step named where its check fails), its statistics
+        and the model's top-1 at each position."""
+        lens = self.lens
+        ok = self.diff[b] <= self.tol
+        start = self.first[b]
+        end = start + len(self.items[b].positions)
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # one prompt: its rows as they are
+            return t if len(self.items) == 1 else t[start:end]
+
+        kept = None
+        if lens.keep:
+            residual = {layer: rows_of(rows) for layer, rows in self.residual.items()}
+            kept = Kept(self.kept[b].logits, self.kept[b].other, residual)
+        result = LensResult(
+            num_layers=lens.n_layers,
+            vocab_size=int(self.real.shape[-1]),
+            positions=list(self.items[b].positions),
+            layers=lens.layers,
+            rows=self.rows[b],
+            check=Check(self.diff[b], self.tol, self.agrees[b], None if ok else suspect),
+            steps=steps,
+            full_tail=full,
+            output=rows_of(self.real),
+            kept=kept,
+        )
+        return BatchOut(result, self.kl[b], self.top1[b])
 
 
-def _kind(t: torch.Tensor) -> str:
-    """'NaN' or 'infinite' (NaN first: it is the worse of the two)."""
-    return "NaN" if bool(torch.isnan(t).any()) else "infinite"
+def _other_rows(items: list[BatchItem]) -> dict[int, torch.Tensor] | None:
+    """The other model's residual at every row of the batch, in the batch's order (None unless
+    every item has one)."""
+    if not items or any(item.other is None for item in items):
+        return None
+    layers = items[0].other or {}
+    return {layer: torch.cat([(item.other or {})[layer] for item in items]) for layer in layers}
 
 
 def check_decoded(out: torch.Tensor, part: list[Row], position: Callable[[int], int]) -> None:
     """Refuse a decoded row that is not finite (the model's own logits were finite); `position`
     gives the prompt position of a capture row."""
-    if bool(torch.isfinite(out.sum(-1)).all()):  # a NaN or an infinity makes its row's sum one
+    if bool(out.sum(-1).isfinite().all()):  # a NaN or an infinity makes its row's sum one
         return
-    bad = ~torch.isfinite(out).all(-1)  # a sum of finite logits may overflow: look at each
+    bad = ~out.isfinite().all(-1)  # a sum of finite logits may overflow: look at each
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         layer, r = part[i]
         raise NumericError(
             f"decoding layer {layer} at position {position(r)} through the model's final steps "
-            f"gives {_kind(out[i])} logits, though the model's own logits are finite: the lens "
-            "cannot be read there",
+            f"gives {not_finite(out[i])} logits, though the model's own logits are finite: the "
+            "lens cannot be read there",
             hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
         )
-
-
-def _model_not_finite(
-    model: nn.Module, blocks: Blocks, ids: Sequence[int], pos: list[int], real: torch.Tensor
-) -> NumericError:
-    """Say where the model's own NaN or infinity starts: the first layer whose residual stream is
-    not finite at the positions read, or the steps after the last block."""
-    n_layers = len(blocks.modules)
-    every = list(range(len(ids)))  # where it starts may be an earlier position
-    watch = ModelDecoder(model, blocks, int(ids[0])).watch
-    cap = capture(model, blocks, [ids], [every], list(range(n_layers + 1)), watch, masked=False)
-    row = int((~torch.isfinite(real).all(-1)).nonzero()[0, 0])
-    what = f"the model itself gives {_kind(real)} logits at position {pos[row]}"
-    first = next(
-        (layer for layer in range(n_layers + 1) if not bool(cap.residual[layer].isfinite().all())),
-        None,
-    )
-    if first == 0:
-        where = "its embedding output (layer 0) is already not finite"
-    elif first is not None:
-        where = f"its residual stream is not finite from layer {first} on (block {first}'s output)"
-    elif cap.head_in is not None and not bool(cap.head_in.isfinite().all()):
-        where = "every block's output is finite; the steps between the last block and the head "
-        where += "(the final norm) are not"
-    elif cap.head_out is not None and not bool(cap.head_out.isfinite().all()):
-        where = "every block's output and the head's input are finite; the head's output is not"
-    else:
-        where = "every block's output is finite; the steps after the last block are not"
-    return NumericError(f"{what}: {where}. No layer can be read from it", hint=_hint(model))
-
-
-def _hint(model: nn.Module) -> str:
-    """16-bit dtypes overflow; in float32, the weights are the likely cause."""
-    if next(model.parameters()).dtype in (torch.float16, torch.bfloat16):
-        return "a 16-bit dtype can overflow: try --dtype float32"
-    return "check the weights: a NaN or infinity in a tensor spreads to everything after it"

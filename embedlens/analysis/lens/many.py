@@ -1,4 +1,4 @@
-"""The lens over many prompts, the model loaded once.
+"""The lens over one prompt (`run_one`) and over many, the model loaded once.
 
 Every prompt is checked before the model loads (a bad one stops the run with its line number, or
 is counted and skipped with `skip_bad`). Then prompts are read again one window at a time, run in
@@ -22,11 +22,14 @@ from embedlens.progress import Progress, no_progress
 from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
 
 if TYPE_CHECKING:
+    import torch
+
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.batch import KL, BatchOut
+    from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.decoders import Through
-    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.engine import KL, BatchOut
     from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.report import LensResult
     from embedlens.analysis.lens.states_file import ManySaver
 
 OnReport = Callable[[LensReport, PromptLine], None]
@@ -69,6 +72,35 @@ def _empty(line: PromptLine) -> BadLine | None:
     if not line.prompt.strip() and line.chat is None:
         return BadLine(line.line, "the prompt is empty")
     return None
+
+
+def run_one(
+    opened: Opened,
+    ask: Ask,
+    run: Prompt,
+    *,
+    keep: bool = False,
+    other: dict[int, torch.Tensor] | None = None,
+    decoder: Decoder | None = None,
+) -> LensResult:
+    """The engine on one prompt: the layers asked for at the position read (every position for
+    the grid); `keep` and `other` as `engine.run_lens` takes them (a comparison); `decoder`: the
+    model's own by default (a tuned lens's otherwise)."""
+    from embedlens.analysis.lens.engine import run_lens
+
+    return run_lens(
+        opened.model,
+        run.ids,
+        layers=ask.layers,
+        positions=list(range(len(run.ids))) if ask.grid else [run.index],
+        k=ask.top_k,
+        real_vocab=len(opened.tokenizer),
+        target=run.target_id,
+        full_at=[run.index],
+        keep=keep,
+        other=other,
+        decoder=decoder,
+    )
 
 
 def check_file(source: PromptSource, ask: ManyAsk) -> None:
@@ -204,8 +236,8 @@ class ManyRun:
         compare_logit: bool = False,
         every: bool = False,
     ) -> None:
-        from embedlens.analysis.lens.batch import BatchLens
         from embedlens.analysis.lens.blocks import find_blocks
+        from embedlens.analysis.lens.engine import BatchLens
 
         model = opened.model
         n_blocks = len(find_blocks(model).modules)
@@ -306,7 +338,7 @@ class ManyRun:
     ) -> list[BatchOut]:
         """One window's prompts in batches, their statistics kept and their reports handed on;
         `others`: another model's residual for each (a comparison: `BatchItem.other`)."""
-        from embedlens.analysis.lens.batch import BatchItem
+        from embedlens.analysis.lens.engine import BatchItem
 
         items = []
         for i, (_, (ask, prompt, listed)) in enumerate(window):

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from embedlens.analysis.lens.blocks import one_thread
-from embedlens.analysis.lens.engine import LensResult
 from embedlens.analysis.lens.opening import token_text
-from embedlens.analysis.lens.ranking import Top
-from embedlens.analysis.lens.stats import Sums, add_row
+from embedlens.analysis.lens.report import LensResult
+from embedlens.analysis.lens.stats import Sums, Top, add_row
 from embedlens.errors import UnsupportedError
 from embedlens.reports.lens import (
     LensCheck,
@@ -36,7 +35,7 @@ from embedlens.reports.lens import (
 )
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.report import LensResult
 
 
 @dataclass(frozen=True)

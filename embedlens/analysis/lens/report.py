@@ -1,13 +1,17 @@
-"""One prompt through the engine (`run_one`), and a lens run's result as the `LensReport` users
-get (`lens_report`, `one_report`): tokens as text, rows, grid, check."""
+"""A lens run's result (`LensResult`: its rows, its self-check, what a comparison keeps), the
+refusal of a model whose own logits are not finite, and a result as the `LensReport` users get
+(`lens_report`, `one_report`): tokens as text, rows, grid, check."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.opening import Prompt, target_note, token_text
-from embedlens.analysis.lens.options import Ask, resolve_layers
+from embedlens.analysis.lens.options import Ask
+from embedlens.errors import NumericError
 from embedlens.reports.lens import (
     GridCell,
     GridRow,
@@ -24,9 +28,111 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.blocks import Blocks
     from embedlens.analysis.lens.opening import Opened
+    from embedlens.analysis.lens.stats import Top
+
+
+@dataclass(frozen=True)
+class Check:
+    """Decoding the last block's output vs the model's own logits."""
+
+    max_abs_logit_diff: float
+    tolerance: float
+    top1_agrees: bool
+    suspect: str | None
+    """None when the check passes; else the step that does not reproduce the model."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
+        return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a run keeps to be compared with another model's (`keep=True`), at the positions read
+    in full: float32 logits [V] by (layer, position) through this run's decoder (the last layer's
+    too: the decoding of the last block's output, beside the model's own `output`); the other
+    model's residual through the same decoder, in the same chunks as this run's own rows (`other`,
+    empty unless given); and the residual stream the run captured, layer -> [positions, d]."""
+
+    logits: dict[tuple[int, int], torch.Tensor]
+    other: dict[tuple[int, int], torch.Tensor]
+    residual: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LensResult:
+    """Every (layer, position) asked for, decoded; the last layer is the model's own logits."""
+
+    num_layers: int
+    vocab_size: int
+    """Rows of the model's output."""
+    positions: list[int]
+    layers: list[int]
+    rows: dict[tuple[int, int], Top]
+    """(layer, position) -> predictions."""
+    check: Check
+    steps: list[str]
+    """What runs after the last block, in order: modules by name, then post-head steps."""
+    full_tail: bool
+    """True when the tail had to run with every block in place (cutting the list failed)."""
+    output: torch.Tensor | None = None
+    """The model's own logits at `positions`, float32 [P, V] (a view of the run's)."""
+    kept: Kept | None = None
+    """With `keep`: what a comparison with another model needs."""
+
+    def output_at(self, position: int) -> torch.Tensor | None:
+        """The model's own logits at one position read."""
+        if self.output is None or position not in self.positions:
+            return None
+        return self.output[self.positions.index(position)]
+
+
+def not_finite(t: torch.Tensor) -> str:
+    """'NaN' or 'infinite' (NaN first: it is the worse of the two)."""
+    return "NaN" if bool(t.isnan().any()) else "infinite"
+
+
+def model_not_finite(
+    model: nn.Module, blocks: Blocks, ids: Sequence[int], pos: list[int], real: torch.Tensor
+) -> NumericError:
+    """Say where the model's own NaN or infinity starts: the first layer whose residual stream is
+    not finite at the positions read, or the steps after the last block."""
+    from embedlens.analysis.lens.blocks import ModelDecoder, capture
+
+    n_layers = len(blocks.modules)
+    every = list(range(len(ids)))  # where it starts may be an earlier position
+    watch = ModelDecoder(model, blocks, int(ids[0])).watch
+    cap = capture(model, blocks, [ids], [every], list(range(n_layers + 1)), watch, masked=False)
+    row = int((~real.isfinite().all(-1)).nonzero()[0, 0])
+    what = f"the model itself gives {not_finite(real)} logits at position {pos[row]}"
+    first = next(
+        (layer for layer in range(n_layers + 1) if not bool(cap.residual[layer].isfinite().all())),
+        None,
+    )
+    if first == 0:
+        where = "its embedding output (layer 0) is already not finite"
+    elif first is not None:
+        where = f"its residual stream is not finite from layer {first} on (block {first}'s output)"
+    elif cap.head_in is not None and not bool(cap.head_in.isfinite().all()):
+        where = "every block's output is finite; the steps between the last block and the head "
+        where += "(the final norm) are not"
+    elif cap.head_out is not None and not bool(cap.head_out.isfinite().all()):
+        where = "every block's output and the head's input are finite; the head's output is not"
+    else:
+        where = "every block's output is finite; the steps after the last block are not"
+    return NumericError(f"{what}: {where}. No layer can be read from it", hint=_hint(model))
+
+
+def _hint(model: nn.Module) -> str:
+    """16-bit dtypes overflow; in float32, the weights are the likely cause."""
+    import torch
+
+    if next(model.parameters()).dtype in (torch.float16, torch.bfloat16):
+        return "a 16-bit dtype can overflow: try --dtype float32"
+    return "check the weights: a NaN or infinity in a tensor spreads to everything after it"
 
 
 def lens_report(
@@ -144,37 +250,6 @@ def _placement(model: nn.Module) -> dict[str, int] | None:
     for where in device_map.values():
         placement[str(where)] = placement.get(str(where), 0) + 1
     return placement
-
-
-def run_one(
-    opened: Opened,
-    ask: Ask,
-    run: Prompt,
-    *,
-    keep: bool = False,
-    other: dict[int, torch.Tensor] | None = None,
-    decoder: Decoder | None = None,
-) -> LensResult:
-    """The engine on one prompt: the layers asked for at the position read (every position for
-    the grid); `keep` and `other` as `engine.run_lens` takes them (a comparison); `decoder`: the
-    model's own by default (a tuned lens's otherwise)."""
-    from embedlens.analysis.lens.blocks import find_blocks
-    from embedlens.analysis.lens.engine import run_lens
-
-    model = opened.model
-    return run_lens(
-        model,
-        run.ids,
-        layers=resolve_layers(ask.layers, len(find_blocks(model).modules)),
-        positions=list(range(len(run.ids))) if ask.grid else [run.index],
-        k=ask.top_k,
-        real_vocab=len(opened.tokenizer),
-        target=run.target_id,
-        full_at=[run.index],
-        keep=keep,
-        other=other,
-        decoder=decoder,
-    )
 
 
 def one_report(opened: Opened, ask: Ask, run: Prompt, result: LensResult) -> LensReport:

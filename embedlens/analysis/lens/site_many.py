@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from embedlens.analysis.lens.many import ManyRun
-from embedlens.analysis.lens.ranking import tops_from_log_softmax
 from embedlens.analysis.lens.site_report import (
     SITES,
     SUFFIX,
@@ -25,17 +24,24 @@ from embedlens.analysis.lens.site_report import (
     worse,
 )
 from embedlens.analysis.lens.sites import PIECE, Key, before_after, decoded_rows
-from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
+from embedlens.analysis.lens.stats import (
+    LAYER_STATS,
+    ROW_STATS,
+    Sums,
+    add_row,
+    next_ids,
+    tops_from_log_softmax,
+)
 from embedlens.reports.lens import BlockSums, SiteStats
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.batch import BatchOut
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.engine import LensResult
+    from embedlens.analysis.lens.engine import BatchOut
     from embedlens.analysis.lens.many import Window
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.options import Ask
+    from embedlens.analysis.lens.report import LensResult
     from embedlens.analysis.lens.sites import Pieces
     from embedlens.model.prompts import BadLine
     from embedlens.reports.lens import LensReport, LensSummaryReport

@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.engine import LensResult
     from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.options import Ask
-    from embedlens.analysis.lens.ranking import Top
+    from embedlens.analysis.lens.report import LensResult
     from embedlens.analysis.lens.sites import Change, Pieces, SiteRows
+    from embedlens.analysis.lens.stats import Top
 
 Tok = Callable[[int], str]
 

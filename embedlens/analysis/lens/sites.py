@@ -35,8 +35,7 @@ from embedlens.analysis.lens.blocks import (
     input_device,
 )
 from embedlens.analysis.lens.engine import CHUNK_BYTES
-from embedlens.analysis.lens.ranking import Top, best, exact_top1, exact_tops
-from embedlens.analysis.lens.stats import next_ids
+from embedlens.analysis.lens.stats import Top, best, exact_top1, exact_tops, next_ids
 from embedlens.errors import NumericError, UnsupportedError
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
+from embedlens.analysis.lens.report import Check, Kept, LensResult
 from embedlens.analysis.lens.tuned_folder import config_size, fits_tuned, head_weight, open_folder
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     import torch
 
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.engine import Check, Kept, LensResult
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.site_pair import SiteLogits
@@ -312,7 +312,7 @@ def _decode(
     import torch
 
     from embedlens.analysis.lens.blocks import threads_for
-    from embedlens.analysis.lens.engine import CHUNK_BYTES, Kept, LensResult, decoded, tolerance
+    from embedlens.analysis.lens.engine import CHUNK_BYTES, decoded, tolerance
 
     n_layers = len(tail.blocks.modules)
     last = file.n_tokens - 1
@@ -399,8 +399,7 @@ def _reduce(
 ) -> dict[tuple[int, int], Any]:
     """Each (layer, position) row reduced as the engine reduces it: to its top-k and target at
     the position read, to its top-1 elsewhere (a grid's cells)."""
-    from embedlens.analysis.lens.ranking import exact_top1, exact_tops
-    from embedlens.analysis.lens.stats import next_ids
+    from embedlens.analysis.lens.stats import exact_top1, exact_tops, next_ids
 
     vocab = min(real_vocab, int(logits.shape[-1]))
     full = [i for i, (_, p) in enumerate(where) if p == run.index]
@@ -423,8 +422,6 @@ def _check(
 ) -> Check:
     """The decoding of the last layer at the last position against the model's own logits when
     the file holds both; else a check not made (NaN)."""
-    from embedlens.analysis.lens.engine import Check
-
     if own is None or n_layers not in file.layers:
         return Check(math.nan, tol, False, None)
     mine = decoder.logits(file.rows(n_layers, [file.n_tokens - 1]), [n_layers]).float()[0]

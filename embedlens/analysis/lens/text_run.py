@@ -24,8 +24,7 @@ from embedlens.analysis.lens.blocks import (
     threads_for,
 )
 from embedlens.analysis.lens.engine import decode_rows, tolerance
-from embedlens.analysis.lens.ranking import rowdot
-from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats
+from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats, rowdot
 from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
 
 if TYPE_CHECKING:
