@@ -116,7 +116,7 @@ class _Shown:
             )
         self.notes(summary.notes)
         if plot is not None and diff is not None:
-            from embedlens.views.diff_curves import save_diff_curves
+            from embedlens.views.lens_diff import save_diff_curves
 
             save_diff_curves(summary, plot)
             note(f"wrote {plot}")

@@ -451,7 +451,7 @@ def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> No
     if saved is not None:
         note(f"wrote the states to {saved}")
     if plot is not None and diff is not None:
-        from embedlens.views.diff_curves import save_diff_curves
+        from embedlens.views.lens_diff import save_diff_curves
 
         save_diff_curves(report, plot)
         note(f"wrote {plot}")
