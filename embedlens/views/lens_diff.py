@@ -28,7 +28,6 @@ from embedlens.reports.lens import (
     LensSummaryDiff,
     LensSummaryReport,
 )
-from embedlens.views.curves import save_figure
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 from embedlens.views.lens import render_states_check
 
@@ -232,4 +231,6 @@ def _title(report: Pair) -> str:
 
 def save_diff_curves(report: Pair, path: Path) -> None:
     """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
+    from embedlens.views.curves import save_figure
+
     save_figure(lambda: figure(report), _title(report), path)

@@ -190,32 +190,31 @@ def _run(pair: Pair, work: _Work, *, apart: bool) -> tuple[_PairRun, Any]:
             run.window(window, ran_b)
         return run
 
-    if not apart:
-        ready = open_model(a.model, a.tokenizer, a.loading, check, others=others, **work.opening)
-        with ready as (oa, checked):
-            at = (oa.tokenizer, oa.config, oa.template, checked)
-            with _b_side(b, work, at) as (named, runs):
+    def b_first(tok: Any, config: Any, template: str) -> tuple[Any, Named | None]:
+        checked = check(tok, config, template)
+        if not apart:
+            return checked, None
+        with _b_side(b, work, (tok, config, template, checked)) as (named, runs):
+            for ran in runs:
+                path = None if folder is None else Path(folder) / f"{len(kept)}.pt"
+                kept.append(ran if path is None else _save(ran, path))
+        gc.collect()  # B's weights go before A's are read
+        return checked, named
+
+    kept: list[Ran | Path] = []
+    ready = open_model(a.model, a.tokenizer, a.loading, b_first, others=others, **work.opening)
+    with _keeping(not apart or isinstance(work.ask, Ask)) as folder, ready as (oa, ran):
+        checked, named = ran
+        if named is None:  # B now, beside A
+            with _b_side(b, work, (oa.tokenizer, oa.config, oa.template, checked)) as (named, runs):
                 return a_side(oa, checked, named, runs), checked
-    with _keeping(isinstance(work.ask, Ask)) as folder:
-        kept: list[Ran | Path] = []
-
-        def b_first(tok: Any, config: Any, template: str) -> tuple[Any, Named]:
-            checked = check(tok, config, template)
-            with _b_side(b, work, (tok, config, template, checked)) as (named, runs):
-                for ran in runs:
-                    path = None if folder is None else Path(folder) / f"{len(kept)}.pt"
-                    kept.append(ran if path is None else _save(ran, path))
-            gc.collect()  # B's weights go before A's are read
-            return checked, named
-
-        ready = open_model(a.model, a.tokenizer, a.loading, b_first, others=others, **work.opening)
-        with ready as (oa, (checked, named)):
-            runs = (_load(x) if isinstance(x, Path) else x for x in kept)
-            return a_side(oa, checked, named, runs), checked
+        back = (_load(x) if isinstance(x, Path) else x for x in kept)
+        return a_side(oa, checked, named, back), checked
 
 
 def _keeping(one: bool) -> AbstractContextManager[str | None]:
-    """Where B's rows wait while A loads: in memory for one prompt, else a temporary folder."""
+    """Where B's rows wait while A loads: in memory for one prompt (`one`), else a temporary
+    folder (nowhere when both run together)."""
     return nullcontext() if one else tempfile.TemporaryDirectory(prefix="embedlens-against-")
 
 

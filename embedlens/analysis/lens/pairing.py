@@ -176,11 +176,12 @@ def _same_vocabulary(
         same = sum(1 for t, i in ma.items() if mb.get(t) == i)
         what = [f"{same:,} of {len(ma):,} tokens keep their id in '{b_name}' ({len(mb):,} tokens)"]
     else:
-        from embedlens.analysis.vocab.diff import compare
+        from embedlens.analysis.vocab.diff import compare as compare_vocab
         from embedlens.analysis.vocab.fingerprint import fingerprint
         from embedlens.reports.vocab import Fingerprint
 
-        diff = compare(a, b, b_name, fingerprint=Fingerprint(fingerprint(a), None, None, None))
+        mine = Fingerprint(fingerprint(a), None, None, None)
+        diff = compare_vocab(a, b, b_name, fingerprint=mine)
         if diff.same_ids == a.size == diff.other_size:
             return
         what = _what_differs(diff, a, b_name)
