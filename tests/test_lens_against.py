@@ -165,23 +165,23 @@ def test_the_residual_kl_is_taken_again_only_where_rows_differ(pairs, monkeypatc
     changed), so at most the last layer is taken again (A's decoding of its last block beside
     its own output); where the final norm changed, every layer is. The figures are those of
     taking every layer again."""
-    from embedlens.analysis.lens import pair
+    from embedlens.analysis.lens import pairing
 
-    real = pair.kl_rows
+    real = pairing.kl_rows
     rows: list[int] = []
 
     def counted(p: torch.Tensor, q: torch.Tensor) -> list[float]:
         rows.append(len(p))
         return real(p, q)
 
-    monkeypatch.setattr(pair, "kl_rows", counted)
+    monkeypatch.setattr(pairing, "kl_rows", counted)
     p = pairs("llama-untied")
     for b, again in ((p["block"], (0, 1)), (p["norm"], (4,))):
         rows.clear()
         got = _residual_of(p["a"], b, many)
         assert rows[0] == 4 and sum(rows[1:]) in again, rows
         with monkeypatch.context() as m:
-            m.setattr(pair, "same_bits", lambda x, y: False)
+            m.setattr(pairing, "same_bits", lambda x, y: False)
             rows.clear()
             assert _residual_of(p["a"], b, many) == got and rows == [4, 4]
 
@@ -212,7 +212,7 @@ def test_kept_rows_are_the_chunk_itself_when_every_row_is_kept():
 
 
 def test_kl_rows_keeps_0_log_0_and_same_bits_tells_signed_zeros():
-    from embedlens.analysis.lens.pair import kl_rows, same_bits
+    from embedlens.analysis.lens.pairing import kl_rows, same_bits
 
     p = torch.tensor([[0.0, -math.inf, 1.0], [0.5, 0.25, 1.0]])
     q = torch.tensor([[0.0, 3.0, 1.0], [0.5, 0.25, 1.0]])

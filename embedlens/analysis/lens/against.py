@@ -1,16 +1,17 @@
 """`lens --against`: A's lens and B's on the same prompt ids, compared layer by layer.
 
 Before any weight is read, B is checked against A (`pairing`: vocabulary, layers, outputs).
-B always runs first, keeping at the rows read its logits at every layer and its residual
-stream; A then runs with B's residual as `other` (its own decoder on B's rows), and `pair`
-compares the two. How the models share memory:
+One prompt and many run through the same code (`_run`), a window of prompts at a time (one
+prompt is a window of one), both models through the same side (`_Side`): B first, keeping at
+the rows read its logits at every layer and its residual stream; then A, with B's residual as
+`other` (its own decoder on B's rows), each prompt compared (`_PairRun`). How the models share
+memory:
 
 - one prompt: B is loaded, run and freed before A's weights are read (what A needs of it is a
   few rows), so the two are never in memory together;
 - many prompts: both at once when the pre-flight says they fit together (A's weights plus B's
-  load), B and A then taking each window of prompts in turn; otherwise one after the other: B
-  runs every prompt, its rows wait in a temporary folder a window per file, and B is freed
-  before A loads and reads them back.
+  load), B and A then taking each window of prompts in turn; otherwise one after the other, as
+  one prompt runs, B's rows waiting in a temporary folder a window per file.
 
 A model given already loaded is in memory whatever is done, and is never freed here.
 """
@@ -22,10 +23,10 @@ import functools
 import gc
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens import many
 from embedlens.analysis.lens.many import run_one
@@ -33,39 +34,62 @@ from embedlens.analysis.lens.opening import (
     Check,
     Opened,
     Prompt,
-    Targets,
     check_fits,
     context_length,
     make_prompt,
     open_model,
 )
 from embedlens.analysis.lens.options import Ask, Load, ManyAsk, resolve_layers
-from embedlens.analysis.lens.pairing import Pair, Side, check_pair
+from embedlens.analysis.lens.pairing import (
+    LayerDiff,
+    Named,
+    Pair,
+    Side,
+    check_pair,
+    compare,
+    first_above,
+    pair_report,
+)
 from embedlens.analysis.lens.report import one_report
+from embedlens.analysis.lens.stats import Sums, add_row
 from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
+from embedlens.model.prompts import PromptLine
+from embedlens.reports.lens import LensDiffLayerStats, LensSummaryDiff
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.engine import BatchOut
-    from embedlens.analysis.lens.pair import PairStats
     from embedlens.analysis.lens.report import LensResult
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import BadLine, PromptSource
     from embedlens.reports.lens import LensReport, LensSummaryReport
 
-T = TypeVar("T")
-
 KEEP_BYTES = 256 * 2**20
 """Logits kept for a window of prompts (float32 bytes: B's rows, A's, and A's decoding of B's):
 a window holds fewer prompts when their rows would take more."""
+PAIR_STATS = tuple(f.name for f in fields(LensDiffLayerStats) if f.name != "layer")
+"""The statistics of a pair's `--prompts` summary rows."""
+
+Ran = tuple[list["BatchOut"], list[Any]]
+"""A window of one model's: each prompt's rows (at every layer, kept), and its rows inside the
+blocks (`site_pair.SiteLogits`; None for resid alone)."""
+Reading = tuple["LensFolder | None", Sequence[str]]
+"""The tuned lens both models are read through (A's; None: their own tails), and the sites."""
 
 
 @dataclass(frozen=True)
-class Named:
-    """What the reports say of B, kept after it is freed: its name and its notes."""
+class _Work:
+    """What a pair runs, the same way for one prompt and many: `check` tokenises the prompts
+    with A's tokenizer before any weight is read (what it returns is handed to `windows`, after
+    A's tokenizer, config and template), `windows` reads them again a window at a time; `opening`:
+    A's options for `open_model`; `each`: given each prompt's report."""
 
-    name: str
-    notes: list[str]
+    ask: Ask | ManyAsk
+    check: Check[Any]
+    windows: Callable[..., Iterator[many.Window]]
+    opening: dict[str, Any]
+    reading: Reading
+    each: many.OnReport | None
 
 
 def lens_pair(
@@ -75,100 +99,21 @@ def lens_pair(
     inside the blocks the two part, with `sites` other than resid: `site_pair`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
     alone), each then through its own model's tail."""
-    a, b = pair.a, pair.b
-    check_pair(a, b)
-    every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
-
-    def b_first(tok: Any, config: Any, template: str) -> tuple[Prompt, LensResult, Named, Any]:
-        fits_tuned(tuned, config)
-        run = make_prompt(ask, tok, config, template)
-        return (run, *run_b(b, tok, run, ask, sites, tuned))
-
-    texts = () if ask.chat is not None else (ask.prompt,)
-    with _ready_a(a, b, b_first, target=ask.target, texts=texts) as (oa, ran):
-        run, rb, named, b_sites = ran
-        assert rb.kept is not None
-        from embedlens.analysis.lens.decoders import tuned_decoder
-
-        decoder, described = tuned_decoder(tuned, oa, run)
-        ra_every = run_one(oa, every, run, keep=True, other=rb.kept.residual, decoder=decoder)
-        ra = _shown(ra_every, ask)
-        report = one_report(oa, ask, run, ra)
-        if described is not None:
-            report = dataclasses.replace(report, tuned=described)
-        a_sites = functools.partial(_site_logits, oa, run, sites, ra.layers)
-        b_ran = (rb, named, b_sites)
-        return paired(report, ra_every, b_ran, pair.threshold, oa.tokenizer, run.index, ra.layers,
-                      (a_sites, sites))  # fmt: skip
+    check_pair(pair.a, pair.b)
+    reports: list[LensReport] = []
+    _run(pair, _one(ask, (tuned, sites), lambda report, _: reports.append(report)), apart=True)
+    return reports[0]
 
 
-def paired(
-    report: LensReport,
-    a: LensResult,
-    b: tuple[LensResult, Named, Any],
-    threshold: float,
-    tokenizer: Any,
-    index: int,
-    shown: list[int],
-    a_sites: tuple[Callable[[], Any], Sequence[str]],
-) -> LensReport:
-    """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
-    beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
-    part there (`a_sites`: what reads A's rows there, once B's are read, and the sites)."""
-    from embedlens.analysis.lens.pair import compare, pair_report
+def _one(ask: Ask, reading: Reading, each: many.OnReport | None = None) -> _Work:
+    """One prompt as a window of one."""
+    line = PromptLine(0, ask.prompt, ask.target, ask.chat)
 
-    rb, named, b_sites = b
-    diffs = compare(a, rb, index)
-    report = pair_report(report, diffs, rb, named.name, threshold, tokenizer, named.notes, shown)
-    if b_sites is None:
-        return report
-    from embedlens.analysis.lens.site_pair import pair_sites
+    def windows(*at: Any, rows: int | None = None) -> Iterator[many.Window]:
+        yield [(line, (ask, at[3], None))]  # at: A's tokenizer, config, template, the prompt
 
-    return pair_sites(report, a_sites[0](), b_sites, a_sites[1], index)
-
-
-def run_b(
-    b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
-) -> tuple[LensResult, Named, Any]:
-    """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
-    kept for the comparison; its name and notes; its rows inside the blocks (`_site_logits`)."""
-    every = dataclasses.replace(ask, layers=None)
-    with _ready_b(b, tok, _fits_b(b, ask, lambda: [run.ids], tuned=tuned)) as ob:
-        from embedlens.analysis.lens.decoders import tuned_decoder
-
-        decoder, _ = tuned_decoder(tuned, ob, run, fingerprints=False)
-        result = run_one(ob, every, run, keep=True, decoder=decoder)
-        named = _named(ob)
-        b_sites = _site_logits(ob, run, sites, _shown(result, ask).layers)
-    gc.collect()  # B's weights go before A's are read
-    return result, named, b_sites
-
-
-def _shown(result: LensResult, ask: Ask) -> LensResult:
-    """A result at every layer cut to the layers `ask` shows (what its report and table hold)."""
-    return cut(result, resolve_layers(ask.layers, result.num_layers))
-
-
-def cut(result: LensResult, shown: Sequence[int]) -> LensResult:
-    """A result cut to the layers `shown`."""
-    rows = {key: top for key, top in result.rows.items() if key[0] in shown}
-    return dataclasses.replace(result, layers=sorted(set(shown)), rows=rows)
-
-
-def _site_logits(
-    opened: Opened,
-    run: Prompt,
-    sites: Sequence[str],
-    layers: Sequence[int],
-    positions: Sequence[int] | None = None,
-) -> Any:
-    """A model's rows inside the blocks at `layers` (`site_pair.site_logits`: at `positions`,
-    by default the prompt's position read); None for resid alone."""
-    if tuple(sites) == ("resid",):
-        return None
-    from embedlens.analysis.lens.site_pair import site_logits
-
-    return site_logits(opened, run, sites, [x for x in layers if x >= 1], positions)
+    opening = {"target": ask.target, "texts": () if ask.chat is not None else (ask.prompt,)}
+    return _Work(ask, functools.partial(make_prompt, ask), windows, opening, reading, each)
 
 
 def lens_pair_prompts(
@@ -185,14 +130,20 @@ def lens_pair_prompts(
     blocks compared too, as `lens_pair` compares them on one prompt)."""
     from embedlens.runtime import heap_kept
 
-    a, b = pair.a, pair.b
-    check_pair(a, b)
-    apart = apart_note(a, b)
-    start = _PairRun.factory(ask, each, pair.threshold, tuned, sites)
+    check_pair(pair.a, pair.b)
+    apart = apart_note(pair.a, pair.b)
+
+    def windows(*at: Any, rows: int | None = None) -> Iterator[many.Window]:
+        return many.windows(source, ask, *at[:3], rows=rows)
+
+    # the lines' targets checked from A's files before its tokenizer is built (a GGUF's)
+    targets = functools.partial(many.check_targets, source, ask)
+    opening = {"targets": targets, "texts": many.plain_texts(source)}
+    check = functools.partial(many.check_all, source, ask)
     with heap_kept():
-        if apart is None:
-            return _together(a, b, ask, source, start, (tuned, sites))
-        return _apart(a, b, ask, source, start, apart, (tuned, sites))
+        work = _Work(ask, check, windows, opening, (tuned, sites), each)
+        run, (n_bad, bad) = _run(pair, work, apart=apart is not None)
+        return run.summary(n_bad, bad, [] if apart is None else [apart])
 
 
 def apart_note(a: Side, b: Side) -> str | None:
@@ -226,102 +177,60 @@ def apart_note(a: Side, b: Side) -> str | None:
     )
 
 
-def _together(
-    a: Side,
-    b: Side,
-    ask: ManyAsk,
-    source: PromptSource,
-    pair: Callable[[Opened, Named], _PairRun],
-    reading: tuple[LensFolder | None, Sequence[str]],
-) -> LensSummaryReport:
-    """Both models loaded; B then A on each window of prompts (`reading`: the tuned lens and
-    the sites)."""
-    tuned, sites = reading
+def _run(pair: Pair, work: _Work, *, apart: bool) -> tuple[_PairRun, Any]:
+    """B then A on each window of prompts: both loaded, or with `apart` B on every window
+    first, freed before A's weights are read (its rows kept in memory for one prompt, else in a
+    temporary folder, a file per window). A's side (its means), and what A's check returned.
+    A's check tokenises the prompts with A's tokenizer: B runs on those ids, so they are checked
+    against B's GGUF tokenizer too when B is read from a GGUF file (`file_tokens`)."""
+    a, b = pair.a, pair.b
+    others = () if b.source is None else (b.source,)
 
-    def check(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine]]:
-        fits_tuned(tuned, config)
-        return many.check_all(source, ask, tok, config, template)
+    def check(tok: Any, config: Any, template: str) -> Any:
+        fits_tuned(work.reading[0], config)
+        return work.check(tok, config, template)
 
-    targets = _targets(source, ask)
-    texts = many.plain_texts(source)
-    with _ready_a(a, b, check, targets=targets, texts=texts) as (oa, (n_bad, bad)):
-        lines = functools.partial(many.windows, source, ask, oa.tokenizer, oa.config, oa.template)
-        with _ready_b(b, oa.tokenizer, _fits_b(b, ask, _ids(lines), oa.config, tuned)) as ob:
-            run_b = _run_b(ob, ask, reading)
-            run = pair(oa, _named(ob))
-            for window in lines(rows=_rows(oa.config, ask, sites)):
-                run.window(window, run_b(window))
-            return run.summary(n_bad, bad, [])
+    def a_side(oa: Opened, checked: Any, named: Named, runs: Iterator[Ran]) -> _PairRun:
+        run = _PairRun(oa, named, work, pair.threshold)
+        rows = _rows(oa.config, work.reading[1])
+        lines = work.windows(oa.tokenizer, oa.config, oa.template, checked, rows=rows)
+        for window, ran_b in zip(lines, runs, strict=True):
+            run.window(window, ran_b)
+        return run
 
+    def b_first(tok: Any, config: Any, template: str) -> tuple[Any, Named | None]:
+        checked = check(tok, config, template)
+        if not apart:
+            return checked, None
+        with _b_side(b, work, (tok, config, template, checked)) as (named, runs):
+            for ran in runs:
+                path = None if folder is None else Path(folder) / f"{len(kept)}.pt"
+                kept.append(ran if path is None else _save(ran, path))
+        gc.collect()  # B's weights go before A's are read
+        return checked, named
 
-def _apart(
-    a: Side,
-    b: Side,
-    ask: ManyAsk,
-    source: PromptSource,
-    pair: Callable[[Opened, Named], _PairRun],
-    note: str,
-    reading: tuple[LensFolder | None, Sequence[str]],
-) -> LensSummaryReport:
-    """B on every prompt, its rows kept in a temporary folder, B freed; then A."""
-    tuned, sites = reading
-    with tempfile.TemporaryDirectory(prefix="embedlens-against-") as tmp:
-        folder = Path(tmp)
-
-        def b_first(tok: Any, config: Any, template: str) -> tuple[int, list[BadLine], Named]:
-            fits_tuned(tuned, config)
-            n_bad, bad = many.check_all(source, ask, tok, config, template)
-            lines = functools.partial(many.windows, source, ask, tok, config, template)
-            with _ready_b(b, tok, _fits_b(b, ask, _ids(lines), config, tuned)) as ob:
-                run_b = _run_b(ob, ask, reading)
-                for i, window in enumerate(lines(rows=_rows(config, ask, sites))):
-                    _save(run_b(window), folder / f"{i}.pt")
-                named = _named(ob)
-            gc.collect()  # B's weights go before A's are read
-            return n_bad, bad, named
-
-        targets = _targets(source, ask)
-        texts = many.plain_texts(source)
-        with _ready_a(a, b, b_first, targets=targets, texts=texts) as (oa, ran):
-            n_bad, bad, named = ran
-            run = pair(oa, named)
-            rows = _rows(oa.config, ask, sites)
-            lines = many.windows(source, ask, oa.tokenizer, oa.config, oa.template, rows=rows)
-            for i, window in enumerate(lines):
-                run.window(window, _load(folder / f"{i}.pt"))
-            return run.summary(n_bad, bad, [note])
+    kept: list[Ran | Path] = []
+    ready = open_model(a.model, a.tokenizer, a.loading, b_first, others=others, **work.opening)
+    with _keeping(not apart or isinstance(work.ask, Ask)) as folder, ready as (oa, ran):
+        checked, named = ran
+        if named is None:  # B now, beside A
+            with _b_side(b, work, (oa.tokenizer, oa.config, oa.template, checked)) as (named, runs):
+                return a_side(oa, checked, named, runs), checked
+        back = (_load(x) if isinstance(x, Path) else x for x in kept)
+        return a_side(oa, checked, named, back), checked
 
 
-Ran = tuple[list["BatchOut"], list[Any]]
-"""A window of B's: each prompt's rows (at every layer, kept), and its rows inside the blocks
-(`site_pair.SiteLogits`; None for resid alone)."""
+def _keeping(one: bool) -> AbstractContextManager[str | None]:
+    """Where B's rows wait while A loads: in memory for one prompt (`one`), else a temporary
+    folder (nowhere when both run together)."""
+    return nullcontext() if one else tempfile.TemporaryDirectory(prefix="embedlens-against-")
 
 
-def _run_b(
-    opened: Opened, ask: ManyAsk, reading: tuple[LensFolder | None, Sequence[str]]
-) -> Callable[[many.Window], Ran]:
-    """B's run of a window (`reading`: the tuned lens, A's, and the sites)."""
-    tuned, sites = reading
-    from embedlens.analysis.lens.decoders import through_of
-
-    through = through_of(tuned, opened, fingerprints=False)
-    run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
-
-    def window(lines: many.Window) -> Ran:
-        outs = run.run_window(lines)
-        inside = [
-            _site_logits(opened, prompt, sites, run.shown, out.result.positions)
-            for (_, (_, prompt, _)), out in zip(lines, outs, strict=True)
-        ]
-        return outs, inside
-
-    return window
-
-
-def _save(ran: Ran, path: Path) -> None:
+def _save(ran: Ran, path: Path) -> Path:
     import torch
 
     torch.save(ran, path)
+    return path
 
 
 def _load(path: Path) -> Ran:
@@ -333,145 +242,45 @@ def _load(path: Path) -> Ran:
     return ran
 
 
-class _PairRun:
-    """A's side of many prompts: each window run with B's residual, compared with B's rows."""
-
-    def __init__(
-        self,
-        opened: Opened,
-        named: Named,
-        ask: ManyAsk,
-        each: many.OnReport | None,
-        threshold: float,
-        tuned: LensFolder | None = None,
-        sites: Sequence[str] = ("resid",),
-    ) -> None:
-        from embedlens.analysis.lens.pair import PairStats
-        from embedlens.analysis.lens.site_pair import SitePairStats
-
-        self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
-        from embedlens.analysis.lens.decoders import through_of
-
-        through = through_of(tuned, opened)
-        self.run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
-        self.stats: PairStats = PairStats()
-        self.sites, self.inside = tuple(sites), SitePairStats()
-
-    @staticmethod
-    def factory(
-        ask: ManyAsk,
-        each: many.OnReport | None,
-        threshold: float,
-        tuned: LensFolder | None,
-        sites: Sequence[str],
-    ) -> Callable[[Opened, Named], _PairRun]:
-        """How to start A's side once A is ready and B has been (`named`)."""
-        return lambda opened, named: _PairRun(opened, named, ask, each, threshold, tuned, sites)
-
-    def window(self, window: many.Window, ran_b: Ran) -> None:
-        from embedlens.analysis.lens.pair import pair_report
-
-        outs_b, inside_b = ran_b
-        others = [_residual(out.result) for out in outs_b]
-        outs_a = self.run.run_window(window, others)
-        for i, ((line, (ask, prompt, _)), out_a) in enumerate(zip(window, outs_a, strict=True)):
-            out_b = outs_b[i]
-            diffs = self.stats.add(out_a.result, out_b.result, prompt.index)
-            shown, at = self.run.shown, out_a.result.positions
-            inside = _site_logits(self.opened, prompt, self.sites, shown, at)
-            if inside is not None:
-                self.inside.add(inside, inside_b[i])
-            if self.each is not None:
-                report = self.run.report(ask, prompt, out_a)
-                named, tok = self.named, self.opened.tokenizer
-                pair = pair_report(report, diffs, out_b.result, named.name, self.threshold, tok,
-                                   named.notes, self.run.shown)  # fmt: skip
-                if inside is not None:
-                    from embedlens.analysis.lens.site_pair import pair_sites
-
-                    pair = pair_sites(pair, inside, inside_b[i], self.sites, prompt.index)
-                self.each(pair, line)
-
-    def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensSummaryReport:
-        """A's summary with the means of B against it; `notes` after B's."""
-        from embedlens.analysis.lens.pair import pair_summary
-
-        summary = self.run.summary(n_bad, bad)
-        named = self.named
-        notes = [*named.notes, *notes]
-        pair = pair_summary(summary, self.stats, named.name, self.threshold, notes, self.run.shown)
-        return pair if self.sites == ("resid",) else self.inside.summary(pair, self.sites)
-
-
-def _targets(source: PromptSource, ask: ManyAsk) -> Targets:
-    """The lines' targets checked from A's files before its tokenizer is built (a GGUF's: the
-    check `lens --prompts` makes); B reads A's ids, tokenized by A's tokenizer alone."""
-    return functools.partial(many.check_targets, source, ask)
-
-
-def _ready_a(
-    a: Side, b: Side, check: Check[T], **asked: Any
-) -> AbstractContextManager[tuple[Opened, T]]:
-    """A ready (`opening.open_model`, `asked` its options) after `check`, which tokenises the prompts
-    with A's tokenizer: B runs on those ids, so they are checked against B's GGUF tokenizer
-    too when B is read from a GGUF file (`file_tokens`)."""
-    others = () if b.source is None else (b.source,)
-    return open_model(a.model, a.tokenizer, a.loading, check, others=others, **asked)
-
-
-def _residual(result: LensResult) -> dict[int, Any]:
-    assert result.kept is not None
-    return result.kept.residual
-
-
 @contextmanager
-def _ready_b(b: Side, a_tokenizer: Any, check: Check[None]) -> Iterator[Opened]:
-    """B ready, reading A's prompt ids with A's tokenizer (the vocabularies are the same) unless
-    it was given its own."""
-    tokenizer = a_tokenizer if b.tokenizer is None else b.tokenizer
-    with open_model(b.model, tokenizer, b.loading, check) as (opened, _):
-        yield opened
+def _b_side(b: Side, work: _Work, at: tuple[Any, ...]) -> Iterator[tuple[Named, Iterator[Ran]]]:
+    """B ready on A's ids (`at`: A's tokenizer, config and template, and what A's check
+    returned), read with A's tokenizer unless B was given its own; its name and notes, and its
+    run of each window. B's check: every prompt fits its context (read again only when it is
+    shorter than A's), and a tuned lens its size."""
+    tok, config = at[:2]
+    lines = functools.partial(work.windows, *at)
 
-
-def _named(opened: Opened) -> Named:
-    return Named(opened.name, [f"against: {n}" for n in (*opened.before, *opened.after)])
-
-
-def _fits_b(
-    b: Side,
-    ask: Ask | ManyAsk,
-    ids: Callable[[], Any],
-    a_config: Any = None,
-    tuned: LensFolder | None = None,
-) -> Check[None]:
-    """B's check: every prompt fits its context (read again only when it is shorter than A's),
-    and a tuned lens its size."""
-
-    def check(_tok: Any, config: Any, _template: str) -> None:
-        fits_tuned(tuned, config)
-        mine, theirs = context_length(config), context_length(a_config)
-        if mine is None or (a_config is not None and theirs is not None and theirs <= mine):
+    def fits(_tok: Any, b_config: Any, _template: str) -> None:
+        fits_tuned(work.reading[0], b_config)
+        mine, theirs = context_length(b_config), context_length(config)
+        if mine is None or (theirs is not None and theirs <= mine):
             return
         try:
-            for row in ids():
-                check_fits(config, row, None)
+            for window in lines():
+                for _, (_, prompt, _) in window:
+                    check_fits(b_config, prompt.ids, None)
         except UsageError as e:
             raise UsageError(f"'{b.name}': {e.message}", hint=e.hint) from None
 
-    return check
+    tokenizer = tok if b.tokenizer is None else b.tokenizer
+    with open_model(b.model, tokenizer, b.loading, fits) as (ob, _):
+        named = Named(ob.name, [f"against: {n}" for n in (*ob.before, *ob.after)])
+        yield named, map(_Side(ob, work, own=False).run, lines(rows=_rows(config, work.reading[1])))
 
 
-def _ids(lines: Callable[..., Iterator[many.Window]]) -> Callable[[], Iterator[list[int]]]:
-    """Every prompt's ids, read again."""
+def run_b(
+    b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
+) -> tuple[LensResult, Named, Any]:
+    """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
+    kept for the comparison; its name and notes; its rows inside the blocks (`site_pair`)."""
+    with _b_side(b, _one(ask, (tuned, sites)), (tok, None, "", run)) as (named, runs):
+        [(outs, inside)] = runs
+    gc.collect()  # B's weights go before A's are read
+    return outs[0].result, named, inside[0]
 
-    def ids() -> Iterator[list[int]]:
-        for window in lines():
-            yield from (prompt.ids for _, (_, prompt, _) in window)
 
-    return ids
-
-
-def _rows(config: Any, ask: ManyAsk, sites: Sequence[str] = ("resid",)) -> int | None:
+def _rows(config: Any, sites: Sequence[str]) -> int | None:
     """Rows per window so that the logits kept fit KEEP_BYTES (None: the config cannot say):
     with `sites`, B's rows inside the blocks too (float64, a row per site and layer)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -482,3 +291,150 @@ def _rows(config: Any, ask: ManyAsk, sites: Sequence[str] = ("resid",)) -> int |
     layers = blocks + 1  # every layer runs: the first divergent one is found among all
     inside = 0 if tuple(sites) == ("resid",) else len(sites) * blocks * vocab * 8
     return max(1, KEEP_BYTES // (3 * layers * vocab * 4 + inside))
+
+
+class _Side:
+    """One model's lens on a window of prompts: every layer run and kept for the comparison
+    (reports hold the layers asked for, `shown`), and its rows inside the blocks at those; read
+    through the tuned lens when there is one (checked against B, `own` False, for its blocks
+    alone). Many prompts run in batches (`many.ManyRun`), one prompt through the engine."""
+
+    def __init__(self, opened: Opened, work: _Work, *, own: bool) -> None:
+        from embedlens.analysis.lens.blocks import find_blocks
+        from embedlens.analysis.lens.decoders import through_of
+
+        tuned, self.sites = work.reading
+        self.opened, ask = opened, work.ask
+        self.through = through_of(tuned, opened, fingerprints=own)
+        self.shown = resolve_layers(ask.layers, len(find_blocks(opened.model).modules))
+        self.many = None
+        if isinstance(ask, ManyAsk):
+            self.many = many.ManyRun(opened, ask, None, self.through, keep=True, every=True)
+
+    def run(self, window: many.Window, others: list[Any] | None = None) -> Ran:
+        """The window's rows (`others`: the other model's residual for each prompt), and its rows
+        inside the blocks at the positions read (one prompt: at its position read)."""
+        if self.many is not None:
+            outs = self.many.run_window(window, others)
+        else:
+            outs = [self._alone(ask, prompt, others) for _, (ask, prompt, _) in window]
+        if tuple(self.sites) == ("resid",):
+            return outs, [None] * len(outs)
+        from embedlens.analysis.lens.site_pair import site_logits
+
+        inner = [x for x in self.shown if x >= 1]
+        at = [None if self.many is None else out.result.positions for out in outs]
+        inside = [
+            site_logits(self.opened, prompt, self.sites, inner, positions)
+            for (_, (_, prompt, _)), positions in zip(window, at, strict=True)
+        ]
+        return outs, inside
+
+    def _alone(self, ask: Ask, prompt: Prompt, others: list[Any] | None) -> BatchOut:
+        """One prompt through the engine at every layer (`others`: the other model's residual)."""
+        from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
+        from embedlens.analysis.lens.engine import BatchOut
+
+        model, decoder = self.opened.model, None
+        if self.through is not None:
+            own = ModelDecoder(model, find_blocks(model), dummy_id=prompt.ids[0])
+            decoder = self.through.wrap(own)
+        every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
+        other = None if others is None else others[0]
+        result = run_one(self.opened, every, prompt, keep=True, other=other, decoder=decoder)
+        return BatchOut(result, {}, {})
+
+    def report(self, ask: Ask, prompt: Prompt, result: LensResult) -> LensReport:
+        """The report the run without B gives of this prompt."""
+        report = one_report(self.opened, ask, prompt, many.shown_rows(result, self.shown))
+        if self.through is None:
+            return report
+        return dataclasses.replace(report, tuned=self.through.described)
+
+
+class _PairRun:
+    """A's side: each window run with B's residual and compared with B's rows, each prompt's
+    report handed on; over many prompts, the sums per layer of A against B (every position
+    read) and inside the blocks."""
+
+    def __init__(self, opened: Opened, named: Named, work: _Work, threshold: float) -> None:
+        from embedlens.analysis.lens.site_pair import SitePairStats
+
+        self.side = _Side(opened, work, own=True)
+        self.named, self.each, self.threshold = named, work.each, threshold
+        self.sums: dict[int, Sums] = {}
+        self.n_against_unfaithful = 0
+        self.inside = SitePairStats()
+
+    def window(self, window: many.Window, ran_b: Ran) -> None:
+        """A's run of a window beside B's, compared prompt by prompt."""
+        outs_b, inside_b = ran_b
+        residual = [out.result.kept.residual for out in outs_b if out.result.kept is not None]
+        outs_a, inside_a = self.side.run(window, residual)
+        side, named = self.side, self.named
+        for i, (line, (ask, prompt, _)) in enumerate(window):
+            a, b = outs_a[i].result, outs_b[i].result
+            one = side.many is None
+            diffs = compare(a, b, prompt.index) if one else self._add(a, b, prompt.index)
+            inside = None
+            if inside_a[i] is not None:
+                inside = (inside_a[i], inside_b[i], side.sites)
+                self.inside.add(inside_a[i], inside_b[i])
+            if self.each is not None:
+                tok, report = side.opened.tokenizer, side.report(ask, prompt, a)
+                pair = pair_report(report, diffs, b, named, self.threshold, tok, side.shown, inside)
+                self.each(pair, line)
+
+    def _add(self, a: LensResult, b: LensResult, read: int) -> list[LayerDiff]:
+        """One prompt's results, compared at every position both read and added to the sums;
+        the comparison at the position `read` (its report's)."""
+        self.n_against_unfaithful += int(not b.check.ok)
+        shown: list[LayerDiff] = []
+        for position in a.positions:
+            diffs = compare(a, b, position)
+            if position == read:
+                shown = diffs
+            for d in diffs:
+                acc = self.sums.setdefault(d.layer, Sums())
+                acc.add("kl", d.kl)
+                acc.add("residual_kl", d.residual_kl)
+                acc.add("top1_agreement", int(d.top1_agree))
+                if d.target_logprob_delta is not None:
+                    acc.add("target_logprob_delta", d.target_logprob_delta)
+                add_row(acc, d.against.stats, "against_")
+        return shown
+
+    def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensSummaryReport:
+        """A's summary with, in `diff`, the per-layer means of B against it (the first divergent
+        layer found among all of them, the layers asked for shown); `notes` after B's."""
+        assert self.side.many is not None
+        summary = self.side.many.summary(n_bad, bad)
+        rows = sorted(self.sums.items())
+        every = [LensDiffLayerStats(layer=x, **acc.values(PAIR_STATS)) for x, acc in rows]
+        first = first_above(every, self.threshold)
+        layers = [x for x in every if x.layer in self.side.shown]
+        n_unfaithful = self.n_against_unfaithful
+        diff = LensSummaryDiff(self.named.name, self.threshold, first, layers, n_unfaithful)
+        notes = [*summary.notes, *self.named.notes, *notes]
+        pair = dataclasses.replace(summary, notes=notes, diff=diff)
+        sites = self.side.sites
+        return pair if tuple(sites) == ("resid",) else self.inside.summary(pair, sites)
+
+
+def paired(
+    report: LensReport,
+    a: LensResult,
+    b: tuple[LensResult, Named, Any],
+    threshold: float,
+    tokenizer: Any,
+    index: int,
+    shown: list[int],
+    a_sites: tuple[Callable[[], Any], Sequence[str]],
+) -> LensReport:
+    """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
+    beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
+    part there (`a_sites`: what reads A's rows there, and the sites)."""
+    rb, named, b_sites = b
+    inside = None if b_sites is None else (a_sites[0](), b_sites, a_sites[1])
+    diffs = compare(a, rb, index)
+    return pair_report(report, diffs, rb, named, threshold, tokenizer, shown, inside)

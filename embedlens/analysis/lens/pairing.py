@@ -1,27 +1,41 @@
-"""Whether B can be read against A, told from tokenizers and headers before any weight is read.
+"""Whether B can be read against A, told from tokenizers and headers before any weight is read;
+and the two compared once both ran.
 
 The same prompt ids go to both models, so B must give every id the token A gives it: the two
 vocabularies are compared id by id as `vocab --against` compares them (`vocab.diff.compare`,
 each token by its bytes). The lenses are compared layer by layer, so B must have as many blocks
 as A, as many output rows (the softmax runs over all of them), and A's width (A's decoder reads
 B's residual stream).
+
+Every pair of rows compared was decoded in the same chunks by the same code (`against`): equal
+residuals give equal bits, and a KL of exactly 0. KL is taken in float64 from the float32 logits,
+on one thread (a row's sum split between threads would move its last bits with the machine's
+load). torch is imported inside the functions that compare: the checks run without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from embedlens.analysis.lens.opening import token_text
 from embedlens.analysis.lens.options import Load
 from embedlens.errors import UnsupportedError
+from embedlens.reports.lens import LensCheck, LensDiff, LensDiffLayer, Prediction
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from embedlens.analysis.lens.report import LensResult
+    from embedlens.analysis.lens.stats import Top
     from embedlens.io.source import ModelSource
     from embedlens.model.tokenizer import Vocab
+    from embedlens.reports.lens import LensDiffLayerStats, LensReport
     from embedlens.reports.vocab import VocabDiff
 
 
@@ -162,11 +176,12 @@ def _same_vocabulary(
         same = sum(1 for t, i in ma.items() if mb.get(t) == i)
         what = [f"{same:,} of {len(ma):,} tokens keep their id in '{b_name}' ({len(mb):,} tokens)"]
     else:
-        from embedlens.analysis.vocab.diff import compare
+        from embedlens.analysis.vocab.diff import compare as compare_vocab
         from embedlens.analysis.vocab.fingerprint import fingerprint
         from embedlens.reports.vocab import Fingerprint
 
-        diff = compare(a, b, b_name, fingerprint=Fingerprint(fingerprint(a), None, None, None))
+        mine = Fingerprint(fingerprint(a), None, None, None)
+        diff = compare_vocab(a, b, b_name, fingerprint=mine)
         if diff.same_ids == a.size == diff.other_size:
             return
         what = _what_differs(diff, a, b_name)
@@ -179,8 +194,8 @@ def _same_vocabulary(
 
 def _what_differs(diff: VocabDiff, a: Vocab, b_name: str) -> list[str]:
     """What `vocab --against` found, in counts and a first example of each."""
-    out = [f"{diff.same_ids:,} of {a.size:,} ids hold the same token ({diff.other_size:,} in "
-           f"'{b_name}')"]  # fmt: skip
+    same = f"{diff.same_ids:,} of {a.size:,} ids hold the same token"
+    out = [f"{same} ({diff.other_size:,} in '{b_name}')"]
     if diff.shifts:
         s = diff.shifts[0]
         where = f"id {s.start:,}" if s.count == 1 else f"ids {s.start:,}-{s.stop:,}"
@@ -189,8 +204,7 @@ def _what_differs(diff: VocabDiff, a: Vocab, b_name: str) -> list[str]:
         r = diff.renamed_examples[0]
         out.append(
             f"{diff.renamed:,} id{'s' * (diff.renamed != 1)} hold other tokens (id {r.id:,}: "
-            f"'{r.token}' here, "
-            f"'{r.other_token}' there)"
+            f"'{r.token}' here, '{r.other_token}' there)"
         )
     if diff.added:
         out.append(f"{_tokens(diff.added)} only in '{b_name}'")
@@ -205,3 +219,167 @@ def _token_map(vocab: Vocab | dict[str, int]) -> dict[str, int]:
     if isinstance(vocab, dict):
         return vocab
     return {str(t): int(i) for t, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items()}
+
+
+@dataclass(frozen=True)
+class Named:
+    """What the reports say of B, kept after it is freed: its name and its notes."""
+
+    name: str
+    notes: list[str]
+
+
+def pair_report(
+    report: LensReport,
+    diffs: list[LayerDiff],
+    b: LensResult,
+    named: Named,
+    threshold: float,
+    tokenizer: Any,
+    shown: list[int],
+    inside: tuple[Any, Any, Sequence[str]] | None = None,
+) -> LensReport:
+    """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
+    `compare`; `b`: B's result), B's notes after A's. `shown`: the layers the report holds (the
+    first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks,
+    B's, and the sites (`site_pair.pair_sites`)."""
+    tok = functools.cache(functools.partial(token_text, tokenizer))
+    layers = [
+        LensDiffLayer(
+            layer=d.layer,
+            kl=d.kl,
+            top1_agree=d.top1_agree,
+            residual_kl=d.residual_kl,
+            target_logprob_delta=d.target_logprob_delta,
+            against_top=[
+                Prediction(i, tok(i), p, lp)
+                for i, p, lp in zip(d.against.ids, d.against.probs, d.against.logprobs, strict=True)
+            ],
+            **{f"against_{name}": value for name, value in d.against.stats.items()},
+        )
+        for d in diffs
+        if d.layer in shown
+    ]
+    c = b.check
+    check = LensCheck(c.max_abs_logit_diff, c.tolerance, c.ok, c.top1_agrees, c.suspect)
+    diff = LensDiff(named.name, threshold, first_above(diffs, threshold), layers, check)
+    report = dataclasses.replace(report, notes=[*report.notes, *named.notes], diff=diff)
+    if inside is None:
+        return report
+    from embedlens.analysis.lens.site_pair import pair_sites
+
+    return pair_sites(report, *inside, report.position_index)
+
+
+def first_above(rows: Sequence[LayerDiff | LensDiffLayerStats], threshold: float) -> int | None:
+    """The first layer whose KL exceeds the threshold (a NaN never does), or None."""
+    return next((row.layer for row in rows if row.kl > threshold), None)
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """A against B at one (layer, position)."""
+
+    layer: int
+    kl: float
+    residual_kl: float
+    top1_agree: bool
+    target_logprob_delta: float | None
+    against: Top
+    """B's predictions there."""
+
+
+def compare(a: LensResult, b: LensResult, position: int) -> list[LayerDiff]:
+    """Every layer of A's result against B's at one position both read (on one thread: copying
+    a few rows is too little work to share, and each parallel step waits for a busy core)."""
+    import torch
+
+    from embedlens.analysis.lens.blocks import one_thread
+
+    assert a.kept is not None and b.kept is not None
+    if a.vocab_size != b.vocab_size:
+        raise UnsupportedError(
+            f"the two models' outputs differ in size ({a.vocab_size:,} and {b.vocab_size:,} "
+            "rows): their predictions cannot be compared token by token"
+        )
+    layers = a.layers
+    with one_thread():
+        lens_a, lens_b = (_lens_rows(r, layers, position) for r in (a, b))
+        kl = kl_rows(torch.stack(lens_a), torch.stack(lens_b))
+        own = [(a.kept.logits[(x, position)], a.kept.other[(x, position)]) for x in layers]
+        residual_kl = _again(kl, list(zip(lens_a, lens_b, strict=True)), own)
+    out = []
+    for i, x in enumerate(layers):
+        top_a, top_b = a.rows[(x, position)], b.rows[(x, position)]
+        delta = None
+        if top_a.target_logprob is not None and top_b.target_logprob is not None:
+            delta = top_b.target_logprob - top_a.target_logprob
+        agree = top_a.ids[0] == top_b.ids[0]
+        out.append(LayerDiff(x, kl[i], residual_kl[i], agree, delta, top_b))
+    return out
+
+
+def _lens_rows(r: LensResult, layers: list[int], position: int) -> list[torch.Tensor]:
+    """The lens row of each layer at a position: its kept logits, the model's own at the last
+    layer (which a states file without the last layer does not ask for)."""
+    kept = r.kept
+    assert kept is not None
+
+    def row(x: int) -> torch.Tensor:
+        out = r.output_at(position) if x == r.num_layers else kept.logits[(x, position)]
+        assert out is not None
+        return out
+
+    return [row(x) for x in layers]
+
+
+Rows = list[tuple["torch.Tensor", "torch.Tensor"]]
+"""(p, q) rows of logits, one pair per layer."""
+
+
+def _again(kl: list[float], done: Rows, rows: Rows) -> list[float]:
+    """`kl_rows` of the pairs `rows`, taking the figure of `done`'s pair at the same layer
+    where both rows hold the same bits as that pair's (A's own rows are its lens rows below
+    the last layer; B's residual through A's decoder is B's lens where their tails match)."""
+    import torch
+
+    out = list(kl)
+    todo = [
+        i
+        for i, ((p, q), (p0, q0)) in enumerate(zip(rows, done, strict=True))
+        if not (same_bits(p, p0) and same_bits(q, q0))
+    ]
+    if todo:
+        p, q = (torch.stack([rows[i][j] for i in todo]) for j in (0, 1))
+        for i, value in zip(todo, kl_rows(p, q), strict=True):
+            out[i] = value
+    return out
+
+
+def kl_rows(p: torch.Tensor, q: torch.Tensor) -> list[float]:
+    """KL(softmax p ‖ softmax q) of each pair of rows of logits [n, V], in nats (float64); q is
+    moved to p's device (two models may sit on different devices). Each row's figure depends on
+    that row's logits alone (one thread): a row gives the same bits in any stack of rows."""
+    import torch
+
+    from embedlens.analysis.lens.blocks import one_thread
+
+    with one_thread():
+        lp = torch.log_softmax(p.double(), dim=-1)
+        lq = torch.log_softmax(q.to(p.device).double(), dim=-1)
+        terms = lp.exp().mul_(lp - lq)
+        if bool(torch.isinf(p).any()):  # logits without an infinity have no log p of -inf
+            terms = torch.where(torch.isneginf(lp), 0.0, terms)  # 0 log 0 = 0
+        return terms.sum(dim=-1).clamp_min(0.0).tolist()
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two rows hold the same bits (then any computation on them gives the same)."""
+    import torch
+
+    if x is y:
+        return True
+    alike = x.dtype == y.dtype and x.shape == y.shape and x.device == y.device
+    if not alike or not (x.is_contiguous() and y.is_contiguous()):
+        return False
+    return bool(torch.equal(x.view(torch.uint8), y.view(torch.uint8)))

@@ -210,10 +210,11 @@ def _composed(
 
         pieces = file.pieces(inner, result.positions)
         return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
-    from embedlens.analysis.lens.against import cut, paired
+    from embedlens.analysis.lens.against import paired
+    from embedlens.analysis.lens.many import shown_rows
     from embedlens.analysis.lens.site_pair import logits_at
 
-    report = lens_report(name, tokenizer, tail.model, cut(result, shown), ask, run)
+    report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
     cpu, at = torch.device("cpu"), [run.index]
 
     def a_sites() -> SiteLogits:
