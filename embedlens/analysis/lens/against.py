@@ -63,7 +63,7 @@ def lens_pair(
     pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",), tuned: LensFolder | None = None
 ) -> LensReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
-    inside the blocks the two part, with `sites` other than resid: `site_pair`). With `tuned`,
+    inside the blocks the two part, with `sites` other than resid: `site_report`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
     alone), each then through its own model's tail."""
     a, b = pair.a, pair.b
@@ -113,7 +113,7 @@ def paired(
     report = pair_report(report, diffs, rb, named.name, threshold, tokenizer, named.notes, shown)
     if b_sites is None:
         return report
-    from embedlens.analysis.lens.site_pair import pair_sites
+    from embedlens.analysis.lens.site_report import pair_sites
 
     return pair_sites(report, a_sites[0](), b_sites, a_sites[1], index)
 
@@ -153,11 +153,11 @@ def _site_logits(
     layers: Sequence[int],
     positions: Sequence[int] | None = None,
 ) -> Any:
-    """A model's rows inside the blocks at `layers` (`site_pair.site_logits`: at `positions`,
+    """A model's rows inside the blocks at `layers` (`site_report.site_logits`: at `positions`,
     by default the prompt's position read); None for resid alone."""
     if tuple(sites) == ("resid",):
         return None
-    from embedlens.analysis.lens.site_pair import site_logits
+    from embedlens.analysis.lens.site_report import site_logits
 
     return site_logits(opened, run, sites, [x for x in layers if x >= 1], positions)
 
@@ -285,7 +285,7 @@ def _apart(
 
 Ran = tuple[list["BatchOut"], list[Any]]
 """A window of B's: each prompt's rows (at every layer, kept), and its rows inside the blocks
-(`site_pair.SiteLogits`; None for resid alone)."""
+(`site_report.SiteLogits`; None for resid alone)."""
 
 
 def _run_b(
@@ -338,7 +338,7 @@ class _PairRun:
         sites: Sequence[str] = ("resid",),
     ) -> None:
         from embedlens.analysis.lens.pair import PairStats
-        from embedlens.analysis.lens.site_pair import SitePairStats
+        from embedlens.analysis.lens.site_report import SiteSums
 
         self.opened, self.named, self.each, self.threshold = opened, named, each, threshold
         from embedlens.analysis.lens.decoders import through_of
@@ -346,7 +346,7 @@ class _PairRun:
         through = through_of(tuned, opened)
         self.run = many.ManyRun(opened, ask, None, through, keep=True, every=True)
         self.stats: PairStats = PairStats()
-        self.sites, self.inside = tuple(sites), SitePairStats()
+        self.sites, self.inside = tuple(sites), SiteSums()
 
     @staticmethod
     def factory(
@@ -378,7 +378,7 @@ class _PairRun:
                 pair = pair_report(report, diffs, out_b.result, named.name, self.threshold, tok,
                                    named.notes, self.run.shown)  # fmt: skip
                 if inside is not None:
-                    from embedlens.analysis.lens.site_pair import pair_sites
+                    from embedlens.analysis.lens.site_report import pair_sites
 
                     pair = pair_sites(pair, inside, inside_b[i], self.sites, prompt.index)
                 self.each(pair, line)

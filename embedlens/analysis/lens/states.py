@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.engine import Check, Kept, LensResult
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.prompt import Prompt
-    from embedlens.analysis.lens.site_pair import SiteLogits
+    from embedlens.analysis.lens.site_report import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
     from embedlens.model.files import ModelFiles
@@ -226,7 +226,7 @@ def _composed(
         pieces = file.pieces(inner, result.positions)
         return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
     from embedlens.analysis.lens.against import cut, paired
-    from embedlens.analysis.lens.site_pair import logits_at
+    from embedlens.analysis.lens.site_report import logits_at
 
     report = lens_report(name, tokenizer, tail.model, cut(result, shown), ask, run)
     cpu, at = torch.device("cpu"), [run.index]
