@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.many import ManyRun
-from embedlens.analysis.lens.stats import LAYER_STATS, Sums
+from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
 from embedlens.errors import UsageError
 from embedlens.reports.lens import (
     BlockSums,
@@ -121,10 +121,12 @@ def read_sites(
     """The lens's report with a row per (layer, site asked) in block order, the rows of `sites`
     decoded from `pieces` (a model's blocks taken apart, or a states file's) through `decoder`,
     on `model`'s device; the grid too, when the report has one."""
+    from embedlens.analysis.lens.blocks import input_device
     from embedlens.analysis.lens.prompt import token_text
-    from embedlens.analysis.lens.sites import decode_sites
+    from embedlens.analysis.lens.sites import Reader, decode_sites
 
-    decoded = decode_sites(model, pieces, decoder, sites, result, run, ask.top_k, len(tokenizer))
+    reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
+    decoded = decode_sites(reader, model, sites, result, run, ask.top_k, len(tokenizer))
     tok = functools.cache(functools.partial(token_text, tokenizer))
     rows = [
         _resid(row, label) if site == "resid" else _row(decoded, site, row.layer, label, tok)
@@ -285,11 +287,11 @@ def logits_at(
     states file's) through `decoder`, on `device`."""
     import torch
 
-    from embedlens.analysis.lens.sites import PIECE, decoded_rows, stacked, wanted
+    from embedlens.analysis.lens.sites import PIECE, Reader, stacked, wanted
 
     rows = wanted(pieces, [s for s in SITES if s in sites], layers, len(at), ())
     with torch.inference_mode():
-        got = decoded_rows(decoder, pieces, rows, device, vocab)
+        got = Reader(pieces, decoder, device, vocab).decoded(rows)
         out = {key: row.double().log_softmax(-1).cpu() for key, row in got}
     logprobs = {
         (s, layer): stacked(out, (PIECE[s], layer), range(len(at)))
@@ -358,17 +360,41 @@ class SiteManyRun(ManyRun):
     def run_window(
         self, window: Window, others: list[dict[int, Any]] | None = None
     ) -> list[BatchOut]:
-        from embedlens.analysis.lens.sites import add_prompt
-
         outs = super().run_window(window, others)
-        vocab = len(self.opened.tokenizer)
         for (_, (_, prompt, _)), out in zip(window, outs, strict=True):
-            inside = self.inside
-            pieces = add_prompt(
-                inside.sums, self.opened.model, prompt, out.result, self.sites, vocab
-            )
-            inside.checked(pieces)
+            self._add(prompt, out.result)
         return outs
+
+    def _add(self, run: Prompt, result: LensResult) -> None:
+        """One prompt's sites other than resid, taken apart (their check kept) and decoded a
+        layer at a time, added to the sums at once: KL(model's output ‖ the row), the row's
+        entropy, top-1 agreement, the target's place, `ROW_STATS`, a piece's change KL."""
+        import torch
+
+        from embedlens.analysis.lens.blocks import (
+            ModelDecoder,
+            find_blocks,
+            input_device,
+            threads_for,
+        )
+        from embedlens.analysis.lens.sites import Reader, kl, take_apart
+
+        model, inner = self.opened.model, [s for s in self.sites if s != "resid"]
+        pieces = take_apart(model, run.ids, result.positions, "resid_mid" in self.sites)
+        self.inside.checked(pieces)
+        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+        reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
+        assert result.output is not None
+        real = torch.log_softmax(result.output.float(), -1)
+        nexts, n = next_ids(run.ids, result.positions), int(real.shape[0])
+        with torch.inference_mode(), threads_for(model, len(run.ids)):
+            for layer in (x for x in result.layers if x >= 1):
+                for site, _, x, moved in reader.sites(inner, [layer], n, range(n)):
+                    acc = self.inside.sums.setdefault((site, layer), Sums())
+                    _add_rows(acc, x, real, nexts, len(self.opened.tokenizer), run.target_id)
+                    if moved:
+                        lb, la = (rows.double().log_softmax(-1) for rows in moved)
+                        acc.add("change_kl", float(kl(la, lb).sum()), n)
 
     def report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
         base = super().report(ask, prompt, out)
@@ -394,3 +420,31 @@ class SiteManyRun(ManyRun):
         for part in session.all_gather(self.inside):
             merged.update(part)
         self.inside = merged
+
+
+def _add_rows(
+    acc: Sums,
+    x: torch.Tensor,
+    real: torch.Tensor,
+    nexts: list[int | None],
+    real_vocab: int,
+    target: int | None,
+) -> None:
+    """One site's rows [P, V] at one layer added to its sums (`real`: the model's own
+    log-probabilities at the positions read, float32 [P, V])."""
+    from embedlens.analysis.lens.ranking import tops_from_log_softmax
+
+    lx = x.float().log_softmax(-1)
+    n = int(x.shape[0])
+    acc.add("kl", float((real.exp() * (real - lx)).sum(-1).sum()), n)
+    acc.add("entropy", float(-(lx.exp() * lx).sum(-1).sum()), n)
+    model_top1 = real[:, :real_vocab].argmax(-1)
+    acc.add("top1_agreement", int((x[:, :real_vocab].argmax(-1) == model_top1).sum()), n)
+    if target is None and not ROW_STATS:
+        return
+    for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x), nexts):
+        if target is not None:
+            acc.add("target_prob", float(top.target_prob or 0.0))
+            acc.add("target_logprob", float(top.target_logprob or 0.0))
+            acc.rank("target_rank_median", int(top.target_rank or 0))
+        add_row(acc, top.stats)

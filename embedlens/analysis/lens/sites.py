@@ -10,10 +10,10 @@ reads `x + a`, and `x + a + m` = the output. A piece is the output the block add
 it applies first (Gemma 2's post-norms). A block whose output is not such a sum (a residual scale,
 a norm after the add) is refused, with what did not add up.
 
-The sites decoded (`decoded_rows`, of the rows `wanted` lists for every mode): `resid_mid` through
-the lens; `attn_out` and `mlp_out` directly (the piece alone through the final norm and head:
+The sites decoded (`Reader`, the rows `wanted` lists for every mode): `resid_mid` through the
+lens; `attn_out` and `mlp_out` directly (the piece alone through the final norm and head:
 direct logit attribution) and as the change they make to the lens (the lens after the piece
-against the lens before it); for one prompt (`decode_sites`), or added to sums (`add_prompt`).
+against the lens before it); one prompt's rows reduced (`decode_sites`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch import nn
 from embedlens.analysis.lens.blocks import (
     Blocks,
     Decoder,
-    ModelDecoder,
     find_blocks,
     first_tensor,
     forward,
@@ -38,8 +37,8 @@ from embedlens.analysis.lens.blocks import (
     threads_for,
 )
 from embedlens.analysis.lens.engine import CHUNK_BYTES
-from embedlens.analysis.lens.ranking import Top, best, exact_top1, exact_tops, tops_from_log_softmax
-from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, next_ids
+from embedlens.analysis.lens.ranking import Top, best, exact_top1, exact_tops
+from embedlens.analysis.lens.stats import next_ids
 from embedlens.errors import NumericError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -343,29 +342,48 @@ def wanted(
     return out
 
 
-def decoded_rows(
-    decoder: Decoder,
-    pieces: Pieces,
-    rows: list[tuple[Key, int]],
-    device: torch.device,
-    vocab: int,
-) -> Iterator[tuple[tuple[Key, int], torch.Tensor]]:
-    """Each (stream, row) of `rows` decoded: float32 logits [V], in chunks of bounded size."""
-    streams = {key: stream(key, pieces) for key in dict.fromkeys(k for k, _ in rows)}
-    chunk = max(1, CHUNK_BYTES // (4 * vocab))
-    for start in range(0, len(rows), chunk):
-        part = rows[start : start + chunk]
-        h = torch.stack([streams[key][j] for key, j in part]).to(device)
-        out = decoder.logits(h, [key[1] for key, _ in part]).float()
-        bad = ~torch.isfinite(out).all(-1)
-        if bool(bad.any()):
-            (name, layer), _ = part[int(bad.nonzero()[0, 0])]
-            raise NumericError(
-                f"decoding {name} of block {layer} through the model's final steps gives logits "
-                "that are not finite: that site cannot be read",
-                hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
-            )
-        yield from zip(part, out, strict=True)
+@dataclass(frozen=True)
+class Reader:
+    """A prompt's blocks taken apart (a model's, or a states file's) and what decodes their rows:
+    `decoder`, on `device`, into logits over `vocab` ids."""
+
+    pieces: Pieces
+    decoder: Decoder
+    device: torch.device
+    vocab: int
+
+    def decoded(
+        self, rows: list[tuple[Key, int]]
+    ) -> Iterator[tuple[tuple[Key, int], torch.Tensor]]:
+        """Each (stream, row) of `rows` decoded: float32 logits [V], in chunks of bounded size."""
+        streams = {key: stream(key, self.pieces) for key in dict.fromkeys(k for k, _ in rows)}
+        chunk = max(1, CHUNK_BYTES // (4 * self.vocab))
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            h = torch.stack([streams[key][j] for key, j in part]).to(self.device)
+            out = self.decoder.logits(h, [key[1] for key, _ in part]).float()
+            bad = ~torch.isfinite(out).all(-1)
+            if bool(bad.any()):
+                (name, layer), _ = part[int(bad.nonzero()[0, 0])]
+                raise NumericError(
+                    f"decoding {name} of block {layer} through the model's final steps gives "
+                    "logits that are not finite: that site cannot be read",
+                    hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
+                )
+            yield from zip(part, out, strict=True)
+
+    def sites(
+        self, sites: Sequence[str], layers: Sequence[int], n: int, changes: Sequence[int]
+    ) -> Iterator[tuple[str, int, torch.Tensor, list[torch.Tensor]]]:
+        """Each (layer, site) of `sites` at `layers` decoded (the rows `wanted` lists, at once):
+        the site, the layer, its rows [n, V] at the `n` positions, and those its change is read
+        between (before, after: [C, V] at the positions `changes`; none for resid_mid, resid)."""
+        got = dict(self.decoded(wanted(self.pieces, sites, layers, n, changes)))
+        for layer in layers:
+            for site in sites:
+                moves = before_after(site, layer, self.pieces)
+                moved = [stacked(got, key, changes) for key in moves]
+                yield site, layer, stacked(got, (PIECE[site], layer), range(n)), moved
 
 
 def stacked(
@@ -401,35 +419,31 @@ class SiteRows:
 
 
 def decode_sites(
+    reader: Reader,
     model: nn.Module,
-    pieces: Pieces,
-    decoder: Decoder,
     sites: Sequence[str],
     result: LensResult,
     run: Prompt,
     k: int,
     real_vocab: int,
 ) -> SiteRows:
-    """The sites other than resid at `result`'s layers from 1 (`pieces`: a model's, or a states
-    file's) decoded on `model`'s device at the positions `result` read, and reduced."""
+    """The sites other than resid at `result`'s layers from 1 decoded through `reader` at the
+    positions `result` read (on `model`'s threads), and reduced: the position read to its top-k,
+    the others to their top-1 (among the `real_vocab` real tokens); a piece's change there."""
     inner = [s for s in sites if s != "resid"]
     layers, n = [x for x in result.layers if x >= 1], len(result.positions)
     full = result.positions.index(run.index)
-    rows = wanted(pieces, inner, layers, n, [full])
     tops: dict[tuple[str, int, int], Top] = {}
     changes: dict[tuple[str, int], Change] = {}
     with torch.inference_mode(), threads_for(model, len(run.ids)):
-        got = dict(decoded_rows(decoder, pieces, rows, input_device(model), result.vocab_size))
-        for layer, site in ((x, s) for x in layers for s in inner):
-            x = stacked(got, (PIECE[site], layer), range(n))
+        for site, layer, x, moved in reader.sites(inner, layers, n, [full]):
             ones = exact_top1(x, real_vocab)
             tops.update({(site, layer, p): ones[j] for j, p in enumerate(result.positions)})
             nexts = next_ids(run.ids, [run.index])
             top = exact_tops(x[full : full + 1], k, real_vocab, run.target_id, nexts)
             tops[(site, layer, run.index)] = top[0]
-            if moves := before_after(site, layer, pieces):
-                before, after = (got[key, full] for key in moves)
-                changes[(site, layer)] = change(before, after, k, real_vocab)
+            if moved:
+                changes[(site, layer)] = change(moved[0][0], moved[1][0], k, real_vocab)
     return SiteRows(tops, changes, run.index)
 
 
@@ -440,60 +454,3 @@ def change(before: torch.Tensor, after: torch.Tensor, k: int, real_vocab: int) -
     delta = (la - lb)[:real_vocab]
     ids = best(delta[None].float(), k)[0].tolist()
     return Change(float(kl(la, lb)), [(i, float(delta[i]), float(la[i].exp())) for i in ids])
-
-
-def add_prompt(
-    sums: dict[tuple[str, int], Sums],
-    model: nn.Module,
-    run: Prompt,
-    result: LensResult,
-    sites: Sequence[str],
-    real_vocab: int,
-) -> Pieces:
-    """One prompt's sites other than resid, taken apart (its pieces returned) and decoded a layer
-    at a time, added to `sums` at once: KL(model's output ‖ the row), the row's entropy, top-1
-    agreement, the target's place, `ROW_STATS`, and a piece's change KL(after ‖ before)."""
-    inner = [s for s in sites if s != "resid"]
-    pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
-    decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
-    assert result.output is not None
-    real = torch.log_softmax(result.output.float(), -1)
-    nexts, n = next_ids(run.ids, result.positions), int(real.shape[0])
-    with torch.inference_mode(), threads_for(model, len(run.ids)):
-        for layer in (x for x in result.layers if x >= 1):
-            rows = wanted(pieces, inner, [layer], n, range(n))
-            got = dict(decoded_rows(decoder, pieces, rows, input_device(model), result.vocab_size))
-            for site in inner:
-                acc = sums.setdefault((site, layer), Sums())
-                x = stacked(got, (PIECE[site], layer), range(n))
-                _add_rows(acc, x, real, nexts, real_vocab, run.target_id)
-                if moves := before_after(site, layer, pieces):
-                    lb, la = (stacked(got, key, range(n)).double().log_softmax(-1) for key in moves)
-                    acc.add("change_kl", float(kl(la, lb).sum()), n)
-    return pieces
-
-
-def _add_rows(
-    acc: Sums,
-    x: torch.Tensor,
-    real: torch.Tensor,
-    nexts: list[int | None],
-    real_vocab: int,
-    target: int | None,
-) -> None:
-    """One site's rows [P, V] at one layer added to its sums (`real`: the model's own
-    log-probabilities at the positions read, float32 [P, V])."""
-    lx = torch.log_softmax(x.float(), -1)
-    n = int(x.shape[0])
-    acc.add("kl", float((real.exp() * (real - lx)).sum(-1).sum()), n)
-    acc.add("entropy", float(-(lx.exp() * lx).sum(-1).sum()), n)
-    model_top1 = real[:, :real_vocab].argmax(-1)
-    acc.add("top1_agreement", int((x[:, :real_vocab].argmax(-1) == model_top1).sum()), n)
-    if target is None and not ROW_STATS:
-        return
-    for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x), nexts):
-        if target is not None:
-            acc.add("target_prob", float(top.target_prob or 0.0))
-            acc.add("target_logprob", float(top.target_logprob or 0.0))
-            acc.rank("target_rank_median", int(top.target_rank or 0))
-        add_row(acc, top.stats)
