@@ -287,11 +287,11 @@ def logits_at(
     states file's) through `decoder`, on `device`."""
     import torch
 
-    from embedlens.analysis.lens.sites import PIECE, Reader, stacked, wanted
+    from embedlens.analysis.lens.sites import PIECE, Reader, stacked
 
-    rows = wanted(pieces, [s for s in SITES if s in sites], layers, len(at), ())
+    reader = Reader(pieces, decoder, device, vocab)
     with torch.inference_mode():
-        got = Reader(pieces, decoder, device, vocab).decoded(rows)
+        got = reader.decoded(reader.rows([s for s in SITES if s in sites], layers, len(at), ()))
         out = {key: row.double().log_softmax(-1).cpu() for key, row in got}
     logprobs = {
         (s, layer): stacked(out, (PIECE[s], layer), range(len(at)))

@@ -10,7 +10,7 @@ reads `x + a`, and `x + a + m` = the output. A piece is the output the block add
 it applies first (Gemma 2's post-norms). A block whose output is not such a sum (a residual scale,
 a norm after the add) is refused, with what did not add up.
 
-The sites decoded (`Reader`, the rows `wanted` lists for every mode): `resid_mid` through the
+The sites decoded (`Reader`, the rows `Reader.rows` lists for every mode): `resid_mid` through the
 lens; `attn_out` and `mlp_out` directly (the piece alone through the final norm and head:
 direct logit attribution) and as the change they make to the lens (the lens after the piece
 against the lens before it); one prompt's rows reduced (`decode_sites`).
@@ -327,21 +327,6 @@ def stream(key: Key, pieces: Pieces) -> torch.Tensor:
     return pieces.pre[layer] + piece[layer] if name.startswith("pre+") else piece[layer]
 
 
-def wanted(
-    pieces: Pieces, sites: Sequence[str], layers: Iterable[int], n: int, changes: Sequence[int]
-) -> list[tuple[Key, int]]:
-    """The rows to decode, in order: at each layer, the stream of every site at each of the `n`
-    positions, then the streams a piece's change is read between (those not read already) at
-    the positions `changes`."""
-    out: list[tuple[Key, int]] = []
-    for layer in layers:
-        keys = [(PIECE[s], layer) for s in sites]
-        moved = [k for s in sites for k in before_after(s, layer, pieces) if k not in keys]
-        out += [(key, j) for key in keys for j in range(n)]
-        out += [(key, j) for key in dict.fromkeys(moved) for j in changes]
-    return out
-
-
 @dataclass(frozen=True)
 class Reader:
     """A prompt's blocks taken apart (a model's, or a states file's) and what decodes their rows:
@@ -372,13 +357,27 @@ class Reader:
                 )
             yield from zip(part, out, strict=True)
 
+    def rows(
+        self, sites: Sequence[str], layers: Iterable[int], n: int, changes: Sequence[int]
+    ) -> list[tuple[Key, int]]:
+        """The rows to decode, in order: at each layer, the stream of every site at each of the
+        `n` positions, then the streams a piece's change is read between (those not read
+        already) at the positions `changes`."""
+        out: list[tuple[Key, int]] = []
+        for layer in layers:
+            keys = [(PIECE[s], layer) for s in sites]
+            moves = (k for s in sites for k in before_after(s, layer, self.pieces))
+            out += [(key, j) for key in keys for j in range(n)]
+            out += [(key, j) for key in dict.fromkeys(moves) if key not in keys for j in changes]
+        return out
+
     def sites(
         self, sites: Sequence[str], layers: Sequence[int], n: int, changes: Sequence[int]
     ) -> Iterator[tuple[str, int, torch.Tensor, list[torch.Tensor]]]:
-        """Each (layer, site) of `sites` at `layers` decoded (the rows `wanted` lists, at once):
+        """Each (layer, site) of `sites` at `layers` decoded (the rows `rows` lists, at once):
         the site, the layer, its rows [n, V] at the `n` positions, and those its change is read
         between (before, after: [C, V] at the positions `changes`; none for resid_mid, resid)."""
-        got = dict(self.decoded(wanted(self.pieces, sites, layers, n, changes)))
+        got = dict(self.decoded(self.rows(sites, layers, n, changes)))
         for layer in layers:
             for site in sites:
                 moves = before_after(site, layer, self.pieces)
