@@ -17,8 +17,8 @@ given made into its option objects):
   `text_stats`; `logits_file` for --save-logits / --against-logits);
 - `report`: a run's result (`LensResult`), and the `LensReport` users get of it;
 - `against`, `pairing`, `pair`: `--against` (B checked, both run, the figures and reports);
-- `sites`, `site_report`, `site_many`, `site_pair`: `--site` (the pieces inside a block found
-  and checked, and decoded; one prompt, many, a pair);
+- `sites`, `site_report`: `--site` (the pieces inside a block found, checked and decoded; the
+  reports of one prompt, many, a pair);
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
   --save-states`'s: `states_file` reads and writes them), decoded by the model's tail alone
   (`tail`);

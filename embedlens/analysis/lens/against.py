@@ -72,7 +72,7 @@ PAIR_STATS = tuple(f.name for f in fields(LensDiffLayerStats) if f.name != "laye
 
 Ran = tuple[list["BatchOut"], list[Any]]
 """A window of one model's: each prompt's rows (at every layer, kept), and its rows inside the
-blocks (`site_pair.SiteLogits`; None for resid alone)."""
+blocks (`site_report.SiteLogits`; None for resid alone)."""
 Reading = tuple["LensFolder | None", Sequence[str]]
 """The tuned lens both models are read through (A's; None: their own tails), and the sites."""
 
@@ -96,7 +96,7 @@ def lens_pair(
     pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",), tuned: LensFolder | None = None
 ) -> LensReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
-    inside the blocks the two part, with `sites` other than resid: `site_pair`). With `tuned`,
+    inside the blocks the two part, with `sites` other than resid: `site_report`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
     alone), each then through its own model's tail."""
     check_pair(pair.a, pair.b)
@@ -273,7 +273,7 @@ def run_b(
     b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
 ) -> tuple[LensResult, Named, Any]:
     """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
-    kept for the comparison; its name and notes; its rows inside the blocks (`site_pair`)."""
+    kept for the comparison; its name and notes; its rows inside the blocks (`site_report`)."""
     with _b_side(b, _one(ask, (tuned, sites)), (tok, None, "", run)) as (named, runs):
         [(outs, inside)] = runs
     gc.collect()  # B's weights go before A's are read
@@ -320,7 +320,7 @@ class _Side:
             outs = [self._alone(ask, prompt, others) for _, (ask, prompt, _) in window]
         if tuple(self.sites) == ("resid",):
             return outs, [None] * len(outs)
-        from embedlens.analysis.lens.site_pair import site_logits
+        from embedlens.analysis.lens.site_report import site_logits
 
         inner = [x for x in self.shown if x >= 1]
         at = [None if self.many is None else out.result.positions for out in outs]
@@ -358,13 +358,13 @@ class _PairRun:
     read) and inside the blocks."""
 
     def __init__(self, opened: Opened, named: Named, work: _Work, threshold: float) -> None:
-        from embedlens.analysis.lens.site_pair import SitePairStats
+        from embedlens.analysis.lens.site_report import SiteSums
 
         self.side = _Side(opened, work, own=True)
         self.named, self.each, self.threshold = named, work.each, threshold
         self.sums: dict[int, Sums] = {}
         self.n_against_unfaithful = 0
-        self.inside = SitePairStats()
+        self.inside = SiteSums()
 
     def window(self, window: many.Window, ran_b: Ran) -> None:
         """A's run of a window beside B's, compared prompt by prompt."""

@@ -259,7 +259,7 @@ def _many(
         through = through_of(lens_dir, opened)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
         if sites != ("resid",):
-            from embedlens.analysis.lens.site_many import SiteManyRun
+            from embedlens.analysis.lens.site_report import SiteManyRun
 
             lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
         if saving is not None:

@@ -242,7 +242,7 @@ def pair_report(
     """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
     `compare`; `b`: B's result), B's notes after A's. `shown`: the layers the report holds (the
     first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks,
-    B's, and the sites (`site_pair.pair_sites`)."""
+    B's, and the sites (`site_report.pair_sites`)."""
     tok = functools.cache(functools.partial(token_text, tokenizer))
     layers = [
         LensDiffLayer(
@@ -266,7 +266,7 @@ def pair_report(
     report = dataclasses.replace(report, notes=[*report.notes, *named.notes], diff=diff)
     if inside is None:
         return report
-    from embedlens.analysis.lens.site_pair import pair_sites
+    from embedlens.analysis.lens.site_report import pair_sites
 
     return pair_sites(report, *inside, report.position_index)
 

@@ -1,41 +1,58 @@
-"""`lens --site` on one prompt: the lens's own report, its rows interleaved with the sites inside
-each block (`site_rows`), and the check that the blocks' pieces add up (`sites`)."""
+"""`lens --site` as reports: the sites asked for (`sites_asked`, checked before any model loads),
+one prompt's report with a row per (layer, site) (`sites_report`), the `--prompts` summary's
+(`SiteManyRun`), and the rows where two models part (`pair_sites`, `SiteSums`); every figure
+comes from `sites`, which takes the blocks apart and decodes their pieces."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from embedlens.analysis.lens.many import ManyRun
+from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
 from embedlens.errors import UsageError
 from embedlens.reports.lens import (
     BlockSums,
     Gained,
     GridCell,
+    GridRow,
+    LensLayer,
     LensReport,
+    LensSummaryReport,
     Prediction,
     SiteChange,
+    SiteDiff,
+    SiteDiffStats,
     SiteGridRow,
     SiteLayer,
+    SiteStats,
     TargetAt,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
     from torch import nn
 
+    from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.engine import BatchOut
+    from embedlens.analysis.lens.many import Window
     from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.options import Ask
     from embedlens.analysis.lens.report import LensResult
-    from embedlens.analysis.lens.sites import Change, Pieces, SiteRows
-    from embedlens.analysis.lens.stats import Top
+    from embedlens.analysis.lens.sites import Pieces, SiteRows
+    from embedlens.model.prompts import BadLine
 
-Tok = Callable[[int], str]
-
-SITES: tuple[str, ...] = ("attn_out", "resid_mid", "mlp_out", "resid")
-"""The sites, in the order their rows come within a block."""
 SUFFIX = {"attn_out": ".attn", "resid_mid": ".mid", "mlp_out": ".mlp", "resid": ""}
-"""A site's row label after the layer number: `3.attn`, `3.mid`, `3.mlp`, `3`."""
+"""A site's row label after the layer number (`3.attn`, `3.mid`, `3.mlp`, `3`), in block order."""
+SITES: tuple[str, ...] = tuple(SUFFIX)
+"""The sites, in the order their rows come within a block."""
+SITE_STATS = (*LAYER_STATS, "change_kl")
+"""The statistics of a `--prompts --site` summary's rows (a piece's change too)."""
 
 
 def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, ...]:
@@ -64,20 +81,9 @@ def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, 
     return sites
 
 
-def take_apart(model: nn.Module, ids: Sequence[int], positions: Sequence[int], mid: bool) -> Pieces:
-    """The model's blocks taken apart on one prompt (refused where the sums fail, or resid_mid
-    of a parallel block when `mid`)."""
-    from embedlens.analysis.lens.blocks import find_blocks, threads_for
-    from embedlens.analysis.lens.sites import capture_pieces, refuse_mid_in_parallel
-
-    blocks = find_blocks(model)
-    with threads_for(model, len(ids)):  # as the engine's pass: the same bytes on any threads
-        pieces = capture_pieces(model, blocks, ids, positions)
-    if mid:
-        refuse_mid_in_parallel(
-            pieces.splits, lambda layer: type(blocks.modules[layer - 1]).__name__
-        )
-    return pieces
+def in_block_order(layers: Iterable[int], sites: Sequence[str]) -> Iterator[tuple[int, str, str]]:
+    """(layer, site, its row label) of each layer and each of `sites`, in block order."""
+    return ((x, s, f"{x}{SUFFIX[s]}") for x in layers for s in SITES if s in sites)
 
 
 def sites_report(
@@ -87,17 +93,16 @@ def sites_report(
     run: Prompt,
     result: LensResult,
     sites: Sequence[str],
-    decoder: Decoder | None = None,
 ) -> LensReport:
     """The lens's report with the sites' rows; the report itself for `resid` alone."""
     if tuple(sites) == ("resid",):
         return report
     from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
+    from embedlens.analysis.lens.sites import take_apart
 
     model = opened.model
     pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
-    if decoder is None:
-        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
     return read_sites(report, sites, pieces, decoder, opened.tokenizer, ask, run, result, model)
 
 
@@ -112,54 +117,81 @@ def read_sites(
     result: LensResult,
     model: nn.Module,
 ) -> LensReport:
-    """The lens's report with the rows of `sites` decoded from `pieces` (a model's blocks taken
-    apart, or a states file's) through `decoder`, on `model`'s device."""
-    import torch
-
-    from embedlens.analysis.lens.blocks import input_device, threads_for
+    """The lens's report with a row per (layer, site asked) in block order, the rows of `sites`
+    decoded from `pieces` (a model's blocks taken apart, or a states file's) through `decoder`,
+    on `model`'s device; the grid too, when the report has one."""
+    from embedlens.analysis.lens.blocks import input_device
     from embedlens.analysis.lens.opening import token_text
-    from embedlens.analysis.lens.sites import SiteJob, decode_sites
+    from embedlens.analysis.lens.sites import Reader, decode_sites
 
-    inner = [s for s in sites if s != "resid"]
-    layers = [layer for layer in result.layers if layer >= 1]
-    job = SiteJob(inner, layers, result.positions, run.index, ask.top_k, len(tokenizer),
-                  run.target_id, run.ids)  # fmt: skip
-    with torch.inference_mode(), threads_for(model, len(run.ids)):
-        decoded = decode_sites(job, pieces, decoder, input_device(model), result.vocab_size)
-    cache: dict[int, str] = {}
-
-    def tok(i: int) -> str:
-        if i not in cache:
-            cache[i] = token_text(tokenizer, i)
-        return cache[i]
-
-    return joined(report, sites, decoded, pieces, tok)
-
-
-def joined(
-    report: LensReport, sites: Sequence[str], decoded: SiteRows, pieces: Pieces, tok: Tok
-) -> LensReport:
-    """The lens's report, a row per (layer, site asked) in block order."""
-    own = {row.layer: row for row in report.layers}
-    rows: list[SiteLayer] = []
-    for layer in own:
-        for site in (s for s in SITES if s in sites):
-            if site == "resid":
-                r = {f.name: getattr(own[layer], f.name) for f in dataclasses.fields(own[layer])}
-                rows.append(SiteLayer(**r, site=site, row=str(layer)))
-            elif layer >= 1:
-                rows.append(_row(decoded, site, layer, report.position_index, tok))
-    grid = _grid(report, sites, decoded, tok)
+    reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
+    decoded = decode_sites(reader, model, sites, result, run, ask.top_k, len(tokenizer))
+    tok = functools.cache(functools.partial(token_text, tokenizer))
+    rows = [
+        _resid(row, label) if site == "resid" else _row(decoded, site, row.layer, label, tok)
+        for row in report.layers
+        for _, site, label in in_block_order([row.layer], sites)
+        if site == "resid" or row.layer >= 1
+    ]
+    grid = None
+    if report.grid is not None:
+        grid = [
+            SiteGridRow(g.layer, _cells(decoded, site, g, tok), site, label)
+            for g in report.grid
+            for _, site, label in in_block_order([g.layer], sites)
+            if site == "resid" or g.layer >= 1
+        ]
     return dataclasses.replace(
         report, layers=rows, grid=grid, sites=list(sites), block_sums=sums(pieces)
     )
 
 
-def sums(pieces: Pieces) -> BlockSums:
-    """The blocks' check as the report gives it."""
-    from embedlens.analysis.lens.sites import structure
+def _resid(row: LensLayer, label: str) -> SiteLayer:
+    """The lens's own row, as a site's."""
+    fields = {f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
+    return SiteLayer(**fields, site="resid", row=label)
 
-    return BlockSums(*structure(pieces.splits))
+
+def _row(
+    decoded: SiteRows, site: str, layer: int, label: str, tok: Callable[[int], str]
+) -> SiteLayer:
+    """A site's row at the position read: its top-k, the target's place, a piece's change."""
+    top = decoded.rows[(site, layer, decoded.index)]
+    p, rank, lp = top.target_prob, top.target_rank, top.target_logprob
+    at = None if p is None or rank is None or lp is None else TargetAt(p, rank, lp)
+    ids = zip(top.ids, top.probs, top.logprobs, strict=True)
+    change = decoded.changes.get((site, layer))
+    return SiteLayer(
+        layer=layer,
+        top=[Prediction(i, tok(i), p, lp) for i, p, lp in ids],
+        target=at,
+        **top.stats,
+        site=site,
+        row=label,
+        decoded="lens" if site == "resid_mid" else "direct",
+        change=None
+        if change is None
+        else SiteChange(change.kl, [Gained(i, tok(i), d, p) for i, d, p in change.gained]),
+    )
+
+
+def _cells(decoded: SiteRows, site: str, row: GridRow, tok: Callable[[int], str]) -> list[GridCell]:
+    """A site's grid cells at one layer (the lens's own for resid)."""
+    if site == "resid":
+        return row.cells
+    tops = [(c.position, decoded.rows[(site, row.layer, c.position)]) for c in row.cells]
+    return [GridCell(p, t.ids[0], tok(t.ids[0]), t.probs[0], t.logprobs[0]) for p, t in tops]
+
+
+def sums(pieces: Pieces) -> BlockSums:
+    """The blocks' check as the report gives it: their structure ('sequential', 'parallel'), the
+    attention's and the MLP's modules (every name found, in order), the largest miss relative to
+    its tolerance."""
+    splits = pieces.splits.values()
+    kinds = dict.fromkeys("parallel" if s.parallel else "sequential" for s in splits)
+    attn, mlp = dict.fromkeys(s.attn for s in splits), dict.fromkeys(s.mlp for s in splits)
+    worst = max(splits, key=lambda s: s.error / s.tolerance)
+    return BlockSums("/".join(kinds), ", ".join(attn), ", ".join(mlp), worst.error, worst.tolerance)
 
 
 def worse(a: BlockSums | None, b: BlockSums) -> BlockSums:
@@ -169,58 +201,249 @@ def worse(a: BlockSums | None, b: BlockSums) -> BlockSums:
     return a
 
 
-def _row(decoded: SiteRows, site: str, layer: int, index: int, tok: Tok) -> SiteLayer:
-    top = decoded.rows[(site, layer, index)]
-    change = decoded.changes.get((site, layer))
-    return SiteLayer(
-        layer=layer,
-        top=predictions(top, tok),
-        target=target_at(top),
-        **top.stats,
-        site=site,
-        row=f"{layer}{SUFFIX[site]}",
-        decoded="lens" if site == "resid_mid" else "direct",
-        change=None if change is None else site_change(change, tok),
-    )
+@dataclasses.dataclass
+class SiteSums:
+    """Sums per (site, layer) over every prompt and position read (a prompt's rows; with
+    `add`, A's rows against B's), and the blocks' check over every prompt."""
+
+    sums: dict[tuple[str, int], Sums] = dataclasses.field(default_factory=dict)
+    blocks: BlockSums | None = None
+
+    def checked(self, pieces: Pieces) -> None:
+        """A prompt's blocks' check kept where it misses the most."""
+        self.blocks = worse(self.blocks, sums(pieces))
+
+    def update(self, other: SiteSums) -> None:
+        """`other`'s sums added into these (another process's)."""
+        for key, acc in other.sums.items():
+            self.sums.setdefault(key, Sums()).update(acc)
+        if other.blocks is not None:
+            self.blocks = worse(self.blocks, other.blocks)
+
+    def add(self, a: SiteLogits, b: SiteLogits) -> None:
+        """One prompt's rows of A and B (at the same positions) compared."""
+        for key, la in a.logprobs.items():
+            acc = self.sums.setdefault(key, Sums())
+            for j in range(la.shape[0]):
+                kl, agree = _compared(la[j], b.logprobs[key][j])
+                acc.add("kl", kl)
+                acc.add("top1_agreement", int(agree))
+        self.checked(a.pieces)
+
+    def summary(self, summary: LensSummaryReport, sites: Sequence[str]) -> LensSummaryReport:
+        """The pair's summary with the means inside the blocks, and where the two part."""
+        rows = [
+            SiteDiffStats(
+                layer, site, label, **self.sums[(site, layer)].values(("kl", "top1_agreement"))
+            )
+            for layer, site, label in in_block_order(sorted({x for _, x in self.sums}), sites)
+        ]
+        assert summary.diff is not None
+        parts = _parts(rows, sites, summary.diff.threshold)
+        return dataclasses.replace(summary, **parts, site_diff=rows, block_sums=self.blocks)
 
 
-def predictions(top: Top, tok: Tok) -> list[Prediction]:
-    """A row's top-k as the report lists them."""
-    return [
-        Prediction(i, tok(i), p, lp)
-        for i, p, lp in zip(top.ids, top.probs, top.logprobs, strict=True)
+@dataclasses.dataclass(frozen=True)
+class SiteLogits:
+    """One model's site rows at the positions read: (site, layer) -> log-probabilities [P, V]
+    (float64, a row per position of `positions`), and its blocks taken apart."""
+
+    logprobs: dict[tuple[str, int], torch.Tensor]
+    positions: list[int]
+    pieces: Pieces
+
+
+def site_logits(
+    opened: Opened,
+    run: Prompt,
+    sites: Sequence[str],
+    layers: Sequence[int],
+    positions: Sequence[int] | None = None,
+) -> SiteLogits:
+    """A model's sites at `layers` (>= 1), at `positions` (the prompt's position read by
+    default), through its decoder."""
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
+    from embedlens.analysis.lens.sites import take_apart
+
+    model = opened.model
+    at = [run.index] if positions is None else list(positions)
+    pieces = take_apart(model, run.ids, at, "resid_mid" in sites)
+    decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
+    return logits_at(pieces, decoder, sites, layers, input_device(model), vocab, at)
+
+
+def logits_at(
+    pieces: Pieces,
+    decoder: Decoder,
+    sites: Sequence[str],
+    layers: Sequence[int],
+    device: torch.device,
+    vocab: int,
+    at: Sequence[int],
+) -> SiteLogits:
+    """The sites at `layers` of `pieces` (taken apart at the positions `at`: a model's, or a
+    states file's) through `decoder`, on `device`."""
+    import torch
+
+    from embedlens.analysis.lens.sites import PIECE, Reader, stacked
+
+    reader = Reader(pieces, decoder, device, vocab)
+    with torch.inference_mode():
+        got = reader.decoded(reader.rows([s for s in SITES if s in sites], layers, len(at), ()))
+        out = {key: row.double().log_softmax(-1).cpu() for key, row in got}
+    logprobs = {
+        (s, layer): stacked(out, (PIECE[s], layer), range(len(at)))
+        for s in sites
+        for layer in layers
+    }
+    return SiteLogits(logprobs, list(at), pieces)
+
+
+def _compared(la: torch.Tensor, lb: torch.Tensor) -> tuple[float, bool]:
+    """KL(A ‖ B) of two rows of log-probabilities, and whether their top-1 agree."""
+    from embedlens.analysis.lens.sites import kl
+
+    return float(kl(la, lb)), bool(la.argmax() == lb.argmax())
+
+
+def pair_sites(
+    report: LensReport, a: SiteLogits, b: SiteLogits, sites: Sequence[str], read: int
+) -> LensReport:
+    """A's pair report with the rows inside the blocks compared at the position `read`, and
+    where the two part."""
+    j = a.positions.index(read)
+    layers = sorted({x for _, x in a.logprobs})
+    rows = [
+        SiteDiff(
+            layer,
+            site,
+            label,
+            *_compared(a.logprobs[(site, layer)][j], b.logprobs[(site, layer)][j]),
+        )
+        for layer, site, label in in_block_order(layers, sites)
     ]
+    assert report.diff is not None
+    parts = _parts(rows, sites, report.diff.threshold)
+    return dataclasses.replace(report, **parts, site_diff=rows, block_sums=sums(a.pieces))
 
 
-def target_at(top: Top) -> TargetAt | None:
-    """The target's place in a row, when followed."""
-    if top.target_prob is None or top.target_rank is None or top.target_logprob is None:
-        return None
-    return TargetAt(top.target_prob, top.target_rank, top.target_logprob)
+def _parts(
+    rows: Sequence[SiteDiff | SiteDiffStats], sites: Sequence[str], threshold: float
+) -> dict[str, Any]:
+    """`sites`, and the first row past the threshold with what it blames: a block's output
+    parting where its resid_mid (asked for) agreed blames its MLP."""
+    first = next((r for r in rows if r.kl > threshold), None)
+    if first is None:
+        return {"sites": list(sites), "parts_at": None, "parts_in": None}
+    if first.site in ("attn_out", "resid_mid"):
+        blamed = f"the attention of block {first.layer}"
+    elif first.site == "mlp_out" or "resid_mid" in sites:
+        blamed = f"the MLP of block {first.layer}"
+    else:
+        blamed = f"block {first.layer}"
+    return {"sites": list(sites), "parts_at": first.row, "parts_in": blamed}
 
 
-def site_change(change: Change, tok: Tok) -> SiteChange:
-    """A piece's change as the report gives it."""
-    return SiteChange(change.kl, [Gained(i, tok(i), d, p) for i, d, p in change.gained])
+class SiteManyRun(ManyRun):
+    """`ManyRun` with the sites inside the blocks: each prompt's report and the summary with
+    their `sites` parts (a piece's statistics summed in `inside` as each prompt runs)."""
 
+    sites: tuple[str, ...] = ("resid",)
 
-def _grid(
-    report: LensReport, sites: Sequence[str], decoded: SiteRows, tok: Tok
-) -> list[SiteGridRow] | None:
-    """The grid with a row per (layer, site), when the report has one."""
-    if report.grid is None:
-        return None
-    out: list[SiteGridRow] = []
-    for g in report.grid:
-        for site in (s for s in SITES if s in sites):
+    def with_sites(self, sites: Sequence[str]) -> SiteManyRun:
+        """This run, reading `sites`."""
+        self.sites, self.inside = tuple(sites), SiteSums()
+        return self
+
+    def run_window(
+        self, window: Window, others: list[dict[int, Any]] | None = None
+    ) -> list[BatchOut]:
+        outs = super().run_window(window, others)
+        for (_, (_, prompt, _)), out in zip(window, outs, strict=True):
+            self._add(prompt, out.result)
+        return outs
+
+    def _add(self, run: Prompt, result: LensResult) -> None:
+        """One prompt's sites other than resid, taken apart (their check kept) and decoded a
+        layer at a time, added to the sums at once: KL(model's output ‖ the row), the row's
+        entropy, top-1 agreement, the target's place, `ROW_STATS`, a piece's change KL."""
+        import torch
+
+        from embedlens.analysis.lens.blocks import (
+            ModelDecoder,
+            find_blocks,
+            input_device,
+            threads_for,
+        )
+        from embedlens.analysis.lens.sites import Reader, kl, take_apart
+
+        model, inner = self.opened.model, [s for s in self.sites if s != "resid"]
+        pieces = take_apart(model, run.ids, result.positions, "resid_mid" in self.sites)
+        self.inside.checked(pieces)
+        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+        reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
+        assert result.output is not None
+        real = torch.log_softmax(result.output.float(), -1)
+        nexts, n = next_ids(run.ids, result.positions), int(real.shape[0])
+        with torch.inference_mode(), threads_for(model, len(run.ids)):
+            for layer in (x for x in result.layers if x >= 1):
+                for site, _, x, moved in reader.sites(inner, [layer], n, range(n)):
+                    acc = self.inside.sums.setdefault((site, layer), Sums())
+                    _add_rows(acc, x, real, nexts, len(self.opened.tokenizer), run.target_id)
+                    if moved:
+                        lb, la = (rows.double().log_softmax(-1) for rows in moved)
+                        acc.add("change_kl", float(kl(la, lb).sum()), n)
+
+    def report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
+        base = super().report(ask, prompt, out)
+        return sites_report(base, self.opened, ask, prompt, out.result, self.sites)
+
+    def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
+        base = super().summary(n_bad, bad)
+        own = {row.layer: row for row in base.layers}
+        rows: list[SiteStats] = []
+        for layer, site, label in in_block_order(own, self.sites):
             if site == "resid":
-                out.append(SiteGridRow(g.layer, g.cells, site, str(g.layer)))
-            elif g.layer >= 1:
-                cells = [_cell(decoded.rows[(site, g.layer, c.position)], c.position, tok)
-                         for c in g.cells]  # fmt: skip
-                out.append(SiteGridRow(g.layer, cells, site, f"{g.layer}{SUFFIX[site]}"))
-    return out
+                rows.append(SiteStats(**dataclasses.asdict(own[layer]), site=site, row=label))
+            elif (site, layer) in self.inside.sums:
+                means = self.inside.sums[(site, layer)].values(SITE_STATS)
+                rows.append(SiteStats(layer=layer, **means, site=site, row=label))
+        blocks = self.inside.blocks
+        return dataclasses.replace(base, layers=rows, sites=list(self.sites), block_sums=blocks)
+
+    def _merge(self, session: Session, ran: int) -> None:
+        """Under torchrun: the sites' sums of every process added (in rank order) too."""
+        super()._merge(session, ran)
+        merged = SiteSums()
+        for part in session.all_gather(self.inside):
+            merged.update(part)
+        self.inside = merged
 
 
-def _cell(top: Top, position: int, tok: Tok) -> GridCell:
-    return GridCell(position, top.ids[0], tok(top.ids[0]), top.probs[0], top.logprobs[0])
+def _add_rows(
+    acc: Sums,
+    x: torch.Tensor,
+    real: torch.Tensor,
+    nexts: list[int | None],
+    real_vocab: int,
+    target: int | None,
+) -> None:
+    """One site's rows [P, V] at one layer added to its sums (`real`: the model's own
+    log-probabilities at the positions read, float32 [P, V])."""
+    from embedlens.analysis.lens.stats import tops_from_log_softmax
+
+    lx = x.float().log_softmax(-1)
+    n = int(x.shape[0])
+    acc.add("kl", float((real.exp() * (real - lx)).sum(-1).sum()), n)
+    acc.add("entropy", float(-(lx.exp() * lx).sum(-1).sum()), n)
+    model_top1 = real[:, :real_vocab].argmax(-1)
+    acc.add("top1_agreement", int((x[:, :real_vocab].argmax(-1) == model_top1).sum()), n)
+    if target is None and not ROW_STATS:
+        return
+    for top in tops_from_log_softmax(x, lx, 1, real_vocab, [target] * len(x), nexts):
+        if target is not None:
+            acc.add("target_prob", float(top.target_prob or 0.0))
+            acc.add("target_logprob", float(top.target_logprob or 0.0))
+            acc.rank("target_rank_median", int(top.target_rank or 0))
+        add_row(acc, top.stats)

@@ -10,18 +10,18 @@ reads `x + a`, and `x + a + m` = the output. A piece is the output the block add
 it applies first (Gemma 2's post-norms). A block whose output is not such a sum (a residual scale,
 a norm after the add) is refused, with what did not add up.
 
-The sites of one prompt decoded (`site_rows`): `resid_mid` through the lens; `attn_out` and
-`mlp_out` two ways, directly (the piece alone through the final norm and head: direct logit
-attribution) and as the change they make to the lens (the lens after the piece against the lens
-before it).
+The sites decoded (`Reader`, the rows `Reader.rows` lists for every mode): `resid_mid` through the
+lens; `attn_out` and `mlp_out` directly (the piece alone through the final norm and head:
+direct logit attribution) and as the change they make to the lens (the lens after the piece
+against the lens before it); one prompt's rows reduced (`decode_sites`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,14 +29,20 @@ from torch import nn
 from embedlens.analysis.lens.blocks import (
     Blocks,
     Decoder,
+    find_blocks,
     first_tensor,
     forward,
     hooked,
     input_device,
+    threads_for,
 )
 from embedlens.analysis.lens.engine import CHUNK_BYTES
 from embedlens.analysis.lens.stats import Top, best, exact_top1, exact_tops, next_ids
 from embedlens.errors import NumericError, UnsupportedError
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.report import LensResult
+    from embedlens.analysis.lens.opening import Prompt
 
 
 @dataclass(frozen=True)
@@ -116,9 +122,13 @@ def _name(calls: list[_Call], i: int) -> str:
     return calls[i].name
 
 
+Found = tuple[Split, torch.Tensor | None, torch.Tensor, torch.Tensor]
+"""A block's `Split`, its `resid_mid` (None in a parallel block), `attn_out` and `mlp_out`."""
+
+
 def find_split(
     block: str, x: torch.Tensor, y: torch.Tensor, calls: list[_Call], dtype: torch.dtype
-) -> tuple[Split, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> Found:
     """The block's pieces (its `Split`, `resid_mid` or None, `attn_out`, `mlp_out`), found among
     its children's outputs that no later child reads as they are (those go on inside the block);
     refused when no pair adds up."""
@@ -142,9 +152,6 @@ def find_split(
     )
 
 
-Found = tuple[Split, torch.Tensor | None, torch.Tensor, torch.Tensor]
-
-
 def _sequential(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -158,7 +165,8 @@ def _sequential(
         assert a.out is not None
         summed = x.float() + a.out.float()
         tol = tolerance(dtype, x, a.out)
-        reader = next((c for c in calls[i + 1 :] if _reads(c, summed, tol)), None)
+        readers = (c for c in calls[i + 1 :] if c.inp is not None and _close(c.inp, summed) <= tol)
+        reader = next(readers, None)
         if reader is None or reader.inp is None:
             continue
         mid, mid_err, attn = reader.inp, _close(reader.inp, summed), _name(calls, i)
@@ -178,10 +186,6 @@ def _sequential(
             f"{name}'s output misses its output by {err:.3g} (tolerance {tol:.3g})"
         )
     return None
-
-
-def _reads(c: _Call, summed: torch.Tensor, tol: float) -> bool:
-    return c.inp is not None and _close(c.inp, summed) <= tol
 
 
 def _parallel(
@@ -275,34 +279,121 @@ def _child_hooks(name: str, child: nn.Module, calls: list[_Call]) -> list[Any]:
     ]
 
 
-def structure(splits: dict[int, Split]) -> tuple[str, str, str, float, float]:
-    """The blocks' structure as a report says it: 'sequential' or 'parallel', the attention's
-    and the MLP's modules (every name found, in order), the largest error and its tolerance."""
-    kinds = dict.fromkeys("parallel" if s.parallel else "sequential" for s in splits.values())
-    attn = dict.fromkeys(s.attn for s in splits.values())
-    mlp = dict.fromkeys(s.mlp for s in splits.values())
-    worst = max(splits.values(), key=lambda s: s.error / s.tolerance)
-    return "/".join(kinds), ", ".join(attn), ", ".join(mlp), worst.error, worst.tolerance
-
-
-def refuse_mid_in_parallel(splits: dict[int, Split], block_type: Callable[[int], str]) -> None:
-    """resid_mid asked of a parallel block: refused with why."""
-    parallel = [layer for layer, s in splits.items() if s.parallel]
-    if not parallel:
-        return
+def take_apart(model: nn.Module, ids: Sequence[int], positions: Sequence[int], mid: bool) -> Pieces:
+    """The model's blocks taken apart on one prompt (refused where the sums fail, or resid_mid
+    of a parallel block when `mid`)."""
+    blocks = find_blocks(model)
+    with threads_for(model, len(ids)):  # as the engine's pass: the same bytes on any threads
+        pieces = capture_pieces(model, blocks, ids, positions)
+    parallel = [layer for layer, s in pieces.splits.items() if s.parallel]
+    if not mid or not parallel:
+        return pieces
     layer = parallel[0]
-    s = splits[layer]
+    s = pieces.splits[layer]
     raise UnsupportedError(
-        f"--site resid_mid does not exist in block {layer} ({block_type(layer)}): its attention "
-        f"({s.attn}) and its MLP ({s.mlp}) both read the block's input, in parallel (output = "
-        "input + attention + MLP), so no stream runs between them",
+        f"--site resid_mid does not exist in block {layer} "
+        f"({type(blocks.modules[layer - 1]).__name__}): its attention ({s.attn}) and its MLP "
+        f"({s.mlp}) both read the block's input, in parallel (output = input + attention + "
+        "MLP), so no stream runs between them",
         hint="ask for --site attn_out,mlp_out (what each adds) or resid",
     )
 
 
+PIECE = {"attn_out": "attn", "resid_mid": "mid", "mlp_out": "mlp", "resid": "post"}
+"""The stream each site's rows decode (a piece, or resid's: the block's output), in block order."""
 Key = tuple[str, int]
 """(stream, layer): 'mid', 'attn', 'mlp' (the pieces), 'pre', 'post', 'pre+attn', 'pre+mlp'."""
-PIECE = {"attn_out": "attn", "resid_mid": "mid", "mlp_out": "mlp"}
+
+
+def before_after(site: str, layer: int, pieces: Pieces) -> tuple[Key, ...]:
+    """The streams a piece's change is read between: attention from the block's input to
+    resid_mid, the MLP from resid_mid to the output (in a parallel block, each from the input to
+    the input plus the piece); none for resid_mid and resid."""
+    if site not in ("attn_out", "mlp_out"):
+        return ()
+    piece = PIECE[site]
+    if layer not in pieces.mid:
+        return ("pre", layer), ("pre+" + piece, layer)
+    if piece == "attn":
+        return ("pre", layer), ("mid", layer)
+    return ("mid", layer), ("post", layer)
+
+
+def stream(key: Key, pieces: Pieces) -> torch.Tensor:
+    """The rows [P, d] of one stream."""
+    name, layer = key
+    piece: dict[int, torch.Tensor] = getattr(pieces, name.removeprefix("pre+"))
+    return pieces.pre[layer] + piece[layer] if name.startswith("pre+") else piece[layer]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A prompt's blocks taken apart (a model's, or a states file's) and what decodes their rows:
+    `decoder`, on `device`, into logits over `vocab` ids."""
+
+    pieces: Pieces
+    decoder: Decoder
+    device: torch.device
+    vocab: int
+
+    def decoded(
+        self, rows: list[tuple[Key, int]]
+    ) -> Iterator[tuple[tuple[Key, int], torch.Tensor]]:
+        """Each (stream, row) of `rows` decoded: float32 logits [V], in chunks of bounded size."""
+        streams = {key: stream(key, self.pieces) for key in dict.fromkeys(k for k, _ in rows)}
+        chunk = max(1, CHUNK_BYTES // (4 * self.vocab))
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            h = torch.stack([streams[key][j] for key, j in part]).to(self.device)
+            out = self.decoder.logits(h, [key[1] for key, _ in part]).float()
+            bad = ~torch.isfinite(out).all(-1)
+            if bool(bad.any()):
+                (name, layer), _ = part[int(bad.nonzero()[0, 0])]
+                raise NumericError(
+                    f"decoding {name} of block {layer} through the model's final steps gives "
+                    "logits that are not finite: that site cannot be read",
+                    hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
+                )
+            yield from zip(part, out, strict=True)
+
+    def rows(
+        self, sites: Sequence[str], layers: Iterable[int], n: int, changes: Sequence[int]
+    ) -> list[tuple[Key, int]]:
+        """The rows to decode, in order: at each layer, the stream of every site at each of the
+        `n` positions, then the streams a piece's change is read between (those not read
+        already) at the positions `changes`."""
+        out: list[tuple[Key, int]] = []
+        for layer in layers:
+            keys = [(PIECE[s], layer) for s in sites]
+            moves = (k for s in sites for k in before_after(s, layer, self.pieces))
+            out += [(key, j) for key in keys for j in range(n)]
+            out += [(key, j) for key in dict.fromkeys(moves) if key not in keys for j in changes]
+        return out
+
+    def sites(
+        self, sites: Sequence[str], layers: Sequence[int], n: int, changes: Sequence[int]
+    ) -> Iterator[tuple[str, int, torch.Tensor, list[torch.Tensor]]]:
+        """Each (layer, site) of `sites` at `layers` decoded (the rows `rows` lists, at once):
+        the site, the layer, its rows [n, V] at the `n` positions, and those its change is read
+        between (before, after: [C, V] at the positions `changes`; none for resid_mid, resid)."""
+        got = dict(self.decoded(self.rows(sites, layers, n, changes)))
+        for layer in layers:
+            for site in sites:
+                moves = before_after(site, layer, self.pieces)
+                moved = [stacked(got, key, changes) for key in moves]
+                yield site, layer, stacked(got, (PIECE[site], layer), range(n)), moved
+
+
+def stacked(
+    got: dict[tuple[Key, int], torch.Tensor], key: Key, rows: Iterable[int]
+) -> torch.Tensor:
+    """The decoded rows of `key` at the positions `rows`, stacked [n, V]."""
+    return torch.stack([got[key, j] for j in rows])
+
+
+def kl(la: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
+    """KL(a ‖ b) along the last dimension of two log-probabilities (never below 0)."""
+    return (la.exp() * (la - lb)).sum(-1).clamp(min=0)
 
 
 @dataclass(frozen=True)
@@ -321,126 +412,43 @@ class SiteRows:
 
     rows: dict[tuple[str, int, int], Top]
     changes: dict[tuple[str, int], Change]
-
-
-@dataclass(frozen=True)
-class SiteJob:
-    """What to decode: the sites other than resid at `layers`, at `positions` (indices into the
-    pieces' rows are their order), the one at `index` in full."""
-
-    sites: Sequence[str]
-    layers: Sequence[int]
-    positions: Sequence[int]
     index: int
-    k: int
-    real_vocab: int
-    target: int | None
-    ids: Sequence[int] = ()
-    """The prompt's ids (each row's next token)."""
-
-
-def before_after(piece: str, layer: int, pieces: Pieces) -> tuple[Key, Key]:
-    """The streams a piece's change is read between: attention from the block's input to
-    resid_mid, the MLP from resid_mid to the output (in a parallel block, each from the input to
-    the input plus the piece)."""
-    if layer not in pieces.mid:
-        return ("pre", layer), ("pre+" + piece, layer)
-    if piece == "attn":
-        return ("pre", layer), ("mid", layer)
-    return ("mid", layer), ("post", layer)
-
-
-def stream(key: Key, pieces: Pieces) -> torch.Tensor:
-    """The rows [P, d] of one stream."""
-    name, layer = key
-    piece: dict[int, torch.Tensor] = getattr(pieces, name.removeprefix("pre+"))
-    return pieces.pre[layer] + piece[layer] if name.startswith("pre+") else piece[layer]
+    """The position read."""
 
 
 def decode_sites(
-    job: SiteJob, pieces: Pieces, decoder: Decoder, device: torch.device, vocab: int
+    reader: Reader,
+    model: nn.Module,
+    sites: Sequence[str],
+    result: LensResult,
+    run: Prompt,
+    k: int,
+    real_vocab: int,
 ) -> SiteRows:
-    """Every site row of `job` through the decoder, in bounded chunks."""
-    full = job.positions.index(job.index)
-    wanted: list[tuple[Key, int]] = []
-    for layer in job.layers:
-        for site in job.sites:
-            piece = PIECE[site]
-            wanted += [((piece, layer), j) for j in range(len(job.positions))]
-            if piece != "mid":
-                for key in before_after(piece, layer, pieces):
-                    if (key, full) not in wanted:
-                        wanted.append((key, full))
-    logits = dict(decoded_rows(decoder, pieces, wanted, device, vocab))
-    rows: dict[tuple[str, int, int], Top] = {}
+    """The sites other than resid at `result`'s layers from 1 decoded through `reader` at the
+    positions `result` read (on `model`'s threads), and reduced: the position read to its top-k,
+    the others to their top-1 (among the `real_vocab` real tokens); a piece's change there."""
+    inner = [s for s in sites if s != "resid"]
+    layers, n = [x for x in result.layers if x >= 1], len(result.positions)
+    full = result.positions.index(run.index)
+    tops: dict[tuple[str, int, int], Top] = {}
     changes: dict[tuple[str, int], Change] = {}
-    for layer in job.layers:
-        for site in job.sites:
-            piece = PIECE[site]
-            at = [logits[(piece, layer), j] for j in range(len(job.positions))]
-            rows.update(_tops(job, site, layer, at))
-            if piece != "mid":
-                before, after = before_after(piece, layer, pieces)
-                changes[(site, layer)] = change(
-                    logits[before, full], logits[after, full], job.k, job.real_vocab
-                )
-    return SiteRows(rows, changes)
-
-
-def _tops(
-    job: SiteJob, site: str, layer: int, logits: list[torch.Tensor]
-) -> dict[tuple[str, int, int], Top]:
-    """One site's rows at one layer reduced: the position read to its top-k, the others to
-    their top-1."""
-    out: dict[tuple[str, int, int], Top] = {}
-    x = torch.stack(logits)
-    ones = exact_top1(x, job.real_vocab)
-    for j, p in enumerate(job.positions):
-        if p == job.index:
-            nexts = next_ids(job.ids, [p])
-            out[(site, layer, p)] = exact_tops(
-                x[j : j + 1], job.k, job.real_vocab, job.target, nexts
-            )[0]
-        else:
-            out[(site, layer, p)] = ones[j]
-    return out
+    with torch.inference_mode(), threads_for(model, len(run.ids)):
+        for site, layer, x, moved in reader.sites(inner, layers, n, [full]):
+            ones = exact_top1(x, real_vocab)
+            tops.update({(site, layer, p): ones[j] for j, p in enumerate(result.positions)})
+            nexts = next_ids(run.ids, [run.index])
+            top = exact_tops(x[full : full + 1], k, real_vocab, run.target_id, nexts)
+            tops[(site, layer, run.index)] = top[0]
+            if moved:
+                changes[(site, layer)] = change(moved[0][0], moved[1][0], k, real_vocab)
+    return SiteRows(tops, changes, run.index)
 
 
 def change(before: torch.Tensor, after: torch.Tensor, k: int, real_vocab: int) -> Change:
     """KL(after ‖ before) over the whole output, and the k real tokens gained the most."""
     lb = torch.log_softmax(before.double(), -1)
     la = torch.log_softmax(after.double(), -1)
-    kl = float((la.exp() * (la - lb)).sum())
     delta = (la - lb)[:real_vocab]
     ids = best(delta[None].float(), k)[0].tolist()
-    return Change(max(kl, 0.0), [(i, float(delta[i]), float(la[i].exp())) for i in ids])
-
-
-def decoded_rows(
-    decoder: Decoder,
-    pieces: Pieces,
-    wanted: list[tuple[Key, int]],
-    device: torch.device,
-    vocab: int,
-) -> Iterator[tuple[tuple[Key, int], torch.Tensor]]:
-    """Each wanted (stream, row) decoded: float32 logits [V], in chunks of bounded size."""
-    streams = {key: stream(key, pieces) for key in dict.fromkeys(k for k, _ in wanted)}
-    chunk = max(1, CHUNK_BYTES // (4 * vocab))
-    for start in range(0, len(wanted), chunk):
-        part = wanted[start : start + chunk]
-        h = torch.stack([streams[key][j] for key, j in part]).to(device)
-        out = decoder.logits(h, [key[1] for key, _ in part]).float()
-        _finite(out, part)
-        yield from zip(part, out, strict=True)
-
-
-def _finite(out: torch.Tensor, part: list[tuple[Key, int]]) -> None:
-    """Refuse a decoded row that is not finite."""
-    bad = ~torch.isfinite(out).all(-1)
-    if bool(bad.any()):
-        (name, layer), _ = part[int(bad.nonzero()[0, 0])]
-        raise NumericError(
-            f"decoding {name} of block {layer} through the model's final steps gives logits "
-            "that are not finite: that site cannot be read",
-            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
-        )
+    return Change(float(kl(la, lb)), [(i, float(delta[i]), float(la[i].exp())) for i in ids])

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.blocks import Decoder
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
-    from embedlens.analysis.lens.site_pair import SiteLogits
+    from embedlens.analysis.lens.site_report import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tail import Tail
     from embedlens.analysis.lens.tuned_folder import LensFolder
@@ -212,7 +212,7 @@ def _composed(
         return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
     from embedlens.analysis.lens.against import paired
     from embedlens.analysis.lens.many import shown_rows
-    from embedlens.analysis.lens.site_pair import logits_at
+    from embedlens.analysis.lens.site_report import logits_at
 
     report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
     cpu, at = torch.device("cpu"), [run.index]

@@ -384,15 +384,14 @@ def site_tensors(
 
     import torch
 
-    from embedlens.analysis.lens.site_report import SITES, take_apart
-    from embedlens.analysis.lens.sites import PIECE
+    from embedlens.analysis.lens.sites import PIECE, take_apart
 
     if tuple(sites) == ("resid",):
         return {}, {}
     pieces = take_apart(model, ids, range(len(ids)), "resid_mid" in sites)
     blocks = sorted(pieces.post)
     mid = len(pieces.mid) == len(blocks)
-    held = [s for s in SITES if (s in sites and s != "resid") or (s == "resid_mid" and mid)]
+    held = [s for s in PIECE if (s in sites and s != "resid") or (s == "resid_mid" and mid)]
     out: dict[str, torch.Tensor] = {}
     for site in held:
         part = getattr(pieces, PIECE[site])

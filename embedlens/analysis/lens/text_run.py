@@ -260,7 +260,7 @@ class TextRun:
         blocks taken apart on the same window and its site rows compared with A's as the
         residual stream's are (through B's own decoder); layer 0 has none."""
         from embedlens.analysis.lens.site_report import sums as block_sums
-        from embedlens.analysis.lens.site_report import take_apart
+        from embedlens.analysis.lens.sites import take_apart
 
         mid = "resid_mid" in self.sites
         pieces = take_apart(self.main.model, w.ids, w.positions, mid)
