@@ -41,8 +41,8 @@ from embedlens.analysis.lens.stats import Top, best, exact_top1, exact_tops, nex
 from embedlens.errors import NumericError, UnsupportedError
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.report import LensResult
     from embedlens.analysis.lens.opening import Prompt
+    from embedlens.analysis.lens.report import LensResult
 
 
 @dataclass(frozen=True)
