@@ -11,8 +11,8 @@ given made into its option objects):
 - `batch`: many prompts through the same engine pieces at once, with KL and entropy per row;
 - `many`: prompts files and lists: every line checked, then run a window at a time;
 - `stats`: every per-row statistic defined once, and the one accumulator they are summed in;
-- `text`: `lens_text`, the lens over every scored token of a text (`text_input`, `text_run`,
-  `text_stats`; `logits_file` for --save-logits / --against-logits);
+- `text`: `lens_text`, the lens over every scored token of a text, and --save-logits /
+  --against-logits files (`text_run`: a window through the model(s); `text_stats`: the report);
 - `report`: one prompt through the engine, and a run's result as the `LensReport` users get;
 - `against`, `pairing`, `pair`: `--against` (B checked, both run, the figures and reports);
 - `sites`, `site_report`, `site_many`, `site_pair`: `--site` (the pieces inside a block found
