@@ -88,11 +88,7 @@ def lens_text(
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
-    reference = None
-    if against_logits is not None:
-        from embedlens.analysis.lens.text_stats import read_logits
-
-        reference = read_logits(against_logits)
+    reference = None if against_logits is None else _reference_file(against_logits)
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         saving = saving_many(save_states, load.revision, against, session, "--text")
@@ -101,6 +97,13 @@ def lens_text(
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual, sites, saving), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
+
+
+def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
+    """A `save_logits` file, read and checked (the reference run; NumPy imported now)."""
+    from embedlens.analysis.lens.text_stats import read_logits
+
+    return read_logits(path)
 
 
 def _check(
@@ -127,7 +130,7 @@ def _run(
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
     from embedlens.analysis.lens import text_stats
     from embedlens.analysis.lens.opening import open_model
-    from embedlens.analysis.lens.text_run import text_run
+    from embedlens.analysis.lens.text_run import TOP_K, text_run
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual, sites, saving = more
@@ -149,9 +152,12 @@ def _run(
         saver = None if saving is None else ManySaver(saving[0], opened, saving[1], sites)
         done = _all(run, (r, name), tokens, reference, (session, saver), progress)
         totals = text_stats.TextTotals(run.layers, done)
-        report = text_stats.text_report(opened, run, totals, (name, r, tokens), other, reference)
+        n, cut = len(tokens.ids), {"ctx": r.ctx, "stride": r.stride, "score": r.score}
+        head = {"text": name, "n_text_tokens": n, **cut, "n_windows": len(r.starts(n))}
+        report = text_stats.text_report(opened, run, totals, head, other, reference)
         if save_logits is not None and (session is None or session.rank == 0):
-            text_stats.save_logits(save_logits, opened, r, tokens, done, run.vocab)
+            meta = {"model": opened.name, **cut, "vocab": run.vocab, "top_k": TOP_K}
+            text_stats.save_logits(save_logits, meta, tokens.ids, done)
         return report
 
 

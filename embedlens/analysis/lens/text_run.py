@@ -220,6 +220,8 @@ class TextRun:
         """The sites inside the blocks read beside the residual stream (`--site`)."""
         self.n_layers = len(find_blocks(main.model).modules)
         self.keep_logits = keep_logits
+        self.tuned = main.logit is not None
+        """A tuned lens, the logit lens beside it."""
         self.residual = residual
         self.device = input_device(main.model)
         self.scratch = Scratch()

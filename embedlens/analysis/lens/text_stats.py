@@ -31,7 +31,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -49,8 +49,6 @@ from embedlens.reports.lens_text import (
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.lens.text import Rule, Tokens
-    from embedlens.analysis.lens.text_run import TextRun
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
@@ -280,21 +278,30 @@ class TextTotals:
         ]
 
 
+class Ran(Protocol):
+    """What the report reads of the windows' runner (`text_run.TextRun`)."""
+
+    n_layers: int
+    tuned: bool
+    residual: bool
+    sites: tuple[str, ...]
+    check: tuple[float, float] | None
+
+
 def text_report(
     opened: Opened,
-    run: TextRun,
+    run: Ran,
     totals: TextTotals,
-    what: tuple[str, Rule, Tokens],
+    head: dict[str, Any],
     other: Opened | None,
     reference: LogitsFile | None,
 ) -> LensTextReport:
-    """The report of a run: the lens's rows, and with B or a logits file the comparison."""
+    """The report of a run (`head`: the text's fields): the lens's rows, and with B or a logits
+    file the comparison."""
     from embedlens.analysis.lens.report import dtype_name
 
-    name, r, tokens = what
     ppl, ppl_err = totals.perplexity()
     diff, tol = run.check or (0.0, 0.0)
-    tuned = run.main.logit is not None
     ref_name = evaluated = None
     if reference is not None:
         totals.pair_layers = [run.n_layers]
@@ -304,12 +311,7 @@ def text_report(
     paired = ref_name is not None
     report = LensTextReport(
         model=opened.name,
-        text=name,
-        n_text_tokens=len(tokens.ids),
-        ctx=r.ctx,
-        stride=r.stride,
-        score=r.score,
-        n_windows=len(r.starts(len(tokens.ids))),
+        **head,
         n_scored=totals.n,
         n_bytes=totals.n_bytes,
         num_layers=run.n_layers,
@@ -317,8 +319,8 @@ def text_report(
         perplexity=ppl,
         perplexity_err=ppl_err,
         layers=totals.one(),
-        lens="tuned" if tuned else "logit",
-        logit_layers=totals.one(logit=True) if tuned else None,
+        lens="tuned" if run.tuned else "logit",
+        logit_layers=totals.one(logit=True) if run.tuned else None,
         reference=ref_name,
         evaluated=evaluated,
         pair=totals.pair(residual=other is not None and run.residual) if paired else None,
@@ -413,16 +415,13 @@ def read_logits(path: str | os.PathLike[str]) -> LogitsFile:
 
 
 def save_logits(
-    path: Any, opened: Opened, r: Rule, tokens: Tokens, done: list[WindowSums], vocab: int
+    path: str | os.PathLike[str], meta: dict[str, Any], ids: list[int], done: list[WindowSums]
 ) -> None:
-    """The output's rows each window kept (`text_run.kept_logits`), written as a logits file."""
-    from embedlens.analysis.lens.text_run import TOP_K
-
-    meta = {"model": opened.name, "ctx": r.ctx, "stride": r.stride, "score": r.score,
-            "vocab": vocab, "top_k": TOP_K}  # fmt: skip
+    """The output's rows each window kept (`text_run.kept_logits`) written as a logits file,
+    with the run's `meta` and the text's token ids."""
     head = {**meta, "format": FORMAT, "windows": [len(w.extra["top1"]) for w in done]}
     arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)}
-    arrays["tokens"] = np.asarray(tokens.ids, dtype=np.int32)
+    arrays["tokens"] = np.asarray(ids, dtype=np.int32)
     arrays.update({k: np.concatenate([w.extra[k] for w in done]) for k in KEYS})
     with open(path, "wb") as f:
         np.savez(f, **arrays)
