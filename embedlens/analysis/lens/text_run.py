@@ -247,7 +247,8 @@ class TextRun:
             if self.check is None:
                 self._self_check(cap)
             out_lp = _lp(real)
-            out = out_lp.exp(), rowdot(out_lp.exp(), out_lp)
+            out_p = out_lp.exp()
+            out = out_p, rowdot(out_p, out_lp)
             decoded = [(x, j) for x in self.layers if x != self.n_layers for j in range(len(t))]
             output = [(self.n_layers, j) for j in range(len(t))]
             parts = self._parts(decoded, False, real) + self._parts(output, True, real)
