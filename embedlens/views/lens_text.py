@@ -22,12 +22,6 @@ from embedlens.views.format import Sheet, shown
 from embedlens.views.sites import row_label, sums_line
 
 
-def _label(r: LensTextReport, layer: int) -> str:
-    if layer == 0:
-        return "0 emb"
-    return f"{layer} out" if layer == r.num_layers else str(layer)
-
-
 def _over(r: LensTextReport) -> str:
     return (
         f"{r.n_scored:,} tokens scored in {r.n_windows} windows of {r.ctx} (stride {r.stride}, "
@@ -70,8 +64,11 @@ def _one(r: LensTextReport) -> RenderableType:
     for c in cols:
         table.add_column(c, justify="right", no_wrap=c == "layer")
     for row in r.layers:
-        cells = _cells(r, row)
-        cells += [_rank(row.next_rank_median)] if ranked else []
+        cells = [_row(r, row), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
+                 f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
+                 f"{row.top1_accuracy:.1%}"]  # fmt: skip
+        rank = row.next_rank_median
+        cells += [("-" if rank is None else format(rank, "g"))] if ranked else []
         other = logit.get(row.layer)
         if other is not None:
             cells += [f"{other.cross_entropy:.3f}", f"{other.kl:.3f}", f"{other.top1_accuracy:.1%}"]
@@ -91,20 +88,13 @@ def _one(r: LensTextReport) -> RenderableType:
 
 
 def _row(r: LensTextReport, row: TextLayer | TextPairLayer) -> str:
-    """A row's label: its layer, or its (layer, site) with --site."""
+    """A row's label: its layer (the embedding and the output named), or its (layer, site)
+    with --site."""
     if isinstance(row, TextSiteLayer | TextSitePairLayer):
         return row_label(row, r.num_layers)
-    return _label(r, row.layer)
-
-
-def _rank(value: float | None) -> str:
-    return "-" if value is None else format(value, "g")
-
-
-def _cells(r: LensTextReport, row: TextLayer) -> list[str]:
-    return [_row(r, row), f"{row.cross_entropy:.3f}", f"{row.cross_entropy_err:.3f}",
-            f"{row.bits_per_byte:.3f}", f"{row.kl:.3f}", f"{row.entropy:.3f}",
-            f"{row.top1_accuracy:.1%}"]  # fmt: skip
+    if row.layer == 0:
+        return "0 emb"
+    return f"{row.layer} out" if row.layer == r.num_layers else str(row.layer)
 
 
 def _pair(r: LensTextReport) -> RenderableType:

@@ -124,11 +124,14 @@ def target_ranks(
     at = torch.tensor(rows, device=x.device)
     value = (x if every else x[at]).gather(1, tid[:, None])
     sub = real if every else real[at]
-    ranks = (sub > value).sum(-1) + 1
+    # counted as float32 0/1 (exact below 2^24 tokens): torch sums a bool array along a row
+    # several times slower than it compares, and a float array faster
+    hits = torch.empty(sub.shape, dtype=torch.float32, device=x.device)
+    ranks = torch.gt(sub, value, out=hits).sum(-1).long() + 1
     # equal logits of a lower id count too: only rows where another token's logit equals the
     # token's own (or whose token is past the real ones) have any, and are counted one by one
     width = int(sub.shape[1])
-    tied = ((sub == value).sum(-1) > 1) | (tid >= width)
+    tied = (torch.eq(sub, value, out=hits).sum(-1) > 1) | (tid >= width)
     for j in tied.nonzero().flatten().tolist():
         below = sub[j, : min(int(tid[j]), width)]
         ranks[j] += int((below == value[j]).sum())

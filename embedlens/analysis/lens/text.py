@@ -1,10 +1,12 @@
 """`lens_text`: the lens over every scored token of a text, alone or against another model (or a
 saved run's output), with llama-perplexity's statistics (`text_stats`) at every layer.
 
-The text is read and checked before any model loads, tokenised once (`text_input`), cut into
-windows, and each window run through the model(s) (`text_run`); only sums and per-token KL and
-Δp values are kept. Under torchrun, window w runs on rank w mod N and the windows' sums are
-combined in window order on every rank.
+The text is read and checked before any model loads (and before torch and NumPy are imported),
+tokenised once, cut into windows (llama-perplexity's rule), and each window run through the
+model(s) (`text_run`); only sums and per-token KL and Δp values are kept. Under torchrun,
+window w runs on rank w mod N and the windows' sums are combined in window order on every rank.
+
+A file of --against-logits is read (`text_stats.LogitsFile`) before any model loads too.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options
 from embedlens.analysis.lens.site_report import sites_asked
 from embedlens.analysis.lens.states_file import ManySaver, saving_many
-from embedlens.analysis.lens.text_input import Rule, Tokens, read_text, rule, tokenise
 from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
 from embedlens.options import LoadKeywords, LoadOptions
@@ -26,12 +28,13 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.logits_file import LogitsFile
     from embedlens.analysis.lens.opening import Opened
-    from embedlens.analysis.lens.text_run import Side, TextRun, Window
-    from embedlens.analysis.lens.text_stats import TextTotals, WindowSums
+    from embedlens.analysis.lens.text_run import TextRun, Window
+    from embedlens.analysis.lens.text_stats import LogitsFile, WindowSums
     from embedlens.progress import Progress
     from embedlens.reports.lens_text import LensTextReport
+
+SCORES = ("half", "all")
 
 
 def lens_text(
@@ -97,10 +100,10 @@ def lens_text(
 
 
 def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
-    """A `save_logits` file, read and checked (the reference run)."""
-    from embedlens.analysis.lens import logits_file
+    """A `save_logits` file, read and checked (the reference run; NumPy imported now)."""
+    from embedlens.analysis.lens.text_stats import read_logits
 
-    return logits_file.load(path)
+    return read_logits(path)
 
 
 def _check(
@@ -111,8 +114,7 @@ def _check(
         raise UsageError("lens_text runs the model on one device: --device-map does not apply")
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
-    sites = sites_asked(site, tuned)
-    return sites
+    return sites_asked(site, tuned)
 
 
 def _run(
@@ -126,7 +128,9 @@ def _run(
     progress: Progress,
 ) -> LensTextReport:
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
+    from embedlens.analysis.lens import text_stats
     from embedlens.analysis.lens.opening import open_model
+    from embedlens.analysis.lens.text_run import TOP_K, text_run
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual, sites, saving = more
@@ -144,12 +148,16 @@ def _run(
     with ExitStack() as stack:
         opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
         other = stack.enter_context(_other(opened, *b, load, lens_dir))
-        run = _text_run(opened, items, other, lens_dir, (save_logits, residual, sites))
+        run = text_run(opened, items, other, lens_dir, (save_logits, residual, sites))
         saver = None if saving is None else ManySaver(saving[0], opened, saving[1], sites)
-        totals = _all(run, (r, name), tokens, reference, (session, saver), progress)
-        report = _report(opened, run, totals, (name, r, tokens), other, reference)
+        done = _all(run, (r, name), tokens, reference, (session, saver), progress)
+        totals = text_stats.TextTotals(run.layers, done)
+        n, cut = len(tokens.ids), {"ctx": r.ctx, "stride": r.stride, "score": r.score}
+        head = {"text": name, "n_text_tokens": n, **cut, "n_windows": len(r.starts(n))}
+        report = text_stats.text_report(opened, run, totals, head, other, reference)
         if save_logits is not None and (session is None or session.rank == 0):
-            _save(save_logits, opened, r, tokens, totals, run.vocab)
+            meta = {"model": opened.name, **cut, "vocab": run.vocab, "top_k": TOP_K}
+            text_stats.save_logits(save_logits, meta, tokens.ids, done)
         return report
 
 
@@ -207,54 +215,15 @@ def _other(
     a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
              opened.tokenizer, load)  # fmt: skip
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
-    b_tok = tokenizer if tokenizer is not None or isinstance(b_load, options.Load) else None
-    b_tok = b_tok if b_tok is not None or isinstance(b_load, options.Load) else opened.tokenizer
+    b_tok = tokenizer
+    if b_tok is None and not isinstance(b_load, options.Load):
+        b_tok = opened.tokenizer
 
     def fits(_tok: Any, config: Any, _template: str) -> None:
         fits_tuned(lens_dir, config)
 
     with open_model(against, b_tok, b_load, fits) as (other, _):
         yield other
-
-
-def _text_run(
-    opened: Opened,
-    items: Any,
-    other: Opened | None,
-    lens_dir: Any,
-    more: tuple[object, bool, tuple[str, ...]],
-) -> TextRun:
-    """The window runner for A (its tuned lens beside the logit lens, the sites asked), and B
-    (through the same tuned lens: A's, checked against B's blocks alone); `more`: where the
-    logits are saved, whether B's residual is read by A, the sites."""
-    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
-    from embedlens.analysis.lens.text_run import Side, TextRun
-
-    def side(o: Opened, own: bool = True) -> Side:
-        dummy = o.tokenizer.eos_token_id or 0
-        plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
-        if lens_dir is None:
-            return Side(o.model, plain)
-        from embedlens.analysis.lens.decoders import tuned_through
-
-        wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
-        return Side(o.model, wrap(plain), logit=plain if own else None)
-
-    main = side(opened)
-    n_layers = len(find_blocks(opened.model).modules)
-    layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
-    vocab = min(len(opened.tokenizer), _outputs(opened))
-    b = None if other is None else side(other, own=False)
-    save_logits, residual, sites = more
-    return TextRun(main, layers, vocab, b, keep_logits=save_logits is not None,
-                   residual=residual, sites=sites)  # fmt: skip
-
-
-def _outputs(opened: Opened) -> int:
-    get: Any = getattr(opened.model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if weight is not None else len(opened.tokenizer)
 
 
 def windows(r: Rule, tokens: Tokens) -> list[Window]:
@@ -280,10 +249,10 @@ def _all(
     reference: LogitsFile | None,
     split: tuple[Session | None, ManySaver | None],
     progress: Progress,
-) -> TextTotals:
-    """Every window run (this process's share under torchrun), the sums combined; with a
-    saver, each window's states saved (rank 0 writes them all, `ManySaver`)."""
-    from embedlens.analysis.lens.text_stats import TextTotals
+) -> list[WindowSums]:
+    """Every window run (this process's share under torchrun), and every window's sums in
+    window order (every process's under torchrun); with a saver, each window's states saved
+    (rank 0 writes them all, `ManySaver`)."""
     from embedlens.runtime import heap_kept
 
     (r, name), (session, saver) = what, split
@@ -292,13 +261,12 @@ def _all(
         saver.keep = session is not None and session.rank != 0
     if reference is not None:
         reference.check_run(tokens.ids, r.ctx, r.stride, r.score, run.vocab)
-    totals = TextTotals(run.layers)
     total = sum(len(w.positions) for w in found)
     done = 0
     mine: list[WindowSums] = []
     with heap_kept():
         for w in _mine(found, session, saver):
-            ref = None if reference is None else _reference(reference, w.index)
+            ref = None if reference is None else reference.window(w.index)
             mine.append(run.run(w, ref))
             if saver is not None:
                 about = {"text": name, "window": str(w.index + 1), "start": str(w.index * r.stride)}
@@ -308,14 +276,12 @@ def _all(
             if session is None or session.rank == 0:
                 progress("text", done, total, "tokens")
     if session is None:
-        for s in mine:
-            totals.add(s)
-    else:
-        totals.merged(session.all_gather(mine))
-        if run.check is not None:
-            checks = [c for c in session.all_gather(run.check) if c is not None]
-            run.check = max(checks)
-    return totals
+        return mine
+    every = sorted((w for part in session.all_gather(mine) for w in part), key=lambda w: w.index)
+    if run.check is not None:
+        checks = [c for c in session.all_gather(run.check) if c is not None]
+        run.check = max(checks)
+    return every
 
 
 def _mine(
@@ -336,128 +302,139 @@ def _mine(
         saver.hand_on(session)
 
 
-def _reference(reference: LogitsFile, index: int) -> Any:
-    import torch
+@dataclass(frozen=True)
+class Rule:
+    """How the text is cut and scored."""
 
-    from embedlens.analysis.lens.text_run import Reference
+    ctx: int
+    stride: int
+    score: str
+    max_tokens: int | None
 
-    rows = reference.window(index)
-    return Reference(
-        torch.from_numpy(rows["ids"]).long(),
-        torch.from_numpy(rows["logp"]),
-        torch.from_numpy(rows["target_logp"]),
-        torch.from_numpy(rows["top1"]).long(),
-    )
+    def scored(self) -> list[int]:
+        """The positions j of a window whose prediction of token j+1 is scored: 'all' every one;
+        'half' the second half (j from ctx/2, as llama-perplexity scores), or with a --stride
+        below ctx/2 the last `stride` predictions (its --ppl-stride rule): each token once."""
+        if self.score == "all":
+            return list(range(self.ctx - 1))
+        first = max(self.ctx // 2, self.ctx - 1 - self.stride)
+        return list(range(first, self.ctx - 1))
 
-
-def _report(
-    opened: Opened,
-    run: TextRun,
-    totals: TextTotals,
-    what: tuple[str, Rule, Tokens],
-    other: Opened | None,
-    reference: LogitsFile | None,
-) -> LensTextReport:
-    from embedlens.analysis.lens.report import dtype_name
-    from embedlens.reports.lens_text import LensTextReport
-
-    name, r, tokens = what
-    ppl, ppl_err = totals.perplexity()
-    diff, tol = run.check or (0.0, 0.0)
-    tuned = run.main.logit is not None
-    report = LensTextReport(
-        model=opened.name,
-        text=name,
-        n_text_tokens=len(tokens.ids),
-        ctx=r.ctx,
-        stride=r.stride,
-        score=r.score,
-        n_windows=len(r.starts(len(tokens.ids))),
-        n_scored=totals.n,
-        n_bytes=totals.n_bytes,
-        num_layers=run.n_layers,
-        dtype=dtype_name(opened.model),
-        perplexity=ppl,
-        perplexity_err=ppl_err,
-        layers=totals.one(),
-        lens="tuned" if tuned else "logit",
-        logit_layers=totals.one(logit=True) if tuned else None,
-        check_ok=not diff > tol,
-        max_abs_logit_diff=diff,
-        notes=[*opened.before, *opened.after],
-    )
-    if other is None and reference is None:
-        return _with_sites(report, totals, run.sites)
-    from dataclasses import replace
-
-    if reference is not None:
-        totals.pair_layers = [run.n_layers]
-        ref_name, evaluated = str(reference.meta.get("model", reference.path)), opened.name
-    else:
-        assert other is not None
-        ref_name, evaluated = opened.name, other.name
-    report = replace(
-        report,
-        reference=ref_name,
-        evaluated=evaluated,
-        pair=totals.pair(residual=other is not None and run.residual),
-        pair_output=totals.pair_output(),
-    )
-    return _with_sites(report, totals, run.sites, paired=other is not None)
+    def starts(self, n_tokens: int) -> list[int]:
+        """Where each window starts: every `stride` tokens while a whole window fits."""
+        return list(range(0, n_tokens - self.ctx + 1, self.stride))
 
 
-def _with_sites(
-    report: LensTextReport, totals: TextTotals, sites: tuple[str, ...], paired: bool = False
-) -> LensTextReport:
-    """The report with a row per (layer, site asked) in block order, and the blocks' check
-    over every window (`paired`: the comparison's rows too, B's sites against A's); the report
-    itself for `resid` alone."""
-    if sites == ("resid",):
-        return report
-    from dataclasses import replace
-
-    from embedlens.analysis.lens.site_report import worse
-    from embedlens.reports.lens import BlockSums
-    from embedlens.reports.lens_text import TextSiteLayer
-    from embedlens.reports.lens_text import TextSitePairLayer as Paired
-
-    blocks: BlockSums | None = None
-    for w in totals.windows:
-        assert w.blocks is not None
-        blocks = worse(blocks, w.blocks)
-    pair = report.pair
-    if paired:
-        residual = pair is not None and pair[0].residual_kl is not None
-        pair = _site_rows(totals, sites, Paired,
-                          lambda s: totals.pair(residual and s == "resid", site=s))  # fmt: skip
-    layers = _site_rows(totals, sites, TextSiteLayer, lambda s: totals.one(site=s))
-    return replace(report, layers=layers, pair=pair, sites=list(sites), block_sums=blocks)
+def rule(ctx: int, stride: int | None, score: str, max_tokens: int | None) -> Rule:
+    """The options checked."""
+    if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 4:
+        raise UsageError(f"--ctx {ctx}: give a window of at least 4 tokens")
+    step = ctx if stride is None else stride
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise UsageError(f"--stride {stride}: give a number of tokens above 0")
+    if score not in SCORES:
+        raise UsageError(f"--score {score!r}: use half or all")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < ctx):
+        raise UsageError(f"--max-tokens {max_tokens}: give at least one window (--ctx {ctx})")
+    return Rule(ctx, step, score, max_tokens)
 
 
-def _site_rows(
-    totals: TextTotals, sites: tuple[str, ...], kind: type[Any], per_site: Any
-) -> list[Any]:
-    """A row of `kind` per (layer, site) in block order, from `per_site(site)`'s rows per layer
-    (layer 0: the embedding's residual stream alone)."""
-    from dataclasses import asdict
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The file's text; a file that is missing, not UTF-8 text, or empty is refused."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise UsageError(f"--text {name}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"--text {name} is a folder, not a text file") from None
+    except OSError as e:
+        raise UsageError(f"--text {name} cannot be read: {e.strerror or e}") from None
+    if b"\0" in data:
+        raise UsageError(f"--text {name} is not text (it holds NUL bytes)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--text {name} is not UTF-8 text (byte {e.start:,})") from None
+    if not text.strip():
+        raise UsageError(f"--text {name} is empty")
+    return text
 
-    from embedlens.analysis.lens.site_report import SUFFIX
 
-    each = {site: per_site(site) for site in sites}
-    return [
-        kind(**asdict(each[site][i]), site=site, row=f"{layer}{SUFFIX[site]}")
-        for i, layer in enumerate(totals.layers)
-        for site in sites
-        if site == "resid" or layer >= 1
-    ]
+@dataclass(frozen=True)
+class Tokens:
+    """The text's ids, the UTF-8 bytes each token adds, and the BOS put first in every window
+    (None: the tokenizer adds none)."""
+
+    ids: list[int]
+    n_bytes: list[int]
+    bos: int | None
 
 
-def _save(
-    path: Any, opened: Opened, r: Rule, tokens: Tokens, totals: TextTotals, vocab: int
-) -> None:
-    from embedlens.analysis.lens import logits_file
-    from embedlens.analysis.lens.text_run import TOP_K
+def tokenise(text: str, tokenizer: Any, r: Rule, name: str) -> Tokens:
+    """The text tokenised once (special tokens as the tokenizer adds them), cut to --max-tokens;
+    shorter than one window is refused. Its first lines are checked against a GGUF model's own
+    reading first (`_check_lines`)."""
+    _check_lines(text, tokenizer)
+    bos = _bos(tokenizer)
+    try:
+        enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True, verbose=False)
+        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        ids, offsets = list(tokenizer(text, add_special_tokens=True)["input_ids"]), None
+    if r.max_tokens is not None:
+        ids = ids[: r.max_tokens]
+    if len(ids) < r.ctx:
+        raise UsageError(
+            f"--text {name} has {len(ids):,} tokens, fewer than one window (--ctx {r.ctx})",
+            hint="give a longer text or a smaller --ctx",
+        )
+    return Tokens(ids, _bytes(text, ids, offsets, tokenizer), bos)
 
-    meta = {"model": opened.name, "ctx": r.ctx, "stride": r.stride, "score": r.score,
-            "vocab": vocab, "top_k": TOP_K}  # fmt: skip
-    logits_file.save(path, meta, tokens.ids, [w.extra for w in totals.windows])
+
+CHECKED_CHARS = 2000
+"""A longer line is checked on its first characters, cut at a space."""
+
+
+def _check_lines(text: str, tokenizer: Any) -> None:
+    """The first lines' ids from `tokenizer`, each read alone, checked against the files being
+    watched (a GGUF model's own reading of them, as tune checks its first texts; nothing outside
+    `file_tokens.watching`)."""
+    from embedlens.model import file_tokens
+
+    lines = [line for line in text.splitlines() if line.strip()][: file_tokens.CHECKED_TEXTS]
+    for line in lines:
+        if len(line) > CHECKED_CHARS:
+            cut = line.rfind(" ", 0, CHECKED_CHARS)
+            line = line[: cut if cut > 0 else CHECKED_CHARS]
+        ids = [int(i) for i in tokenizer(line, add_special_tokens=True)["input_ids"]]
+        file_tokens.check_ids(line, True, ids)
+
+
+def _bos(tokenizer: Any) -> int | None:
+    """The BOS id when the tokenizer puts one first (llama-perplexity puts it first in every
+    window then)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    return int(bos) if with_special[:1] == [bos] else None
+
+
+def _bytes(text: str, ids: list[int], offsets: list[Any] | None, tokenizer: Any) -> list[int]:
+    """The UTF-8 bytes each token adds: from the tokenizer's character offsets (a token's end
+    minus the previous token's end), else each token's decoded text."""
+    if offsets is None:
+        return [len(tokenizer.decode([i]).encode("utf-8")) for i in ids]
+    import numpy as np
+
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    width = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
+    at = np.concatenate([[0], np.cumsum(width)])
+    out, seen = [], 0
+    for _, end in offsets[: len(ids)]:
+        e = int(at[min(int(end), len(points))])
+        out.append(max(e - seen, 0))
+        seen = max(seen, e)
+    return out

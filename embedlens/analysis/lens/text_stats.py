@@ -1,8 +1,16 @@
-"""The statistics of `lens --text`, with llama-perplexity's definitions (tools/perplexity).
+"""What the windows of `lens --text` leave: their sums, read out with llama-perplexity's
+definitions (tools/perplexity) into the report, and the output's rows a logits file keeps.
 
 Each window leaves float64 sums per layer (`WindowSums`) and, for a comparison, the per-token KL
 and Δp values (float32, tokens x layers: llama.cpp keeps the same to sort them). Windows are
 combined in window order whichever process ran them, so a split run gives the same sums.
+
+`--save-logits` / `--against-logits`: the output layer of a run kept compactly in a NumPy .npz
+file (`LogitsFile`): per scored token, the top `text_run.TOP_K` token ids of the output and their
+log-probabilities (over the whole softmax), the true next token's log-probability and the argmax;
+with the run's token ids, window rule and vocabulary size, so that a later run on another model
+(a quantisation of it) reads the same tokens and compares its output with this one. That is
+O(tokens x k), not O(tokens x vocabulary) as llama.cpp's 16-bit --kl-divergence-base file.
 
 llama.cpp's definitions, as its `kl_divergence` computes them:
 - mean and uncertainty of values x over n tokens: f = Σx/n, ±sqrt((Σx²/n - f²)/(n-1)) (0 when
@@ -19,33 +27,37 @@ llama.cpp's definitions, as its `kl_divergence` computes them:
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from embedlens.analysis.lens.stats import ROW_STATS, Sums
+from embedlens.errors import UsageError
 from embedlens.reports.lens import BlockSums
-from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
+from embedlens.reports.lens_text import (
+    LensTextReport,
+    TextLayer,
+    TextPairLayer,
+    TextPairOutput,
+    TextSiteLayer,
+    TextSitePairLayer,
+)
+
+if TYPE_CHECKING:
+    from embedlens.analysis.lens.opening import Opened
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
-PAIR = (
-    "nll_a",
-    "nll_a2",
-    "nll_b",
-    "nll_b2",
-    "nll_ab",
-    "kl",
-    "kl2",
-    "dp",
-    "dp2",
-    "dp4",
-    "same",
-    "res_kl",
-)
+PAIR = tuple("nll_a nll_a2 nll_b nll_b2 nll_ab kl kl2 dp dp2 dp4 same res_kl".split())
 """Sums per layer of a comparison (a: the reference, b: the evaluated side)."""
+FORMAT = "embedlens-logits/1"
+KEYS = ("ids", "logp", "target_logp", "top1")
+"""The arrays a logits file keeps per scored token (`text_run.kept_logits`)."""
+
 KL_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9),
          ("median", 0.5), ("10", 0.1), ("5", 0.05), ("1", 0.01), ("0.1", 0.001),
          ("min", 0.0))  # fmt: skip
@@ -56,22 +68,21 @@ DP_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9),
 
 @dataclass
 class WindowSums:
-    """What one window leaves: per layer sums (rows in `layers` order), and a comparison's
-    per-token values [layers, tokens]."""
+    """What one window leaves: per layer float64 sums (rows in `layers` order; `one` [layers,
+    len(ONE)], `pair` [layers, len(PAIR)]), and a comparison's per-token values [layers,
+    tokens] (float32: llama.cpp keeps the same to sort them)."""
 
     index: int
     n: int
     n_bytes: int
     one: np.ndarray
-    """[layers, len(ONE)] float64."""
     logit: np.ndarray | None = None
     """With --tuned: the logit lens's sums (then `one` is the tuned lens's)."""
     pair: np.ndarray | None = None
-    """[layers, len(PAIR)] float64."""
     kl_values: np.ndarray | None = None
     dp_values: np.ndarray | None = None
     extra: dict[str, np.ndarray] = field(default_factory=dict)
-    """What a logits file keeps of this window (`logits_file`)."""
+    """What a logits file keeps of this window (`kept_logits`)."""
     sites: dict[str, WindowSums] = field(default_factory=dict)
     """With --site: each site inside the blocks' sums, as this window's own (`one`; with
     --against, `pair` and the per-token values: B's site rows through B's decoder); layer 0's
@@ -125,44 +136,44 @@ def quantiles(values: np.ndarray, at: tuple[tuple[str, float], ...]) -> dict[str
     return {name: median(v) if name == "median" else percentile(v, f) for name, f in at}
 
 
+def _nll(s: dict[str, float], n: int) -> tuple[float, float, float, float, float, float]:
+    """The mean NLL of the reference and of the evaluated side, each ±, their covariance, and
+    the uncertainty of ln(PPL(evaluated)/PPL(reference))."""
+    a, a_err = mean_and_uncertainty(s["nll_a"], s["nll_a2"], n)
+    b, b_err = mean_and_uncertainty(s["nll_b"], s["nll_b2"], n)
+    cov = covariance(s["nll_b"], s["nll_a"], s["nll_ab"], n)
+    return a, a_err, b, b_err, cov, math.sqrt(max(a_err**2 + b_err**2 - 2 * cov, 0.0))
+
+
 class TextTotals:
     """Every window's sums, combined in window order."""
 
-    def __init__(self, layers: list[int]) -> None:
+    def __init__(self, layers: list[int], windows: list[WindowSums]) -> None:
         self.layers = layers
         self.pair_layers = layers
         """The layers a comparison has (a logits file: the output alone)."""
-        self.windows: list[WindowSums] = []
+        self.windows = windows
+        """Every window's sums, in window order."""
+        self.n = sum(w.n for w in self.windows)
+        self.n_bytes = sum(w.n_bytes for w in self.windows)
 
-    def add(self, w: WindowSums) -> None:
-        self.windows.append(w)
-
-    def merged(self, parts: list[list[WindowSums]]) -> None:
-        """Every process's windows (a split run), in window order."""
-        self.windows = sorted((w for part in parts for w in part), key=lambda w: w.index)
-
-    @property
-    def n(self) -> int:
-        return sum(w.n for w in self.windows)
-
-    @property
-    def n_bytes(self) -> int:
-        return sum(w.n_bytes for w in self.windows)
+    def _each(self, site: str) -> list[WindowSums]:
+        """Every window's sums of `site` (the residual stream's: the window's own)."""
+        return [w if site == "resid" else w.sites[site] for w in self.windows]
 
     def _sum(self, name: str, site: str = "resid") -> np.ndarray:
-        parts = [getattr(w if site == "resid" else w.sites[site], name) for w in self.windows]
-        out = np.zeros_like(parts[0])
+        parts = [getattr(w, name) for w in self._each(site)]
+        out: np.ndarray = np.zeros_like(parts[0])
         for part in parts:  # in window order: the same bits however the windows were split
             out += part
-        result: np.ndarray = out
-        return result
+        return out
 
     def _rows(self, key: str, site: str, prefix: str = "") -> list[dict[str, Any]]:
         """Each layer's `ROW_STATS` over every window (in window order), by report field
         (`prefix` before each name: the evaluated side's)."""
         if not ROW_STATS:
             return [{} for _ in self.layers]
-        each = [(w if site == "resid" else w.sites[site]).rows[key] for w in self.windows]
+        each = [w.rows[key] for w in self._each(site)]
         out = []
         for i in range(len(each[0])):
             acc = Sums()
@@ -195,8 +206,7 @@ class TextTotals:
     def pair(self, residual: bool, site: str = "resid") -> list[TextPairLayer]:
         """Per layer llama.cpp's KL table (reference: this model; evaluated: the other;
         `site`: of a site inside the blocks)."""
-        sums, n = self._sum("pair", site), self.n
-        each = [w if site == "resid" else w.sites[site] for w in self.windows]
+        sums, n, each = self._sum("pair", site), self.n, self._each(site)
         kl_values = np.concatenate([w.kl_values for w in each if w.kl_values is not None], 1)
         dp_values = np.concatenate([w.dp_values for w in each if w.dp_values is not None], 1)
         rows = self._rows("against", site, "against_") if "against" in each[0].rows else None
@@ -209,10 +219,7 @@ class TextTotals:
             dp, dp_err = mean_and_uncertainty(s["dp"], s["dp2"], n)
             mse, mse_err = mean_and_uncertainty(s["dp2"], s["dp4"], n)
             rms = math.sqrt(mse)
-            a, a_err = mean_and_uncertainty(s["nll_a"], s["nll_a2"], n)
-            b, b_err = mean_and_uncertainty(s["nll_b"], s["nll_b2"], n)
-            cov = covariance(s["nll_b"], s["nll_a"], s["nll_ab"], n)
-            ratio_err = math.sqrt(max(a_err**2 + b_err**2 - 2 * cov, 0.0))
+            a, _, b, _, _, ratio_err = _nll(s, n)
             out.append(
                 TextPairLayer(
                     layer=layer,
@@ -238,13 +245,9 @@ class TextTotals:
     def pair_output(self) -> TextPairOutput:
         """llama.cpp's 'Perplexity statistics' at the output."""
         s = dict(zip(PAIR, (float(x) for x in self._sum("pair")[-1]), strict=True))
-        n = self.n
-        a, a_err = mean_and_uncertainty(s["nll_a"], s["nll_a2"], n)
-        b, b_err = mean_and_uncertainty(s["nll_b"], s["nll_b2"], n)
-        cov = covariance(s["nll_b"], s["nll_a"], s["nll_ab"], n)
+        a, a_err, b, b_err, cov, ln_err = _nll(s, self.n)
         ppl_a, ppl_b = math.exp(a), math.exp(b)
         ppl_a_err, ppl_b_err = ppl_a * a_err, ppl_b * b_err
-        ln_err = math.sqrt(max(a_err**2 + b_err**2 - 2 * cov, 0.0))
         ratio = math.exp(b - a)
         diff_err = math.sqrt(max(ppl_a_err**2 + ppl_b_err**2 - 2 * ppl_a * ppl_b * cov, 0.0))
         return TextPairOutput(
@@ -260,3 +263,165 @@ class TextTotals:
             diff=ppl_b - ppl_a,
             diff_err=diff_err,
         )
+
+    def site_rows(self, sites: tuple[str, ...], kind: type[Any], per_site: Any) -> list[Any]:
+        """A row of `kind` per (layer, site) in block order, from `per_site(site)`'s rows per
+        layer (layer 0: the embedding's residual stream alone)."""
+        from embedlens.analysis.lens.site_report import SUFFIX
+
+        each = {site: per_site(site) for site in sites}
+        return [
+            kind(**asdict(each[site][i]), site=site, row=f"{layer}{SUFFIX[site]}")
+            for i, layer in enumerate(self.layers)
+            for site in sites
+            if site == "resid" or layer >= 1
+        ]
+
+
+class Ran(Protocol):
+    """What the report reads of the windows' runner (`text_run.TextRun`)."""
+
+    n_layers: int
+    tuned: bool
+    residual: bool
+    sites: tuple[str, ...]
+    check: tuple[float, float] | None
+
+
+def text_report(
+    opened: Opened,
+    run: Ran,
+    totals: TextTotals,
+    head: dict[str, Any],
+    other: Opened | None,
+    reference: LogitsFile | None,
+) -> LensTextReport:
+    """The report of a run (`head`: the text's fields): the lens's rows, and with B or a logits
+    file the comparison."""
+    from embedlens.analysis.lens.report import dtype_name
+
+    ppl, ppl_err = totals.perplexity()
+    diff, tol = run.check or (0.0, 0.0)
+    ref_name = evaluated = None
+    if reference is not None:
+        totals.pair_layers = [run.n_layers]
+        ref_name, evaluated = str(reference.meta.get("model", reference.path)), opened.name
+    elif other is not None:
+        ref_name, evaluated = opened.name, other.name
+    paired = ref_name is not None
+    report = LensTextReport(
+        model=opened.name,
+        **head,
+        n_scored=totals.n,
+        n_bytes=totals.n_bytes,
+        num_layers=run.n_layers,
+        dtype=dtype_name(opened.model),
+        perplexity=ppl,
+        perplexity_err=ppl_err,
+        layers=totals.one(),
+        lens="tuned" if run.tuned else "logit",
+        logit_layers=totals.one(logit=True) if run.tuned else None,
+        reference=ref_name,
+        evaluated=evaluated,
+        pair=totals.pair(residual=other is not None and run.residual) if paired else None,
+        pair_output=totals.pair_output() if paired else None,
+        check_ok=not diff > tol,
+        max_abs_logit_diff=diff,
+        notes=[*opened.before, *opened.after],
+    )
+    return _with_sites(report, totals, run.sites, paired=other is not None)
+
+
+def _with_sites(
+    report: LensTextReport, totals: TextTotals, sites: tuple[str, ...], paired: bool
+) -> LensTextReport:
+    """The report with a row per (layer, site asked) in block order, and the blocks' check
+    over every window (`paired`: the comparison's rows too, B's sites against A's); the report
+    itself for `resid` alone."""
+    if sites == ("resid",):
+        return report
+    from embedlens.analysis.lens.site_report import worse
+
+    blocks: BlockSums | None = None
+    for w in totals.windows:
+        assert w.blocks is not None
+        blocks = worse(blocks, w.blocks)
+    pair = report.pair
+    if paired:
+        residual = pair is not None and pair[0].residual_kl is not None
+        pair = totals.site_rows(
+            sites, TextSitePairLayer, lambda s: totals.pair(residual and s == "resid", site=s)
+        )
+    layers = totals.site_rows(sites, TextSiteLayer, lambda s: totals.one(site=s))
+    return replace(report, layers=layers, pair=pair, sites=list(sites), block_sums=blocks)
+
+
+@dataclass(frozen=True)
+class LogitsFile:
+    """A saved run's output (`--save-logits`): `meta` (model, ctx, stride, score, vocab, top_k,
+    windows), the text's token ids, and per scored token the arrays of `KEYS`."""
+
+    path: str
+    meta: dict[str, Any]
+    tokens: np.ndarray
+    rows: dict[str, np.ndarray]
+    starts: np.ndarray
+    """Each window's first row in `rows`."""
+
+    def window(self, index: int) -> dict[str, np.ndarray]:
+        """The rows of window `index`."""
+        a, b = int(self.starts[index]), int(self.starts[index + 1])
+        return {k: v[a:b] for k, v in self.rows.items()}
+
+    def check_run(self, tokens: list[int], ctx: int, stride: int, score: str, vocab: int) -> None:
+        """Refuse a file made from another text, window rule or vocabulary."""
+        m = self.meta
+        mine = {"ctx": ctx, "stride": stride, "score": score, "vocab": vocab}
+        for key, value in mine.items():
+            if m.get(key) != value:
+                raise UsageError(
+                    f"--against-logits {self.path} was saved with {key} {m.get(key)}, this run "
+                    f"has {value}",
+                    hint="run with the options the file was saved with",
+                )
+        if len(self.tokens) != len(tokens) or not np.array_equal(self.tokens, tokens):
+            raise UsageError(
+                f"--against-logits {self.path} holds another text's tokens "
+                f"({len(self.tokens):,} tokens; this run {len(tokens):,})",
+                hint="give the same --text and --max-tokens, and models of the same tokenizer",
+            )
+
+
+def read_logits(path: str | os.PathLike[str]) -> LogitsFile:
+    """Read a file `--save-logits` wrote (`_save`); anything else is refused with one line."""
+    import zipfile
+
+    name = os.fspath(path)
+    try:
+        with np.load(name, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta.get("format") != FORMAT:
+                raise ValueError(meta.get("format"))
+            tokens = z["tokens"]
+            rows = {k: z[k] for k in KEYS}
+    except FileNotFoundError:
+        raise UsageError(f"--against-logits {name}: no such file") from None
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise UsageError(
+            f"--against-logits {name} is not a logits file of lens --text --save-logits ({e})"
+        ) from None
+    starts = np.concatenate([[0], np.cumsum(meta["windows"])])
+    return LogitsFile(name, meta, tokens, rows, starts)
+
+
+def save_logits(
+    path: str | os.PathLike[str], meta: dict[str, Any], ids: list[int], done: list[WindowSums]
+) -> None:
+    """The output's rows each window kept (`text_run.kept_logits`) written as a logits file,
+    with the run's `meta` and the text's token ids."""
+    head = {**meta, "format": FORMAT, "windows": [len(w.extra["top1"]) for w in done]}
+    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)}
+    arrays["tokens"] = np.asarray(ids, dtype=np.int32)
+    arrays.update({k: np.concatenate([w.extra[k] for w in done]) for k in KEYS})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
