@@ -122,7 +122,7 @@ def test_only_the_tensors_after_the_last_block_are_read(tiny, tmp_path, monkeypa
     """Count the tensors read: the final norm and the head (a tied one: the embedding's), no
     other; every other tensor of the model is a zero that takes no memory."""
     import embedlens
-    from embedlens.analysis.lens import tail as tail_module
+    from embedlens.analysis.lens import decoders as tail_module
     from embedlens.compat.transformers import tail_tensors
     from embedlens.io.checkpoint import read_safetensors_header
 

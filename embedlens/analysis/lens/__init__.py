@@ -5,8 +5,8 @@ given made into its option objects):
 
 - `options`: what users ask for (layers, positions, -k, template variables, loading), checked
   before any file is read;
-- `prompt`: the prompt as run (chat template, ids, target, position), checked against the model;
-- `opening`: one way to get the model ready, from its files or as the caller loaded it;
+- `opening`: one way to get the model ready, from its files or as the caller loaded it, and the
+  prompt as run (chat template, ids, target, position), checked against the model;
 - `engine`: one runner for one prompt (`run_lens`) and for many in batches: capture, decoder,
   ranking and the self-check, with KL and entropy per row in a batch;
 - `many`: one prompt through the engine (`run_one`); prompts files and lists: every line
@@ -16,14 +16,14 @@ given made into its option objects):
 - `text`: `lens_text`, the lens over every scored token of a text, and --save-logits /
   --against-logits files (`text_run`: a window through the model(s); `text_stats`: the report);
 - `report`: a run's result (`LensResult`), and the `LensReport` users get of it;
-- `against`, `pairing`, `pair`: `--against` (B checked, both run, the figures and reports);
+- `against`, `pairing`: `--against` (B checked, both run, the figures and reports);
 - `sites`, `site_report`: `--site` (the pieces inside a block found, checked and decoded; the
   reports of one prompt, many, a pair);
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
-  --save-states`'s: `states_file` reads and writes them), decoded by the model's tail alone
-  (`tail`);
+  --save-states`'s: `states_file` reads and writes them), decoded by the model's tail alone;
 - `decoders`: the decoders as public objects (`LogitLens`, `TunedLens`, the latter's folder read
-  and matched to its model in `tuned_folder`);
+  and matched to its model in `tuned_folder`), and the model's tail without its blocks
+  (`open_tail`) that decodes saved states;
 - `blocks`: the engine's parts (the model's block list, one forward pass that keeps the
   residual stream, what turns a residual into logits, CPU threads).
 """

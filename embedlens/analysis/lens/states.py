@@ -1,7 +1,7 @@
 """`lens_states`: the lens on hidden states an inference engine (or `lens --save-states`) wrote,
-decoded with the model's final norm, head and post-head steps alone (`tail`): its blocks are
-never read. The rows are decoded in the engine's chunks and reduced by its ranking, and the
-report is the one `lens` builds, so the same states give the same figures."""
+decoded with the model's final norm, head and post-head steps alone (`decoders.open_tail`): its
+blocks are never read. The rows are decoded in the engine's chunks and reduced by its ranking,
+and the report is the one `lens` builds, so the same states give the same figures."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ if TYPE_CHECKING:
     import torch
 
     from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.decoders import Tail
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.site_report import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
-    from embedlens.analysis.lens.tail import Tail
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.files import ModelFiles
     from embedlens.reports.lens import LensReport
@@ -147,7 +147,7 @@ def _run_on(
 ) -> LensReport:
     """`_run` once the model's files are found: with a pair, B runs first on the file's ids (and
     is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
-    from embedlens.analysis.lens.tail import open_tail
+    from embedlens.analysis.lens.decoders import open_tail
     from embedlens.model import file_tokens, loading
 
     lens_dir, sites, pair = parts

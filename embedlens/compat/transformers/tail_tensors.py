@@ -1,9 +1,9 @@
 """Where a model's named tensors are stored, and one of them read, as transformers would load it.
 
-For a decoder without its blocks (`analysis.lens.tail`): the few tensors that run after the last
-block are found in the checkpoint by the names transformers' own loader gives them (its renaming
-rules for a safetensors folder, `direct.plan_targets`; its GGUF name map and tensor processors for a
-GGUF file), and read alone, each from its memory-mapped bytes. Where the shortcuts' gate is
+For a decoder without its blocks (`analysis.lens.decoders.open_tail`): the few tensors that run
+after the last block are found in the checkpoint by the names transformers' own loader gives them
+(its renaming rules for a safetensors folder, `direct.plan_targets`; its GGUF name map and tensor
+processors for a GGUF file), and read alone, each from its memory-mapped bytes. Where the shortcuts' gate is
 closed (another release), a folder's tensors are found by their model names as they are.
 
 Nothing here imports torch or transformers at module level.
