@@ -81,6 +81,35 @@ def test_batch_rows_hold_the_top_k_at_the_position_read_only(tiny):
             )
 
 
+@pytest.mark.parametrize("against", [False, True])
+def test_prompts_run_alone_give_what_their_batch_gives(tiny, monkeypatch, against):
+    """A prompt whose check fails in its batch runs again on its own (`BatchLens._alone`): with
+    `--position all` it keeps and ranks every position as the batch does, so the summary (its
+    next-token ranks, a target's figures) and an `--against` comparison are the batch's, to
+    float32 rounding (the comparison read every position and failed with a KeyError before)."""
+    import embedlens
+    from embedlens.analysis.lens.engine import BatchLens
+
+    model = tiny("llama-tied")
+    prompts = [*PROMPTS[:2], {"prompt": PROMPTS[2], "target": " the"}]
+    options = embedlens.LensOptions(position="all")
+    kw: dict[str, Any] = {"against": model} if against else {}
+
+    def run() -> dict[str, Any]:
+        return embedlens.lens_prompts(model, prompts, options=options, **kw).to_dict()
+
+    batch = run()
+    monkeypatch.setattr(BatchLens, "_run_group", lambda lens, items: [*map(lens._alone, items)])
+    alone = run()
+    close(alone, batch)
+    assert all(row["next_rank_median"] is not None for row in alone["layers"])
+    assert alone["n_targets"] == 1 and alone["n_positions"] == 20
+    if against:
+        assert [row["against_next_rank_median"] for row in alone["diff"]["layers"]] == [
+            row["next_rank_median"] for row in alone["layers"]
+        ]
+
+
 def test_a_decoded_row_that_is_not_finite_is_refused_and_an_overflowing_sum_is_not():
     from embedlens.analysis.lens.engine import check_decoded
     from embedlens.errors import NumericError

@@ -17,13 +17,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import (
-    Decoder,
-    ModelDecoder,
-    capture,
-    find_blocks,
-    threads_for,
-)
+from embedlens.analysis.lens.blocks import Decoder, ModelDecoder, capture, find_blocks, threads_for
 from embedlens.analysis.lens.options import LayerItem, resolve_layers
 from embedlens.analysis.lens.report import Check, Kept, LensResult, model_not_finite, not_finite
 from embedlens.analysis.lens.stats import (
@@ -167,12 +161,11 @@ def run_lens(
     """Decode `layers` (as `options.resolve_layers` reads them: 0 = embedding output, L = the
     model's output, None: all) at `positions` of one prompt: absolute indices into `input_ids`.
     `real_vocab` is the tokenizer's length: rows past it are padding and never predicted, though
-    the softmax runs over every row. `full_at`:
-    the position whose rows hold the top-k and the target (all by default); the others hold
-    their top-1 only (a grid's cells), whatever k is. `decoder`: the model's own by default.
-    `keep`: the result keeps what a comparison needs (`Kept`), with `other` (another model's
-    residual at the same layers and positions, layer -> [P, d]) through this decoder.
-    """
+    the softmax runs over every row. `full_at`: the position whose rows hold the top-k and the
+    target (all by default); the others hold their top-1 only (a grid's cells), whatever k is.
+    `decoder`: the model's own by default. `keep`: the result keeps what a comparison needs
+    (`Kept`), with `other` (another model's residual at the same layers and positions, layer ->
+    [P, d]) through this decoder."""
     read = None
     if full_at is not None:
         (read,) = {int(p) for p in full_at}  # the position read
@@ -219,6 +212,9 @@ class BatchLens:
         self.keep = keep
         """Each result keeps what a comparison with another model needs (`Kept`)."""
         self.exact = exact
+        self.as_batch = not exact
+        """Every position's rows kept and ranked (`Kept`, `ROW_STATS`), not the read one's alone:
+        a batch, or an `exact` run standing in for one (`_alone`)."""
 
     def run(self, items: Sequence[BatchItem]) -> list[BatchOut]:
         """Every item's rows and statistics, in the order given."""
@@ -255,6 +251,7 @@ class BatchLens:
         alone = BatchLens(
             self.model, self.layers, self.k, self.real_vocab, self.keep, decoder=decoder, exact=True
         )
+        alone.as_batch = True
         result = alone.one(item)
         with torch.inference_mode():
             decoded = self._decode([item])
@@ -370,12 +367,12 @@ class _Decode:
     def _keep(
         self, decoder: Decoder, part: list[Row], out: torch.Tensor, device: torch.device
     ) -> None:
-        """Keep the chunk's rows for a comparison (one prompt's at the position read alone), and
+        """Keep the chunk's rows for a comparison (`as_batch`, else at the position read), and
         the other model's rows through this decoder in the same chunk."""
         keys = []
         for layer, r in part:
             b, p = self.where[r]
-            keys.append((b, (layer, p)) if not self.lens.exact or self._full(b, p) else None)
+            keys.append((b, (layer, p)) if self.lens.as_batch or self._full(b, p) else None)
         own, other = kept_rows(decoder, part, out, keys, self.other, device)
         for (b, key), row in own:
             self.kept[b].logits[key] = row
@@ -438,7 +435,8 @@ class _Decode:
         everyone = list(range(len(where)))
         if len(full) == len(where) or (k == 1 and lx is not None):
             return ranked(everyone, k)
-        tops = exact_top1(x, vocab) if lx is None else ranked(everyone, 1)
+        cells = lx is None and not self.lens.as_batch  # one prompt's grid: the top-1 alone
+        tops = exact_top1(x, vocab) if cells else ranked(everyone, 1)
         for j, top in zip(full, ranked(full, k) if full else [], strict=True):
             tops[j] = top
         return tops
