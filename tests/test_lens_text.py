@@ -333,6 +333,7 @@ def test_refusals(pair, cli, tmp_path):
     assert "logits file" in cli.fails("lens", a, "--text", text, "--ctx", CTX, "--against-logits",
                                       nothing, code=2)  # fmt: skip
     assert "do not combine" in cli.fails("lens", a, "Hello", "--text", text, code=2)
+    assert "-k do not combine" in cli.fails("lens", a, "--text", text, "-k", "3", code=2)
     assert "apply with --text" in cli.fails("lens", a, "--save-logits", tmp_path / "x.npz", code=2)
 
 

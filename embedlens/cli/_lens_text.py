@@ -124,6 +124,8 @@ def _refused(given: dict[str, Any]) -> None:
             raise UsageError(f"--text and {flag} do not combine")
     if given.get("position") not in (None, "-1"):
         raise UsageError("--text and --position do not combine: every scored token is read")
+    if given.get("top_k", 5) != 5:
+        raise UsageError("--text and -k do not combine: its table is per layer, over every token")
 
 
 def _lens_text(model: str, given: dict[str, Any], advance: Callable[[int, int], None]) -> Any:
