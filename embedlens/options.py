@@ -1,13 +1,14 @@
 """What a caller chooses, as objects: how to load a model (`LoadOptions`) and what the lens is
 asked (`LensOptions`).
 
-`lens`, `lens_prompts`, `lens_states` and `tune` take them as `load=` and `options=`; their
-keyword arguments of the same names build them (`options_from`). `params` and `tied` take a
-`LoadOptions` as `load=` too: the weights are loaded with it (`weights_load`). A field is added here alone:
-the functions route keywords by these fields, and the command line builds the objects from its
-options of the same names. Nothing is checked on construction: each function checks what it is
-given in its own order, before any file is read, so that a mistake is named as the command line
-names it.
+`lens`, `lens_prompts`, `lens_states`, `lens_text` and `tune` take them as `load=` and `options=`;
+their keyword arguments of the same names build them (`options_from`), a model may be given as a
+`LoadOptions` with its source, and what is left over is refused (`lens_given`, `model_and_load`).
+`params` and `tied` take a `LoadOptions` as `load=` too: the weights are loaded with it
+(`weights_load`). A field is added here alone: the functions route keywords by these fields, and
+the command line builds the objects from its options of the same names. Nothing is checked on
+construction: each function checks what it is given in its own order, before any file is read, so
+that a mistake is named as the command line names it.
 """
 
 from __future__ import annotations
@@ -221,3 +222,36 @@ def named(model: object, load: LoadOptions) -> LoadOptions:
 
 def _fields(kind: type[LoadOptions] | type[LensOptions]) -> frozenset[str]:
     return LOAD_FIELDS if kind is LoadOptions else LENS_FIELDS
+
+
+def model_and_load(
+    function: str, model: object, load: LoadOptions | None, keywords: dict[str, Any]
+) -> tuple[Any, LoadOptions]:
+    """The model (its files, or loaded) and how to load it: `model` may be a `LoadOptions` with
+    its `source`; `load=` and the loading keywords build the rest. Any keyword left over is
+    refused as Python refuses an unknown one (`function` names the call)."""
+    model, load, _ = lens_given(function, model, load, None, keywords, lens=False)
+    return model, load
+
+
+def lens_given(
+    function: str,
+    model: object,
+    load: LoadOptions | None,
+    options: LensOptions | None,
+    keywords: dict[str, Any],
+    *,
+    lens: bool = True,
+) -> tuple[Any, LoadOptions, LensOptions]:
+    """`model_and_load`, and the lens's options: `options=` with the keywords of its fields set
+    on it (`lens`; else left as given); any keyword left over is refused."""
+    if isinstance(model, LoadOptions):
+        if load is not None:
+            raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
+        if model.source is None:
+            raise UsageError("LoadOptions given as the model need its source")
+        load, model = model, model.source
+    load = named(model, options_from(LoadOptions, load, keywords))
+    asked = options_from(LensOptions, options, keywords) if lens else LensOptions()
+    no_other_keywords(function, keywords)
+    return model, load, asked

@@ -5,7 +5,9 @@ checks them before any file is read (`options`), gets the model ready one way (`
 the engine, and builds the report. A model given already loaded is used as it
 is: never reloaded, moved, re-typed or left changed.
 
-What a call was given is made into its option objects here too (`model_and_load`, `lens_given`, `loading`, `models`; `tune` uses them as well): keyword arguments build the objects (`embedlens.options.options_from`); a field given both as a keyword and in `load=`/`options=` is refused, as is a keyword neither object has.
+What a call was given is made into its option objects by `embedlens.options.lens_given`
+(keyword arguments build the objects; a field given both as a keyword and in `load=`/`options=`
+is refused, as is a keyword neither object has), and checked here (`loading`, `models`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,7 @@ from embedlens.analysis.lens.report import one_report
 from embedlens.analysis.lens.site_report import sites_asked, sites_report
 from embedlens.analysis.lens.states_file import saving_many
 from embedlens.errors import UsageError
-from embedlens.options import (
-    LensKeywords,
-    LensOptions,
-    LoadOptions,
-    named,
-    no_other_keywords,
-    options_from,
-    renamed,
-)
+from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given, renamed
 
 if TYPE_CHECKING:
     from torch import nn
@@ -320,39 +314,6 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
 Loading = checks.Load | dict[str, bool]
 """How to load a model named by its files (checked), or for a model given loaded, which loading
 options were given (it refuses them)."""
-
-
-def model_and_load(
-    function: str, model: object, load: LoadOptions | None, keywords: dict[str, Any]
-) -> tuple[Any, LoadOptions]:
-    """The model (its files, or loaded) and how to load it: `model` may be a `LoadOptions` with
-    its `source`; `load=` and the loading keywords build the rest. Any keyword left over is
-    refused as Python refuses an unknown one (`function` names the call)."""
-    model, load, _ = lens_given(function, model, load, None, keywords, lens=False)
-    return model, load
-
-
-def lens_given(
-    function: str,
-    model: object,
-    load: LoadOptions | None,
-    options: LensOptions | None,
-    keywords: dict[str, Any],
-    *,
-    lens: bool = True,
-) -> tuple[Any, LoadOptions, LensOptions]:
-    """`model_and_load`, and the lens's options: `options=` with the keywords of its fields set
-    on it (`lens`; else left as given); any keyword left over is refused."""
-    if isinstance(model, LoadOptions):
-        if load is not None:
-            raise UsageError("the model's LoadOptions are given twice: as the model and as load=")
-        if model.source is None:
-            raise UsageError("LoadOptions given as the model need its source")
-        load, model = model, model.source
-    load = named(model, options_from(LoadOptions, load, keywords))
-    asked = options_from(LensOptions, options, keywords) if lens else LensOptions()
-    no_other_keywords(function, keywords)
-    return model, load, asked
 
 
 def loading(model: object, load: LoadOptions) -> Loading:

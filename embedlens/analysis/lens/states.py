@@ -14,7 +14,7 @@ from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.report import Check, Kept, LensResult
 from embedlens.analysis.lens.tuned_folder import config_size, fits_tuned, head_weight, open_folder
 from embedlens.errors import UsageError
-from embedlens.options import LensKeywords, LensOptions, LoadOptions
+from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ def lens_states(
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
-    name, load, asked = api.lens_given("lens_states", model, load, options, dict(keywords))
+    name, load, asked = lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
     sites = sites_asked(asked.site, asked.tuned)
     b = (against, None, against_revision, asked.threshold)

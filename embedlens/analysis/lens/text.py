@@ -22,7 +22,7 @@ from embedlens.analysis.lens.site_report import sites_asked
 from embedlens.analysis.lens.states_file import ManySaver, saving_many
 from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
-from embedlens.options import LoadKeywords, LoadOptions
+from embedlens.options import LoadKeywords, LoadOptions, model_and_load
 
 if TYPE_CHECKING:
     from torch import nn
@@ -83,7 +83,7 @@ def lens_text(
     from embedlens.analysis.lens import api
     from embedlens.progress import progress_of
 
-    model, load = api.model_and_load("lens_text", model, load, dict(keywords))
+    model, load = model_and_load("lens_text", model, load, dict(keywords))
     sites = _check(load, against, against_logits, tuned, site)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)

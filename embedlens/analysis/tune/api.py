@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 from embedlens.analysis.lens.tuned_folder import CONFIG, LENS_TYPE, PARAMS
 from embedlens.analysis.tune.data import Plan, check_file, plan_sequences
 from embedlens.errors import UsageError
-from embedlens.options import LoadKeywords, LoadOptions, renamed
+from embedlens.options import LoadKeywords, LoadOptions, model_and_load, renamed
 
 FORMAT_VERSION = 1
 """The version of the `embedlens` object of a lens folder's config.json."""
@@ -196,7 +196,7 @@ def tune(
 
     extra: dict[str, Any] = dict(keywords)
     eval_data = renamed("tune", extra, "eval", "eval_data", eval_data, _EVAL_NOW)
-    model, load = api.model_and_load("tune", model, load, extra)
+    model, load = model_and_load("tune", model, load, extra)
     shown = None if progress is None else progress_of(progress, "tune")
     session = split_session(dist_backend, load.device)
     with nullcontext() if session is None else session.guarded():
