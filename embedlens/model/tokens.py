@@ -137,6 +137,14 @@ def token_text(decoded: str, piece: str | None) -> str:
     return readable(decoded, piece)
 
 
+def id_text(tokenizer: Any, token_id: int) -> str:
+    """One token of a transformers tokenizer as text, as every command shows it (`token_text`
+    of its lone decoding and its vocabulary entry)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    decoded = tokenizer.decode([int(token_id)])
+    return token_text(decoded, piece if isinstance(piece, str) else None)
+
+
 def readable(decoded: str, piece: str | None = None) -> str:
     """The decoded text of one token; its bytes instead when decoding lost them to U+FFFD."""
     if REPLACEMENT not in decoded or (piece is not None and REPLACEMENT in piece):

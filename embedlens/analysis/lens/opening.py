@@ -389,9 +389,10 @@ def no_chat_template() -> UsageError:
 def target_token(tokenizer: Any, target: str) -> tuple[int, int | None]:
     """The id of the --target token, and of its spaced form (' ' + target) when that is another
     single token (which of the two the model means is its own to say: see `target_note`)."""
+    from embedlens.model.tokens import id_text
 
     encode = functools.partial(encoded, tokenizer, add_special_tokens=False)
-    text_of = functools.partial(token_text, tokenizer)
+    text_of = functools.partial(id_text, tokenizer)
     unk = getattr(tokenizer, "unk_token_id", None)
     return single_token(target, encode, text_of, unk, getattr(tokenizer, "unk_token", None))
 
@@ -447,15 +448,6 @@ def target_note(
         f"--target '{target}' is token {t}, but the model ranks '{tok(a)}' (token {a}, with its "
         f"leading space) higher at this position: to follow that, give --target '{tok(a)}'"
     )
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    """One token as text, as every command shows it (`model.tokens.token_text`)."""
-    from embedlens.model import tokens
-
-    piece = tokenizer.convert_ids_to_tokens(int(token_id))
-    decoded = tokenizer.decode([int(token_id)])
-    return tokens.token_text(decoded, piece if isinstance(piece, str) else None)
 
 
 def position_index(pos: int | None, n_tokens: int) -> int:

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from embedlens.analysis.lens.opening import token_text
 from embedlens.analysis.lens.options import Load
 from embedlens.errors import UnsupportedError
+from embedlens.model.tokens import id_text
 from embedlens.reports.lens import LensCheck, LensDiff, LensDiffLayer, Prediction
 
 if TYPE_CHECKING:
@@ -243,7 +243,7 @@ def pair_report(
     `compare`; `b`: B's result), B's notes after A's. `shown`: the layers the report holds (the
     first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks,
     B's, and the sites (`site_report.pair_sites`)."""
-    tok = functools.cache(functools.partial(token_text, tokenizer))
+    tok = functools.cache(functools.partial(id_text, tokenizer))
     layers = [
         LensDiffLayer(
             layer=d.layer,

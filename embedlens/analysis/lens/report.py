@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from embedlens.analysis.lens.opening import Prompt, target_note, token_text
+from embedlens.analysis.lens.opening import Prompt, target_note
 from embedlens.analysis.lens.options import Ask
 from embedlens.errors import NumericError
+from embedlens.model.tokens import id_text
 from embedlens.reports.lens import (
     GridCell,
     GridRow,
@@ -150,7 +151,7 @@ def lens_report(
 
     def tok(i: int) -> str:
         if i not in cache:
-            cache[i] = token_text(tokenizer, i)
+            cache[i] = id_text(tokenizer, i)
         return cache[i]
 
     c = result.check

@@ -121,12 +121,12 @@ def read_sites(
     decoded from `pieces` (a model's blocks taken apart, or a states file's) through `decoder`,
     on `model`'s device; the grid too, when the report has one."""
     from embedlens.analysis.lens.blocks import input_device
-    from embedlens.analysis.lens.opening import token_text
     from embedlens.analysis.lens.sites import Reader, decode_sites
+    from embedlens.model.tokens import id_text
 
     reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
     decoded = decode_sites(reader, model, sites, result, run, ask.top_k, len(tokenizer))
-    tok = functools.cache(functools.partial(token_text, tokenizer))
+    tok = functools.cache(functools.partial(id_text, tokenizer))
     rows = [
         _resid(row, label) if site == "resid" else _row(decoded, site, row.layer, label, tok)
         for row in report.layers
