@@ -459,6 +459,7 @@ class _Decode:
         result = LensResult(
             num_layers=lens.n_layers,
             vocab_size=int(self.real.shape[-1]),
+            real_vocab=lens.real_vocab,
             positions=list(self.items[b].positions),
             layers=lens.layers,
             rows=self.rows[b],

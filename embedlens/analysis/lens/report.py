@@ -70,6 +70,8 @@ class LensResult:
     num_layers: int
     vocab_size: int
     """Rows of the model's output."""
+    real_vocab: int
+    """The tokenizer's length: rows at or past it are padding, never ranked."""
     positions: list[int]
     layers: list[int]
     rows: dict[tuple[int, int], Top]
@@ -170,7 +172,7 @@ def lens_report(
         steps=result.steps,
         dtype=dtype_name(model),
         vocab_size=result.vocab_size,
-        tokenizer_size=len(tokenizer),
+        tokenizer_size=result.real_vocab,
         prompt=prompt.text,
         chat=ask.chat,
         target=None

@@ -345,6 +345,7 @@ def _decode(
     return LensResult(
         num_layers=n_layers,
         vocab_size=vocab,
+        real_vocab=real_vocab,
         positions=positions,
         layers=shown,
         rows=rows,
