@@ -380,11 +380,15 @@ def license_text(path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_torchrun_gives_what_one_process_gives(pair, cli):
+@pytest.mark.parametrize("windows", ["many", "one"])
+def test_torchrun_gives_what_one_process_gives(pair, cli, windows):
+    """Two processes give one process's JSON; with one window (`--max-tokens`), rank 1 runs none
+    and still takes part in every exchange (it used to wait alone for the self-check's)."""
     from tests.test_dist import torchrun
 
     a, _, text = pair
     args = ["lens", a, "--text", text, "--ctx", CTX, "--stride", 8, "--json"]
+    args += ["--max-tokens", CTX] if windows == "one" else []
     one = cli(*args)
     assert one.exit_code == 0, one.stderr
     two = torchrun(*args)

@@ -278,9 +278,9 @@ def _all(
     if session is None:
         return mine
     every = sorted((w for part in session.all_gather(mine) for w in part), key=lambda w: w.index)
-    if run.check is not None:
-        checks = [c for c in session.all_gather(run.check) if c is not None]
-        run.check = max(checks)
+    # every rank gathers, a rank that ran no window (fewer windows than ranks) too
+    checks = [c for c in session.all_gather(run.check) if c is not None]
+    run.check = max(checks) if checks else None
     return every
 
 
