@@ -177,7 +177,7 @@ def renamed(
 COUNT_KEYWORDS: dict[str, Any] = dict(
     revision=None, dtype="auto", device="cpu", trust_remote_code=False
 )
-"""The loading keywords of `params` and `tied`, with their defaults."""
+"""The loading keywords of `params`, `tied` and `vocab`, with their defaults."""
 
 
 def weights_load(
@@ -196,6 +196,15 @@ def weights_load(
         return LoadOptions(**keywords), load
     if load is None:
         return LoadOptions(**keywords), False
+    return one_device(function, model, load, keywords), True
+
+
+def one_device(
+    function: str, model: object, load: LoadOptions, keywords: dict[str, Any]
+) -> LoadOptions:
+    """`load=` with the loading keywords (`COUNT_KEYWORDS`) that are not at their defaults set on
+    it, for a function that loads the model on one device (`params`, `tied`, `vocab`): a field
+    given both ways, another model's source, and a loading over devices are refused."""
     given = {name: value for name, value in keywords.items() if value != COUNT_KEYWORDS[name]}
     options = named(model, options_from(LoadOptions, load, given))
     over = [
@@ -205,7 +214,7 @@ def weights_load(
         raise UsageError(
             f"{function} loads the model on one device: {', '.join(over)} do not apply"
         )
-    return options, True
+    return options
 
 
 def named(model: object, load: LoadOptions) -> LoadOptions:

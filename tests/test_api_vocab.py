@@ -52,3 +52,22 @@ def test_vocab_refuses_a_loaded_model(tiny):
         embedlens.vocab(object())  # type: ignore[arg-type]
     with pytest.raises(embedlens.UsageError, match="--max-verify must be at least 1"):
         embedlens.vocab(str(tiny("llama-tied")), max_verify=0)
+
+
+def test_vocab_takes_load_as_the_lens_and_params_do(tiny):
+    """`load=` (a `LoadOptions`) holds the loading keywords: the same report as the keywords,
+    the model checked with `check_fit=` loaded as it says; a field given both ways, another
+    model's source and a loading over devices are refused, as `params` refuses them."""
+    folder = str(tiny("llama-tied"))
+    by_keywords = embedlens.vocab(folder, check_fit=True, dtype="bfloat16").to_dict()
+    loaded = embedlens.LoadOptions(dtype="bfloat16")
+    assert embedlens.vocab(folder, check_fit=True, load=loaded).to_dict() == by_keywords
+    assert embedlens.vocab(folder, check_fit=True).to_dict()["fit"] != by_keywords["fit"]
+    with pytest.raises(embedlens.UsageError, match="dtype given both"):
+        embedlens.vocab(folder, load=embedlens.LoadOptions(dtype="bfloat16"), dtype="float16")
+    with pytest.raises(embedlens.UsageError, match="names another model"):
+        embedlens.vocab(folder, load=embedlens.LoadOptions(source="elsewhere"))
+    with pytest.raises(embedlens.UsageError, match="one device: device_map do not apply"):
+        embedlens.vocab(folder, load=embedlens.LoadOptions(device_map="auto"))
+    with pytest.raises(embedlens.UsageError, match="float13"):
+        embedlens.vocab(folder, check_fit=True, load=embedlens.LoadOptions(dtype="float13"))

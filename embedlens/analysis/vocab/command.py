@@ -34,7 +34,7 @@ from embedlens.model.tokenizer import (
     load_vocab,
     vocab_from_file,
 )
-from embedlens.options import no_other_keywords, renamed
+from embedlens.options import LoadOptions, no_other_keywords, one_device, renamed
 from embedlens.progress import Progress, progress_of
 from embedlens.reports.vocab import Fit, Undertrained, VocabDiff, VocabReport
 
@@ -74,17 +74,18 @@ def vocab(
     dtype: str = "auto",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    load: LoadOptions | None = None,
     progress: Progress | None = None,
     **keywords: Any,
 ) -> VocabReport:
     """Check MODEL's vocabulary against its matrices, scan for under-trained tokens, and (on
-    request) compare it with another vocabulary (`against`) or measure whether the weights fit
-    it (`check_fit`, with `tokenizer` another tokenizer than the model's own); `verify` asks the
-    model to repeat the first `max_verify` candidates (`progress`, an
-    `embedlens.progress.Progress`, is called as its batches run: stage 'verifying', unit
-    'batches'); `show_all` shows every candidate in the tables (`to_dict()`, the --json object,
-    always holds every candidate and row). MODEL, `against` and `tokenizer` are text or paths
-    (`pathlib.Path`). `all=` and `on_progress=(done, total)` are the former, deprecated names."""
+    request) compare it with another vocabulary (`against`) or measure whether the weights fit it
+    (`check_fit`, with `tokenizer` another tokenizer than the model's own); `verify` asks the model
+    to repeat the first `max_verify` candidates (`progress`, an `embedlens.progress.Progress`, is
+    called as its batches run: stage 'verifying', unit 'batches'); `show_all` shows every candidate
+    in the tables (`to_dict()`, the --json object, always holds every candidate and row). MODEL,
+    `against` and `tokenizer` are text or paths (`pathlib.Path`); `load=`, a `LoadOptions`, may
+    hold the loading keywords; `all=` and `on_progress=(done, total)` are deprecated names."""
     show_all = bool(renamed("vocab", keywords, "all", "show_all", show_all, "give"))
     old: Callable[[int, int], None] | None = renamed(
         "vocab", keywords, "on_progress", "progress", progress,
@@ -92,6 +93,7 @@ def vocab(
     )  # fmt: skip
     progress = _progress(progress, old)
     no_other_keywords("vocab", keywords)
+    revision, how = _how(model, load, revision, _Load(dtype, device, trust_remote_code))
     _check_arguments(model, max_verify)
     model, against, tokenizer = os.fspath(model), _text(against), _text(tokenizer)
     source = resolve(model, revision)
@@ -113,13 +115,26 @@ def vocab(
         raise
     scanned, fit, notes = report.undertrained, None, list[str]()
     if check_fit or (verify and scanned.candidates):
-        how = _Load(dtype, device, trust_remote_code)
         asked = _Asked(check_fit, verify, max_verify, tokenizer)
         scanned, fit, notes = _loaded(source, how, asked, vocab_used, scanned, table, progress)
     diff = None
     if other is not None and against is not None:
         diff = compare(vocab_used, other, against, fingerprint=report.fingerprint)
     return _finish(report, scanned, diff, fit, notes)
+
+
+def _how(
+    model: object, load: LoadOptions | None, revision: str | None, how: _Load
+) -> tuple[str | None, _Load]:
+    """The revision, and how `verify` and `check_fit` load the model (on one device): the
+    keywords', or `load=`'s with the keywords given set on it."""
+    if load is None:
+        return revision, how
+    given = dict(revision=revision, dtype=how.dtype, device=how.device)
+    options = one_device(
+        "vocab", model, load, {**given, "trust_remote_code": how.trust_remote_code}
+    )
+    return options.revision, _Load(options.dtype, options.device, options.trust_remote_code)
 
 
 def _progress(progress: Progress | None, old: Callable[[int, int], None] | None) -> Progress:
