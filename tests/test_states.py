@@ -208,6 +208,23 @@ def test_smollm2_states_decode_to_the_lens_figures(smollm2, cli, tmp_path, monke
     assert rounded["layers"][-1]["top"][0]["token"] == direct["layers"][-1]["top"][0]["token"]
 
 
+@pytest.mark.slow
+def test_smollm2_bfloat16_states_decoded_in_float32_are_checked_to_bfloat16(smollm2, cli, tmp_path):
+    """States (and logits) a bfloat16 run saved, decoded in float32: the self-check holds them to
+    bfloat16's rounding at these logits (as `lens --dtype bfloat16` holds itself), not float32's
+    1e-3, which their own rounding passes (0.13 here); decoded in bfloat16, the same tolerance."""
+    saved = tmp_path / "bf16.safetensors"
+    run = cli.json("lens", smollm2, SMOL_PROMPT, "--dtype", "bfloat16", "--save-states", saved)
+    decoded = cli.json("lens", smollm2, "--states", saved)
+    check, own = decoded["check"], run["check"]
+    assert decoded["dtype"] == "float32" and check["ok"] is True
+    assert 1e-3 < check["max_abs_logit_diff"] <= check["tolerance"] == own["tolerance"]
+    assert cli.json("lens", smollm2, "--states", saved, "--dtype", "bfloat16")["check"] == {
+        **own,
+        "max_abs_logit_diff": 0.0,
+    }
+
+
 def _bad(tmp_path: Path, name: str, tensors: dict[str, Any]) -> Path:
     from safetensors.torch import save_file
 

@@ -337,7 +337,10 @@ def _decode(
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
             rows.update(_reduce([(n_layers, last)], own[None], run, ask, real_vocab))
-        tol = tolerance(next(tail.model.parameters()).dtype, torch.zeros(1) if own is None else own)
+        # the states' own precision bounds the logits they gave: the coarser dtype's tolerance
+        held = (next(tail.model.parameters()).dtype, getattr(torch, file.dtype))
+        dtype = max(held, key=lambda d: torch.finfo(d).eps)
+        tol = tolerance(dtype, torch.zeros(1) if own is None else own)
         check = _check(file, decoder, own, n_layers, tol)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
         steps = decoder.steps(first, tol)
