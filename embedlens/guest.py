@@ -14,8 +14,8 @@ What a call may change while it runs, and what is put back on return and on erro
 
 The C allocator's settings are not here: glibc's `mallopt` has no getter, so nothing could put
 back a value the caller set. A library call never calls it; only the command line, which owns
-its process, does (`runtime.own_process`, `runtime.heap_kept`). Calls nest: only the outermost
-one takes and puts back the snapshot.
+its process, does (`runtime.own_process`, `runtime.heap_kept`). Calls nest, and may run at once
+in several threads: the first to start takes the snapshot, the last to end puts it back.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,8 +34,16 @@ from typing import ParamSpec, TypeVar
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_open: list[list[Callable[[], None]]] = []
-"""For each guest call now open (outermost first), the restores `keep` recorded in it."""
+
+@dataclass
+class _Open:
+    """The guest calls now open, in every thread: how many, the snapshot the first took, and
+    the restores `keep` recorded in any of them (run when the last one ends)."""
+
+    calls: int = 0
+    snapshot: _Snapshot | None = None
+    restores: list[Callable[[], None]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -121,36 +130,45 @@ _BAR_SETTERS: dict[str, Callable[[bool], None]] = {
 }
 
 
+_OPEN = _Open()
+
+
 @contextmanager
 def guest() -> Iterator[None]:
     """The block runs as a guest: the process is put back as it was when the block ends, on
-    return and on error (see the module's docstring). Nested blocks leave it to the outermost."""
-    if _open:
-        yield
-        return
-    snapshot = _Snapshot()
-    _open.append([])
+    return and on error (see the module's docstring). Blocks open at once, nested or in other
+    threads, leave it to the last to end: the process is put back as the first found it."""
+    with _OPEN.lock:
+        _OPEN.calls += 1
+        if _OPEN.calls == 1:
+            _OPEN.snapshot, _OPEN.restores = _Snapshot(), []
     try:
         yield
     finally:
-        for restore in reversed(_open.pop()):
-            restore()
-        snapshot.restore()
+        with _OPEN.lock:
+            _OPEN.calls -= 1
+            if _OPEN.calls == 0 and _OPEN.snapshot is not None:
+                for restore in reversed(_OPEN.restores):
+                    restore()
+                _OPEN.snapshot.restore()
+                _OPEN.snapshot = None
 
 
 def keep(restore: Callable[[], None]) -> None:
-    """Inside a guest call, `restore` runs when the call ends (before the snapshot is put back):
-    for a setting of a library the call itself imported, which the snapshot could not see.
-    Outside one (the command line, which owns its process) nothing is recorded."""
-    if _open:
-        _open[-1].append(restore)
+    """Inside a guest call, `restore` runs when the call ends (the last of those open, before
+    the snapshot is put back): for a setting of a library the call itself imported, which the
+    snapshot could not see. Outside one (the command line, which owns its process) nothing is
+    recorded."""
+    with _OPEN.lock:
+        if _OPEN.calls:
+            _OPEN.restores.append(restore)
 
 
 def quietly_kept() -> None:
     """Record transformers', huggingface_hub's and accelerate's log levels and progress bars as
     they are now, to be put back when the guest call ends (`keep`): what `quiet` and `quiet_hub`
     call before they silence them."""
-    if not _open:
+    if not _OPEN.calls:
         return
     levels = {name: logging.getLogger(name).level for name in _QUIETED}
     bars = _bars()

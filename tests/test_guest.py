@@ -182,3 +182,43 @@ def test_the_command_line_keeps_its_quiet():
     with guest.guest():
         guest.keep(lambda: kept.append(2))
     assert kept == [2]
+
+
+def test_blocks_open_at_once_in_threads_put_it_back_when_the_last_ends():
+    """Two threads in guest blocks at once: the first to end does not put the process back
+    under the other (which still sees the changes both made), and the last puts back what the
+    first found; what either recorded with `keep` runs then, once."""
+    import threading
+
+    kept: list[str] = []
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str | None] = {}
+
+    def first() -> None:
+        with guest.guest():
+            os.environ["EMBEDLENS_GUEST_A"] = "a"
+            guest.keep(lambda: kept.append("a"))
+            first_in.set()
+            second_in.wait(30)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(30)
+        with guest.guest():
+            os.environ["EMBEDLENS_GUEST_B"] = "b"
+            guest.keep(lambda: kept.append("b"))
+            second_in.set()
+            first_out.wait(30)
+            seen.update(
+                a=os.environ.get("EMBEDLENS_GUEST_A"), b=os.environ.get("EMBEDLENS_GUEST_B")
+            )
+            seen["kept"] = ",".join(kept)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert seen == {"a": "a", "b": "b", "kept": ""}
+    assert "EMBEDLENS_GUEST_A" not in os.environ and "EMBEDLENS_GUEST_B" not in os.environ
+    assert kept == ["b", "a"]
