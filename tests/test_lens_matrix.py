@@ -109,7 +109,10 @@ def cli_module():
 def command(parts: dict[str, Path], combo: tuple[Any, ...]) -> list[Any]:
     """The `lens` command line of one combination."""
     source, reduction, site, decoder, comparison = combo
-    args: list[Any] = ["lens", parts["a"], "--layers", "0:", "-k", "3"]
+    # -k chooses a row's top-k: --text's table has no such rows and refuses it
+    args: list[Any] = ["lens", parts["a"], "--layers", "0:"] + (
+        [] if reduction == "text" else ["-k", "3"]
+    )
     if source == "states":
         args += ["--states", parts["states"]]
     args += {"prompt": [PROMPT] if source == "model" else [],

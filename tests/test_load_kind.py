@@ -20,7 +20,7 @@ RUNS = {"params": params, "tied": tied}
 
 def test_every_public_load_is_a_load_options():
     """Each public function that takes `load=` takes a `LoadOptions` there; those without one
-    read no weights with torch (neighbors, addr) or take the loading keywords alone (vocab)."""
+    read no weights with torch (neighbors, addr)."""
     taking = []
     for name in embedlens.__all__:
         value = getattr(embedlens, name)
@@ -31,6 +31,7 @@ def test_every_public_load_is_a_load_options():
     assert set(taking) == {"params", "tied", "lens", "lens_prompts", "lens_states"} | {
         "lens_text",
         "tune",
+        "vocab",
     }
 
 

@@ -313,7 +313,7 @@ def _decode(
     import torch
 
     from embedlens.analysis.lens.blocks import threads_for
-    from embedlens.analysis.lens.engine import CHUNK_BYTES, decoded, tolerance
+    from embedlens.analysis.lens.engine import CHUNK_BYTES, decoded
 
     n_layers = len(tail.blocks.modules)
     last = file.n_tokens - 1
@@ -337,10 +337,7 @@ def _decode(
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
             rows.update(_reduce([(n_layers, last)], own[None], run, ask, real_vocab))
-        # the states' own precision bounds the logits they gave: the coarser dtype's tolerance
-        held = (next(tail.model.parameters()).dtype, getattr(torch, file.dtype))
-        dtype = max(held, key=lambda d: torch.finfo(d).eps)
-        tol = tolerance(dtype, torch.zeros(1) if own is None else own)
+        tol = _tolerance(tail, file, own)
         check = _check(file, decoder, own, n_layers, tol)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
         steps = decoder.steps(first, tol)
@@ -416,6 +413,18 @@ def _reduce(
         tops = exact_tops(logits[full], ask.top_k, vocab, target, [nexts[i] for i in full])
         out.update(zip([where[i] for i in full], tops, strict=True))
     return out
+
+
+def _tolerance(tail: Tail, file: StatesFile, own: torch.Tensor | None) -> float:
+    """The self-check's tolerance: the coarser of the decoding's dtype and the states' own (the
+    logits a bfloat16 run saved beside its states hold bfloat16's rounding)."""
+    import torch
+
+    from embedlens.analysis.lens.engine import tolerance
+
+    held = (next(tail.model.parameters()).dtype, getattr(torch, file.dtype))
+    dtype = max(held, key=lambda d: torch.finfo(d).eps)
+    return tolerance(dtype, torch.zeros(1) if own is None else own)
 
 
 def _check(
