@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,14 @@ os.environ.pop("HF_TOKEN", None)
 # its own width: no width is fixed for the whole session
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# Each pytest-xdist worker takes its share of the cores for torch's and OpenMP's threads (set
+# before torch is imported; the processes tests start inherit it): two workers on two cores,
+# each on two threads, wait for a time slice at every barrier (the whole suite took 11:47 with a
+# thread a worker against 13:05 with two). Tests about threads set theirs (test_same_output runs
+# on one thread and on every core); a share the caller set stays.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1 and "torch" not in sys.modules:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)

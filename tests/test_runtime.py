@@ -44,8 +44,10 @@ atexit.register(report)
 
 
 def _blas(snippet: str, *args: str, **env: str) -> dict[str, object]:
-    """OpenBLAS's threads and OPENBLAS_NUM_THREADS once `snippet` has run in a fresh process."""
-    clean = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    """OpenBLAS's threads and OPENBLAS_NUM_THREADS once `snippet` has run in a fresh process
+    (OMP_NUM_THREADS, which OpenBLAS reads too, unset: a test worker's share is not a caller's)."""
+    unset = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
     result = subprocess.run(
         [sys.executable, "-c", _REPORT + snippet, *args],
         env={**clean, **env},
