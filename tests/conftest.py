@@ -39,7 +39,7 @@ os.environ.pop("LINES", None)
 # before torch is imported; the processes tests start inherit it): two workers on two cores,
 # each on two threads, wait for a time slice at every barrier (the whole suite took 11:47 with a
 # thread a worker against 13:05 with two). Tests about threads set theirs (test_same_output runs
-# on one thread and on every core); a share the caller set stays.
+# its processes as a user's, then on one thread and on every core); a share the caller set stays.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1 and "torch" not in sys.modules:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))

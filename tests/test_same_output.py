@@ -68,9 +68,11 @@ def _run(argv: list[str], threads: int = 0) -> bytes:
 
 
 def _run_on(argv: list[str], threads: int = 0) -> tuple[bytes, int]:
-    """stdout, and torch's own thread count in that process (before any is set by hand)."""
+    """stdout, and torch's own thread count in that process (before any is set by hand), run as
+    a user's process is: without the test worker's share of the cores (OMP_NUM_THREADS)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     result = subprocess.run(
-        [sys.executable, "-c", _FORCED, str(threads), *argv], capture_output=True, cwd=ROOT
+        [sys.executable, "-c", _FORCED, str(threads), *argv], capture_output=True, cwd=ROOT, env=env
     )
     assert result.returncode == 0, result.stderr.decode()
     said = [ln for ln in result.stderr.decode().splitlines() if ln.startswith("torch threads: ")]
