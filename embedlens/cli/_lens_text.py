@@ -10,7 +10,7 @@ import typer
 
 from embedlens.cli._output import emit, note, tokens_bar, warn
 from embedlens.errors import UsageError
-from embedlens.options import LoadOptions
+from embedlens.options import LensOptions, LoadOptions
 from embedlens.runtime import world
 
 TextOpt = Annotated[
@@ -74,6 +74,8 @@ _ALONE = {"prompt": "PROMPT", "prompts": "--prompts", "target": "--target", "cha
           "chat_template": "--chat-template", "compare_logit": "--compare-logit",
           "threshold": "--threshold", "state_layers": "--state-layers"}  # fmt: skip
 """Options of `lens` that --text does not take."""
+_TOP_K = LensOptions().top_k
+"""-k's default: any other -k is refused with --text."""
 
 
 def run_text(model: str, given: dict[str, Any]) -> None:
@@ -124,7 +126,7 @@ def _refused(given: dict[str, Any]) -> None:
             raise UsageError(f"--text and {flag} do not combine")
     if given.get("position") not in (None, "-1"):
         raise UsageError("--text and --position do not combine: every scored token is read")
-    if given.get("top_k", 5) != 5:
+    if given.get("top_k", _TOP_K) != _TOP_K:
         raise UsageError("--text and -k do not combine: its table is per layer, over every token")
 
 

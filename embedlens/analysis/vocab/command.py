@@ -130,10 +130,9 @@ def _how(
     keywords', or `load=`'s with the keywords given set on it."""
     if load is None:
         return revision, how
-    given = dict(revision=revision, dtype=how.dtype, device=how.device)
-    options = one_device(
-        "vocab", model, load, {**given, "trust_remote_code": how.trust_remote_code}
-    )
+    trust = how.trust_remote_code
+    given = dict(revision=revision, dtype=how.dtype, device=how.device, trust_remote_code=trust)
+    options = one_device("vocab", model, load, given)
     return options.revision, _Load(options.dtype, options.device, options.trust_remote_code)
 
 
