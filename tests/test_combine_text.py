@@ -221,7 +221,7 @@ def test_against_site_rows_equal_both_models_site_rows_by_hand(tiny, text):
     """`--text --against --site`: each (layer, site) row's comparison is llama-perplexity's
     figures of A's site rows against B's, both taken by hooks and the tail by hand."""
     from embedlens import lens_text
-    from embedlens.analysis.lens.site_report import SUFFIX
+    from embedlens.analysis.lens.options import SUFFIX
 
     a, b = tiny("llama-untied"), tiny("llama-tied")
     r = lens_text(a, text, ctx=CTX, against=b, site=EVERY)

@@ -7,7 +7,8 @@ is: never reloaded, moved, re-typed or left changed.
 
 What a call was given is made into its option objects by `embedlens.options.lens_given`
 (keyword arguments build the objects; a field given both as a keyword and in `load=`/`options=`
-is refused, as is a keyword neither object has), and checked here (`loading`, `models`).
+is refused, as is a keyword neither object has), and checked before any file is read
+(`options.ask`, `options.many`, `models`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.many import OnReport, run_one
 from embedlens.analysis.lens.opening import make_prompt, open_model
 from embedlens.analysis.lens.report import one_report
-from embedlens.analysis.lens.site_report import sites_asked, sites_report
+from embedlens.analysis.lens.site_report import sites_report
 from embedlens.analysis.lens.states_file import saving_many
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given, renamed
@@ -120,21 +121,20 @@ def lens(
 def _one_prompt(
     model: object,
     tokenizer: Any,
-    loading: Loading,
+    loading: checks.Loading,
     pair: Pair | None,
     ask: checks.Ask,
     asked: LensOptions,
     save: tuple[str | os.PathLike[str], str | None] | None,
 ) -> LensReport:
     """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
-    the sites inside the blocks, `asked.site`; `save`: where --save-states writes, and the
+    the sites inside the blocks, `ask.sites`; `save`: where --save-states writes, and the
     revision its metadata names)."""
-    sites = sites_asked(asked.site, asked.tuned)
     lens_dir = _tuned_folder(asked.tuned)
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask, sites, lens_dir)
+        return lens_pair(pair, ask, ask.sites, lens_dir)
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir, functools.partial(make_prompt, ask))
     texts = () if ask.chat is not None else (ask.prompt,)
@@ -144,11 +144,12 @@ def _one_prompt(
 
         decoder, described = tuned_decoder(lens_dir, opened, run)
         result = run_one(opened, ask, run, decoder=decoder)
-        report = sites_report(one_report(opened, ask, run, result), opened, ask, run, result, sites)
+        base = one_report(opened, ask, run, result)
+        report = sites_report(base, opened, ask, run, result, ask.sites)
         if save is not None:
             from embedlens.analysis.lens.states_file import save_run
 
-            save_run(save[0], opened, run, ask, save[1], sites)
+            save_run(save[0], opened, run, ask, save[1], ask.sites)
         if described is None:
             return report
         from dataclasses import replace
@@ -209,16 +210,14 @@ def lens_prompts(
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
-        sites = sites_asked(asked.site, lens_dir)  # refused before the folder is made
         saving = saving_many(save_states, load.revision, against, session)
-        return _many(model, tokenizer, loading, pair, ask, source, run, lens_dir, session, saving,
-                     sites)  # fmt: skip
+        return _many(model, tokenizer, loading, pair, ask, source, run, lens_dir, session, saving)
 
 
 def _many(
     model: object,
     tokenizer: Any,
-    loading: Loading,
+    loading: checks.Loading,
     pair: Pair | None,
     ask: checks.ManyAsk,
     source: PromptSource,
@@ -226,13 +225,13 @@ def _many(
     lens_dir: LensFolder | None,
     session: Session | None,
     saving: tuple[str | os.PathLike[str], str | None] | None,
-    sites: tuple[str, ...],
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
     from embedlens.analysis.lens import many
 
     on_report, progress, compare_logit = run
+    sites = ask.sites
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
@@ -311,19 +310,6 @@ def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
     return both
 
 
-Loading = checks.Load | dict[str, bool]
-"""How to load a model named by its files (checked), or for a model given loaded, which loading
-options were given (it refuses them)."""
-
-
-def loading(model: object, load: LoadOptions) -> Loading:
-    """How to load a model named by its files, checked; for a model already loaded, which
-    loading options were given (it refuses them)."""
-    if isinstance(model, (str, os.PathLike)):
-        return checks.load_options(load)
-    return load.given()
-
-
 def models(
     model: object,
     tokenizer: Any,
@@ -332,10 +318,10 @@ def models(
     against_tokenizer: Any,
     against_revision: str | None,
     threshold: float | None,
-) -> tuple[Loading, Pair | None]:
+) -> tuple[checks.Loading, Pair | None]:
     """How to load the model (`loading`), and with `against` the pair: B loads as A does, but
     for its revision (a loaded B refuses that alone)."""
-    a_loading = loading(model, load)
+    a_loading = checks.loading(model, load)
     limit = checks.check_threshold(threshold, against)
     if against is None:
         if against_tokenizer is not None or against_revision is not None:
@@ -346,7 +332,7 @@ def models(
     from embedlens.analysis.lens.pairing import Pair, Side
 
     if isinstance(against, (str, os.PathLike)):
-        b_loading = loading(against, replace(load, source=None, revision=against_revision))
+        b_loading = checks.loading(against, replace(load, source=None, revision=against_revision))
     else:
         b_loading = LoadOptions(revision=against_revision).given()
     a, b = Side(model, tokenizer, a_loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""What users ask the lens for, checked before any file is read: layers, positions, -k, chat
-template variables, and how to load the model."""
+"""What users ask the lens for, checked before any file is read: layers, positions, -k, sites,
+chat template variables, and how to load the model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from embedlens.options import LensOptions, LoadOptions
 DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequential")
 LayerItem = int | tuple[int | None, int | None, int | None]
 MemoryMap = dict[int | str, int | str]
+
+SUFFIX = {"attn_out": ".attn", "resid_mid": ".mid", "mlp_out": ".mlp", "resid": ""}
+"""A site's row label after the layer number (`3.attn`, `3.mid`, `3.mlp`, `3`), in block order."""
+SITES: tuple[str, ...] = tuple(SUFFIX)
+"""The sites, in the order their rows come within a block."""
 
 DEFAULT_THRESHOLD = 1e-6
 """KL (nats) above which a layer counts as divergent. A model against itself, or against an
@@ -43,6 +48,8 @@ class Ask:
     grid: bool
     template: tuple[str, str] | None = None
     """A chat template the caller gave (its text, and how messages name it)."""
+    sites: tuple[str, ...] = ("resid",)
+    """The sites read, in block order (`sites_asked`)."""
 
 
 @dataclass(frozen=True)
@@ -56,13 +63,15 @@ class ManyAsk:
     skip_bad: bool
     template: tuple[str, str] | None = None
     """A chat template the caller gave, for the lines with a chat message."""
+    sites: tuple[str, ...] = ("resid",)
+    """The sites read, in block order (`sites_asked`)."""
 
     def line(self, prompt: str, chat: str | None, target: str | None) -> Ask:
         """One line's ask, as a single run would take it (a list of positions: its last)."""
         pos = self.position
         single = pos[-1] if isinstance(pos, list) else pos
         return Ask(prompt, chat, self.switches, self.layers, single, self.top_k, target,
-                   pos is None, self.template)  # fmt: skip
+                   pos is None, self.template, self.sites)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,8 @@ def ask(prompt: str, asked: LensOptions) -> Ask:
     if asked.compare_logit:
         raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     grid = asked.grid or pos is None
-    return Ask(prompt, chat, switches, items, pos, asked.top_k, asked.target, grid, template)
+    sites = sites_asked(asked.site, asked.tuned)
+    return Ask(prompt, chat, switches, items, pos, asked.top_k, asked.target, grid, template, sites)
 
 
 def many(asked: LensOptions, against: object) -> ManyAsk:
@@ -116,7 +126,8 @@ def many(asked: LensOptions, against: object) -> ManyAsk:
         raise UsageError(
             "--compare-logit compares two lenses on one model: run it without --against"
         )
-    return ManyAsk(items, positions, asked.top_k, switches, asked.skip_bad, template)
+    sites = sites_asked(asked.site, asked.tuned)
+    return ManyAsk(items, positions, asked.top_k, switches, asked.skip_bad, template, sites)
 
 
 def load_options(load: LoadOptions) -> Load:
@@ -145,6 +156,19 @@ def load_options(load: LoadOptions) -> Load:
     )
 
 
+Loading = Load | dict[str, bool]
+"""How to load a model named by its files (checked), or for a model given loaded, which loading
+options were given (it refuses them)."""
+
+
+def loading(model: object, load: LoadOptions) -> Loading:
+    """How to load a model named by its files, checked; for a model already loaded, which
+    loading options were given (it refuses them)."""
+    if isinstance(model, (str, os.PathLike)):
+        return load_options(load)
+    return load.given()
+
+
 def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:
     """--target, --chat and --grid are each line's own with many prompts."""
     if target is not None or chat is not None or grid:
@@ -168,6 +192,32 @@ def check_threshold(threshold: float | None, against: object) -> float:
             f"--threshold must be a finite number of nats, at least 0, not {threshold}"
         )
     return float(threshold)
+
+
+def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, ...]:
+    """`--site` (one site or several: comma-separated, or a list) as the sites asked for, in
+    block order, checked before any model loads: a tuned lens is fitted to the residual stream
+    only."""
+    if value is None:
+        sites: tuple[str, ...] = ("resid",)
+    else:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        names = [str(s).strip() for s in items if str(s).strip()]
+        bad = [s for s in names if s not in SITES]
+        if bad or not names:
+            raise UsageError(
+                f"unknown --site {bad[0] if bad else repr(value)}: use one or more of "
+                f"{', '.join(SITES)}, comma-separated",
+                hint="e.g. --site resid_mid,resid",
+            )
+        sites = tuple(s for s in SITES if s in names)
+    if tuned is not None and sites != ("resid",):
+        raise UsageError(
+            "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
+            "the blocks' outputs, not to the stream inside a block or to what one adds",
+            hint="drop --tuned to read the other sites through the model's own decoder",
+        )
+    return sites
 
 
 def check_top_k(top_k: int) -> None:

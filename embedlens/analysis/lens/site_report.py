@@ -1,5 +1,5 @@
-"""`lens --site` as reports: the sites asked for (`sites_asked`, checked before any model loads),
-one prompt's report with a row per (layer, site) (`sites_report`), the `--prompts` summary's
+"""`lens --site` as reports (the sites asked for are checked by `options.sites_asked`): one
+prompt's report with a row per (layer, site) (`sites_report`), the `--prompts` summary's
 (`SiteManyRun`), and the rows where two models part (`pair_sites`, `SiteSums`); every figure
 comes from `sites`, which takes the blocks apart and decodes their pieces."""
 
@@ -11,8 +11,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.many import ManyRun
+from embedlens.analysis.lens.options import SITES, SUFFIX
 from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
-from embedlens.errors import UsageError
 from embedlens.reports.lens import (
     BlockSums,
     Gained,
@@ -47,38 +47,8 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.sites import Pieces, SiteRows
     from embedlens.model.prompts import BadLine
 
-SUFFIX = {"attn_out": ".attn", "resid_mid": ".mid", "mlp_out": ".mlp", "resid": ""}
-"""A site's row label after the layer number (`3.attn`, `3.mid`, `3.mlp`, `3`), in block order."""
-SITES: tuple[str, ...] = tuple(SUFFIX)
-"""The sites, in the order their rows come within a block."""
 SITE_STATS = (*LAYER_STATS, "change_kl")
 """The statistics of a `--prompts --site` summary's rows (a piece's change too)."""
-
-
-def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, ...]:
-    """`--site` (one site or several: comma-separated, or a list) as the sites asked for, in
-    block order, checked before any model loads: a tuned lens is fitted to the residual stream
-    only."""
-    if value is None:
-        sites: tuple[str, ...] = ("resid",)
-    else:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        names = [str(s).strip() for s in items if str(s).strip()]
-        bad = [s for s in names if s not in SITES]
-        if bad or not names:
-            raise UsageError(
-                f"unknown --site {bad[0] if bad else repr(value)}: use one or more of "
-                f"{', '.join(SITES)}, comma-separated",
-                hint="e.g. --site resid_mid,resid",
-            )
-        sites = tuple(s for s in SITES if s in names)
-    if tuned is not None and sites != ("resid",):
-        raise UsageError(
-            "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
-            "the blocks' outputs, not to the stream inside a block or to what one adds",
-            hint="drop --tuned to read the other sites through the model's own decoder",
-        )
-    return sites
 
 
 def in_block_order(layers: Iterable[int], sites: Sequence[str]) -> Iterator[tuple[int, str, str]]:

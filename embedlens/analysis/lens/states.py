@@ -63,13 +63,12 @@ def lens_states(
         compares two models (`against_revision`: B's revision).
     """
     from embedlens.analysis.lens import api
-    from embedlens.analysis.lens.site_report import sites_asked
     from embedlens.analysis.lens.states_file import open_states
     from embedlens.model.loading import check_dtype
 
     name, load, asked = lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
-    sites = sites_asked(asked.site, asked.tuned)
+    sites = checks.sites_asked(asked.site, asked.tuned)
     b = (against, None, against_revision, asked.threshold)
     pair = api.models(name, None, load, *b)[1]
     checks.check_top_k(asked.top_k)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options
-from embedlens.analysis.lens.site_report import sites_asked
 from embedlens.analysis.lens.states_file import ManySaver, saving_many
 from embedlens.analysis.lens.tuned_folder import fits_tuned
 from embedlens.errors import UsageError
@@ -80,7 +79,6 @@ def lens_text(
     dist_backend: under torchrun, the windows are split over the processes.
     progress: called as `progress("text", scored, to_score, "tokens")` after each window.
     """
-    from embedlens.analysis.lens import api
     from embedlens.progress import progress_of
 
     model, load = model_and_load("lens_text", model, load, dict(keywords))
@@ -92,7 +90,7 @@ def lens_text(
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         saving = saving_many(save_states, load.revision, against, session, "--text")
-        loading = api.loading(model, load)
+        loading = options.loading(model, load)
         b = (against, against_tokenizer, against_revision)
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual, sites, saving), session,
@@ -114,7 +112,7 @@ def _check(
         raise UsageError("lens_text runs the model on one device: --device-map does not apply")
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
-    return sites_asked(site, tuned)
+    return options.sites_asked(site, tuned)
 
 
 def _run(
@@ -202,7 +200,6 @@ def _other(
         return
     from dataclasses import replace
 
-    from embedlens.analysis.lens import api
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.pairing import Side, check_pair
 
@@ -211,7 +208,7 @@ def _other(
                              trust_remote_code=load.trust_remote_code)  # fmt: skip
     else:
         a_load = LoadOptions()
-    b_load = api.loading(against, replace(a_load, revision=revision))
+    b_load = options.loading(against, replace(a_load, revision=revision))
     a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
              opened.tokenizer, load)  # fmt: skip
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]

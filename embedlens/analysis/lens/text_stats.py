@@ -267,7 +267,7 @@ class TextTotals:
     def site_rows(self, sites: tuple[str, ...], kind: type[Any], per_site: Any) -> list[Any]:
         """A row of `kind` per (layer, site) in block order, from `per_site(site)`'s rows per
         layer (layer 0: the embedding's residual stream alone)."""
-        from embedlens.analysis.lens.site_report import SUFFIX
+        from embedlens.analysis.lens.options import SUFFIX
 
         each = {site: per_site(site) for site in sites}
         return [

@@ -190,7 +190,7 @@ def tune(
         summed; rank 0 writes the folder, every rank returns the report.
     A loaded model (with its `tokenizer`) runs as it is.
     """
-    from embedlens.analysis.lens import api
+    from embedlens.analysis.lens.options import loading as checked_loading
     from embedlens.analysis.torchrun import split_session
     from embedlens.progress import progress_of
 
@@ -203,7 +203,7 @@ def tune(
         ask = tune_ask(data, out, eval_data, seq_len, tokens, eval_tokens,
                        (refine_tokens, steps, lr), method, seed)  # fmt: skip
         _one_device(load)
-        loading = api.loading(model, load)
+        loading = checked_loading(model, load)
 
         def check(tok: Any, config: Any, _template: str) -> Plan:
             return plan(ask, tok, config)
