@@ -183,23 +183,22 @@ def _composed(
     compares them, A's sites read from the file; else with the sites the file holds."""
     import torch
 
+    from embedlens.analysis.lens.many import shown_rows
     from embedlens.analysis.lens.report import lens_report
 
     name, tokenizer, tail, decoder, run, ask = made
     inner = [x for x in shown if x >= 1]
+    report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
     if b is None or pair is None:
-        report = lens_report(name, tokenizer, tail.model, result, ask, run)
         if tuple(sites) == ("resid",):
             return report
         from embedlens.analysis.lens.site_report import read_sites
 
         pieces = file.pieces(inner, result.positions)
         return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
-    from embedlens.analysis.lens.many import shown_rows
     from embedlens.analysis.lens.pairing import compare, pair_report
     from embedlens.analysis.lens.site_report import logits_at
 
-    report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
     rb, named, b_sites = b
     inside = None
     if b_sites is not None:  # A's rows inside the blocks read from the file, at the position read
@@ -262,9 +261,7 @@ def _shown(ask: checks.Ask, n_layers: int, file: StatesFile) -> list[int]:
     shown = [layer for layer in asked if layer in file.layers]
     if not shown:
         held = ", ".join(str(layer) for layer in sorted(file.layers))
-        raise UsageError(
-            f"the file holds none of the layers asked for (it holds {held})",
-        )
+        raise UsageError(f"the file holds none of the layers asked for (it holds {held})")
     return shown
 
 
