@@ -419,22 +419,3 @@ class _PairRun:
         pair = dataclasses.replace(summary, notes=notes, diff=diff)
         sites = self.side.sites
         return pair if tuple(sites) == ("resid",) else self.inside.summary(pair, sites)
-
-
-def paired(
-    report: LensReport,
-    a: LensResult,
-    b: tuple[LensResult, Named, Any],
-    threshold: float,
-    tokenizer: Any,
-    index: int,
-    shown: list[int],
-    a_sites: tuple[Callable[[], Any], Sequence[str]],
-) -> LensReport:
-    """A's report with B's `diff` at the position read (`a`: A's result at every layer, kept
-    beside B's residual; `b`: what `run_b` gives); with sites inside the blocks, where the two
-    part there (`a_sites`: what reads A's rows there, and the sites)."""
-    rb, named, b_sites = b
-    inside = None if b_sites is None else (a_sites[0](), b_sites, a_sites[1])
-    diffs = compare(a, rb, index)
-    return pair_report(report, diffs, rb, named, threshold, tokenizer, shown, inside)

@@ -5,6 +5,7 @@ and the report is the one `lens` builds, so the same states give the same figure
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.decoders import Tail
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
-    from embedlens.analysis.lens.site_report import SiteLogits
     from embedlens.analysis.lens.states_file import StatesFile
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.files import ModelFiles
@@ -71,12 +71,7 @@ def lens_states(
     sites = checks.sites_asked(asked.site, asked.tuned)
     b = (against, None, against_revision, asked.threshold)
     pair = api.models(name, None, load, *b)[1]
-    checks.check_top_k(asked.top_k)
-    items = None if asked.layers is None else checks.layer_items(asked.layers)
-    position = asked.position
-    pos = checks.parse_position(position) if isinstance(position, (int, str)) else position
-    if not isinstance(pos, int) and pos is not None:
-        raise UsageError("a list of positions applies only with prompts=")
+    ask = checks.ask("the file's", asked)  # the prompt and its chat message: the file's
     check_dtype(load.dtype)
     lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
     file = open_states(states, state_layers)
@@ -85,9 +80,7 @@ def lens_states(
         from embedlens.analysis.lens.pairing import check_pair
 
         check_pair(pair.a, pair.b)
-    chat = file.metadata.get("chat")
-    ask = checks.Ask("", chat, {}, items, pos, asked.top_k, asked.target,
-                      asked.grid or pos is None)  # fmt: skip
+    ask = dataclasses.replace(ask, prompt="", chat=file.metadata.get("chat"))
     return _run(os.fspath(name), load, file, ask, (lens_dir, sites, pair))
 
 
@@ -119,8 +112,6 @@ def _run(
     name: str, load: LoadOptions, file: StatesFile, ask: checks.Ask, parts: Parts
 ) -> LensReport:
     """The model's config and tokenizer, the file checked against them, the tail read, the run."""
-    import dataclasses
-
     from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
     from embedlens.io.ranges import tally
     from embedlens.io.source import resolve
@@ -146,6 +137,8 @@ def _run_on(
 ) -> LensReport:
     """`_run` once the model's files are found: with a pair, B runs first on the file's ids (and
     is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
+    import torch
+
     from embedlens.analysis.lens.decoders import open_tail
     from embedlens.model import file_tokens, loading
 
@@ -164,7 +157,8 @@ def _run_on(
         from embedlens.analysis.lens.against import run_b
 
         b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
-    tail = open_tail(source, _dtype(load.dtype), trust_remote_code=trust)
+    dtype = torch.float32 if load.dtype == "auto" else loading.torch_dtype(load.dtype)
+    tail = open_tail(source, dtype, trust_remote_code=trust)
     decoder, tuned = _decoder(tail, tokenizer, run.ids, lens_dir)
     decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
@@ -172,15 +166,6 @@ def _run_on(
     made = (name, tokenizer, tail, decoder, run, ask)
     report = _composed(made, result, file, shown, sites, b, pair)
     return _states_report(report, file, tail, result.check, tuned)
-
-
-def _dtype(name: str) -> torch.dtype:
-    """The dtype the tail decodes in: float32 for 'auto'."""
-    import torch
-
-    from embedlens.model.loading import torch_dtype
-
-    return torch.float32 if name == "auto" else torch_dtype(name)
 
 
 def _composed(
@@ -197,29 +182,30 @@ def _composed(
     compares them, A's sites read from the file; else with the sites the file holds."""
     import torch
 
+    from embedlens.analysis.lens.many import shown_rows
     from embedlens.analysis.lens.report import lens_report
 
     name, tokenizer, tail, decoder, run, ask = made
     inner = [x for x in shown if x >= 1]
+    report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
     if b is None or pair is None:
-        report = lens_report(name, tokenizer, tail.model, result, ask, run)
         if tuple(sites) == ("resid",):
             return report
         from embedlens.analysis.lens.site_report import read_sites
 
         pieces = file.pieces(inner, result.positions)
         return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
-    from embedlens.analysis.lens.against import paired
-    from embedlens.analysis.lens.many import shown_rows
+    from embedlens.analysis.lens.pairing import compare, pair_report
     from embedlens.analysis.lens.site_report import logits_at
 
-    report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
-    cpu, at = torch.device("cpu"), [run.index]
-
-    def a_sites() -> SiteLogits:
-        return logits_at(file.pieces(inner, at), decoder, sites, inner, cpu, result.vocab_size, at)
-
-    return paired(report, result, b, pair.threshold, tokenizer, run.index, shown, (a_sites, sites))
+    rb, named, b_sites = b
+    inside = None
+    if b_sites is not None:  # A's rows inside the blocks read from the file, at the position read
+        at, pieces = [run.index], file.pieces(inner, [run.index])
+        cpu, vocab = torch.device("cpu"), result.vocab_size
+        inside = (logits_at(pieces, decoder, sites, inner, cpu, vocab, at), b_sites, sites)
+    diffs = compare(result, rb, run.index)
+    return pair_report(report, diffs, rb, named, pair.threshold, tokenizer, shown, inside)
 
 
 def _check_fits(file: StatesFile, ids: list[int], config: Any, tokenizer_size: int) -> int:
@@ -274,9 +260,7 @@ def _shown(ask: checks.Ask, n_layers: int, file: StatesFile) -> list[int]:
     shown = [layer for layer in asked if layer in file.layers]
     if not shown:
         held = ", ".join(str(layer) for layer in sorted(file.layers))
-        raise UsageError(
-            f"the file holds none of the layers asked for (it holds {held})",
-        )
+        raise UsageError(f"the file holds none of the layers asked for (it holds {held})")
     return shown
 
 
@@ -336,10 +320,9 @@ def _decode(
         if own is not None and n_layers in shown and last in positions:
             final[last] = own
             rows.update(_reduce([(n_layers, last)], own[None], run, ask, real_vocab))
-        tol = _tolerance(tail, file, own)
-        check = _check(file, decoder, own, n_layers, tol)
+        check = _check(file, tail, decoder, own)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
-        steps = decoder.steps(first, tol)
+        steps = decoder.steps(first, check.tolerance)
     output = torch.stack([final[p] for p in positions]) if len(final) == len(positions) else None
     return LensResult(
         num_layers=n_layers,
@@ -414,27 +397,19 @@ def _reduce(
     return out
 
 
-def _tolerance(tail: Tail, file: StatesFile, own: torch.Tensor | None) -> float:
-    """The self-check's tolerance: the coarser of the decoding's dtype and the states' own (the
-    logits a bfloat16 run saved beside its states hold bfloat16's rounding)."""
+def _check(file: StatesFile, tail: Tail, decoder: Decoder, own: torch.Tensor | None) -> Check:
+    """The decoding of the last layer at the last position against the model's own logits when
+    the file holds both; else a check not made (NaN). Its tolerance: the coarser of the
+    decoding's dtype and the states' own (the logits a bfloat16 run saved beside its states hold
+    bfloat16's rounding)."""
     import torch
 
     from embedlens.analysis.lens.engine import tolerance
 
     held = (next(tail.model.parameters()).dtype, getattr(torch, file.dtype))
     dtype = max(held, key=lambda d: torch.finfo(d).eps)
-    return tolerance(dtype, torch.zeros(1) if own is None else own)
-
-
-def _check(
-    file: StatesFile,
-    decoder: Decoder,
-    own: torch.Tensor | None,
-    n_layers: int,
-    tol: float,
-) -> Check:
-    """The decoding of the last layer at the last position against the model's own logits when
-    the file holds both; else a check not made (NaN)."""
+    tol = tolerance(dtype, torch.zeros(1) if own is None else own)
+    n_layers = len(tail.blocks.modules)
     if own is None or n_layers not in file.layers:
         return Check(math.nan, tol, False, None)
     mine = decoder.logits(file.rows(n_layers, [file.n_tokens - 1]), [n_layers]).float()[0]
@@ -451,8 +426,6 @@ def _states_report(
 ) -> LensReport:
     """The lens report (with sites, or B's diff) with where its states came from and what the
     check did."""
-    import dataclasses
-
     from embedlens.reports.lens import StatesSource
 
     n_layers = len(tail.blocks.modules)
