@@ -68,20 +68,19 @@ def lens_states(
 
     name, load, asked = lens_given("lens_states", model, load, options, dict(keywords))
     _applies(load, asked)
-    sites = checks.sites_asked(asked.site, asked.tuned)
+    ask = checks.ask("the file's", asked)  # the prompt and its chat message: the file's
     b = (against, None, against_revision, asked.threshold)
     pair = api.models(name, None, load, *b)[1]
-    ask = checks.ask("the file's", asked)  # the prompt and its chat message: the file's
     check_dtype(load.dtype)
     lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
     file = open_states(states, state_layers)
-    file.check_sites(sites)
+    file.check_sites(ask.sites)
     if pair is not None:
         from embedlens.analysis.lens.pairing import check_pair
 
         check_pair(pair.a, pair.b)
     ask = dataclasses.replace(ask, prompt="", chat=file.metadata.get("chat"))
-    return _run(os.fspath(name), load, file, ask, (lens_dir, sites, pair))
+    return _run(os.fspath(name), load, file, ask, (lens_dir, ask.sites, pair))
 
 
 _NOT_APPLIED = {
