@@ -88,7 +88,11 @@ def lens_text(
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
-    reference = None if against_logits is None else _reference_file(against_logits)
+    reference = None
+    if against_logits is not None:  # read and checked before any model loads
+        from embedlens.analysis.lens.text_stats import read_logits
+
+        reference = read_logits(against_logits)
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         saving = saving_many(save_states, load.revision, against, session, "--text")
@@ -97,13 +101,6 @@ def lens_text(
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual, sites, saving), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
-
-
-def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
-    """A `save_logits` file, read and checked (the reference run; NumPy imported now)."""
-    from embedlens.analysis.lens.text_stats import read_logits
-
-    return read_logits(path)
 
 
 def _check(
@@ -154,7 +151,8 @@ def _run(
         totals = text_stats.TextTotals(run.layers, done)
         n, cut = len(tokens.ids), {"ctx": r.ctx, "stride": r.stride, "score": r.score}
         head = {"text": name, "n_text_tokens": n, **cut, "n_windows": len(r.starts(n))}
-        report = text_stats.text_report(opened, run, totals, head, other, reference)
+        ref = None if reference is None else str(reference.meta.get("model", reference.path))
+        report = text_stats.text_report(opened, run, totals, head, other, ref)
         if save_logits is not None and (session is None or session.rank == 0):
             meta = {"model": opened.name, **cut, "vocab": run.vocab, "top_k": TOP_K}
             text_stats.save_logits(save_logits, meta, tokens.ids, done)

@@ -254,9 +254,10 @@ class TextRun:
             sums = self._sums(w, parts, (cap, theirs), out, t)
             if ref is not None:
                 rows, kl, dp = file_pair_rows(ref, real, t, self.vocab)
-                sums.pair = rows.sum(0, keepdim=True).cpu().numpy()
-                sums.kl_values = kl.float().cpu().numpy()[None]
-                sums.dp_values = dp.float().cpu().numpy()[None]
+                sums.sums["pair"] = rows.sum(0, keepdim=True).cpu().numpy()
+                sums.values = {
+                    k: v.float().cpu().numpy()[None] for k, v in (("kl", kl), ("dp", dp))
+                }
             if self.keep_logits:
                 sums.extra = kept_logits(real, t, self.vocab)
             if self.sites != ("resid",):
@@ -305,36 +306,37 @@ class TextRun:
         the logit lens beside a tuned one, and A's decoder on B's residual, on the residual
         stream alone (not a `site`'s)."""
         index = {layer: i for i, layer in enumerate(self.layers)}
-        one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
-        logit = None if self.main.logit is None or site else torch.zeros_like(one)
-        pair = None if caps[1] is None else one.new_zeros(len(self.layers), len(PAIR))
-        kl_v, dp_v = torch.zeros(len(self.layers), len(t)), torch.zeros(len(self.layers), len(t))
+        lenses = {"one": self.main.decoder}
+        if self.main.logit is not None and not site:
+            lenses["logit"] = self.main.logit
+        n = len(self.layers)
+        acc = {key: torch.zeros(n, len(ONE), dtype=torch.float64) for key in lenses}
+        values: dict[str, Tensor] = {}
+        if caps[1] is not None:
+            acc["pair"] = torch.zeros(n, len(PAIR), dtype=torch.float64)
+            values = {"kl": torch.zeros(n, len(t)), "dp": torch.zeros(n, len(t))}
         kept: dict[str, list[Sums]] = {}
         for part in parts:
             at = torch.tensor([index[layer] for layer, _ in part[0]])
             js = torch.tensor([j for _, j in part[0]])
             tj = t[js.to(t.device)]
             oj = None if part[1] else (out[0][js.to(out[0].device)], out[1][js.to(out[0].device)])
-            mine = self._rows(self.main.decoder, caps[0], part)
-            rows, lp, p, top = _one_rows(mine, oj, tj, self.vocab, self.scratch, "main")
-            one.index_add_(0, at, rows.cpu())
-            self._row_sums(kept, "one", mine, tj, at)
-            if logit is not None and self.main.logit is not None:
-                plain = self._rows(self.main.logit, caps[0], part)
-                got = _one_rows(plain, oj, tj, self.vocab, self.scratch, "logit")[0]
-                logit.index_add_(0, at, got.cpu())
-                self._row_sums(kept, "logit", plain, tj, at)
-            if pair is not None and caps[1] is not None:
-                b, r = self._theirs(caps[1], part, mine.device, residual=not site)
-                rows, kl, dp = _pair_rows((mine, lp, p, top), b, r, tj, self.vocab, self.scratch)
-                pair.index_add_(0, at, rows.cpu())
+            mine: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+            for key, decoder in lenses.items():
+                logits = self._rows(decoder, caps[0], part)
+                rows, lp, p, top = _one_rows(logits, oj, tj, self.vocab, self.scratch, key)
+                acc[key].index_add_(0, at, rows.cpu())
+                self._row_sums(kept, key, logits, tj, at)
+                mine = mine or (logits, lp, p, top)
+            if caps[1] is not None and mine is not None:
+                b, r = self._theirs(caps[1], part, mine[0].device, residual=not site)
+                rows, kl, dp = _pair_rows(mine, b, r, tj, self.vocab, self.scratch)
+                acc["pair"].index_add_(0, at, rows.cpu())
                 self._row_sums(kept, "against", b, tj, at)
-                kl_v[at, js], dp_v[at, js] = kl.float().cpu(), dp.float().cpu()
-        sums = WindowSums(w.index, len(t), w.n_bytes, one.numpy(), rows=kept)
-        sums.logit = None if logit is None else logit.numpy()
-        if pair is not None:
-            sums.pair, sums.kl_values, sums.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
-        return sums
+                values["kl"][at, js], values["dp"][at, js] = kl.float().cpu(), dp.float().cpu()
+        sums = {key: a.numpy() for key, a in acc.items()}
+        found = {key: v.numpy() for key, v in values.items()}
+        return WindowSums(w.index, len(t), w.n_bytes, sums, found, rows=kept)
 
     def _rows(self, decoder: Decoder, cap: Capture, part: Part) -> Tensor:
         """A chunk's rows: the model's own logits at its output, else decoded."""
