@@ -198,20 +198,19 @@ def _other(
     if against is None:
         yield None
         return
-    from dataclasses import replace
-
     from embedlens.analysis.lens import api
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.pairing import Side, check_pair
 
+    a = Side(opened.model, opened.tokenizer, load)
+    b_asked = LoadOptions(revision=revision)
     if isinstance(load, options.Load):
-        a_load = LoadOptions(dtype=load.dtype, device=load.device,
-                             trust_remote_code=load.trust_remote_code)  # fmt: skip
-    else:
-        a_load = LoadOptions()
-    b_load = api.loading(against, replace(a_load, revision=revision))
-    a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
-             opened.tokenizer, load)  # fmt: skip
+        a = Side(opened.name, opened.tokenizer, load)
+        trust = load.trust_remote_code
+        b_asked = LoadOptions(
+            revision=revision, dtype=load.dtype, device=load.device, trust_remote_code=trust
+        )
+    b_load = api.loading(against, b_asked)
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
     b_tok = tokenizer
     if b_tok is None and not isinstance(b_load, options.Load):
