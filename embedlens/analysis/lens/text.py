@@ -127,7 +127,7 @@ def _run(
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
     from embedlens.analysis.lens import text_stats
     from embedlens.analysis.lens.opening import open_model
-    from embedlens.analysis.lens.text_run import TOP_K, text_run
+    from embedlens.analysis.lens.text_run import TOP_K, TextRun, text_report
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual, sites, saving = more
@@ -145,14 +145,13 @@ def _run(
     with ExitStack() as stack:
         opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
         other = stack.enter_context(_other(opened, *b, load, lens_dir))
-        run = text_run(opened, items, other, lens_dir, (save_logits, residual, sites))
+        run = TextRun(opened, items, other, lens_dir, (save_logits, residual, sites))
         saver = None if saving is None else ManySaver(saving[0], opened, saving[1], sites)
         done = _all(run, (r, name), tokens, reference, (session, saver), progress)
-        totals = text_stats.TextTotals(run.layers, done)
         n, cut = len(tokens.ids), {"ctx": r.ctx, "stride": r.stride, "score": r.score}
         head = {"text": name, "n_text_tokens": n, **cut, "n_windows": len(r.starts(n))}
         ref = None if reference is None else str(reference.meta.get("model", reference.path))
-        report = text_stats.text_report(opened, run, totals, head, other, ref)
+        report = text_report(opened, run, done, head, other, ref)
         if save_logits is not None and (session is None or session.rank == 0):
             meta = {"model": opened.name, **cut, "vocab": run.vocab, "top_k": TOP_K}
             text_stats.save_logits(save_logits, meta, tokens.ids, done)

@@ -4,7 +4,8 @@ layer decoded in chunks of bounded size, and each chunk reduced to per-token fig
 Memory holds one window's residual stream (layers x scored tokens x width) and one chunk of
 logits (`CHUNK_BYTES`), never the logits of every token: only sums and, for a comparison, one
 KL and one Δp per (layer, token) are kept (`WindowSums`). The residual stream and each site's
-are reduced by the same loop (`TextRun._sums`).
+are reduced by the same loop (`TextRun._sums`). The report is built from the windows' sums and
+the run (`text_report`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from embedlens.analysis.lens.blocks import (
 )
 from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats, rowdot
-from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
+from embedlens.analysis.lens.text_stats import ONE, PAIR, TextTotals, WindowSums
+from embedlens.reports.lens_text import LensTextReport, TextSiteLayer, TextSitePairLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Opened
@@ -200,39 +202,41 @@ Out = tuple[Tensor, Tensor]
 """The output's probabilities and Σ p log p at each scored position."""
 
 
+Asked = tuple[object, bool, tuple[str, ...]]
+"""Where the logits are saved (None: not), whether B's residual is read by A, the sites."""
+
+
 class TextRun:
     """Windows through a model (and another, or a logits file, to compare with)."""
 
     def __init__(
-        self,
-        main: Side,
-        layers: list[int],
-        vocab: int,
-        other: Side | None = None,
-        *,
-        keep_logits: bool = False,
-        residual: bool = True,
-        sites: tuple[str, ...] = ("resid",),
+        self, opened: Opened, items: Any, other: Opened | None, lens_dir: Any, more: Asked
     ) -> None:
-        self.main, self.other, self.layers, self.vocab = main, other, layers, vocab
-        self.sites = sites
-        """The sites inside the blocks read beside the residual stream (`--site`)."""
-        self.n_layers = len(find_blocks(main.model).modules)
-        self.keep_logits = keep_logits
-        self.tuned = main.logit is not None
+        """The window runner for A (its tuned lens beside the logit lens), and B (through the
+        same tuned lens: A's, checked against B's blocks alone)."""
+        save_logits, self.residual, self.sites = more
+        """`sites`: the sites inside the blocks read beside the residual stream (`--site`)."""
+        self.main = _side(opened, lens_dir)
+        self.other = None if other is None else _side(other, lens_dir, own=False)
+        self.n_layers = len(find_blocks(opened.model).modules)
+        self.layers = sorted(set(options.resolve_layers(items, self.n_layers)) | {self.n_layers})
+        get: Any = getattr(opened.model, "get_output_embeddings", None)
+        weight = getattr(get() if callable(get) else None, "weight", None)
+        rows = len(opened.tokenizer) if weight is None else int(weight.shape[0])
+        self.vocab = min(len(opened.tokenizer), rows)
+        self.keep_logits = save_logits is not None
+        self.tuned = lens_dir is not None
         """A tuned lens, the logit lens beside it."""
-        self.residual = residual
-        self.device = input_device(main.model)
+        self.device = input_device(opened.model)
         self.scratch = Scratch()
         self.check: tuple[float, float] | None = None
         """(max |decoded last layer - logits|, tolerance), from the first window run."""
-        self.same_tail = other is not None and same_tail(main.model, other.model)
+        self.same_tail = other is not None and same_tail(opened.model, other.model)
         """B's tail is A's, bit for bit: A's decoder on B's residual is B's own lens."""
 
     def _capture(self, model: nn.Module, w: Window) -> Capture:
-        wanted = sorted(set(self.layers) | {self.n_layers})
         blocks = find_blocks(model)
-        return capture(model, blocks, [w.ids], [w.positions], wanted, None, masked=False)
+        return capture(model, blocks, [w.ids], [w.positions], self.layers, None, masked=False)
 
     def run(self, w: Window, ref: dict[str, np.ndarray] | None = None) -> WindowSums:
         """One window's sums (`ref`: the rows of a logits file to compare the output with)."""
@@ -383,35 +387,17 @@ class TextRun:
             add_row(each[i], row)
 
 
-def text_run(
-    opened: Opened, items: Any, other: Opened | None, lens_dir: Any,
-    more: tuple[object, bool, tuple[str, ...]],
-) -> TextRun:  # fmt: skip
-    """The window runner for A (its tuned lens beside the logit lens, the sites asked), and B
-    (through the same tuned lens: A's, checked against B's blocks alone); `more`: where the
-    logits are saved, whether B's residual is read by A, the sites."""
+def _side(o: Opened, lens_dir: Any, own: bool = True) -> Side:
+    """A model with its logit lens, or its tuned lens (`lens_dir`) with the logit lens beside it
+    (`own`: A's, the lens's fingerprints checked; B: through A's lens alone)."""
+    dummy = o.tokenizer.eos_token_id or 0
+    plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
+    if lens_dir is None:
+        return Side(o.model, plain)
+    from embedlens.analysis.lens.decoders import tuned_through
 
-    def side(o: Opened, own: bool = True) -> Side:
-        dummy = o.tokenizer.eos_token_id or 0
-        plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
-        if lens_dir is None:
-            return Side(o.model, plain)
-        from embedlens.analysis.lens.decoders import tuned_through
-
-        wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
-        return Side(o.model, wrap(plain), logit=plain if own else None)
-
-    n_layers = len(find_blocks(opened.model).modules)
-    layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
-    get: Any = getattr(opened.model, "get_output_embeddings", None)
-    weight = getattr(get() if callable(get) else None, "weight", None)
-    vocab = min(
-        len(opened.tokenizer), len(opened.tokenizer) if weight is None else int(weight.shape[0])
-    )
-    b = None if other is None else side(other, own=False)
-    save_logits, residual, sites = more
-    return TextRun(side(opened), layers, vocab, b, keep_logits=save_logits is not None,
-                   residual=residual, sites=sites)  # fmt: skip
+    wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
+    return Side(o.model, wrap(plain), logit=plain if own else None)
 
 
 def same_tail(a: nn.Module, b: nn.Module) -> bool:
@@ -443,4 +429,64 @@ def same_tail(a: nn.Module, b: nn.Module) -> bool:
     return [n for n, _ in mine] == [n for n, _ in theirs] and all(
         x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and torch.equal(x, y)
         for (_, x), (_, y) in zip(mine, theirs, strict=True)
+    )
+
+
+def text_report(
+    opened: Opened,
+    run: TextRun,
+    done: list[WindowSums],
+    head: dict[str, Any],
+    other: Opened | None,
+    reference: str | None,
+) -> LensTextReport:
+    """The report of a run (`done`: every window's sums; `head`: the text's fields): the lens's rows, and with B or a logits
+    file (`reference`: its model) the comparison; with --site, a row per (layer, site asked) in
+    block order (with B, B's sites against A's) and the blocks' check over every window."""
+    from embedlens.analysis.lens.report import dtype_name
+
+    totals = TextTotals(run.layers, done)
+    ppl, ppl_err = totals.perplexity()
+    diff, tol = run.check or (0.0, 0.0)
+    evaluated = None
+    if reference is not None:
+        totals.pair_layers = [run.n_layers]
+        evaluated = opened.name
+    elif other is not None:
+        reference, evaluated = opened.name, other.name
+    residual = other is not None and run.residual
+    layers, pair = totals.one(), None if reference is None else totals.pair(residual)
+    sites, blocks = run.sites, None
+    if sites != ("resid",):
+        from embedlens.analysis.lens.site_report import worse
+
+        layers = totals.site_rows(sites, TextSiteLayer, lambda s: totals.one(site=s))
+        if other is not None:
+            pair = totals.site_rows(
+                sites, TextSitePairLayer, lambda s: totals.pair(residual and s == "resid", s)
+            )
+        for w in totals.windows:
+            assert w.blocks is not None
+            blocks = worse(blocks, w.blocks)
+    return LensTextReport(
+        model=opened.name,
+        **head,
+        n_scored=totals.n,
+        n_bytes=totals.n_bytes,
+        num_layers=run.n_layers,
+        dtype=dtype_name(opened.model),
+        perplexity=ppl,
+        perplexity_err=ppl_err,
+        layers=layers,
+        lens="tuned" if run.tuned else "logit",
+        logit_layers=totals.one("logit") if run.tuned else None,
+        reference=reference,
+        evaluated=evaluated,
+        pair=pair,
+        pair_output=None if reference is None else totals.pair_output(),
+        check_ok=not diff > tol,
+        max_abs_logit_diff=diff,
+        notes=[*opened.before, *opened.after],
+        sites=None if sites == ("resid",) else list(sites),
+        block_sums=blocks,
     )

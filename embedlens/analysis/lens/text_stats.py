@@ -1,6 +1,7 @@
 """What the windows of `lens --text` leave: their sums, read out with llama-perplexity's
-definitions (tools/perplexity's `kl_divergence`: docs/text.md gives each) into the report, and
-the output's rows a logits file keeps.
+definitions (tools/perplexity's `kl_divergence`: docs/text.md gives each) into the report's rows
+(`TextTotals`; `text_run.text_report` builds the report), and the output's rows a logits file
+keeps.
 
 Each window leaves float64 sums per layer (`WindowSums`) and, for a comparison, the per-token KL
 and Δp values (float32, tokens x layers: llama.cpp keeps the same to sort them). Windows are
@@ -20,24 +21,14 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from embedlens.analysis.lens.stats import ROW_STATS, Sums
 from embedlens.errors import UsageError
 from embedlens.reports.lens import BlockSums
-from embedlens.reports.lens_text import (
-    LensTextReport,
-    TextLayer,
-    TextPairLayer,
-    TextPairOutput,
-    TextSiteLayer,
-    TextSitePairLayer,
-)
-
-if TYPE_CHECKING:
-    from embedlens.analysis.lens.opening import Opened
+from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
@@ -252,75 +243,6 @@ class TextTotals:
             for site in sites
             if site == "resid" or layer >= 1
         ]
-
-
-class Ran(Protocol):
-    """What the report reads of the windows' runner (`text_run.TextRun`)."""
-
-    n_layers: int
-    tuned: bool
-    residual: bool
-    sites: tuple[str, ...]
-    check: tuple[float, float] | None
-
-
-def text_report(
-    opened: Opened,
-    run: Ran,
-    totals: TextTotals,
-    head: dict[str, Any],
-    other: Opened | None,
-    reference: str | None,
-) -> LensTextReport:
-    """The report of a run (`head`: the text's fields): the lens's rows, and with B or a logits
-    file (`reference`: its model) the comparison; with --site, a row per (layer, site asked) in
-    block order (with B, B's sites against A's) and the blocks' check over every window."""
-    from embedlens.analysis.lens.report import dtype_name
-
-    ppl, ppl_err = totals.perplexity()
-    diff, tol = run.check or (0.0, 0.0)
-    evaluated = None
-    if reference is not None:
-        totals.pair_layers = [run.n_layers]
-        evaluated = opened.name
-    elif other is not None:
-        reference, evaluated = opened.name, other.name
-    residual = other is not None and run.residual
-    layers, pair = totals.one(), None if reference is None else totals.pair(residual)
-    sites, blocks = run.sites, None
-    if sites != ("resid",):
-        from embedlens.analysis.lens.site_report import worse
-
-        layers = totals.site_rows(sites, TextSiteLayer, lambda s: totals.one(site=s))
-        if other is not None:
-            pair = totals.site_rows(
-                sites, TextSitePairLayer, lambda s: totals.pair(residual and s == "resid", s)
-            )
-        for w in totals.windows:
-            assert w.blocks is not None
-            blocks = worse(blocks, w.blocks)
-    return LensTextReport(
-        model=opened.name,
-        **head,
-        n_scored=totals.n,
-        n_bytes=totals.n_bytes,
-        num_layers=run.n_layers,
-        dtype=dtype_name(opened.model),
-        perplexity=ppl,
-        perplexity_err=ppl_err,
-        layers=layers,
-        lens="tuned" if run.tuned else "logit",
-        logit_layers=totals.one("logit") if run.tuned else None,
-        reference=reference,
-        evaluated=evaluated,
-        pair=pair,
-        pair_output=None if reference is None else totals.pair_output(),
-        check_ok=not diff > tol,
-        max_abs_logit_diff=diff,
-        notes=[*opened.before, *opened.after],
-        sites=None if sites == ("resid",) else list(sites),
-        block_sums=blocks,
-    )
 
 
 @dataclass(frozen=True)
