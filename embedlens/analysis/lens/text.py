@@ -88,11 +88,7 @@ def lens_text(
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
-    reference = None
-    if against_logits is not None:  # read and checked before any model loads
-        from embedlens.analysis.lens.text_stats import read_logits
-
-        reference = read_logits(against_logits)
+    reference = None if against_logits is None else _reference_file(against_logits)
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         saving = saving_many(save_states, load.revision, against, session, "--text")
@@ -101,6 +97,13 @@ def lens_text(
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual, sites, saving), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
+
+
+def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
+    """A `save_logits` file, read and checked (the reference run; NumPy imported now)."""
+    from embedlens.analysis.lens.text_stats import read_logits
+
+    return read_logits(path)
 
 
 def _check(
@@ -397,6 +400,7 @@ def _check_lines(text: str, tokenizer: Any) -> None:
     """The first lines' ids from `tokenizer`, each read alone, checked against the files being
     watched (a GGUF model's own reading of them, as tune checks its first texts; nothing outside
     `file_tokens.watching`)."""
+    from embedlens.analysis.lens.opening import encoded
     from embedlens.model import file_tokens
 
     lines = [line for line in text.splitlines() if line.strip()][: file_tokens.CHECKED_TEXTS]
@@ -404,8 +408,7 @@ def _check_lines(text: str, tokenizer: Any) -> None:
         if len(line) > CHECKED_CHARS:
             cut = line.rfind(" ", 0, CHECKED_CHARS)
             line = line[: cut if cut > 0 else CHECKED_CHARS]
-        ids = [int(i) for i in tokenizer(line, add_special_tokens=True)["input_ids"]]
-        file_tokens.check_ids(line, True, ids)
+        encoded(tokenizer, line)
 
 
 def _bos(tokenizer: Any) -> int | None:

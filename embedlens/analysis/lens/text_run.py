@@ -98,11 +98,6 @@ class Scratch:
     def _kind(x: Tensor) -> tuple[object, ...]:
         return x.shape[1:], x.dtype, x.device
 
-    def log_probs(self, logits: Tensor, name: str) -> tuple[Tensor, Tensor]:
-        """The rows' log-probabilities and probabilities, in the buffers `name`.lp/.p."""
-        lp = _lp(logits, self(f"{name}.lp", logits))
-        return lp, torch.exp(lp, out=self(f"{name}.p", logits))
-
 
 def _one_rows(
     logits: Tensor, out: tuple[Tensor, Tensor] | None, t: Tensor,
@@ -113,7 +108,8 @@ def _one_rows(
     the output's probabilities and Σ p log p at the same rows (None: these rows are the
     output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each a dot per row (as
     `lens --prompts` takes it), so no [n, V] product is kept."""
-    lp, p = scratch.log_probs(logits, name)
+    lp = _lp(logits, scratch(f"{name}.lp", logits))
+    p = torch.exp(lp, out=scratch(f"{name}.p", logits))
     nll = -lp.gather(1, t[:, None])[:, 0]
     negent = rowdot(p, lp, out=scratch("product", lp))
     kl = (
