@@ -199,7 +199,8 @@ Out = tuple[Tensor, Tensor]
 
 
 Asked = tuple[object, bool, tuple[str, ...]]
-"""Where the logits are saved (None: not), whether B's residual is read by A, the sites."""
+"""Where the logits are saved (None: not), whether B's residual is read by A, and the sites
+inside the blocks read beside the residual stream (`--site`)."""
 
 
 class TextRun:
@@ -211,9 +212,8 @@ class TextRun:
         """The window runner for A (its tuned lens beside the logit lens), and B (through the
         same tuned lens: A's, checked against B's blocks alone)."""
         save_logits, self.residual, self.sites = more
-        """`sites`: the sites inside the blocks read beside the residual stream (`--site`)."""
-        self.main = _side(opened, lens_dir)
         self.other = None if other is None else _side(other, lens_dir, own=False)
+        self.main = _side(opened, lens_dir)
         self.n_layers = len(find_blocks(opened.model).modules)
         self.layers = sorted(set(options.resolve_layers(items, self.n_layers)) | {self.n_layers})
         get: Any = getattr(opened.model, "get_output_embeddings", None)
@@ -436,9 +436,10 @@ def text_report(
     other: Opened | None,
     reference: str | None,
 ) -> LensTextReport:
-    """The report of a run (`done`: every window's sums; `head`: the text's fields): the lens's rows, and with B or a logits
-    file (`reference`: its model) the comparison; with --site, a row per (layer, site asked) in
-    block order (with B, B's sites against A's) and the blocks' check over every window."""
+    """The report of a run (`done`: every window's sums; `head`: the text's fields): the lens's
+    rows, and with B or a logits file (`reference`: its model) the comparison; with --site, a
+    row per (layer, site asked) in block order (with B, B's sites against A's) and the blocks'
+    check over every window."""
     from embedlens.analysis.lens.report import dtype_name
 
     totals = TextTotals(run.layers, done)
