@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -94,8 +93,21 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     what = model_title(model)
     if given.get("against") is not None:
         what += f" against {model_title(str(given['against']))}"
+    from embedlens.analysis.lens.text import lens_text
+
+    keys = ("ctx", "stride", "max_tokens", "score", "layers", "against", "against_revision",
+            "against_logits", "save_logits", "tuned", "site", "save_states",
+            "dist_backend")  # fmt: skip
+    load = LoadOptions(revision=given["revision"], dtype=given["dtype"], device=given["device"],
+                       trust_remote_code=given["trust_remote_code"])  # fmt: skip
     with tokens_bar(f"Scoring {given['text']} with {what}", "tokens scored") as advance:
-        report = _lens_text(model, given, advance)
+        report = lens_text(
+            model,
+            given["text"],
+            load=load,
+            progress=lambda _stage, done, total, _unit, _detail="": advance(done, total),
+            **{key: given[key] for key in keys},
+        )
     if world()[0] != 0:
         return
     if not report.check_ok:
@@ -128,21 +140,3 @@ def _refused(given: dict[str, Any]) -> None:
         raise UsageError("--text and --position do not combine: every scored token is read")
     if given.get("top_k", _TOP_K) != _TOP_K:
         raise UsageError("--text and -k do not combine: its table is per layer, over every token")
-
-
-def _lens_text(model: str, given: dict[str, Any], advance: Callable[[int, int], None]) -> Any:
-    """`lens_text` with the command's options (`advance`: the bar, given tokens done and due)."""
-    from embedlens.analysis.lens.text import lens_text
-
-    keys = ("ctx", "stride", "max_tokens", "score", "layers", "against", "against_revision",
-            "against_logits", "save_logits", "tuned", "site", "save_states",
-            "dist_backend")  # fmt: skip
-    load = LoadOptions(revision=given["revision"], dtype=given["dtype"], device=given["device"],
-                       trust_remote_code=given["trust_remote_code"])  # fmt: skip
-    return lens_text(
-        model,
-        given["text"],
-        load=load,
-        progress=lambda _stage, done, total, _unit, _detail="": advance(done, total),
-        **{key: given[key] for key in keys},
-    )

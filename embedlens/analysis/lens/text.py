@@ -128,7 +128,7 @@ def _run(
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
     from embedlens.analysis.lens import text_stats
     from embedlens.analysis.lens.opening import open_model
-    from embedlens.analysis.lens.text_run import TOP_K, text_run
+    from embedlens.analysis.lens.text_run import TOP_K, TextRun, text_report
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual, sites, saving = more
@@ -146,13 +146,13 @@ def _run(
     with ExitStack() as stack:
         opened, tokens = stack.enter_context(open_model(model, tokenizer, load, check))
         other = stack.enter_context(_other(opened, *b, load, lens_dir))
-        run = text_run(opened, items, other, lens_dir, (save_logits, residual, sites))
+        run = TextRun(opened, items, other, lens_dir, (save_logits, residual, sites))
         saver = None if saving is None else ManySaver(saving[0], opened, saving[1], sites)
         done = _all(run, (r, name), tokens, reference, (session, saver), progress)
-        totals = text_stats.TextTotals(run.layers, done)
         n, cut = len(tokens.ids), {"ctx": r.ctx, "stride": r.stride, "score": r.score}
         head = {"text": name, "n_text_tokens": n, **cut, "n_windows": len(r.starts(n))}
-        report = text_stats.text_report(opened, run, totals, head, other, reference)
+        ref = None if reference is None else str(reference.meta.get("model", reference.path))
+        report = text_report(opened, run, done, head, other, ref)
         if save_logits is not None and (session is None or session.rank == 0):
             meta = {"model": opened.name, **cut, "vocab": run.vocab, "top_k": TOP_K}
             text_stats.save_logits(save_logits, meta, tokens.ids, done)
@@ -198,19 +198,18 @@ def _other(
     if against is None:
         yield None
         return
-    from dataclasses import replace
-
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.pairing import Side, check_pair
 
+    a = Side(opened.model, opened.tokenizer, load)
+    b_asked = LoadOptions(revision=revision)
     if isinstance(load, options.Load):
-        a_load = LoadOptions(dtype=load.dtype, device=load.device,
-                             trust_remote_code=load.trust_remote_code)  # fmt: skip
-    else:
-        a_load = LoadOptions()
-    b_load = options.loading(against, replace(a_load, revision=revision))
-    a = Side(opened.model if not isinstance(load, options.Load) else opened.name,
-             opened.tokenizer, load)  # fmt: skip
+        a = Side(opened.name, opened.tokenizer, load)
+        trust = load.trust_remote_code
+        b_asked = LoadOptions(
+            revision=revision, dtype=load.dtype, device=load.device, trust_remote_code=trust
+        )
+    b_load = options.loading(against, b_asked)
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
     b_tok = tokenizer
     if b_tok is None and not isinstance(b_load, options.Load):
@@ -398,6 +397,7 @@ def _check_lines(text: str, tokenizer: Any) -> None:
     """The first lines' ids from `tokenizer`, each read alone, checked against the files being
     watched (a GGUF model's own reading of them, as tune checks its first texts; nothing outside
     `file_tokens.watching`)."""
+    from embedlens.analysis.lens.opening import encoded
     from embedlens.model import file_tokens
 
     lines = [line for line in text.splitlines() if line.strip()][: file_tokens.CHECKED_TEXTS]
@@ -405,8 +405,7 @@ def _check_lines(text: str, tokenizer: Any) -> None:
         if len(line) > CHECKED_CHARS:
             cut = line.rfind(" ", 0, CHECKED_CHARS)
             line = line[: cut if cut > 0 else CHECKED_CHARS]
-        ids = [int(i) for i in tokenizer(line, add_special_tokens=True)["input_ids"]]
-        file_tokens.check_ids(line, True, ids)
+        encoded(tokenizer, line)
 
 
 def _bos(tokenizer: Any) -> int | None:

@@ -4,7 +4,8 @@ layer decoded in chunks of bounded size, and each chunk reduced to per-token fig
 Memory holds one window's residual stream (layers x scored tokens x width) and one chunk of
 logits (`CHUNK_BYTES`), never the logits of every token: only sums and, for a comparison, one
 KL and one Δp per (layer, token) are kept (`WindowSums`). The residual stream and each site's
-are reduced by the same loop (`TextRun._sums`).
+are reduced by the same loop (`TextRun._sums`). The report is built from the windows' sums and
+the run (`text_report`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from embedlens.analysis.lens.blocks import (
 )
 from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats, rowdot
-from embedlens.analysis.lens.text_stats import ONE, PAIR, WindowSums
+from embedlens.analysis.lens.text_stats import ONE, PAIR, TextTotals, WindowSums
+from embedlens.reports.lens_text import LensTextReport, TextSiteLayer, TextSitePairLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Opened
@@ -96,11 +98,6 @@ class Scratch:
     def _kind(x: Tensor) -> tuple[object, ...]:
         return x.shape[1:], x.dtype, x.device
 
-    def log_probs(self, logits: Tensor, name: str) -> tuple[Tensor, Tensor]:
-        """The rows' log-probabilities and probabilities, in the buffers `name`.lp/.p."""
-        lp = _lp(logits, self(f"{name}.lp", logits))
-        return lp, torch.exp(lp, out=self(f"{name}.p", logits))
-
 
 def _one_rows(
     logits: Tensor, out: tuple[Tensor, Tensor] | None, t: Tensor,
@@ -111,7 +108,8 @@ def _one_rows(
     the output's probabilities and Σ p log p at the same rows (None: these rows are the
     output's own, KL 0). KL is Σ p_out log p_out - Σ p_out log p_lens, each a dot per row (as
     `lens --prompts` takes it), so no [n, V] product is kept."""
-    lp, p = scratch.log_probs(logits, name)
+    lp = _lp(logits, scratch(f"{name}.lp", logits))
+    p = torch.exp(lp, out=scratch(f"{name}.p", logits))
     nll = -lp.gather(1, t[:, None])[:, 0]
     negent = rowdot(p, lp, out=scratch("product", lp))
     kl = (
@@ -200,39 +198,41 @@ Out = tuple[Tensor, Tensor]
 """The output's probabilities and Σ p log p at each scored position."""
 
 
+Asked = tuple[object, bool, tuple[str, ...]]
+"""Where the logits are saved (None: not), whether B's residual is read by A, and the sites
+inside the blocks read beside the residual stream (`--site`)."""
+
+
 class TextRun:
     """Windows through a model (and another, or a logits file, to compare with)."""
 
     def __init__(
-        self,
-        main: Side,
-        layers: list[int],
-        vocab: int,
-        other: Side | None = None,
-        *,
-        keep_logits: bool = False,
-        residual: bool = True,
-        sites: tuple[str, ...] = ("resid",),
+        self, opened: Opened, items: Any, other: Opened | None, lens_dir: Any, more: Asked
     ) -> None:
-        self.main, self.other, self.layers, self.vocab = main, other, layers, vocab
-        self.sites = sites
-        """The sites inside the blocks read beside the residual stream (`--site`)."""
-        self.n_layers = len(find_blocks(main.model).modules)
-        self.keep_logits = keep_logits
-        self.tuned = main.logit is not None
+        """The window runner for A (its tuned lens beside the logit lens), and B (through the
+        same tuned lens: A's, checked against B's blocks alone)."""
+        save_logits, self.residual, self.sites = more
+        self.other = None if other is None else _side(other, lens_dir, own=False)
+        self.main = _side(opened, lens_dir)
+        self.n_layers = len(find_blocks(opened.model).modules)
+        self.layers = sorted(set(options.resolve_layers(items, self.n_layers)) | {self.n_layers})
+        get: Any = getattr(opened.model, "get_output_embeddings", None)
+        weight = getattr(get() if callable(get) else None, "weight", None)
+        rows = len(opened.tokenizer) if weight is None else int(weight.shape[0])
+        self.vocab = min(len(opened.tokenizer), rows)
+        self.keep_logits = save_logits is not None
+        self.tuned = lens_dir is not None
         """A tuned lens, the logit lens beside it."""
-        self.residual = residual
-        self.device = input_device(main.model)
+        self.device = input_device(opened.model)
         self.scratch = Scratch()
         self.check: tuple[float, float] | None = None
         """(max |decoded last layer - logits|, tolerance), from the first window run."""
-        self.same_tail = other is not None and same_tail(main.model, other.model)
+        self.same_tail = other is not None and same_tail(opened.model, other.model)
         """B's tail is A's, bit for bit: A's decoder on B's residual is B's own lens."""
 
     def _capture(self, model: nn.Module, w: Window) -> Capture:
-        wanted = sorted(set(self.layers) | {self.n_layers})
         blocks = find_blocks(model)
-        return capture(model, blocks, [w.ids], [w.positions], wanted, None, masked=False)
+        return capture(model, blocks, [w.ids], [w.positions], self.layers, None, masked=False)
 
     def run(self, w: Window, ref: dict[str, np.ndarray] | None = None) -> WindowSums:
         """One window's sums (`ref`: the rows of a logits file to compare the output with)."""
@@ -254,9 +254,10 @@ class TextRun:
             sums = self._sums(w, parts, (cap, theirs), out, t)
             if ref is not None:
                 rows, kl, dp = file_pair_rows(ref, real, t, self.vocab)
-                sums.pair = rows.sum(0, keepdim=True).cpu().numpy()
-                sums.kl_values = kl.float().cpu().numpy()[None]
-                sums.dp_values = dp.float().cpu().numpy()[None]
+                sums.sums["pair"] = rows.sum(0, keepdim=True).cpu().numpy()
+                sums.values = {
+                    k: v.float().cpu().numpy()[None] for k, v in (("kl", kl), ("dp", dp))
+                }
             if self.keep_logits:
                 sums.extra = kept_logits(real, t, self.vocab)
             if self.sites != ("resid",):
@@ -305,36 +306,37 @@ class TextRun:
         the logit lens beside a tuned one, and A's decoder on B's residual, on the residual
         stream alone (not a `site`'s)."""
         index = {layer: i for i, layer in enumerate(self.layers)}
-        one = torch.zeros(len(self.layers), len(ONE), dtype=torch.float64)
-        logit = None if self.main.logit is None or site else torch.zeros_like(one)
-        pair = None if caps[1] is None else one.new_zeros(len(self.layers), len(PAIR))
-        kl_v, dp_v = torch.zeros(len(self.layers), len(t)), torch.zeros(len(self.layers), len(t))
+        lenses = {"one": self.main.decoder}
+        if self.main.logit is not None and not site:
+            lenses["logit"] = self.main.logit
+        n = len(self.layers)
+        acc = {key: torch.zeros(n, len(ONE), dtype=torch.float64) for key in lenses}
+        values: dict[str, Tensor] = {}
+        if caps[1] is not None:
+            acc["pair"] = torch.zeros(n, len(PAIR), dtype=torch.float64)
+            values = {"kl": torch.zeros(n, len(t)), "dp": torch.zeros(n, len(t))}
         kept: dict[str, list[Sums]] = {}
         for part in parts:
             at = torch.tensor([index[layer] for layer, _ in part[0]])
             js = torch.tensor([j for _, j in part[0]])
             tj = t[js.to(t.device)]
             oj = None if part[1] else (out[0][js.to(out[0].device)], out[1][js.to(out[0].device)])
-            mine = self._rows(self.main.decoder, caps[0], part)
-            rows, lp, p, top = _one_rows(mine, oj, tj, self.vocab, self.scratch, "main")
-            one.index_add_(0, at, rows.cpu())
-            self._row_sums(kept, "one", mine, tj, at)
-            if logit is not None and self.main.logit is not None:
-                plain = self._rows(self.main.logit, caps[0], part)
-                got = _one_rows(plain, oj, tj, self.vocab, self.scratch, "logit")[0]
-                logit.index_add_(0, at, got.cpu())
-                self._row_sums(kept, "logit", plain, tj, at)
-            if pair is not None and caps[1] is not None:
-                b, r = self._theirs(caps[1], part, mine.device, residual=not site)
-                rows, kl, dp = _pair_rows((mine, lp, p, top), b, r, tj, self.vocab, self.scratch)
-                pair.index_add_(0, at, rows.cpu())
+            mine: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+            for key, decoder in lenses.items():
+                logits = self._rows(decoder, caps[0], part)
+                rows, lp, p, top = _one_rows(logits, oj, tj, self.vocab, self.scratch, key)
+                acc[key].index_add_(0, at, rows.cpu())
+                self._row_sums(kept, key, logits, tj, at)
+                mine = mine or (logits, lp, p, top)
+            if caps[1] is not None and mine is not None:
+                b, r = self._theirs(caps[1], part, mine[0].device, residual=not site)
+                rows, kl, dp = _pair_rows(mine, b, r, tj, self.vocab, self.scratch)
+                acc["pair"].index_add_(0, at, rows.cpu())
                 self._row_sums(kept, "against", b, tj, at)
-                kl_v[at, js], dp_v[at, js] = kl.float().cpu(), dp.float().cpu()
-        sums = WindowSums(w.index, len(t), w.n_bytes, one.numpy(), rows=kept)
-        sums.logit = None if logit is None else logit.numpy()
-        if pair is not None:
-            sums.pair, sums.kl_values, sums.dp_values = pair.numpy(), kl_v.numpy(), dp_v.numpy()
-        return sums
+                values["kl"][at, js], values["dp"][at, js] = kl.float().cpu(), dp.float().cpu()
+        sums = {key: a.numpy() for key, a in acc.items()}
+        found = {key: v.numpy() for key, v in values.items()}
+        return WindowSums(w.index, len(t), w.n_bytes, sums, found, rows=kept)
 
     def _rows(self, decoder: Decoder, cap: Capture, part: Part) -> Tensor:
         """A chunk's rows: the model's own logits at its output, else decoded."""
@@ -381,35 +383,17 @@ class TextRun:
             add_row(each[i], row)
 
 
-def text_run(
-    opened: Opened, items: Any, other: Opened | None, lens_dir: Any,
-    more: tuple[object, bool, tuple[str, ...]],
-) -> TextRun:  # fmt: skip
-    """The window runner for A (its tuned lens beside the logit lens, the sites asked), and B
-    (through the same tuned lens: A's, checked against B's blocks alone); `more`: where the
-    logits are saved, whether B's residual is read by A, the sites."""
+def _side(o: Opened, lens_dir: Any, own: bool = True) -> Side:
+    """A model with its logit lens, or its tuned lens (`lens_dir`) with the logit lens beside it
+    (`own`: A's, the lens's fingerprints checked; B: through A's lens alone)."""
+    dummy = o.tokenizer.eos_token_id or 0
+    plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
+    if lens_dir is None:
+        return Side(o.model, plain)
+    from embedlens.analysis.lens.decoders import tuned_through
 
-    def side(o: Opened, own: bool = True) -> Side:
-        dummy = o.tokenizer.eos_token_id or 0
-        plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
-        if lens_dir is None:
-            return Side(o.model, plain)
-        from embedlens.analysis.lens.decoders import tuned_through
-
-        wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
-        return Side(o.model, wrap(plain), logit=plain if own else None)
-
-    n_layers = len(find_blocks(opened.model).modules)
-    layers = sorted(set(options.resolve_layers(items, n_layers)) | {n_layers})
-    get: Any = getattr(opened.model, "get_output_embeddings", None)
-    weight = getattr(get() if callable(get) else None, "weight", None)
-    vocab = min(
-        len(opened.tokenizer), len(opened.tokenizer) if weight is None else int(weight.shape[0])
-    )
-    b = None if other is None else side(other, own=False)
-    save_logits, residual, sites = more
-    return TextRun(side(opened), layers, vocab, b, keep_logits=save_logits is not None,
-                   residual=residual, sites=sites)  # fmt: skip
+    wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
+    return Side(o.model, wrap(plain), logit=plain if own else None)
 
 
 def same_tail(a: nn.Module, b: nn.Module) -> bool:
@@ -441,4 +425,65 @@ def same_tail(a: nn.Module, b: nn.Module) -> bool:
     return [n for n, _ in mine] == [n for n, _ in theirs] and all(
         x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and torch.equal(x, y)
         for (_, x), (_, y) in zip(mine, theirs, strict=True)
+    )
+
+
+def text_report(
+    opened: Opened,
+    run: TextRun,
+    done: list[WindowSums],
+    head: dict[str, Any],
+    other: Opened | None,
+    reference: str | None,
+) -> LensTextReport:
+    """The report of a run (`done`: every window's sums; `head`: the text's fields): the lens's
+    rows, and with B or a logits file (`reference`: its model) the comparison; with --site, a
+    row per (layer, site asked) in block order (with B, B's sites against A's) and the blocks'
+    check over every window."""
+    from embedlens.analysis.lens.report import dtype_name
+
+    totals = TextTotals(run.layers, done)
+    ppl, ppl_err = totals.perplexity()
+    diff, tol = run.check or (0.0, 0.0)
+    evaluated = None
+    if reference is not None:
+        totals.pair_layers = [run.n_layers]
+        evaluated = opened.name
+    elif other is not None:
+        reference, evaluated = opened.name, other.name
+    residual = other is not None and run.residual
+    layers, pair = totals.one(), None if reference is None else totals.pair(residual)
+    sites, blocks = run.sites, None
+    if sites != ("resid",):
+        from embedlens.analysis.lens.site_report import worse
+
+        layers = totals.site_rows(sites, TextSiteLayer, lambda s: totals.one(site=s))
+        if other is not None:
+            pair = totals.site_rows(
+                sites, TextSitePairLayer, lambda s: totals.pair(residual and s == "resid", s)
+            )
+        for w in totals.windows:
+            assert w.blocks is not None
+            blocks = worse(blocks, w.blocks)
+    return LensTextReport(
+        model=opened.name,
+        **head,
+        n_scored=totals.n,
+        n_bytes=totals.n_bytes,
+        num_layers=run.n_layers,
+        dtype=dtype_name(opened.model),
+        perplexity=ppl,
+        perplexity_err=ppl_err,
+        layers=layers,
+        lens="tuned" if run.tuned else "logit",
+        logit_layers=totals.one("logit") if run.tuned else None,
+        reference=reference,
+        evaluated=evaluated,
+        pair=pair,
+        pair_output=None if reference is None else totals.pair_output(),
+        check_ok=not diff > tol,
+        max_abs_logit_diff=diff,
+        notes=[*opened.before, *opened.after],
+        sites=None if sites == ("resid",) else list(sites),
+        block_sums=blocks,
     )

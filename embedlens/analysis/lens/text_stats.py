@@ -1,5 +1,7 @@
 """What the windows of `lens --text` leave: their sums, read out with llama-perplexity's
-definitions (tools/perplexity) into the report, and the output's rows a logits file keeps.
+definitions (tools/perplexity's `kl_divergence`: docs/text.md gives each) into the report's rows
+(`TextTotals`; `text_run.text_report` builds the report), and the output's rows a logits file
+keeps.
 
 Each window leaves float64 sums per layer (`WindowSums`) and, for a comparison, the per-token KL
 and Δp values (float32, tokens x layers: llama.cpp keeps the same to sort them). Windows are
@@ -11,18 +13,6 @@ log-probabilities (over the whole softmax), the true next token's log-probabilit
 with the run's token ids, window rule and vocabulary size, so that a later run on another model
 (a quantisation of it) reads the same tokens and compares its output with this one. That is
 O(tokens x k), not O(tokens x vocabulary) as llama.cpp's 16-bit --kl-divergence-base file.
-
-llama.cpp's definitions, as its `kl_divergence` computes them:
-- mean and uncertainty of values x over n tokens: f = Σx/n, ±sqrt((Σx²/n - f²)/(n-1)) (0 when
-  that is not positive or n <= 10);
-- PPL = exp(mean NLL), ± PPL·σ; ln(PPL(Q)/PPL(base)) = mean NLL_Q - mean NLL_base, ± sqrt(σ_Q² +
-  σ_base² - 2 cov), cov = (Σab/n - Σa/n·Σb/n)/(n-1) (0 when n < 10); the ratio exp of that, ±
-  ratio·σ; PPL(Q)-PPL(base) ± sqrt(σ²_PPL(Q) + σ²_PPL(base) - 2·PPL(Q)·PPL(base)·cov);
-- Same top p: the fraction of equal argmaxes, ± sqrt(p(1-p)/(n-1));
-- Δp = p_Q(true token) - p_base(true token): its mean ± as above; RMS = sqrt(mean Δp²), ±
-  0.5/RMS·σ(Δp²);
-- percentiles of the sorted values: at fraction f, linear between v[⌊f(n-1)⌋] and the next; the
-  median the mean of the two middle values when n is even.
 """
 
 from __future__ import annotations
@@ -30,25 +20,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from embedlens.analysis.lens.stats import ROW_STATS, Sums
 from embedlens.errors import UsageError
 from embedlens.reports.lens import BlockSums
-from embedlens.reports.lens_text import (
-    LensTextReport,
-    TextLayer,
-    TextPairLayer,
-    TextPairOutput,
-    TextSiteLayer,
-    TextSitePairLayer,
-)
-
-if TYPE_CHECKING:
-    from embedlens.analysis.lens.opening import Opened
+from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
 
 ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
@@ -68,30 +48,25 @@ DP_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9),
 
 @dataclass
 class WindowSums:
-    """What one window leaves: per layer float64 sums (rows in `layers` order; `one` [layers,
-    len(ONE)], `pair` [layers, len(PAIR)]), and a comparison's per-token values [layers,
-    tokens] (float32: llama.cpp keeps the same to sort them)."""
+    """What one window leaves: per layer float64 `sums` (rows in `layers` order): 'one' [layers,
+    len(ONE)] (the lens), 'logit' (the logit lens beside a tuned one), 'pair' [layers,
+    len(PAIR)] (a comparison); and a comparison's per-token `values` 'kl' and 'dp' [layers,
+    tokens] (float32)."""
 
     index: int
     n: int
     n_bytes: int
-    one: np.ndarray
-    logit: np.ndarray | None = None
-    """With --tuned: the logit lens's sums (then `one` is the tuned lens's)."""
-    pair: np.ndarray | None = None
-    kl_values: np.ndarray | None = None
-    dp_values: np.ndarray | None = None
+    sums: dict[str, np.ndarray]
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: dict[str, list[Sums]] = field(default_factory=dict)
+    """Each layer's `stats.ROW_STATS` sums: 'one', 'logit', 'against' (the evaluated side)."""
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     """What a logits file keeps of this window (`kept_logits`)."""
     sites: dict[str, WindowSums] = field(default_factory=dict)
-    """With --site: each site inside the blocks' sums, as this window's own (`one`; with
-    --against, `pair` and the per-token values: B's site rows through B's decoder); layer 0's
-    rows: zeros."""
+    """With --site: each site inside the blocks' sums, as this window's own (with --against,
+    B's site rows through B's decoder); layer 0's rows: zeros."""
     blocks: BlockSums | None = None
     """With --site: the check that this window's blocks' pieces add up."""
-    rows: dict[str, list[Sums]] = field(default_factory=dict)
-    """Each layer's `stats.ROW_STATS` sums: 'one' (the lens), 'logit' (the logit lens beside a
-    tuned one), 'against' (the evaluated side of a comparison)."""
 
 
 def mean_and_uncertainty(s: float, s2: float, n: int) -> tuple[float, float]:
@@ -122,18 +97,11 @@ def percentile(values: np.ndarray, fraction: float) -> float:
     return float((1 - p) * values[ip] + p * values[min(ip + 1, len(values) - 1)])
 
 
-def median(values: np.ndarray) -> float:
-    """llama.cpp's median of sorted values."""
-    n = len(values)
-    if n % 2 == 0:
-        return float(0.5 * (values[n // 2] + values[n // 2 - 1]))
-    return float(values[n // 2])
-
-
 def quantiles(values: np.ndarray, at: tuple[tuple[str, float], ...]) -> dict[str, float]:
-    """The named percentiles of unsorted values."""
+    """The named percentiles of unsorted values (the median the mean of the two middle values
+    when their number is even, as llama.cpp's)."""
     v = np.sort(values.astype(np.float64))
-    return {name: median(v) if name == "median" else percentile(v, f) for name, f in at}
+    return {name: float(np.median(v)) if name == "median" else percentile(v, f) for name, f in at}
 
 
 def _nll(s: dict[str, float], n: int) -> tuple[float, float, float, float, float, float]:
@@ -162,7 +130,7 @@ class TextTotals:
         return [w if site == "resid" else w.sites[site] for w in self.windows]
 
     def _sum(self, name: str, site: str = "resid") -> np.ndarray:
-        parts = [getattr(w, name) for w in self._each(site)]
+        parts = [w.sums[name] for w in self._each(site)]
         out: np.ndarray = np.zeros_like(parts[0])
         for part in parts:  # in window order: the same bits however the windows were split
             out += part
@@ -183,11 +151,10 @@ class TextTotals:
             out.append({prefix + name: value for name, value in values.items()})
         return out
 
-    def one(self, logit: bool = False, site: str = "resid") -> list[TextLayer]:
-        """Per layer statistics of the lens (`logit`: the logit lens's, beside a tuned lens;
-        `site`: of a site inside the blocks)."""
-        sums = self._sum("logit" if logit else "one", site)
-        rows = self._rows("logit" if logit else "one", site)
+    def one(self, key: str = "one", site: str = "resid") -> list[TextLayer]:
+        """Per layer statistics of the lens (`key` 'logit': the logit lens's, beside a tuned
+        lens; `site`: of a site inside the blocks)."""
+        sums, rows = self._sum(key, site), self._rows(key, site)
         n, n_bytes = self.n, self.n_bytes
         out = []
         for i, layer in enumerate(self.layers):
@@ -207,8 +174,8 @@ class TextTotals:
         """Per layer llama.cpp's KL table (reference: this model; evaluated: the other;
         `site`: of a site inside the blocks)."""
         sums, n, each = self._sum("pair", site), self.n, self._each(site)
-        kl_values = np.concatenate([w.kl_values for w in each if w.kl_values is not None], 1)
-        dp_values = np.concatenate([w.dp_values for w in each if w.dp_values is not None], 1)
+        kl_values = np.concatenate([w.values["kl"] for w in each], 1)
+        dp_values = np.concatenate([w.values["dp"] for w in each], 1)
         rows = self._rows("against", site, "against_") if "against" in each[0].rows else None
         out = []
         for i, layer in enumerate(self.pair_layers):
@@ -276,84 +243,6 @@ class TextTotals:
             for site in sites
             if site == "resid" or layer >= 1
         ]
-
-
-class Ran(Protocol):
-    """What the report reads of the windows' runner (`text_run.TextRun`)."""
-
-    n_layers: int
-    tuned: bool
-    residual: bool
-    sites: tuple[str, ...]
-    check: tuple[float, float] | None
-
-
-def text_report(
-    opened: Opened,
-    run: Ran,
-    totals: TextTotals,
-    head: dict[str, Any],
-    other: Opened | None,
-    reference: LogitsFile | None,
-) -> LensTextReport:
-    """The report of a run (`head`: the text's fields): the lens's rows, and with B or a logits
-    file the comparison."""
-    from embedlens.analysis.lens.report import dtype_name
-
-    ppl, ppl_err = totals.perplexity()
-    diff, tol = run.check or (0.0, 0.0)
-    ref_name = evaluated = None
-    if reference is not None:
-        totals.pair_layers = [run.n_layers]
-        ref_name, evaluated = str(reference.meta.get("model", reference.path)), opened.name
-    elif other is not None:
-        ref_name, evaluated = opened.name, other.name
-    paired = ref_name is not None
-    report = LensTextReport(
-        model=opened.name,
-        **head,
-        n_scored=totals.n,
-        n_bytes=totals.n_bytes,
-        num_layers=run.n_layers,
-        dtype=dtype_name(opened.model),
-        perplexity=ppl,
-        perplexity_err=ppl_err,
-        layers=totals.one(),
-        lens="tuned" if run.tuned else "logit",
-        logit_layers=totals.one(logit=True) if run.tuned else None,
-        reference=ref_name,
-        evaluated=evaluated,
-        pair=totals.pair(residual=other is not None and run.residual) if paired else None,
-        pair_output=totals.pair_output() if paired else None,
-        check_ok=not diff > tol,
-        max_abs_logit_diff=diff,
-        notes=[*opened.before, *opened.after],
-    )
-    return _with_sites(report, totals, run.sites, paired=other is not None)
-
-
-def _with_sites(
-    report: LensTextReport, totals: TextTotals, sites: tuple[str, ...], paired: bool
-) -> LensTextReport:
-    """The report with a row per (layer, site asked) in block order, and the blocks' check
-    over every window (`paired`: the comparison's rows too, B's sites against A's); the report
-    itself for `resid` alone."""
-    if sites == ("resid",):
-        return report
-    from embedlens.analysis.lens.site_report import worse
-
-    blocks: BlockSums | None = None
-    for w in totals.windows:
-        assert w.blocks is not None
-        blocks = worse(blocks, w.blocks)
-    pair = report.pair
-    if paired:
-        residual = pair is not None and pair[0].residual_kl is not None
-        pair = totals.site_rows(
-            sites, TextSitePairLayer, lambda s: totals.pair(residual and s == "resid", site=s)
-        )
-    layers = totals.site_rows(sites, TextSiteLayer, lambda s: totals.one(site=s))
-    return replace(report, layers=layers, pair=pair, sites=list(sites), block_sums=blocks)
 
 
 @dataclass(frozen=True)
