@@ -322,7 +322,7 @@ def models(
     """How to load the model (`loading`), and with `against` the pair: B loads as A does, but
     for its revision (a loaded B refuses that alone)."""
     a_loading = checks.loading(model, load)
-    limit = checks.check_threshold(threshold, against)
+    limit = _threshold(threshold, against)
     if against is None:
         if against_tokenizer is not None or against_revision is not None:
             raise UsageError("--against-revision and against_tokenizer apply only with --against")
@@ -337,3 +337,19 @@ def models(
         b_loading = LoadOptions(revision=against_revision).given()
     a, b = Side(model, tokenizer, a_loading), Side(against, against_tokenizer, b_loading)  # type: ignore[arg-type]
     return a_loading, Pair(a, b, limit)
+
+
+def _threshold(threshold: float | None, against: object) -> float:
+    """The KL (nats) above which a layer counts as divergent: DEFAULT_THRESHOLD, or the one
+    given (with another model only; a number, at least 0)."""
+    if threshold is None:
+        return checks.DEFAULT_THRESHOLD
+    if against is None:
+        raise UsageError("--threshold applies only with --against")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise UsageError(f"--threshold must be a number of nats, not {threshold!r}")
+    if not threshold >= 0 or threshold == float("inf"):
+        raise UsageError(
+            f"--threshold must be a finite number of nats, at least 0, not {threshold}"
+        )
+    return float(threshold)

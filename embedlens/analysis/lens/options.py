@@ -178,22 +178,6 @@ def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:
         )
 
 
-def check_threshold(threshold: float | None, against: object) -> float:
-    """The KL (nats) above which a layer counts as divergent: DEFAULT_THRESHOLD, or the one
-    given (with another model only; a number, at least 0)."""
-    if threshold is None:
-        return DEFAULT_THRESHOLD
-    if against is None:
-        raise UsageError("--threshold applies only with --against")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise UsageError(f"--threshold must be a number of nats, not {threshold!r}")
-    if not threshold >= 0 or threshold == float("inf"):
-        raise UsageError(
-            f"--threshold must be a finite number of nats, at least 0, not {threshold}"
-        )
-    return float(threshold)
-
-
 def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, ...]:
     """`--site` (one site or several: comma-separated, or a list) as the sites asked for, in
     block order, checked before any model loads: a tuned lens is fitted to the residual stream
