@@ -1,67 +1,201 @@
-"""How the `lens` report is shown without its optional parts: the prompt's tokens, a row per
-layer, the grid and the self-check (`lens_report` adds the parts' tables)."""
+"""What every `lens` table is made of, and how the report is shown without --against.
+
+Every column of every lens table is declared once in `COLUMNS` (its name, header, how a row's
+cell is read and written, its alignment); a table is a list of their names, built by `sheet`.
+One prompt (`render`): the prompt's tokens, a row per layer (with --site a row per (layer,
+site), what each piece does to the lens), the grid, the blocks' sums and the self-check. Many
+prompts (`render_summary`): a row per layer (or (layer, site)) of statistics. `lens_report`
+adds the tables of A against B.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from embedlens.reports.lens import LensReport, Prediction, StatesSource
+from embedlens.reports.lens import (
+    BlockSums,
+    LensReport,
+    LensSummaryReport,
+    Prediction,
+    SiteGridRow,
+    SiteLayer,
+    SiteStats,
+    StatesSource,
+)
+from embedlens.reports.lens_text import TextSiteLayer, TextSitePairLayer
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
 
 NEXT_SHOWN = 100
 """Predictions after the top-1 that a table row shows; the rest are counted."""
+GAINED_SHOWN = 3
+"""Tokens a piece raised most that its row shows."""
+MARK = " ◀"
+"""After the layer label of the first divergent layer."""
 
 
-def render(r: LensReport) -> RenderableType:
-    """The prompt's tokens, one row per layer, the grid, and the self-check."""
-    parts: list[RenderableType] = []
-    tokens = Words("tokens: ")
-    for i, t in enumerate(r.tokens):
-        tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
-    parts.append(tokens)
-    read = r.tokens[r.position_index].token
-    title = Words(f"{lens_name(r)} of {r.display_model} after ", style="table.title").token(read)
-    title.add(f" (position {r.position_index}, {r.dtype})")
+@dataclass(frozen=True)
+class Column:
+    """One column of the lens's tables: `header` (or how the report gives it), `cell` (how a
+    row's cell is read and written, from the report and the row), its alignment, and whether
+    its cells may wrap (None: as the table says)."""
+
+    name: str
+    header: str | Callable[[Any], Text]
+    cell: Callable[[Any, Any], Text | str]
+    justify: Literal["left", "right"] = "right"
+    no_wrap: bool | None = None
+
+
+def nats(value: float | None) -> str:
+    """A KL or a log-probability change, three significant digits ('-' when there is none)."""
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _p(pred: Prediction) -> str:
+    return prob(pred.prob, pred.logprob)
+
+
+def _a_top(r: LensReport, row: Any) -> Prediction:
+    """A's top-1 at the layer of B's `row` (A's rows are the report's `layers`)."""
+    return next(mine.top[0] for mine in r.layers if mine.layer == row.layer)
+
+
+def _first(r: LensReport | LensSummaryReport) -> int | None:
+    return None if r.diff is None else r.diff.first_divergent_layer
+
+
+def _logit(r: LensSummaryReport, row: Any) -> Any:
+    """The logit lens's statistics at the row's layer (--compare-logit), if it has them."""
+    return next((x for x in r.logit_layers or [] if x.layer == row.layer), None)
+
+
+def _target(row: Any, cell: Callable[[Any], str]) -> str:
+    return "" if row.target is None else cell(row.target)
+
+
+def _gained(row: SiteLayer) -> Words:
+    gained = Words()
+    for g in [] if row.change is None else row.change.gained[:GAINED_SHOWN]:
+        gained.keep(quoted(g.token).add(f" {g.delta_logprob:+.2f}", style="dim")).add("  ")
+    return gained
+
+
+def _rate(value: float) -> str:
+    return f"{value:.1%}"
+
+
+COLUMNS = {
+    c.name: c
+    for c in (
+        # the rows' labels: a layer (the first divergent one marked), or a row inside the blocks
+        Column(
+            "layer",
+            "layer",
+            lambda r, row: layer_label(row.layer, r.num_layers, _first(r)),
+            no_wrap=True,
+        ),
+        Column("row", "row", lambda r, row: row_label(row, r.num_layers), no_wrap=True),
+        Column("read", "read", lambda r, row: row.decoded, "left"),
+        # one prompt: the lens's predictions and the --target's
+        Column("top-1", "top-1", lambda r, row: quoted(row.top[0].token), "left"),
+        Column("p", "p", lambda r, row: _p(row.top[0])),
+        Column("next", "next", lambda r, row: runners_up(row.top[1:]), "left", no_wrap=False),
+        Column(
+            "p(target)",
+            lambda r: Words("p(").token(r.target.token).add(")"),
+            lambda r, row: _target(row, lambda t: prob(t.prob, t.logprob)),
+            no_wrap=False,
+        ),
+        Column("rank", "rank", lambda r, row: _target(row, lambda t: str(t.rank))),
+        Column(
+            "change",
+            "change: KL",
+            lambda r, row: "" if row.change is None else nats(row.change.kl),
+        ),
+        Column("gained", "gained", lambda r, row: _gained(row), "left", no_wrap=False),
+        # many prompts: each layer's statistics
+        Column("kl", "KL (nats)", lambda r, row: f"{row.kl:.3f}"),
+        Column("entropy", "entropy", lambda r, row: f"{row.entropy:.3f}"),
+        Column("agrees", "top-1 agrees", lambda r, row: _rate(row.top1_agreement)),
+        Column("logit kl", "logit KL", lambda r, row: f"{_logit(r, row).kl:.3f}"),
+        Column("logit top-1", "logit top-1", lambda r, row: _rate(_logit(r, row).top1_agreement)),
+        Column("change kl", "change KL", lambda r, row: _num(row.change_kl, ".3g")),
+        Column("mean p", "p(target)", lambda r, row: _num(row.target_prob, ".3g")),
+        Column("mean log p", "log p(target)", lambda r, row: _num(row.target_logprob, ".3f")),
+        Column("median rank", "median rank", lambda r, row: _num(row.target_rank_median, "g")),
+        Column("next rank", "next rank", lambda r, row: _num(row.next_rank_median, "g")),
+        # A against B: A's rows are the report's, B's and the comparison the diff's
+        Column("A top-1", "A top-1", lambda r, row: quoted(_a_top(r, row).token), "left"),
+        Column("A p", "p", lambda r, row: _p(_a_top(r, row))),
+        Column("B top-1", "B top-1", lambda r, row: quoted(row.against_top[0].token), "left"),
+        Column("B p", "p", lambda r, row: _p(row.against_top[0])),
+        Column("agree", "agree", lambda r, row: "yes" if row.top1_agree else "NO", "left"),
+        Column("KL(A‖B)", "KL(A‖B)", lambda r, row: nats(row.kl)),
+        Column("residual KL", "residual KL", lambda r, row: nats(row.residual_kl)),
+        Column("Δ log p", "Δ log p", lambda r, row: nats(row.target_logprob_delta)),
+        # A against B inside the blocks: the row where the two first part marked
+        Column(
+            "site row",
+            "row",
+            lambda r, row: row.row + (" ←" if row.row == r.parts_at else ""),
+        ),
+        Column("site KL", "KL(A ‖ B)", lambda r, row: nats(row.kl)),
+        Column("site mean KL", "mean KL(A ‖ B)", lambda r, row: nats(row.kl)),
+        Column(
+            "site top-1",
+            "top-1",
+            lambda r, row: "agree" if row.top1_agree else "differ",
+            "left",
+        ),
+    )
+}
+"""Every column of the lens's tables, by name."""
+
+
+def sheet(
+    r: Any, title: Text, names: Sequence[str], rows: Sequence[Any], no_wrap: bool = True
+) -> Sheet:
+    """The table of `rows` with the columns `names` (whose cells do not wrap unless `no_wrap`
+    is False or the column says otherwise); a section ends after the last block's row (with
+    sites, after each layer's resid row)."""
     table = Sheet(title=title)
-    table.add_column("layer", justify="right", no_wrap=True)
-    table.add_column("top-1", no_wrap=True)
-    table.add_column("p", justify="right", no_wrap=True)
-    if r.layers and len(r.layers[0].top) > 1:
-        table.add_column("next")
-    if r.target is not None:
-        table.add_column(Words("p(").token(r.target.token).add(")"), justify="right")
-        table.add_column("rank", justify="right", no_wrap=True)
-    for row in r.layers:
-        label = str(row.layer)
-        if row.layer == 0:
-            label += " emb"
-        elif row.layer == r.num_layers:
-            label += " out"
-        best = row.top[0]
-        cells: list[Text | str] = [label, quoted(best.token), prob(best.prob, best.logprob)]
-        if len(row.top) > 1:
-            cells.append(runners_up(row.top[1:]))
-        if r.target is not None and row.target is not None:
-            cells += [prob(row.target.prob, row.target.logprob), str(row.target.rank)]
-        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
-    parts.append(table)
-    if r.grid is not None:
-        parts.append(_render_grid(r))
-    parts.append(render_check(r))
-    tuned = r.tuned
-    if tuned is not None:
-        parts.append(
-            shown(
-                f"Layers 0-{r.num_layers - 1} are read through the tuned lens in '{tuned.path}' "
-                f"(made by {tuned.made_by}): its translator, then the same decode; layer "
-                f"{r.num_layers} is the model's own output.",
-                style="dim",
-            )
-        )
-    return Group(*parts)
+    columns = [COLUMNS[name] for name in names]
+    for c in columns:
+        header = c.header if isinstance(c.header, str) else c.header(r)
+        wraps = no_wrap if c.no_wrap is None else c.no_wrap
+        table.add_column(header, justify=c.justify, no_wrap=wraps)
+    for row in rows:
+        end = row.site == "resid" if hasattr(row, "site") else row.layer == r.num_layers - 1
+        table.add_row(*(c.cell(r, row) for c in columns), end_section=end)
+    return table
+
+
+def layer_label(layer: int, num_layers: int, first: int | None = None) -> str:
+    """'0 emb', '30 out', a number; the first divergent layer marked."""
+    label = {0: f"{layer} emb", num_layers: f"{layer} out"}.get(layer, str(layer))
+    return label + (MARK if layer == first else "")
+
+
+def row_label(
+    row: SiteLayer | SiteGridRow | SiteStats | TextSiteLayer | TextSitePairLayer, num_layers: int
+) -> str:
+    """`3.attn`, `3.mid`, `3.mlp`, `3`; the embedding and the output named as the lens names
+    them."""
+    label = row.row or str(row.layer)
+    if row.site == "resid" and row.layer == 0:
+        return label + " emb"
+    if row.site == "resid" and row.layer == num_layers:
+        return label + " out"
+    return label
 
 
 def runners_up(top: Sequence[Prediction]) -> Words:
@@ -78,21 +212,147 @@ def runners_up(top: Sequence[Prediction]) -> Words:
     return rest
 
 
-def _render_grid(r: LensReport) -> Sheet:
+def tokens_line(r: LensReport) -> Words:
+    """The prompt's tokens, the one read highlighted."""
+    tokens = Words("tokens: ")
+    for i, t in enumerate(r.tokens):
+        tokens.token(t.token, style="bold reverse" if i == r.position_index else "").add(" ")
+    return tokens
+
+
+def title_after(r: LensReport, head: str, tail: str = "") -> Words:
+    """A one-prompt table's title: `head`, then the token read, its position and the dtype."""
+    title = Words(f"{head} after ", style="table.title").token(r.tokens[r.position_index].token)
+    return title.add(f" (position {r.position_index}, {r.dtype}{tail})")
+
+
+def title_over(r: LensSummaryReport, head: str) -> Words:
+    """A summary table's title: `head`, then what it was taken over."""
+    over = f" over {r.n_prompts} prompts ({r.n_positions} positions, {r.dtype})"
+    return shown(head + over, "table.title")
+
+
+def render(r: LensReport) -> RenderableType:
+    """The prompt's tokens, one row per layer (with --site per (layer, site)), the grid, the
+    blocks' sums and the self-check."""
+    names = ["row", "read"] if r.sites is not None else ["layer"]
+    names += ["top-1", "p"]
+    names += ["next"] if r.layers and len(r.layers[0].top) > 1 else []
+    names += ["p(target)", "rank"] if r.target is not None else []
+    if any(isinstance(row, SiteLayer) and row.change is not None for row in r.layers):
+        names += ["change", "gained"]
+    if r.sites is None:
+        title = title_after(r, f"{lens_name(r)} of {r.display_model}")
+    else:
+        sites = f"; sites {', '.join(r.sites)}"
+        title = title_after(r, f"Logit lens inside the blocks of {r.display_model}", sites)
+    parts: list[RenderableType] = [tokens_line(r), sheet(r, title, names, r.layers)]
+    if r.grid is not None:
+        parts.append(_grid(r))
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    parts.append(render_check(r))
+    tuned = r.tuned
+    if tuned is not None:
+        parts.append(
+            shown(
+                f"Layers 0-{r.num_layers - 1} are read through the tuned lens in '{tuned.path}' "
+                f"(made by {tuned.made_by}): its translator, then the same decode; layer "
+                f"{r.num_layers} is the model's own output.",
+                style="dim",
+            )
+        )
+    return Group(*parts)
+
+
+def _grid(r: LensReport) -> Sheet:
     assert r.grid is not None
-    grid = Sheet(title="Top-1 at every layer (rows) and position (columns)")
-    grid.add_column("layer", justify="right", no_wrap=True)
+    if r.sites is None:
+        grid = Sheet(title="Top-1 at every layer (rows) and position (columns)")
+        grid.add_column("layer", justify="right", no_wrap=True)
+    else:
+        grid = Sheet(title="Top-1 at every row (layer and site) and position (columns)")
+        grid.add_column("row", justify="right", no_wrap=True)
     for cell in r.grid[0].cells:
         grid.add_column(quoted(r.tokens[cell.position].token), justify="left")
     for row in r.grid:
-        grid.add_row(
-            str(row.layer),
-            *(
-                quoted(c.token).add(f" {prob(c.prob, c.logprob, 2)}", style="dim")
-                for c in row.cells
-            ),
+        label = row_label(row, r.num_layers) if isinstance(row, SiteGridRow) else str(row.layer)
+        cells = (
+            quoted(c.token).add(f" {prob(c.prob, c.logprob, 2)}", style="dim") for c in row.cells
         )
+        grid.add_row(label, *cells)
     return grid
+
+
+def render_summary(r: LensSummaryReport) -> RenderableType:
+    """The per-layer statistics (with --site per (layer, site), a piece's change KL beside),
+    a line saying what they were taken over, and the blocks' sums."""
+    sites = r.sites is not None
+    names = ["row", "kl", "entropy", "agrees", "change kl"] if sites else ["layer"]
+    names += [] if sites else ["kl", "entropy", "agrees"]
+    if r.logit_layers:  # --compare-logit: the logit lens beside the tuned lens
+        names += ["logit kl", "logit top-1"]
+    targets = r.n_targets > 0
+    names += ["mean p", "mean log p", "median rank"] if targets else []
+    # with targets, the rank shown is the target's ("median rank"); without, the next token's
+    ranked = not targets and not sites
+    ranked = ranked and any(row.next_rank_median is not None for row in r.layers)
+    names += ["next rank"] if ranked else []
+    if sites:
+        title = title_over(r, f"Logit lens inside the blocks of {r.display_model}")
+        line = (
+            "KL(model's output ‖ row) and the row's entropy in nats; attn_out and mlp_out rows: "
+            "the piece decoded directly, and change KL: the mean KL(lens after it ‖ before it)"
+        )
+    else:
+        title = title_over(r, f"{lens_name(r)} of {r.display_model}")
+        line = _summary_line(r, targets, ranked)
+    # Headers wrap at their spaces on a narrow terminal; the figures never do.
+    parts: list[RenderableType] = [sheet(r, title, names, r.layers, no_wrap=False)]
+    parts.append(Text(line + ".", style="dim"))
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    return Group(*parts)
+
+
+def _summary_line(r: LensSummaryReport, targets: bool, ranked: bool) -> str:
+    """What the summary's statistics are, and what they were taken over."""
+    where = {-1: "the last position"}.get(r.position) if isinstance(r.position, int) else None
+    if where is None:
+        at = ",".join(str(p) for p in r.position) if isinstance(r.position, list) else r.position
+        where = "every position" if r.position == "all" else f"positions {at}"
+    line = f"KL(model's output ‖ lens) and the lens's entropy in nats, at {where} of each prompt"
+    if targets:
+        line += f"; target statistics over the {r.n_targets} prompts with a target"
+    if ranked:
+        line += "; next rank: the median rank by logit of the token after each position read"
+    if r.logit_layers:
+        line += "; logit KL and logit top-1: the logit lens on the same prompts"
+    if r.n_skipped:
+        line += f"; {r.n_skipped} bad lines skipped"
+    return line
+
+
+def sums_line(s: BlockSums, reads: bool = True) -> Text:
+    """The check that every block's pieces add up (`reads`: and how a piece's rows read)."""
+    line = Words().add("✓ ", style="green")
+    how = (
+        "input + attn_out + mlp_out = output"
+        if s.structure == "parallel"
+        else "input + attn_out = resid_mid, resid_mid + mlp_out = output"
+    )
+    reading = (
+        " 'direct': the piece alone through the final steps; change: KL(lens after the piece ‖ "
+        "before) and the tokens it raised most."
+    )
+    line.add(
+        shown(
+            f"pieces add up in every block ({s.structure}: {how}; max |Δ| = "
+            f"{s.max_abs_error:.2g} ≤ {s.tolerance:.2g}). attn_out: {s.attn}'s output; "
+            f"mlp_out: {s.mlp}'s output." + (reading if reads else "")
+        )
+    )
+    return line
 
 
 def render_check(r: LensReport) -> Text:
