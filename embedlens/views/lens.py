@@ -22,10 +22,12 @@ from embedlens.reports.lens import (
     LensReport,
     LensSummaryReport,
     Prediction,
+    SiteChange,
     SiteGridRow,
     SiteLayer,
     SiteStats,
     StatesSource,
+    TargetAt,
 )
 from embedlens.reports.lens_text import TextSiteLayer, TextSitePairLayer
 from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
@@ -40,15 +42,22 @@ MARK = " ◀"
 
 @dataclass(frozen=True)
 class Column:
-    """One column of the lens's tables: `header` (or how the report gives it), `cell` (how a
-    row's cell is read and written, from the report and the row), its alignment, and whether
-    its cells may wrap (None: as the table says)."""
+    """One column of the lens's tables: its header (or how the report gives it), how a row's
+    value is read (`read`: the row's attribute of that name, or a function of the report and
+    the row) and written (`show`), its alignment, and whether its cells may wrap (None: as the
+    table says)."""
 
     name: str
     header: str | Callable[[Any], Text]
-    cell: Callable[[Any, Any], Text | str]
+    read: str | Callable[[Any, Any], Any]
+    show: Callable[[Any], Text | str] = str
     justify: Literal["left", "right"] = "right"
     no_wrap: bool | None = None
+
+    def cell(self, r: Any, row: Any) -> Text | str:
+        """The cell of `row` (of the report `r`)."""
+        value = getattr(row, self.read) if isinstance(self.read, str) else self.read(r, row)
+        return self.show(value)
 
 
 def nats(value: float | None) -> str:
@@ -56,12 +65,23 @@ def nats(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _spec(spec: str) -> Callable[[float | None], str]:
+    """A figure written with the format `spec` ('-' when there is none)."""
+    return lambda value: "-" if value is None else format(value, spec)
 
 
-def _p(pred: Prediction) -> str:
+def _target(r: LensReport) -> Words:
+    assert r.target is not None
+    return Words("p(").token(r.target.token).add(")")
+
+
+def _p(pred: Prediction | TargetAt) -> str:
     return prob(pred.prob, pred.logprob)
+
+
+def _layer(r: LensReport | LensSummaryReport, row: Any) -> str:
+    first = None if r.diff is None else r.diff.first_divergent_layer
+    return layer_label(row.layer, r.num_layers, first)
 
 
 def _a_top(r: LensReport, row: Any) -> Prediction:
@@ -69,114 +89,21 @@ def _a_top(r: LensReport, row: Any) -> Prediction:
     return next(mine.top[0] for mine in r.layers if mine.layer == row.layer)
 
 
-def _first(r: LensReport | LensSummaryReport) -> int | None:
-    return None if r.diff is None else r.diff.first_divergent_layer
-
-
 def _logit(r: LensSummaryReport, row: Any) -> Any:
-    """The logit lens's statistics at the row's layer (--compare-logit), if it has them."""
-    return next((x for x in r.logit_layers or [] if x.layer == row.layer), None)
+    """The logit lens's statistics at the row's layer (--compare-logit)."""
+    return next(x for x in r.logit_layers or [] if x.layer == row.layer)
 
 
-def _target(row: Any, cell: Callable[[Any], str]) -> str:
-    return "" if row.target is None else cell(row.target)
+def _or_blank(show: Callable[[Any], str]) -> Callable[[Any], str]:
+    """`show`, or an empty cell where there is no value (a row without the --target)."""
+    return lambda value: "" if value is None else show(value)
 
 
-def _gained(row: SiteLayer) -> Words:
+def _gained(change: SiteChange | None) -> Words:
     gained = Words()
-    for g in [] if row.change is None else row.change.gained[:GAINED_SHOWN]:
+    for g in [] if change is None else change.gained[:GAINED_SHOWN]:
         gained.keep(quoted(g.token).add(f" {g.delta_logprob:+.2f}", style="dim")).add("  ")
     return gained
-
-
-def _rate(value: float) -> str:
-    return f"{value:.1%}"
-
-
-COLUMNS = {
-    c.name: c
-    for c in (
-        # the rows' labels: a layer (the first divergent one marked), or a row inside the blocks
-        Column(
-            "layer",
-            "layer",
-            lambda r, row: layer_label(row.layer, r.num_layers, _first(r)),
-            no_wrap=True,
-        ),
-        Column("row", "row", lambda r, row: row_label(row, r.num_layers), no_wrap=True),
-        Column("read", "read", lambda r, row: row.decoded, "left"),
-        # one prompt: the lens's predictions and the --target's
-        Column("top-1", "top-1", lambda r, row: quoted(row.top[0].token), "left"),
-        Column("p", "p", lambda r, row: _p(row.top[0])),
-        Column("next", "next", lambda r, row: runners_up(row.top[1:]), "left", no_wrap=False),
-        Column(
-            "p(target)",
-            lambda r: Words("p(").token(r.target.token).add(")"),
-            lambda r, row: _target(row, lambda t: prob(t.prob, t.logprob)),
-            no_wrap=False,
-        ),
-        Column("rank", "rank", lambda r, row: _target(row, lambda t: str(t.rank))),
-        Column(
-            "change",
-            "change: KL",
-            lambda r, row: "" if row.change is None else nats(row.change.kl),
-        ),
-        Column("gained", "gained", lambda r, row: _gained(row), "left", no_wrap=False),
-        # many prompts: each layer's statistics
-        Column("kl", "KL (nats)", lambda r, row: f"{row.kl:.3f}"),
-        Column("entropy", "entropy", lambda r, row: f"{row.entropy:.3f}"),
-        Column("agrees", "top-1 agrees", lambda r, row: _rate(row.top1_agreement)),
-        Column("logit kl", "logit KL", lambda r, row: f"{_logit(r, row).kl:.3f}"),
-        Column("logit top-1", "logit top-1", lambda r, row: _rate(_logit(r, row).top1_agreement)),
-        Column("change kl", "change KL", lambda r, row: _num(row.change_kl, ".3g")),
-        Column("mean p", "p(target)", lambda r, row: _num(row.target_prob, ".3g")),
-        Column("mean log p", "log p(target)", lambda r, row: _num(row.target_logprob, ".3f")),
-        Column("median rank", "median rank", lambda r, row: _num(row.target_rank_median, "g")),
-        Column("next rank", "next rank", lambda r, row: _num(row.next_rank_median, "g")),
-        # A against B: A's rows are the report's, B's and the comparison the diff's
-        Column("A top-1", "A top-1", lambda r, row: quoted(_a_top(r, row).token), "left"),
-        Column("A p", "p", lambda r, row: _p(_a_top(r, row))),
-        Column("B top-1", "B top-1", lambda r, row: quoted(row.against_top[0].token), "left"),
-        Column("B p", "p", lambda r, row: _p(row.against_top[0])),
-        Column("agree", "agree", lambda r, row: "yes" if row.top1_agree else "NO", "left"),
-        Column("KL(A‖B)", "KL(A‖B)", lambda r, row: nats(row.kl)),
-        Column("residual KL", "residual KL", lambda r, row: nats(row.residual_kl)),
-        Column("Δ log p", "Δ log p", lambda r, row: nats(row.target_logprob_delta)),
-        # A against B inside the blocks: the row where the two first part marked
-        Column(
-            "site row",
-            "row",
-            lambda r, row: row.row + (" ←" if row.row == r.parts_at else ""),
-        ),
-        Column("site KL", "KL(A ‖ B)", lambda r, row: nats(row.kl)),
-        Column("site mean KL", "mean KL(A ‖ B)", lambda r, row: nats(row.kl)),
-        Column(
-            "site top-1",
-            "top-1",
-            lambda r, row: "agree" if row.top1_agree else "differ",
-            "left",
-        ),
-    )
-}
-"""Every column of the lens's tables, by name."""
-
-
-def sheet(
-    r: Any, title: Text, names: Sequence[str], rows: Sequence[Any], no_wrap: bool = True
-) -> Sheet:
-    """The table of `rows` with the columns `names` (whose cells do not wrap unless `no_wrap`
-    is False or the column says otherwise); a section ends after the last block's row (with
-    sites, after each layer's resid row)."""
-    table = Sheet(title=title)
-    columns = [COLUMNS[name] for name in names]
-    for c in columns:
-        header = c.header if isinstance(c.header, str) else c.header(r)
-        wraps = no_wrap if c.no_wrap is None else c.no_wrap
-        table.add_column(header, justify=c.justify, no_wrap=wraps)
-    for row in rows:
-        end = row.site == "resid" if hasattr(row, "site") else row.layer == r.num_layers - 1
-        table.add_row(*(c.cell(r, row) for c in columns), end_section=end)
-    return table
 
 
 def layer_label(layer: int, num_layers: int, first: int | None = None) -> str:
@@ -210,6 +137,76 @@ def runners_up(top: Sequence[Prediction]) -> Words:
     if len(top) > NEXT_SHOWN:
         rest.append(f"and {len(top) - NEXT_SHOWN:,} more (--json lists them all)", style="dim")
     return rest
+
+
+_FIXED, _RATE, _SHORT = _spec(".3f"), _spec(".1%"), _spec("g")
+
+COLUMNS = {
+    c.name: c
+    for c in (
+        # the rows' labels: a layer (the first divergent one marked), or a row inside the blocks
+        Column("layer", "layer", _layer, no_wrap=True),
+        Column("row", "row", lambda r, row: row_label(row, r.num_layers), no_wrap=True),
+        Column("read", "read", "decoded", justify="left"),
+        # one prompt: the lens's predictions, the --target's, and what a piece does to the lens
+        Column("top-1", "top-1", lambda r, row: row.top[0].token, quoted, "left"),
+        Column("p", "p", lambda r, row: row.top[0], _p),
+        Column("next", "next", lambda r, row: row.top[1:], runners_up, "left", no_wrap=False),
+        Column("p(target)", _target, "target", _or_blank(_p), no_wrap=False),
+        Column("rank", "rank", "target", _or_blank(lambda t: str(t.rank))),
+        Column("change", "change: KL", "change", _or_blank(lambda c: nats(c.kl))),
+        Column("gained", "gained", "change", _gained, "left", no_wrap=False),
+        # many prompts: each layer's statistics
+        Column("kl", "KL (nats)", "kl", _FIXED),
+        Column("entropy", "entropy", "entropy", _FIXED),
+        Column("agrees", "top-1 agrees", "top1_agreement", _RATE),
+        Column("logit kl", "logit KL", lambda r, row: _logit(r, row).kl, _FIXED),
+        Column("logit top-1", "logit top-1", lambda r, row: _logit(r, row).top1_agreement, _RATE),
+        Column("change kl", "change KL", "change_kl", nats),
+        Column("mean p", "p(target)", "target_prob", _spec(".3g")),
+        Column("mean log p", "log p(target)", "target_logprob", _FIXED),
+        Column("median rank", "median rank", "target_rank_median", _SHORT),
+        Column("next rank", "next rank", "next_rank_median", _SHORT),
+        # A against B: A's rows are the report's, B's and the comparison the diff's
+        Column("A top-1", "A top-1", lambda r, row: _a_top(r, row).token, quoted, "left"),
+        Column("A p", "p", _a_top, _p),
+        Column("B top-1", "B top-1", lambda r, row: row.against_top[0].token, quoted, "left"),
+        Column("B p", "p", lambda r, row: row.against_top[0], _p),
+        Column("agree", "agree", lambda r, row: "yes" if row.top1_agree else "NO", justify="left"),
+        Column("KL(A‖B)", "KL(A‖B)", "kl", nats),
+        Column("residual KL", "residual KL", "residual_kl", nats),
+        Column("Δ log p", "Δ log p", "target_logprob_delta", nats),
+        # A against B inside the blocks: the row where the two first part marked
+        Column("site row", "row", lambda r, row: row.row + (" ←" if row.row == r.parts_at else "")),
+        Column("site KL", "KL(A ‖ B)", "kl", nats),
+        Column("site mean KL", "mean KL(A ‖ B)", "kl", nats),
+        Column(
+            "site top-1",
+            "top-1",
+            lambda r, row: "agree" if row.top1_agree else "differ",
+            justify="left",
+        ),
+    )
+}
+"""Every column of the lens's tables, by name."""
+
+
+def sheet(
+    r: Any, title: Text, names: Sequence[str], rows: Sequence[Any], no_wrap: bool = True
+) -> Sheet:
+    """The table of `rows` with the columns `names` (whose cells do not wrap unless `no_wrap`
+    is False or the column says otherwise); a section ends after the last block's row (with
+    sites, after each layer's resid row)."""
+    table = Sheet(title=title)
+    columns = [COLUMNS[name] for name in names]
+    for c in columns:
+        header = c.header if isinstance(c.header, str) else c.header(r)
+        wraps = no_wrap if c.no_wrap is None else c.no_wrap
+        table.add_column(header, justify=c.justify, no_wrap=wraps)
+    for row in rows:
+        end = row.site == "resid" if hasattr(row, "site") else row.layer == r.num_layers - 1
+        table.add_row(*(c.cell(r, row) for c in columns), end_section=end)
+    return table
 
 
 def tokens_line(r: LensReport) -> Words:
