@@ -9,14 +9,13 @@ PNG and SVG are written by matplotlib; HTML is a page holding the SVG (no networ
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.views.format import lens_name
-from embedlens.views.heatmap import write_page, write_plot
+from embedlens.views.heatmap import drawn, write_page, write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
@@ -161,21 +160,7 @@ def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:
     a page titled `title`); the figure is closed after."""
     suffix = path.suffix.lower()
     if suffix != ".html":
-        write_plot(path, _drawn(make, suffix.lstrip(".")))
+        write_plot(path, drawn(make, suffix.lstrip("."), dpi=150))
         return
-    svg = _drawn(make, "svg").decode("utf-8")
+    svg = drawn(make, "svg", dpi=150).decode("utf-8")
     write_page(path, title, svg[svg.index("<svg") :])
-
-
-def _drawn(make: Callable[[], Any], fmt: str) -> bytes:
-    import matplotlib
-    import matplotlib.pyplot as plt
-
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig = make()
-        try:
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=150)
-            return buffer.getvalue()
-        finally:
-            plt.close(fig)
