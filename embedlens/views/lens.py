@@ -26,7 +26,6 @@ from embedlens.reports.lens import (
     SiteGridRow,
     SiteLayer,
     SiteStats,
-    StatesSource,
     TargetAt,
 )
 from embedlens.reports.lens_text import TextSiteLayer, TextSitePairLayer
@@ -97,6 +96,10 @@ def _logit(r: LensSummaryReport, row: Any) -> Any:
 def _or_blank(show: Callable[[Any], str]) -> Callable[[Any], str]:
     """`show`, or an empty cell where there is no value (a row without the --target)."""
     return lambda value: "" if value is None else show(value)
+
+
+def _says(yes: str, no: str) -> Callable[[bool], str]:
+    return lambda agree: yes if agree else no
 
 
 def _gained(change: SiteChange | None) -> Words:
@@ -172,7 +175,7 @@ COLUMNS = {
         Column("A p", "p", _a_top, _p),
         Column("B top-1", "B top-1", lambda r, row: row.against_top[0].token, quoted, "left"),
         Column("B p", "p", lambda r, row: row.against_top[0], _p),
-        Column("agree", "agree", lambda r, row: "yes" if row.top1_agree else "NO", justify="left"),
+        Column("agree", "agree", "top1_agree", _says("yes", "NO"), "left"),
         Column("KL(A‖B)", "KL(A‖B)", "kl", nats),
         Column("residual KL", "residual KL", "residual_kl", nats),
         Column("Δ log p", "Δ log p", "target_logprob_delta", nats),
@@ -180,12 +183,7 @@ COLUMNS = {
         Column("site row", "row", lambda r, row: row.row + (" ←" if row.row == r.parts_at else "")),
         Column("site KL", "KL(A ‖ B)", "kl", nats),
         Column("site mean KL", "mean KL(A ‖ B)", "kl", nats),
-        Column(
-            "site top-1",
-            "top-1",
-            lambda r, row: "agree" if row.top1_agree else "differ",
-            justify="left",
-        ),
+        Column("site top-1", "top-1", "top1_agree", _says("agree", "differ"), "left"),
     )
 }
 """Every column of the lens's tables, by name."""
@@ -354,44 +352,31 @@ def sums_line(s: BlockSums, reads: bool = True) -> Text:
 
 def render_check(r: LensReport) -> Text:
     """The self-check line: whether decoding the last block's output reproduces the model's
-    logits, and the decode's steps (with --states: the file's check, `render_states_check`)."""
-    states = r.states
-    if states is not None:  # lens --states: the check against the file, or why none was made
-        return render_states_check(r, states)
-    c = r.check
+    logits, and the decode's steps (with --states: the file's check, the file and what was read
+    of the model)."""
+    c, states = r.check, r.states
     steps = " → ".join(["block " + str(r.num_layers), *r.steps])
-    if c.ok:
+    if states is None and c.ok:
         return _verdict(
             "✓ ",
             f"self-check: decoding block {r.num_layers}'s output reproduces the model's "
             f"logits (max |Δ| = {c.max_abs_logit_diff:.2g} ≤ {c.tolerance:.0e}). "
             f"Decode: {steps}.",
         )
-    return _verdict(
-        "✗ NOT FAITHFUL ",
-        f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}; "
-        f"suspect: {c.suspect}. Decode: {steps}.",
-    )
-
-
-def render_states_check(r: LensReport, states: StatesSource) -> Text:
-    """The self-check line of a states report, with the file and what was read of the model."""
-    steps = " → ".join(["block " + str(r.num_layers), *r.steps])
+    miss = f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}"
+    if states is None:
+        return _verdict("✗ NOT FAITHFUL ", f"{miss}; suspect: {c.suspect}. Decode: {steps}.")
     held = ", ".join(str(layer) for layer in states.layers)
     read = ", ".join(states.tensors_read) or "nothing"
     where = (
         f"States: '{states.file}' ({states.layout}'s layout, {states.dtype}, layers {held}); "
         f"read of the model: {read}. Decode: {steps}."
     )
-    c = r.check
-    if not states.checked:
+    if not states.checked:  # why no check was made
         return _verdict("? ", f"self-check {states.check}. {where}")
     if c.ok:
         return _verdict("✓ ", f"self-check {states.check}. {where}")
-    return _verdict(
-        "✗ NOT FAITHFUL ",
-        f"self-check: max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.0e}. {where}",
-    )
+    return _verdict("✗ NOT FAITHFUL ", f"{miss}. {where}")
 
 
 def _verdict(mark: str, text: str) -> Text:

@@ -42,7 +42,7 @@ def render(r: LensReport) -> RenderableType:
     lines: list[RenderableType] = [lens.tokens_line(r), table, _legend(d, "", delta)]
     lines.append(_checks(None if states is not None else r.check, d.against_check))
     if states is not None:
-        lines.append(lens.render_states_check(r, states))
+        lines.append(lens.render_check(r))
     if r.tuned is not None:  # both models read through one tuned lens
         lines.append(
             shown(
