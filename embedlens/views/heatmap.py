@@ -236,11 +236,6 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _cell_text(token: str, p: float, logprob: float, layout: _Layout) -> str:
-    text = label(token, layout.limit)
-    return text + "\n" + prob(p, logprob, 2) if layout.probs else text
-
-
 def texts(report: LensReport) -> list[str]:
     """Every text the heatmap draws from the model or the user (for choosing fonts)."""
     grid = report.grid or []
@@ -305,7 +300,8 @@ def _draw_grid(
     if drawn.text:
         for y, row in enumerate(rows):
             for x, cell in enumerate(row.cells):
-                text = _cell_text(cell.token, cell.prob, cell.logprob, layout)
+                text = label(cell.token, layout.limit)
+                text += "\n" + prob(cell.prob, cell.logprob, 2) if layout.probs else ""
                 _put(ax, x, y, text, cell.prob, layout)
     positions = [c.position for c in rows[0].cells]
     ax.set_xticks(drawn.labelled())

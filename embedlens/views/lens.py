@@ -262,12 +262,9 @@ def render(r: LensReport) -> RenderableType:
 
 def _grid(r: LensReport) -> Sheet:
     assert r.grid is not None
-    if r.sites is None:
-        grid = Sheet(title="Top-1 at every layer (rows) and position (columns)")
-        grid.add_column("layer", justify="right", no_wrap=True)
-    else:
-        grid = Sheet(title="Top-1 at every row (layer and site) and position (columns)")
-        grid.add_column("row", justify="right", no_wrap=True)
+    rows = "layer (rows)" if r.sites is None else "row (layer and site)"
+    grid = Sheet(title=f"Top-1 at every {rows} and position (columns)")
+    grid.add_column("layer" if r.sites is None else "row", justify="right", no_wrap=True)
     for cell in r.grid[0].cells:
         grid.add_column(quoted(r.tokens[cell.position].token), justify="left")
     for row in r.grid:
