@@ -288,7 +288,7 @@ def _plot(report: LensReport | LensSummaryReport, plot: Path | None) -> None:
     if plot is None:
         return
     if report.diff is not None:
-        from embedlens.views.lens_diff import save_diff_curves
+        from embedlens.views.curves import save_diff_curves
 
         save_diff_curves(report, plot)
     elif isinstance(report, LensReport):

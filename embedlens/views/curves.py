@@ -1,4 +1,7 @@
-"""The per-layer curves of `lens --prompts --plot`: one panel per statistic against layer.
+"""The lens's curves against layer: `lens --prompts --plot`, one panel per statistic; `lens
+--against --plot`, KL(A ‖ B) and the residual KL, for one prompt or the means over many (the
+y axis linear up to the divergence threshold and logarithmic above it: a KL of exactly 0 stays
+on the axis), the first divergent layer marked.
 
 matplotlib is optional (`pip install 'embedlens[plot]'`) and imported only inside the functions.
 PNG and SVG are written by matplotlib; HTML is a page holding the SVG (no network fetches).
@@ -6,14 +9,13 @@ PNG and SVG are written by matplotlib; HTML is a page holding the SVG (no networ
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from embedlens.reports.lens import LensSummaryReport
+from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.views.format import lens_name
-from embedlens.views.heatmap import write_page, write_plot
+from embedlens.views.heatmap import drawn, write_page, write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
@@ -30,14 +32,33 @@ KL_LINEAR_BELOW = 0.01
 """The symlog KL axis is linear from 0 to this many nats, logarithmic above."""
 
 
-def figure(report: LensSummaryReport) -> Any:
-    """The curves as a matplotlib Figure: one panel per statistic that has values."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing off screen."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _layer_axis(ax: Any) -> None:
+    """Layers along x: whole numbers, 0 the embedding output."""
     from matplotlib.ticker import MaxNLocator
 
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _titled(fig: Any, title: str, size: int) -> Any:
+    """The figure under its title (never read as mathtext), laid out tight."""
+    fig.suptitle(title, fontsize=size).set_parse_math(False)
+    fig.tight_layout()
+    return fig
+
+
+def figure(report: LensSummaryReport) -> Any:
+    """The curves as a matplotlib Figure: one panel per statistic that has values."""
+    plt = _pyplot()
     panels = [
         (key, label, scale)
         for key, label, scale in PANELS
@@ -56,7 +77,7 @@ def figure(report: LensSummaryReport) -> Any:
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("layer (0 = embedding output)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
+        _layer_axis(ax)
         ax.grid(alpha=0.3)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=KL_LINEAR_BELOW)
@@ -67,10 +88,35 @@ def figure(report: LensSummaryReport) -> Any:
             ax.set_ylim(-0.03, 1.03)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    title = fig.suptitle(_title(report), fontsize=11)
-    title.set_parse_math(False)
-    fig.tight_layout()
-    return fig
+    return _titled(fig, _title(report), 11)
+
+
+def diff_figure(report: LensReport | LensSummaryReport) -> Any:
+    """The two curves of A against B as a matplotlib Figure, the first divergent layer marked."""
+    plt = _pyplot()
+    d = report.diff
+    assert d is not None
+    layers = [row.layer for row in d.layers]
+    fig, ax = plt.subplots(figsize=(7.0, 3.8))
+    ax.plot(layers, [row.kl for row in d.layers], marker="o", markersize=3, label="KL(A ‖ B)")
+    ax.plot(
+        layers,
+        [row.residual_kl for row in d.layers],
+        marker="s",
+        markersize=3,
+        linestyle="--",
+        label="residual KL (A's decoder on B's residual)",
+    )
+    _layer_axis(ax)
+    ax.set_yscale("symlog", linthresh=max(d.threshold, 1e-12))
+    ax.axhline(d.threshold, color="grey", linewidth=0.8, linestyle=":")
+    if d.first_divergent_layer is not None:
+        ax.axvline(d.first_divergent_layer, color="red", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("layer (0 = embedding output)")
+    ax.set_ylabel("nats")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _titled(fig, _diff_title(report), 10)
 
 
 def _by_site(rows: list[Any]) -> dict[str | None, list[Any]]:
@@ -89,9 +135,24 @@ def _title(report: LensSummaryReport) -> str:
     )
 
 
+def _diff_title(report: LensReport | LensSummaryReport) -> str:
+    where = (
+        f"over {report.n_prompts} prompts"
+        if isinstance(report, LensSummaryReport)
+        else f"at position {report.position_index}"
+    )
+    assert report.diff is not None
+    return f"{report.display_model} (A) against {report.diff.against} (B), {where}"
+
+
 def save_curves(report: LensSummaryReport, path: Path) -> None:
     """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
     save_figure(lambda: figure(report), _title(report), path)
+
+
+def save_diff_curves(report: LensReport | LensSummaryReport, path: Path) -> None:
+    """Write the curves of A against B to `path`: .png, .svg, or .html (the SVG inside a page)."""
+    save_figure(lambda: diff_figure(report), _diff_title(report), path)
 
 
 def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:
@@ -99,21 +160,7 @@ def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:
     a page titled `title`); the figure is closed after."""
     suffix = path.suffix.lower()
     if suffix != ".html":
-        write_plot(path, _drawn(make, suffix.lstrip(".")))
+        write_plot(path, drawn(make, suffix.lstrip("."), dpi=150))
         return
-    svg = _drawn(make, "svg").decode("utf-8")
+    svg = drawn(make, "svg", dpi=150).decode("utf-8")
     write_page(path, title, svg[svg.index("<svg") :])
-
-
-def _drawn(make: Callable[[], Any], fmt: str) -> bytes:
-    import matplotlib
-    import matplotlib.pyplot as plt
-
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig = make()
-        try:
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=150)
-            return buffer.getvalue()
-        finally:
-            plt.close(fig)

@@ -19,16 +19,16 @@ import importlib.util
 import io
 import unicodedata
 import warnings
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from embedlens.errors import EmbedlensError, MissingDependencyError, UsageError
-from embedlens.reports.lens import GridRow, LensReport, TargetAt
+from embedlens.reports.lens import GridRow, LensReport, SiteGridRow, TargetAt
 from embedlens.text import visible
 from embedlens.views.format import lens_name, prob
+from embedlens.views.lens import layer_label, row_label
 
 _PREFERRED_FONTS = (
     "Noto Sans CJK SC",
@@ -236,11 +236,6 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _cell_text(token: str, p: float, logprob: float, layout: _Layout) -> str:
-    text = label(token, layout.limit)
-    return text + "\n" + prob(p, logprob, 2) if layout.probs else text
-
-
 def texts(report: LensReport) -> list[str]:
     """Every text the heatmap draws from the model or the user (for choosing fonts)."""
     grid = report.grid or []
@@ -305,7 +300,8 @@ def _draw_grid(
     if drawn.text:
         for y, row in enumerate(rows):
             for x, cell in enumerate(row.cells):
-                text = _cell_text(cell.token, cell.prob, cell.logprob, layout)
+                text = label(cell.token, layout.limit)
+                text += "\n" + prob(cell.prob, cell.logprob, 2) if layout.probs else ""
                 _put(ax, x, y, text, cell.prob, layout)
     positions = [c.position for c in rows[0].cells]
     ax.set_xticks(drawn.labelled())
@@ -319,7 +315,12 @@ def _draw_grid(
     for tick in ax.get_xticklabels():
         tick.set_parse_math(False)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([_layer_label(report, row.layer, row) for row in rows], fontsize=7)
+    n = report.num_layers
+    labels = [
+        row_label(row, n) if isinstance(row, SiteGridRow) else layer_label(row.layer, n)
+        for row in rows
+    ]
+    ax.set_yticklabels(labels, fontsize=7)
     ax.set_xlabel(_x_title(drawn))
     ax.set_ylabel("layer")
     return image
@@ -395,45 +396,40 @@ def _draw_target(ax: Any, report: LensReport, column: list[TargetAt], layout: _L
     heading.set_parse_math(False)
 
 
-def _layer_label(report: LensReport, layer: int, row: Any = None) -> str:
-    if getattr(row, "site", "resid") != "resid":
-        return str(row.row)
-    if layer == 0:
-        return "0 emb"
-    if layer == report.num_layers:
-        return f"{layer} out"
-    return str(layer)
+_NO_METADATA: dict[str, str | None] = {"Date": None, "Creator": None, "Type": None, "Format": None}
 
 
-@contextmanager
-def _drawn(report: LensReport, fonts: Fonts) -> Iterator[Any]:
-    """The heatmap's figure, drawn with fonts that cover the tokens; closed afterwards."""
+def drawn(make: Callable[[], Any], fmt: str, fonts: Fonts | None = None, **save: Any) -> bytes:
+    """The bytes of the matplotlib figure `make()` draws, in `fmt` (`save`: savefig's other
+    arguments), drawn with `fonts` (else matplotlib's) and SVG text kept as text; the figure is
+    closed after."""
     import matplotlib
     import matplotlib.pyplot as plt
 
-    with (
-        warnings.catch_warnings(),
-        matplotlib.rc_context({"font.family": fonts.families, "svg.fonttype": "none"}),
-    ):
-        # characters no font has are said once, in a note, not once per glyph
-        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-        fig = figure(report)
+    families = matplotlib.rcParams["font.family"] if fonts is None else fonts.families
+    with matplotlib.rc_context({"font.family": families, "svg.fonttype": "none"}):
+        fig = make()
         try:
-            yield fig
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format=fmt, **save)
+            return buffer.getvalue()
         finally:
             plt.close(fig)
 
 
-_NO_METADATA: dict[str, str | None] = {"Date": None, "Creator": None, "Type": None, "Format": None}
+def _heatmap(report: LensReport, fonts: Fonts, fmt: str, **save: Any) -> bytes:
+    """The heatmap's bytes, drawn with fonts that cover the tokens."""
+    with warnings.catch_warnings():
+        # characters no font has are said once, in a note, not once per glyph
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        return drawn(lambda: figure(report), fmt, fonts, **save)
 
 
 def heatmap_svg(report: LensReport) -> str:
     """The heatmap as an inline <svg> element (for HTML pages and notebooks): tokens as text,
     nothing fetched from elsewhere."""
-    buffer = io.StringIO()
-    with _drawn(report, fonts_for(texts(report))) as fig:
-        fig.savefig(buffer, format="svg", metadata=_NO_METADATA)
-    svg = buffer.getvalue()
+    fonts = fonts_for(texts(report))
+    svg = _heatmap(report, fonts, "svg", metadata=_NO_METADATA).decode("utf-8")
     return svg[svg.index("<svg") :]
 
 
@@ -449,11 +445,8 @@ def save_heatmap(report: LensReport, path: Path) -> list[str]:
         write_page(path, title, _page(report, heatmap_svg(report)))
         return bounds
     fonts = fonts_for(texts(report))
-    binary = io.BytesIO()
-    with _drawn(report, fonts) as fig:
-        metadata = _NO_METADATA if suffix == ".svg" else None
-        fig.savefig(binary, format=suffix.lstrip("."), dpi=150, metadata=metadata)
-    write_plot(path, binary.getvalue())
+    metadata = _NO_METADATA if suffix == ".svg" else None
+    write_plot(path, _heatmap(report, fonts, suffix.lstrip("."), dpi=150, metadata=metadata))
     return bounds + (_missing_note(fonts.missing) if suffix == ".png" else [])
 
 

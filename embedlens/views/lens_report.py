@@ -1,7 +1,12 @@
 """How the two lens report shapes are shown, each with the parts it holds: one prompt's
-(`LensReport`: the lens's tables, or with `diff` A against B, with `sites` the rows inside the
-blocks, with both where inside them the two part) and the `--prompts` summary (the same, over
-the prompts: one row per layer of statistics)."""
+(`LensReport`) and the `--prompts` summary's (`LensSummaryReport`: one row per layer of
+statistics). Without --against, `lens` shows them (with `sites`, the rows inside the blocks);
+with `diff`, A against B is shown here, and with both where inside the blocks the two part.
+
+One prompt against B: each model's top-1 and its probability, whether they agree, KL(A ‖ B)
+and the residual KL, the --target's log-probability change; then both self-checks. Many
+prompts: the per-layer means. Every figure is shown whole (KL with three significant digits).
+"""
 
 from __future__ import annotations
 
@@ -9,93 +14,134 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from embedlens.reports import register_view
-from embedlens.reports.lens import LensLayerStats, LensReport, LensSummaryReport
-from embedlens.views import lens, lens_diff, sites
-from embedlens.views.format import Sheet, lens_name, shown
+from embedlens.reports.lens import (
+    LensCheck,
+    LensDiff,
+    LensReport,
+    LensSummaryDiff,
+    LensSummaryReport,
+)
+from embedlens.views import lens
+from embedlens.views.format import Words, lens_name, shown
+from embedlens.views.lens import MARK, sheet, sums_line
 
 
 def render(r: LensReport) -> RenderableType:
     """One prompt's tables, with its parts'."""
-    if r.sites is not None and r.diff is not None:
-        return sites.render_sites_pair(r, lens_diff.render(r))
-    if r.sites is not None:
-        return sites.render(r)
-    return lens_diff.render(r) if r.diff is not None else lens.render(r)
+    d = r.diff
+    if d is None:
+        return lens.render(r)
+    head = f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B)"
+    names = ["layer", "A top-1", "A p", "B top-1", "B p", "agree", "KL(A‖B)", "residual KL"]
+    delta = None
+    if r.target is not None:  # the token kept whole: a line never breaks at its leading space
+        delta = Words("Δ log p: B's log-probability of ").token(r.target.token).add(" minus A's")
+    names += [] if delta is None else ["Δ log p"]
+    table = sheet(r, lens.title_after(r, head), names, d.layers)
+    states = r.states  # A from a states file: its check said on its own line
+    lines: list[RenderableType] = [lens.tokens_line(r), table, _legend(d, "", delta)]
+    lines.append(_checks(None if states is not None else r.check, d.against_check))
+    if states is not None:
+        lines.append(lens.render_check(r))
+    if r.tuned is not None:  # both models read through one tuned lens
+        lines.append(
+            shown(
+                f"Both models read through the tuned lens in '{r.tuned.path}' (its translator at "
+                f"layers 0-{r.num_layers - 1}), then each model's own decoder.",
+                style="dim",
+            )
+        )
+    return _with_sites(r, Group(*lines))
 
 
 def render_summary(r: LensSummaryReport) -> RenderableType:
-    """The summary's tables, with its parts'."""
-    if r.sites is not None and r.diff is not None:
-        over = f" over {r.n_prompts} prompts"
-        return sites.render_sites_pair(r, lens_diff.render_summary(r), over)
-    if r.sites is not None:
-        return sites.render_summary(r)
-    return lens_diff.render_summary(r) if r.diff is not None else _summary(r)
+    """The summary's tables, with its parts' (A against B: the per-layer means over every
+    prompt and position read)."""
+    d = r.diff
+    if d is None:
+        return lens.render_summary(r)
+    head = f"{lens_name(r)} of {r.display_model} (A) against {d.against} (B)"
+    names = ["layer", "KL(A‖B)", "residual KL", "agrees"]
+    delta = None
+    if any(row.target_logprob_delta is not None for row in d.layers):
+        delta = "Δ log p: B's log-probability of each prompt's target minus A's"
+    names += [] if delta is None else ["Δ log p"]
+    table = sheet(r, lens.title_over(r, head), names, d.layers)
+    parts: list[RenderableType] = [table, _legend(d, "mean ", delta)]
+    if d.n_against_unfaithful:
+        parts.append(
+            Text(
+                f"✗ B's lens does not reproduce its own logits on {d.n_against_unfaithful} "
+                "prompts: its rows there are not faithful",
+                style="bold red",
+            )
+        )
+    return _with_sites(r, Group(*parts), f" over {r.n_prompts} prompts")
 
 
-def _summary(r: LensSummaryReport) -> RenderableType:
-    """The per-layer table, and a line saying what it was taken over."""
-    where = {-1: "the last position"}.get(r.position) if isinstance(r.position, int) else None
-    if where is None:
-        where = "every position" if r.position == "all" else f"positions {_positions(r.position)}"
-    title = (
-        f"{lens_name(r)} of {r.display_model} over {r.n_prompts} prompts "
-        f"({r.n_positions} positions, {r.dtype})"
+def _legend(d: LensDiff | LensSummaryDiff, mean: str, delta: str | Words | None) -> Text:
+    """What the columns mean (`delta`: what it says of the --target's change, if shown), and
+    where the two models part (among every layer, shown or not)."""
+    first, threshold = d.first_divergent_layer, d.threshold
+    if first is None:
+        where = f"No layer diverges ({mean}KL ≤ {threshold:.3g} nats at every layer)"
+    elif first in {row.layer for row in d.layers}:
+        where = f"First divergent layer: {first}{MARK} ({mean}KL > {threshold:.3g} nats)"
+    else:
+        where = (
+            f"First divergent layer: {first} ({mean}KL > {threshold:.3g} nats), not among the "
+            "layers shown"
+        )
+    line = shown(
+        "KL in nats, each model's lens through its own decoder; residual KL: A's decoder on "
+        "B's residual stream (0 where the two streams are equal)",
+        style="dim",
     )
-    table = Sheet(title=shown(title, "table.title"))
-    logit = {row.layer: row for row in r.logit_layers or []}
-    names = ["KL (nats)", "entropy", "top-1 agrees"]
-    if logit:  # --compare-logit: the logit lens beside the tuned lens
-        names += ["logit KL", "logit top-1"]
-    targets = r.n_targets > 0
-    if targets:
-        names += ["p(target)", "log p(target)", "median rank"]
-    # with targets, the rank shown is the target's ("median rank"); without, the next token's
-    ranked = not targets and any(row.next_rank_median is not None for row in r.layers)
-    names += ["next rank"] if ranked else []
-    # Headers wrap at their spaces on a narrow terminal; the figures never do.
-    table.add_column("layer", justify="right", no_wrap=True)
-    for name in names:
-        table.add_column(name, justify="right")
-    for row in r.layers:
-        other = logit.get(row.layer)
-        cells = _cells(r, row, other, targets)
-        cells += [_num(row.next_rank_median, "g")] if ranked else []
-        table.add_row(*cells, end_section=row.layer == r.num_layers - 1)
-    line = f"KL(model's output ‖ lens) and the lens's entropy in nats, at {where} of each prompt"
-    if targets:
-        line += f"; target statistics over the {r.n_targets} prompts with a target"
-    if ranked:
-        line += "; next rank: the median rank by logit of the token after each position read"
-    if logit:
-        line += "; logit KL and logit top-1: the logit lens on the same prompts"
-    if r.n_skipped:
-        line += f"; {r.n_skipped} bad lines skipped"
-    return Group(table, Text(line + ".", style="dim"))
+    if delta is not None:
+        line.add("; ").add(delta)
+    return line.add(f". {where}.")
 
 
-def _cells(
-    r: LensSummaryReport, row: LensLayerStats, logit: LensLayerStats | None, targets: bool
-) -> list[str]:
-    """One layer's row: its label and statistics (the logit lens's beside, when compared)."""
-    label = f"{row.layer} emb" if row.layer == 0 else str(row.layer)
-    if row.layer == r.num_layers:
-        label = f"{row.layer} out"
-    cells = [label, f"{row.kl:.3f}", f"{row.entropy:.3f}", f"{row.top1_agreement:.1%}"]
-    if logit is not None:
-        cells += [f"{logit.kl:.3f}", f"{logit.top1_agreement:.1%}"]
-    if targets:
-        cells += [_num(row.target_prob, ".3g"), _num(row.target_logprob, ".3f")]
-        cells.append(_num(row.target_rank_median, "g"))
-    return cells
+def _checks(a: LensCheck | None, b: LensCheck) -> Text:
+    """Both self-checks on one line (B's alone without A's)."""
+
+    def one(name: str, c: LensCheck) -> str:
+        sign = "≤" if c.ok else ">"
+        verdict = (
+            "reproduces its logits" if c.ok else f"does NOT reproduce its logits ({c.suspect})"
+        )
+        return f"{name} {verdict} (max |Δ| = {c.max_abs_logit_diff:.2g} {sign} {c.tolerance:.0e})"
+
+    ok = (a is None or a.ok) and b.ok
+    line = Words().add("✓ " if ok else "✗ NOT FAITHFUL ", style="green" if ok else "bold red")
+    mine = "" if a is None else f"{one('A', a)}; "
+    return line.add(shown(f"self-check: {mine}{one('B', b)}."))
 
 
-def _positions(value: int | str | list[int]) -> str:
-    return ",".join(str(p) for p in value) if isinstance(value, list) else str(value)
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _with_sites(
+    r: LensReport | LensSummaryReport, pair: RenderableType, over: str = ""
+) -> RenderableType:
+    """The pair's tables (`pair`), then (with --site) its rows inside the blocks and where the
+    two models part (`over` many prompts: the means)."""
+    if r.sites is None:
+        return pair
+    assert r.site_diff is not None and r.diff is not None
+    title = f"Inside the blocks: {r.display_model} against {r.diff.against}{over}"
+    title += f" (sites {', '.join(r.sites)})"
+    names = (
+        ["site row", "site mean KL", "agrees"] if over else ["site row", "site KL", "site top-1"]
+    )
+    table = sheet(r, shown(title, "table.title"), names, r.site_diff)
+    mean = "mean " if over else ""
+    if r.parts_in is None:
+        line = f"No row inside the blocks parts past {mean}KL {r.diff.threshold:g} nats."
+    else:
+        where = f"row {r.parts_at}: {r.parts_in}"
+        line = f"The two first part at {where} ({mean}KL > {r.diff.threshold:g})."
+    parts: list[RenderableType] = [pair, table, Text(line, style="bold")]
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    return Group(*parts)
 
 
 register_view(LensReport, render)

@@ -19,7 +19,7 @@ from embedlens.reports.lens_text import (
     TextSitePairLayer,
 )
 from embedlens.views.format import Sheet, shown
-from embedlens.views.sites import row_label, sums_line
+from embedlens.views.lens import row_label, sums_line
 
 
 def _over(r: LensTextReport) -> str:
