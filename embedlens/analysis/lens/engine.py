@@ -19,7 +19,14 @@ from torch import nn
 
 from embedlens.analysis.lens.blocks import Decoder, ModelDecoder, capture, find_blocks, threads_for
 from embedlens.analysis.lens.options import LayerItem, resolve_layers
-from embedlens.analysis.lens.report import Check, Kept, LensResult, model_not_finite, not_finite
+from embedlens.analysis.lens.report import (
+    Check,
+    Kept,
+    LensResult,
+    check_decoded,
+    model_not_finite,
+    tolerance,
+)
 from embedlens.analysis.lens.stats import (
     Reference,
     Top,
@@ -28,7 +35,7 @@ from embedlens.analysis.lens.stats import (
     next_ids,
     tops_from_log_softmax,
 )
-from embedlens.errors import NumericError, UnsupportedError
+from embedlens.errors import UnsupportedError
 
 CHUNK_BYTES = 256 * 2**20
 """Logits decoded at once by `run_lens` (float32 bytes): rows are decoded in chunks of at most
@@ -45,14 +52,8 @@ Row = tuple[int, int]
 K = TypeVar("K")
 KL = dict[tuple[int, int], tuple[float, float]]
 """(layer, position) -> (KL of the model's output from the lens's, the lens's entropy)."""
-
-
-def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
-    """1e-3 in float32; in a 16-bit dtype, what its rounding allows at these logits' size."""
-    if dtype in (torch.float32, torch.float64):
-        return 1e-3
-    scale = max(1.0, float(logits.abs().max()))
-    return max(1e-3, 8 * torch.finfo(dtype).eps * scale)
+Rows = dict[int, torch.Tensor]
+"""Tensors by number: a residual stream's rows by layer ([N, d]), or logits by row ([V])."""
 
 
 def decoded(
@@ -232,6 +233,17 @@ class BatchLens:
         assert decoded is not None
         return decoded[0].result
 
+    def decode(self, item: BatchItem, residual: Rows, vocab: int, held: Rows) -> LensResult:
+        """One prompt's rows from a residual stream another source gives (layer -> [P, d]: a
+        states file), over `vocab` tokens, with no forward pass and no check: the last layer's
+        decoded rows stand for the model's output, but where `held` has it (row -> logits [V])."""
+        if self.decoder is None:
+            self.decoder = self._new_decoder(item.ids[0])
+        job = _Decode(self, [item], None, residual)
+        job.vocab, job.held = vocab, held
+        job.run(self.decoder, torch.device("cpu"))
+        return job.result(0, [], self.decoder.full, "").result
+
     def _run_group(self, items: list[BatchItem]) -> list[BatchOut]:
         n_tokens = sum(len(item.ids) for item in items)
         with torch.inference_mode(), threads_for(self.model, n_tokens):
@@ -309,16 +321,15 @@ class _Decode:
     position grid never holds more than one chunk of logits."""
 
     def __init__(
-        self,
-        lens: BatchLens,
-        items: list[BatchItem],
-        real: torch.Tensor,
-        residual: dict[int, torch.Tensor],
+        self, lens: BatchLens, items: list[BatchItem], real: torch.Tensor | None, residual: Rows
     ) -> None:
         self.lens = lens
         self.items = items
         self.real = real
-        """The model's own logits, [N, V]: row r is (prompt, position) number r of the batch."""
+        """The model's own logits, [N, V]: row r is (prompt, position) number r of the batch (None:
+        the last layer's decoded rows stand for them, `BatchLens.decode`)."""
+        self.vocab = 0 if real is None else int(real.shape[-1])
+        self.held: Rows = {}
         self.residual = residual
         """The captured residual stream, layer -> [N, d]."""
         self.where = [(b, p) for b, item in enumerate(items) for p in item.positions]
@@ -329,36 +340,41 @@ class _Decode:
         self.diff = [0.0] * len(items)
         self.agrees = [True] * len(items)
         self.top1: list[dict[int, int]] = [{} for _ in items]
-        self.tol = tolerance(next(lens.model.parameters()).dtype, real)
+        self.tol = 0.0 if real is None else tolerance(next(lens.model.parameters()).dtype, real)
         self.kept: list[Kept] = [Kept({}, {}, {}) for _ in items]
         self.other = _other_rows(items)
-        if not lens.exact:
+        if real is not None and not lens.exact:
             self.ref = Reference(real)
             """The model's own output at each row: KL is taken against it."""
 
     def run(self, decoder: Decoder, device: torch.device) -> None:
-        """Every row decoded and reduced; the last layer's rows are the model's own output."""
-        lens = self.lens
+        """Every row decoded and reduced; the last layer's rows are the model's own output (without
+        it, their decoding but where `held` has it)."""
+        lens, n = self.lens, self.lens.n_layers
         n_rows = range(len(self.where))
-        order = [(layer, r) for layer in lens.layers if layer != lens.n_layers for r in n_rows]
-        order += [(lens.n_layers, r) for r in n_rows]
-        vocab = int(self.real.shape[-1])
+        order = [(layer, r) for layer in lens.layers if layer != n for r in n_rows]
+        order += [(n, r) for r in n_rows if n in self.residual]
         chunk = CHUNK_BYTES if lens.exact else BATCH_CHUNK_BYTES
-        for part, out in decoded(decoder, self.residual, order, chunk, vocab, device):
+        final: Rows = {}
+        for part, out in decoded(decoder, self.residual, order, chunk, self.vocab, device):
             check_decoded(out, part, lambda r: self.where[r][1])
             if lens.keep:
                 self._keep(decoder, part, out, device)
+            if self.real is None:  # the decoded rows stand for the model's output
+                final.update((r, out[i]) for i, (layer, r) in enumerate(part) if layer == n)
             self._check(part, out)
             self._take(part, out)
-        if lens.exact and lens.n_layers not in lens.layers:
+        if self.real is None and len(final) == len(self.where):
+            self.real = torch.stack([self.held.get(r, final[r]) for r in n_rows])
+        if self.real is None or (lens.exact and n not in lens.layers):
             return
         tops = self._tops(self.where, self.real, None if lens.exact else self.ref.log)
         for r, ((b, p), top) in enumerate(zip(self.where, tops, strict=True)):
             self.top1[b][p] = top.ids[0]
-            if lens.n_layers in lens.layers:
-                self.rows[b][(lens.n_layers, p)] = top
+            if n in lens.layers:
+                self.rows[b][(n, p)] = top
                 if not lens.exact:
-                    self.kl[b][(lens.n_layers, p)] = (0.0, -float(self.ref.negent[r]))
+                    self.kl[b][(n, p)] = (0.0, -float(self.ref.negent[r]))
 
     def _full(self, b: int, p: int) -> bool:
         """Whether prompt b's rows at position p hold the top-k (the position read)."""
@@ -382,7 +398,7 @@ class _Decode:
     def _check(self, part: list[Row], out: torch.Tensor) -> None:
         """The self-check: the last block's rows decoded against the model's own logits."""
         last = [i for i, (layer, _) in enumerate(part) if layer == self.lens.n_layers]
-        if not last:
+        if not last or self.real is None:
             return
         refs = [part[i][1] for i in last]
         mine, theirs = out[last], self.real[refs].to(out.device)
@@ -419,7 +435,7 @@ class _Decode:
         """The ranking of each (prompt, position) row: the top-k at its prompt's position read,
         the top-1 elsewhere (in a batch with the target, from `lx`, the rows' log_softmax; one
         prompt's other cells without: `stats.exact_top1`)."""
-        k, vocab = self.lens.k, min(self.lens.real_vocab, int(self.real.shape[-1]))
+        k, vocab = self.lens.k, min(self.lens.real_vocab, self.vocab)
         full = [j for j, (b, p) in enumerate(where) if self._full(b, p)]
         nexts = [next_ids(self.items[b].ids, [p])[0] for b, p in where]
         targets = [self.items[b].target for b, _ in where]
@@ -458,7 +474,7 @@ class _Decode:
             kept = Kept(self.kept[b].logits, self.kept[b].other, residual)
         result = LensResult(
             num_layers=lens.n_layers,
-            vocab_size=int(self.real.shape[-1]),
+            vocab_size=self.vocab,
             real_vocab=lens.real_vocab,
             positions=list(self.items[b].positions),
             layers=lens.layers,
@@ -466,7 +482,7 @@ class _Decode:
             check=Check(self.diff[b], self.tol, self.agrees[b], None if ok else suspect),
             steps=steps,
             full_tail=full,
-            output=rows_of(self.real),
+            output=None if self.real is None else rows_of(self.real),
             kept=kept,
         )
         return BatchOut(result, self.kl[b], self.top1[b])
@@ -479,20 +495,3 @@ def _other_rows(items: list[BatchItem]) -> dict[int, torch.Tensor] | None:
         return None
     layers = items[0].other or {}
     return {layer: torch.cat([(item.other or {})[layer] for item in items]) for layer in layers}
-
-
-def check_decoded(out: torch.Tensor, part: list[Row], position: Callable[[int], int]) -> None:
-    """Refuse a decoded row that is not finite (the model's own logits were finite); `position`
-    gives the prompt position of a capture row."""
-    if bool(out.sum(-1).isfinite().all()):  # a NaN or an infinity makes its row's sum one
-        return
-    bad = ~out.isfinite().all(-1)  # a sum of finite logits may overflow: look at each
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        layer, r = part[i]
-        raise NumericError(
-            f"decoding layer {layer} at position {position(r)} through the model's final steps "
-            f"gives {not_finite(out[i])} logits, though the model's own logits are finite: the "
-            "lens cannot be read there",
-            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
-        )

@@ -1,6 +1,6 @@
 """A lens run's result (`LensResult`: its rows, its self-check, what a comparison keeps), the
-refusal of a model whose own logits are not finite, and a result as the `LensReport` users get
-(`lens_report`, `one_report`): tokens as text, rows, grid, check."""
+refusal of a model whose own logits (or a decoded row) are not finite, and a result as the
+`LensReport` users get (`lens_report`, `one_report`): tokens as text, rows, grid, check."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ class Check:
     def ok(self) -> bool:
         """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
         return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
+
+
+def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
+    """The check's tolerance: 1e-3 in float32; in a 16-bit dtype, what its rounding allows at
+    these logits' size."""
+    import torch
+
+    if dtype in (torch.float32, torch.float64):
+        return 1e-3
+    scale = max(1.0, float(logits.abs().max()))
+    return max(1e-3, 8 * torch.finfo(dtype).eps * scale)
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,25 @@ def _hint(model: nn.Module) -> str:
     if next(model.parameters()).dtype in (torch.float16, torch.bfloat16):
         return "a 16-bit dtype can overflow: try --dtype float32"
     return "check the weights: a NaN or infinity in a tensor spreads to everything after it"
+
+
+def check_decoded(
+    out: torch.Tensor, part: list[tuple[int, int]], position: Callable[[int], int]
+) -> None:
+    """Refuse a decoded row that is not finite (the model's own logits were finite); `position`
+    gives the prompt position of a capture row."""
+    if bool(out.sum(-1).isfinite().all()):  # a NaN or an infinity makes its row's sum one
+        return
+    bad = ~out.isfinite().all(-1)  # a sum of finite logits may overflow: look at each
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        layer, r = part[i]
+        raise NumericError(
+            f"decoding layer {layer} at position {position(r)} through the model's final steps "
+            f"gives {not_finite(out[i])} logits, though the model's own logits are finite: the "
+            "lens cannot be read there",
+            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
+        )
 
 
 def lens_report(

@@ -1,7 +1,8 @@
 """`lens_states`: the lens on hidden states an inference engine (or `lens --save-states`) wrote,
 decoded with the model's final norm, head and post-head steps alone (`decoders.open_tail`): its
-blocks are never read. The rows are decoded in the engine's chunks and reduced by its ranking,
-and the report is the one `lens` builds, so the same states give the same figures."""
+blocks are never read. The rows go through the engine's decoding and ranking
+(`BatchLens.decode`), and the report is the one `lens` builds, so the same states give the same
+figures."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
-from embedlens.analysis.lens.report import Check, Kept, LensResult
+from embedlens.analysis.lens.report import Check, LensResult
 from embedlens.analysis.lens.tuned_folder import config_size, fits_tuned, head_weight, open_folder
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from embedlens.analysis.lens.blocks import Decoder
-    from embedlens.analysis.lens.decoders import Tail
+    from embedlens.analysis.lens.decoders import Tail, Through
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.states_file import StatesFile
@@ -138,7 +139,7 @@ def _run_on(
     is freed), and A's states are decoded beside B's residual, as `against.lens_pair` runs A."""
     import torch
 
-    from embedlens.analysis.lens.decoders import open_tail
+    from embedlens.analysis.lens.decoders import open_tail, tuned_through
     from embedlens.model import file_tokens, loading
 
     lens_dir, sites, pair = parts
@@ -158,12 +159,13 @@ def _run_on(
         b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
     dtype = torch.float32 if load.dtype == "auto" else loading.torch_dtype(load.dtype)
     tail = open_tail(source, dtype, trust_remote_code=trust)
-    decoder, tuned = _decoder(tail, tokenizer, run.ids, lens_dir)
+    through = None if lens_dir is None else tuned_through(lens_dir, tail.model, tokenizer)
     decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
-    result = _decode(tail, decoder, file, decoding, run, ask, len(tokenizer), other)
+    result, decoder = _decode(tail, through, file, decoding, run, ask, len(tokenizer), other)
     made = (name, tokenizer, tail, decoder, run, ask)
     report = _composed(made, result, file, shown, sites, b, pair)
+    tuned = None if through is None else through.described
     return _states_report(report, file, tail, result.check, tuned)
 
 
@@ -263,103 +265,45 @@ def _shown(ask: checks.Ask, n_layers: int, file: StatesFile) -> list[int]:
     return shown
 
 
-def _decoder(
-    tail: Tail, tokenizer: Any, ids: list[int], lens_dir: LensFolder | None
-) -> tuple[Decoder, TunedLens | None]:
-    """The model's own decoder on the tail, or a tuned lens's built on it."""
-    from embedlens.analysis.lens.blocks import ModelDecoder
-
-    own = ModelDecoder(tail.model, tail.blocks, dummy_id=int(ids[0]))
-    if lens_dir is None:
-        return own, None
-    from embedlens.analysis.lens.decoders import tuned_through
-
-    through = tuned_through(lens_dir, tail.model, tokenizer)
-    return through.wrap(own), through.described
-
-
 def _decode(
     tail: Tail,
-    decoder: Decoder,
+    through: Through | None,
     file: StatesFile,
     shown: list[int],
     run: Prompt,
     ask: checks.Ask,
     real_vocab: int,
     other: dict[int, torch.Tensor] | None = None,
-) -> LensResult:
-    """Every (layer, position) shown decoded in the engine's chunks and reduced by its ranking
-    as each chunk comes (at every position with a grid, else at the one read); the last layer at
-    the last position is the model's own logits when the file holds them (as `lens` shows them).
-    `other`: B's residual, kept beside (`_checked`)."""
+) -> tuple[LensResult, Decoder]:
+    """Every (layer, position) shown decoded by the model's own decoder on the tail (or the tuned
+    lens's `through` builds on it) and reduced by the engine (`BatchLens.decode`), at every
+    position with a grid, else at the one read; the last layer's rows stand for the model's
+    output, but at the last position where the file holds the model's own logits (as `lens` shows
+    them). `other`: B's residual, decoded beside (`Kept`). The result, and the decoder."""
     import torch
 
     from embedlens.analysis.lens.blocks import threads_for
-    from embedlens.analysis.lens.engine import CHUNK_BYTES, decoded
+    from embedlens.analysis.lens.engine import BatchItem, BatchLens
 
-    n_layers = len(tail.blocks.modules)
-    last = file.n_tokens - 1
-    own = file.logits()
+    n_layers, last, own = len(tail.blocks.modules), file.n_tokens - 1, file.logits()
     positions = list(range(len(run.ids))) if ask.grid else [run.index]
     wanted = sorted(set(shown) | ({n_layers} & set(file.layers)))
     residual = {layer: file.finite_rows(layer, positions) for layer in wanted}
-    vocab = _vocab(tail, own)
-    order = [(layer, j) for layer in wanted for j in range(len(positions))]
-    rows: dict[tuple[int, int], Any] = {}
-    final: dict[int, torch.Tensor] = {}
-    own_row = None if own is None else (n_layers, last)
-    keeping = None if other is None else (Kept({}, {}, {}), other, decoder, run.index)
+    held = {}
+    if own is not None and n_layers in shown and last in positions:
+        held = {positions.index(last): own}
+    keep = other is not None
+    wrap = None if through is None else through.wrap
+    lens = BatchLens(tail.model, shown, ask.top_k, real_vocab, keep, wrap, exact=True)
+    item = BatchItem(run.ids, positions, run.target_id, run.index, other)
     with torch.inference_mode(), threads_for(tail.model, len(positions)):
-        for part, out in decoded(decoder, residual, order, CHUNK_BYTES, vocab, torch.device("cpu")):
-            where = _checked(out, part, positions, keeping)
-            final.update((p, out[i]) for i, (layer, p) in enumerate(where) if layer == n_layers)
-            keep = [i for i, w in enumerate(where) if w[0] in shown and w != own_row]
-            if keep:
-                rows.update(_reduce([where[i] for i in keep], out[keep], run, ask, real_vocab))
-        if own is not None and n_layers in shown and last in positions:
-            final[last] = own
-            rows.update(_reduce([(n_layers, last)], own[None], run, ask, real_vocab))
+        result = lens.decode(item, residual, _vocab(tail, own), held)
+        decoder = lens.decoder
+        assert decoder is not None
         check = _check(file, tail, decoder, own)
         first = residual[n_layers if n_layers in residual else wanted[0]][0]
         steps = decoder.steps(first, check.tolerance)
-    output = torch.stack([final[p] for p in positions]) if len(final) == len(positions) else None
-    return LensResult(
-        num_layers=n_layers,
-        vocab_size=vocab,
-        real_vocab=real_vocab,
-        positions=positions,
-        layers=shown,
-        rows=rows,
-        check=check,
-        steps=steps,
-        full_tail=decoder.full,
-        output=output,
-        kept=None if keeping is None else keeping[0],
-    )
-
-
-def _checked(
-    out: torch.Tensor,
-    part: list[tuple[int, int]],
-    positions: list[int],
-    keeping: tuple[Kept, dict[int, torch.Tensor], Decoder, int] | None,
-) -> list[tuple[int, int]]:
-    """A decoded chunk's (layer, position) rows, refused when one is not finite; with `keeping`
-    (what the result keeps, B's residual, the decoder, the position read) the rows at that
-    position kept, and B's through the same decoder in the same chunk (the engine's `keep`)."""
-    import torch
-
-    from embedlens.analysis.lens.engine import check_decoded, kept_rows
-
-    check_decoded(out, part, lambda j: positions[j])
-    where = [(layer, positions[j]) for layer, j in part]
-    if keeping is not None:
-        kept, other, decoder, index = keeping
-        keys = [w if w[1] == index else None for w in where]
-        mine, theirs = kept_rows(decoder, part, out, keys, other, torch.device("cpu"))
-        kept.logits.update(mine)
-        kept.other.update(theirs)
-    return where
+    return dataclasses.replace(result, layers=shown, check=check, steps=steps), decoder
 
 
 def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
@@ -373,29 +317,6 @@ def _vocab(tail: Tail, own: torch.Tensor | None) -> int:
     return int(config.vocab_size)
 
 
-def _reduce(
-    where: list[tuple[int, int]],
-    logits: torch.Tensor,
-    run: Prompt,
-    ask: checks.Ask,
-    real_vocab: int,
-) -> dict[tuple[int, int], Any]:
-    """Each (layer, position) row reduced as the engine reduces it: to its top-k and target at
-    the position read, to its top-1 elsewhere (a grid's cells)."""
-    from embedlens.analysis.lens.stats import exact_top1, exact_tops, next_ids
-
-    vocab = min(real_vocab, int(logits.shape[-1]))
-    full = [i for i, (_, p) in enumerate(where) if p == run.index]
-    target, nexts = run.target_id, next_ids(run.ids, [p for _, p in where])
-    if len(full) == len(where):
-        return dict(zip(where, exact_tops(logits, ask.top_k, vocab, target, nexts), strict=True))
-    out: dict[tuple[int, int], Any] = dict(zip(where, exact_top1(logits, vocab), strict=True))
-    if full:
-        tops = exact_tops(logits[full], ask.top_k, vocab, target, [nexts[i] for i in full])
-        out.update(zip([where[i] for i in full], tops, strict=True))
-    return out
-
-
 def _check(file: StatesFile, tail: Tail, decoder: Decoder, own: torch.Tensor | None) -> Check:
     """The decoding of the last layer at the last position against the model's own logits when
     the file holds both; else a check not made (NaN). Its tolerance: the coarser of the
@@ -403,7 +324,7 @@ def _check(file: StatesFile, tail: Tail, decoder: Decoder, own: torch.Tensor | N
     bfloat16's rounding)."""
     import torch
 
-    from embedlens.analysis.lens.engine import tolerance
+    from embedlens.analysis.lens.report import tolerance
 
     held = (next(tail.model.parameters()).dtype, getattr(torch, file.dtype))
     dtype = max(held, key=lambda d: torch.finfo(d).eps)
