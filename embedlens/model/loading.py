@@ -228,18 +228,10 @@ def _built(
     what = "reading the config" if name == "config.json" else "loading the tokenizer"
     with reading(source, what):
         if name == "tokenizer.json":
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(
-                where, trust_remote_code=trust_remote_code, **kwargs
-            )
+            return _from_pretrained("AutoTokenizer", where, trust_remote_code, kwargs)
         config = None if source.is_gguf else direct.read_config(Path(where))
         if config is None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(
-                where, trust_remote_code=trust_remote_code, **kwargs
-            )
+            config = _from_pretrained("AutoConfig", where, trust_remote_code, kwargs)
         return config
 
 
@@ -381,7 +373,9 @@ def load_model(
             # converts none: it leaves a checkpoint to convert to from_pretrained)
             named = nullcontext() if folder is None else conversion_errors_named(source)
             with named:
-                loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
+                loaded = _from_pretrained(
+                    "AutoModelForCausalLM", where, trust_remote_code, {**kwargs, **options}
+                )
         model, info = loaded
     extra = check_loaded(source, model, info)
     if notes is not None:
@@ -392,19 +386,16 @@ def load_model(
     return model
 
 
-def _from_pretrained(where: str, trust_remote_code: bool, options: dict[str, Any]) -> Any:
-    """(model, loading info) from transformers' `from_pretrained`. Mismatched shapes come back in
-    the loading info (and are refused by `check_loaded`) instead of stopping transformers with a
-    pointer to a report it does not show."""
-    from transformers import AutoModelForCausalLM
+def _from_pretrained(
+    auto: str, where: str, trust_remote_code: bool, options: dict[str, Any]
+) -> Any:
+    """What transformers' `auto` class (AutoConfig, AutoTokenizer, AutoModelForCausalLM) reads
+    from `where` (`from_pretrained`, with these keyword arguments): the one call into it of
+    every read of a source's config, tokenizer or model."""
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(
-        where,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=None,
-        output_loading_info=True,
-        ignore_mismatched_sizes=True,
-        **options,
+    return getattr(transformers, auto).from_pretrained(
+        where, trust_remote_code=trust_remote_code, **options
     )
 
 
@@ -415,8 +406,15 @@ def _load_options(
     max_memory: dict[Any, int | str] | None,
     offload_folder: str | None,
 ) -> dict[str, Any]:
-    """from_pretrained's keyword arguments for these loading options."""
-    options: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    """from_pretrained's keyword arguments for these loading options. Mismatched shapes come
+    back in the loading info (and are refused by `check_loaded`) instead of stopping
+    transformers with a pointer to a report it does not show."""
+    options: dict[str, Any] = {
+        "use_safetensors": None,
+        "output_loading_info": True,
+        "ignore_mismatched_sizes": True,
+        "dtype": torch_dtype(dtype),
+    }
     if config is not None:
         options["config"] = config
     if device_map is not None:
