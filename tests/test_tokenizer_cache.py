@@ -27,13 +27,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record each whole build of a GGUF tokenizer (calling through)."""
     built: list[str] = []
-    real = tokenizer._build_gguf_tokenizer
+    real = tokenizer.build_gguf_tokenizer
 
     def counted(*args: Any) -> Any:
         built.append("built")
         return real(*args)
 
-    monkeypatch.setattr(tokenizer, "_build_gguf_tokenizer", counted)
+    monkeypatch.setattr(tokenizer, "build_gguf_tokenizer", counted)
     return built
 
 

@@ -164,7 +164,7 @@ class WordReader:
         return dict(sorted(found.items(), key=lambda item: item[1]))
 
     def _build(self, pieces: dict[str, int]) -> Tokenizer:
-        """The whole build's tokenizer (tokenizer._build_gguf_tokenizer) over these pieces."""
+        """The whole build's tokenizer (tokens.build_gguf_tokenizer) over these pieces."""
         meta = self.meta
         merges = self._merges(pieces)
         if self.byte_level:

@@ -25,7 +25,6 @@ from embedlens.model import tokenizer_cache
 from embedlens.model.gguf_vocab import (
     CONTROL,
     STRING,
-    GGUFTokenizer,
     check_merges,
     checked_tokenizer,
     corrupt,
@@ -37,10 +36,9 @@ from embedlens.model.gguf_vocab import (
 )
 from embedlens.model.tokens import (
     add_gguf_tokens,
+    build_gguf_tokenizer,
     byte_alphabet_spelling,
-    byte_level_tokenizer,
     partial_tokenizer,
-    sentencepiece_tokenizer,
     token_text,
 )
 from embedlens.text import error_line
@@ -238,38 +236,12 @@ def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     kind, tokens, types = meta.kind, meta.tokens, meta.types
     spelled = byte_alphabet_spelling(tokens) if kind == "gpt2" else tokens
     tok = tokenizer_cache.kept(
-        header, functools.partial(_build_gguf_tokenizer, header, meta, spelled)
+        header, functools.partial(build_gguf_tokenizer, header, meta, spelled)
     )
     unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == CONTROL}
     vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, pieces=stored_pieces(spelled, vocab.size))
-
-
-def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list[str]) -> Tokenizer:
-    """The tokenizer of a GGUF vocabulary ('gpt2' or 'llama'), built from its arrays; a
-    CheckpointError when the Rust side finds them inconsistent."""
-    try:
-        if meta.kind == "gpt2":
-            assert meta.merges is not None, "vocab_from_gguf checks that it has merges"
-            tok = byte_level_tokenizer(
-                first_ids(spelled), meta.merges, header.metadata.get("tokenizer.ggml.pre")
-            )
-        else:
-            add_space = header.metadata.get("tokenizer.ggml.add_space_prefix", True)
-            scores = (
-                None if meta.scores is None else dict(zip(meta.tokens, meta.scores, strict=False))
-            )
-            vocab = first_ids(meta.tokens)
-            tok = sentencepiece_tokenizer(vocab, meta.merges, scores, add_space=bool(add_space))
-        add_gguf_tokens(tok, meta.tokens, meta.types, byte_level=meta.kind == "gpt2")
-    except (UnsupportedError, CheckpointError):
-        raise
-    except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
-        raise CheckpointError(
-            f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
-        ) from e
-    return tok
 
 
 def stored_pieces(spelled: list[str], size: int) -> tuple[str | None, ...]:
