@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from embedlens.io.gguf import read_gguf_header
-from embedlens.model import gguf_vocab, tokenizer, tokenizer_cache
+from embedlens.model import gguf_cache, gguf_vocab, tokenizer
 from embedlens.model.tokenizer import Vocab, vocab_from_gguf
 from tests.gemma_vocab import WORDS, gemma_like_vocab, write_gemma_like_gguf
 from tests.test_vocab import _write_gguf
@@ -118,7 +118,7 @@ def test_an_unwritable_cache_is_left_alone(tmp_path, monkeypatch, cli):
 
 def test_default_folder_is_under_hf_home(monkeypatch, hf_home):
     monkeypatch.delenv("EMBEDLENS_CACHE", raising=False)
-    assert tokenizer_cache.cache_dir() == hf_home / "embedlens" / "tokenizers"
+    assert gguf_cache.cache_dir() == hf_home / "embedlens" / "tokenizers"
 
 
 def test_byte_level_vocabulary_is_kept_alike(tmp_path, cache, monkeypatch):

@@ -7,7 +7,7 @@ which are special. The `tokenizers` library does all three in a fraction of the 
 takes to import. A GGUF file carries its vocabulary as metadata (read and checked in
 `gguf_vocab`): byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) vocabularies are rebuilt
 (`tokens`) the way transformers rebuilds them, and kept built in embedlens' cache
-(tokenizer_cache): a 262k-piece vocabulary takes seconds to rebuild.
+(gguf_cache): a 262k-piece vocabulary takes seconds to rebuild.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
 from embedlens.io.source import ModelSource
-from embedlens.model import tokenizer_cache
+from embedlens.model import gguf_cache
 from embedlens.model.gguf_vocab import (
     CONTROL,
     STRING,
@@ -231,11 +231,11 @@ def vocab_from_tokenizer(tok: Tokenizer, origin: str) -> Vocab:
 
 def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE), or load
-    the one built before from the same metadata (tokenizer_cache)."""
+    the one built before from the same metadata (`gguf_cache.kept_tokenizer`)."""
     meta = checked_tokenizer(header)
     kind, tokens, types = meta.kind, meta.tokens, meta.types
     spelled = byte_alphabet_spelling(tokens) if kind == "gpt2" else tokens
-    tok = tokenizer_cache.kept(
+    tok = gguf_cache.kept_tokenizer(
         header, functools.partial(build_gguf_tokenizer, header, meta, spelled)
     )
     unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
