@@ -3,9 +3,9 @@
 Each takes the source's files as read once (`files.ModelFiles`: headers and config, checked by
 embedlens before transformers reads them). Everything here imports torch and transformers inside
 its functions, so importing this module is free; errors from transformers are translated into
-embedlens errors at this boundary (`load_errors`). Python's cyclic garbage collector is held back
-while a load runs (`fewer_collections`, `no_collections`): the objects it makes live as long as
-the process.
+embedlens errors at this boundary (`reading`, `load_errors`). Python's cyclic garbage collector
+is held back while a load runs (`fewer_collections`, `no_collections`): the objects it makes live
+as long as the process.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from embedlens.compat.transformers import direct, import_scan
+from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -29,12 +30,7 @@ from embedlens.errors import (
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_cache, preflight
 from embedlens.model.files import ModelFiles, check_source
-from embedlens.model.load_errors import (
-    check_loaded,
-    conversion_errors_named,
-    reading,
-    translated,
-)
+from embedlens.model.load_errors import check_loaded, conversion_errors_named, translated
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
@@ -135,6 +131,15 @@ def reads_files(
         return func(files, *args, **kwargs)
 
     return wrapper
+
+
+@contextmanager
+def reading(source: ModelSource, what: str, *, weights: bool = False) -> Iterator[None]:
+    """While transformers reads `source` (`what`, for messages): its errors `translated` (with
+    `weights`, the weights it could not convert named), a GGUF file parsed once however often it
+    is read (`gguf_reads_shared`)."""
+    with translated(source, what, weights=weights), gguf_reads_shared(source):
+        yield
 
 
 @contextmanager
