@@ -45,7 +45,7 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     meta = gv.checked_tokenizer(header)
     byte_level = meta.kind == "gpt2"
     spelled = tb.byte_alphabet_spelling(meta.tokens) if byte_level else meta.tokens
-    first = gv.first_ids(spelled)
+    first = tb.first_ids(spelled)
     if meta.merges is not None and not _merges_hold(meta.merges, first):
         return tk.vocab_from_gguf(header)  # the whole tokenizer's own error, or its answer
     reader = WordReader(header, meta, spelled, first, byte_level)

@@ -28,7 +28,6 @@ from embedlens.model.gguf_vocab import (
     check_merges,
     checked_tokenizer,
     corrupt,
-    first_ids,
     gguf_kind,
     not_strings,
     numbers_at,
@@ -38,6 +37,7 @@ from embedlens.model.tokens import (
     add_gguf_tokens,
     build_gguf_tokenizer,
     byte_alphabet_spelling,
+    first_ids,
     partial_tokenizer,
     token_text,
 )

@@ -16,7 +16,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from embedlens.errors import CheckpointError, UnsupportedError
-from embedlens.model.gguf_vocab import CONTROL, USER_DEFINED, GGUFTokenizer, first_ids
+from embedlens.model.gguf_vocab import CONTROL, USER_DEFINED, GGUFTokenizer
 from embedlens.text import error_line
 
 if TYPE_CHECKING:
@@ -180,6 +180,11 @@ _GGUF_SPLITS = {
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
+
+
+def first_ids(tokens: list[str]) -> dict[str, int]:
+    """Each entry's first id (a repeated entry's later ids lose), built at C speed."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
 
 
 def build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list[str]) -> Tokenizer:
