@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from embedlens.io.gguf import read_gguf_header
-from embedlens.model import gguf_vocab, tokenizer, tokenizer_cache
+from embedlens.model import gguf_cache, gguf_vocab, tokenizer
 from embedlens.model.tokenizer import Vocab, vocab_from_gguf
 from tests.gemma_vocab import WORDS, gemma_like_vocab, write_gemma_like_gguf
 from tests.test_vocab import _write_gguf
@@ -27,13 +27,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record each whole build of a GGUF tokenizer (calling through)."""
     built: list[str] = []
-    real = tokenizer._build_gguf_tokenizer
+    real = tokenizer.build_gguf_tokenizer
 
     def counted(*args: Any) -> Any:
         built.append("built")
         return real(*args)
 
-    monkeypatch.setattr(tokenizer, "_build_gguf_tokenizer", counted)
+    monkeypatch.setattr(tokenizer, "build_gguf_tokenizer", counted)
     return built
 
 
@@ -118,7 +118,7 @@ def test_an_unwritable_cache_is_left_alone(tmp_path, monkeypatch, cli):
 
 def test_default_folder_is_under_hf_home(monkeypatch, hf_home):
     monkeypatch.delenv("EMBEDLENS_CACHE", raising=False)
-    assert tokenizer_cache.cache_dir() == hf_home / "embedlens" / "tokenizers"
+    assert gguf_cache.cache_dir() == hf_home / "embedlens" / "tokenizers"
 
 
 def test_byte_level_vocabulary_is_kept_alike(tmp_path, cache, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 
 import embedlens
 from embedlens.analysis.vocab import facts as vocab_facts
-from embedlens.model import tokenizer, tokenizer_cache
+from embedlens.model import gguf_cache, tokenizer
 from tests.gemma_vocab import gemma_like_vocab
 from tests.test_vocab import _write_gguf
 from tests.test_vocab_command import _bpe_gguf
@@ -36,7 +36,7 @@ def _tokenizer_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return call
 
     monkeypatch.setattr(tokenizer, "vocab_from_gguf", counted("built", tokenizer.vocab_from_gguf))
-    monkeypatch.setattr(tokenizer_cache, "load", counted("loaded", tokenizer_cache.load))
+    monkeypatch.setattr(gguf_cache, "load_tokenizer", counted("loaded", gguf_cache.load_tokenizer))
     monkeypatch.setattr(
         vocab_facts, "find_unreachable", counted("searched", vocab_facts.find_unreachable)
     )

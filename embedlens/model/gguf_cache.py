@@ -1,16 +1,29 @@
-"""transformers' own reading of a GGUF file's config and tokenizer, kept in embedlens' cache.
+"""What embedlens keeps of a GGUF file in its cache: the tokenizers it rebuilds from the file's
+metadata, and transformers' own reading of the file's config and tokenizer. The cache is an
+optimisation only: a missing, unreadable or damaged entry is built again, a cache that cannot be
+written is left alone.
 
-transformers builds both from the file's metadata through gguf's reader, which parses every field
-in Python on every run (seconds for a 49k-token vocabulary). What it built is kept under
-`$EMBEDLENS_CACHE/gguf` (default `$HF_HOME/embedlens/gguf`), one folder per file, named by a
-SHA-256 of the file's bytes before its tensor data (every metadata field and the tensor table, as
-stored), the transformers, tokenizers and gguf versions and this module's format: an entry is
-what this release built from those bytes, and another file or release gets another name. The
-config is kept as `save_pretrained` writes it and read back with `AutoConfig`, the tokenizer
-likewise and read back by the class that built it; each is kept only once it reads back the same
-(a release whose tokenizer does not survive `save_pretrained`, as 5.0's SmolLM2 tokenizer, keeps a
-marker instead and builds it every time). A missing or unreadable entry is rebuilt, a cache that
-cannot be written is left alone; `EMBEDLENS_PLAIN=1` neither reads nor writes it.
+Tokenizers rebuilt by embedlens (`kept_tokenizer`): rebuilding a SentencePiece vocabulary of
+262,144 scored pieces (Gemma 3) takes seconds, most of them spent deriving its merges from the
+scores; loading the built tokenizer back takes a fraction of that. Each one is kept under
+`$EMBEDLENS_CACHE/tokenizers` (default `$HF_HOME/embedlens/tokenizers`), named by a SHA-256 of
+everything it is built from: the file's `tokenizer.ggml.*` metadata as stored (arrays as their raw
+bytes), the format number and the `tokenizers` version. A file whose tokenizer changes gets a new
+name, so an entry never outlives what it was built from; a file that changes elsewhere (its
+weights) keeps its entry, which still holds. What is derived from a tokenizer alone
+(analysis.vocab.facts) is kept beside it under the same key (`store_bytes`).
+
+transformers' reading (`kept`): transformers builds the config and tokenizer from the file's
+metadata through gguf's reader, which parses every field in Python on every run (seconds for a
+49k-token vocabulary). What it built is kept under `$EMBEDLENS_CACHE/gguf` (default
+`$HF_HOME/embedlens/gguf`), one folder per file, named by a SHA-256 of the file's bytes before its
+tensor data (every metadata field and the tensor table, as stored), the transformers, tokenizers
+and gguf versions and the format: an entry is what this release built from those bytes, and
+another file or release gets another name. The config is kept as `save_pretrained` writes it and
+read back with `AutoConfig`, the tokenizer likewise and read back by the class that built it; each
+is kept only once it reads back the same (a release whose tokenizer does not survive
+`save_pretrained`, as 5.0's SmolLM2 tokenizer, keeps a marker instead and builds it every time).
+`EMBEDLENS_PLAIN=1` neither reads nor writes it.
 """
 
 from __future__ import annotations
@@ -21,15 +34,134 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from embedlens.io.gguf import GGUFHeader
+from embedlens.io.gguf import GGUFHeader, LazyArray
 from embedlens.io.source import ModelSource
 from embedlens.model.files import files_of
-from embedlens.model.tokenizer_cache import cache_folder, hash_span
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+TOKENIZER_FORMAT = 1
+"""Raise when vocab_from_gguf builds a different tokenizer from the same metadata."""
+_CHUNK = 1 << 20
+
+
+def cache_folder(name: str) -> Path:
+    """A folder of embedlens' cache: $EMBEDLENS_CACHE/NAME, else $HF_HOME/embedlens/NAME."""
+    own = os.environ.get("EMBEDLENS_CACHE", "").strip()
+    if own:
+        return Path(own).expanduser() / name
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "embedlens" / name
+
+
+class _Digest(Protocol):
+    """What `hash_span` asks of a hashlib object (typeshed's name for it is private)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+
+def hash_span(digest: _Digest, path: Path, start: int, end: int) -> None:
+    """Feed the bytes [start, end) of a file to `digest`, a chunk at a time."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        left = end - start
+        while left > 0:
+            chunk = fh.read(min(left, _CHUNK))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+
+
+def cache_dir() -> Path:
+    """The folder of kept tokenizers: $EMBEDLENS_CACHE/tokenizers, else
+    $HF_HOME/embedlens/tokenizers."""
+    return cache_folder("tokenizers")
+
+
+def tokenizer_key(header: GGUFHeader) -> str:
+    """SHA-256 of the tokenizer metadata (key, type and bytes of each `tokenizer.ggml.*`
+    value), the cache format and the tokenizers version."""
+    import tokenizers
+
+    digest = hashlib.sha256(
+        f"embedlens-gguf-tokenizer {TOKENIZER_FORMAT} {tokenizers.__version__}".encode()
+    )
+    for key in sorted(k for k in header.metadata if k.startswith("tokenizer.ggml.")):
+        value = header.metadata[key]
+        digest.update(b"\0" + key.encode("utf-8", "surrogateescape") + b"\0")
+        if isinstance(value, LazyArray):
+            digest.update(f"array {value.item_type} {value.count}\0".encode())
+            hash_span(digest, value.path, value.start, value.end)
+        else:
+            digest.update(f"{type(value).__name__} {value!r}".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def load_tokenizer(key: str) -> Tokenizer | None:
+    """The kept tokenizer of this key, or None when there is none or it cannot be read."""
+    path = cache_dir() / f"{key}.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception:  # a damaged entry (the Rust side raises a bare Exception): rebuild
+        return None
+
+
+def kept_tokenizer(header: GGUFHeader, build: Callable[[], Tokenizer]) -> Tokenizer:
+    """The tokenizer of a GGUF file's metadata as kept (`load_tokenizer`), else `build()` and
+    kept (`store_tokenizer`)."""
+    key = tokenizer_key(header)
+    tok = load_tokenizer(key)
+    if tok is None:
+        tok = build()
+        store_tokenizer(key, tok)
+    return tok
+
+
+def store_tokenizer(key: str, tok: Tokenizer) -> None:
+    """Keep a built tokenizer under its key: written to a temporary name, then renamed into
+    place, so a reader never sees half a file; nothing happens when the cache is not writable."""
+    _write(f"{key}.json", lambda path: tok.save(str(path), pretty=False))
+
+
+def load_bytes(name: str) -> bytes | None:
+    """What is kept under `name` beside the tokenizers (facts derived from one), or None when
+    there is nothing or it cannot be read."""
+    try:
+        return (cache_dir() / name).read_bytes()
+    except OSError:
+        return None
+
+
+def store_bytes(name: str, data: bytes) -> None:
+    """Keep `data` under `name`, as `store_tokenizer` keeps a tokenizer."""
+    _write(name, lambda path: path.write_bytes(data))
+
+
+def _write(name: str, write: Callable[[Path], object]) -> None:
+    folder = cache_dir()
+    tmp = folder / f".{name}.{os.getpid()}.partial"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, folder / name)
+    except Exception:  # a read-only or full disk (OSError, or the Rust side's bare Exception)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+# --- transformers' reading of a GGUF file's config and tokenizer
 
 FORMAT = 1
-"""Raise when what is kept, or how it is read back, changes."""
+"""Raise when what `kept` keeps, or how it is read back, changes."""
 _CLASS = "embedlens-tokenizer-class.txt"
 """The kept tokenizer's class, as `module:name`."""
 _NOT_KEPT = "embedlens-not-kept-"

@@ -156,11 +156,6 @@ def _kind(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
-def first_ids(tokens: list[str]) -> dict[str, int]:
-    """Each entry's first id (a repeated entry's later ids lose), built at C speed."""
-    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
-
-
 def byte_level_merge_results(header: GGUFHeader) -> frozenset[str] | None:
     """Every piece a byte-level BPE GGUF's merges build ('a b' builds 'ab'), as the tokenizer
     vocab_from_gguf rebuilds applies them; None for another kind of vocabulary."""

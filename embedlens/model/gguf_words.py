@@ -45,7 +45,7 @@ def gguf_words_vocab(header: GGUFHeader) -> tk.Vocab:
     meta = gv.checked_tokenizer(header)
     byte_level = meta.kind == "gpt2"
     spelled = tb.byte_alphabet_spelling(meta.tokens) if byte_level else meta.tokens
-    first = gv.first_ids(spelled)
+    first = tb.first_ids(spelled)
     if meta.merges is not None and not _merges_hold(meta.merges, first):
         return tk.vocab_from_gguf(header)  # the whole tokenizer's own error, or its answer
     reader = WordReader(header, meta, spelled, first, byte_level)
@@ -164,7 +164,7 @@ class WordReader:
         return dict(sorted(found.items(), key=lambda item: item[1]))
 
     def _build(self, pieces: dict[str, int]) -> Tokenizer:
-        """The whole build's tokenizer (tokenizer._build_gguf_tokenizer) over these pieces."""
+        """The whole build's tokenizer (tokens.build_gguf_tokenizer) over these pieces."""
         meta = self.meta
         merges = self._merges(pieces)
         if self.byte_level:

@@ -1,5 +1,5 @@
-"""What transformers raises while it reads a model, said as one embedlens error (`reading`:
-`translated`, and the weights transformers could not convert named), and what it reports after
+"""What transformers raises while it reads a model, said as one embedlens error (`translated`,
+and the weights transformers could not convert named), and what it reports after
 (`check_loaded`: weights missing, mismatched or left unused, a GGUF model put on disk)."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import pickle
 import re
 import struct
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from embedlens.compat.transformers import fast
-from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -42,23 +41,12 @@ def _newer_release_hint(source: ModelSource) -> str | None:
 
 
 @contextmanager
-def reading(source: ModelSource, what: str, *, weights: bool = False) -> Iterator[None]:
-    """While transformers reads `source` (`what`, for messages): its errors `translated`, a GGUF
-    file parsed once however often it is read (`gguf_reads_shared`), and with `weights`, the
-    weights it could not convert named (`conversion_errors_named`)."""
-    with ExitStack() as stack:
-        stack.enter_context(translated(source, what))
-        stack.enter_context(gguf_reads_shared(source))
-        if weights:
-            stack.enter_context(conversion_errors_named(source))
-        yield
-
-
-@contextmanager
-def translated(source: ModelSource, what: str):  # type: ignore[no-untyped-def]
-    """Turn the exceptions transformers raises into one clear embedlens error."""
+def translated(source: ModelSource, what: str, *, weights: bool = False) -> Iterator[None]:
+    """Turn the exceptions transformers raises into one clear embedlens error; with `weights`,
+    the weights it could not convert named (`conversion_errors_named`)."""
     try:
-        yield
+        with conversion_errors_named(source) if weights else nullcontext():
+            yield
     except (SourceError, ConfigError, CheckpointError, UsageError):
         raise
     except ImportError as e:

@@ -3,9 +3,9 @@
 Each takes the source's files as read once (`files.ModelFiles`: headers and config, checked by
 embedlens before transformers reads them). Everything here imports torch and transformers inside
 its functions, so importing this module is free; errors from transformers are translated into
-embedlens errors at this boundary (`load_errors`). Python's cyclic garbage collector is held back
-while a load runs (`fewer_collections`, `no_collections`): the objects it makes live as long as
-the process.
+embedlens errors at this boundary (`reading`, `load_errors`). Python's cyclic garbage collector
+is held back while a load runs (`fewer_collections`, `no_collections`): the objects it makes live
+as long as the process.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from embedlens.compat.transformers import direct, import_scan
+from embedlens.compat.transformers.gguf_patches import gguf_reads_shared
 from embedlens.errors import (
     CheckpointError,
     ConfigError,
@@ -29,12 +30,7 @@ from embedlens.errors import (
 from embedlens.io.source import ModelSource
 from embedlens.model import gguf_cache, preflight
 from embedlens.model.files import ModelFiles, check_source
-from embedlens.model.load_errors import (
-    check_loaded,
-    conversion_errors_named,
-    reading,
-    translated,
-)
+from embedlens.model.load_errors import check_loaded, conversion_errors_named, translated
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
@@ -138,6 +134,15 @@ def reads_files(
 
 
 @contextmanager
+def reading(source: ModelSource, what: str, *, weights: bool = False) -> Iterator[None]:
+    """While transformers reads `source` (`what`, for messages): its errors `translated` (with
+    `weights`, the weights it could not convert named), a GGUF file parsed once however often it
+    is read (`gguf_reads_shared`)."""
+    with translated(source, what, weights=weights), gguf_reads_shared(source):
+        yield
+
+
+@contextmanager
 def _where(source: ModelSource) -> Iterator[tuple[str, dict[str, Any]]]:
     """What to pass to from_pretrained: a local folder, or a repo id and revision."""
     if source.kind == "gguf":
@@ -228,18 +233,10 @@ def _built(
     what = "reading the config" if name == "config.json" else "loading the tokenizer"
     with reading(source, what):
         if name == "tokenizer.json":
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(
-                where, trust_remote_code=trust_remote_code, **kwargs
-            )
+            return _from_pretrained("AutoTokenizer", where, trust_remote_code, kwargs)
         config = None if source.is_gguf else direct.read_config(Path(where))
         if config is None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(
-                where, trust_remote_code=trust_remote_code, **kwargs
-            )
+            config = _from_pretrained("AutoConfig", where, trust_remote_code, kwargs)
         return config
 
 
@@ -381,7 +378,9 @@ def load_model(
             # converts none: it leaves a checkpoint to convert to from_pretrained)
             named = nullcontext() if folder is None else conversion_errors_named(source)
             with named:
-                loaded = _from_pretrained(where, trust_remote_code, {**kwargs, **options})
+                loaded = _from_pretrained(
+                    "AutoModelForCausalLM", where, trust_remote_code, {**kwargs, **options}
+                )
         model, info = loaded
     extra = check_loaded(source, model, info)
     if notes is not None:
@@ -392,19 +391,16 @@ def load_model(
     return model
 
 
-def _from_pretrained(where: str, trust_remote_code: bool, options: dict[str, Any]) -> Any:
-    """(model, loading info) from transformers' `from_pretrained`. Mismatched shapes come back in
-    the loading info (and are refused by `check_loaded`) instead of stopping transformers with a
-    pointer to a report it does not show."""
-    from transformers import AutoModelForCausalLM
+def _from_pretrained(
+    auto: str, where: str, trust_remote_code: bool, options: dict[str, Any]
+) -> Any:
+    """What transformers' `auto` class (AutoConfig, AutoTokenizer, AutoModelForCausalLM) reads
+    from `where` (`from_pretrained`, with these keyword arguments): the one call into it of
+    every read of a source's config, tokenizer or model."""
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(
-        where,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=None,
-        output_loading_info=True,
-        ignore_mismatched_sizes=True,
-        **options,
+    return getattr(transformers, auto).from_pretrained(
+        where, trust_remote_code=trust_remote_code, **options
     )
 
 
@@ -415,8 +411,15 @@ def _load_options(
     max_memory: dict[Any, int | str] | None,
     offload_folder: str | None,
 ) -> dict[str, Any]:
-    """from_pretrained's keyword arguments for these loading options."""
-    options: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    """from_pretrained's keyword arguments for these loading options. Mismatched shapes come
+    back in the loading info (and are refused by `check_loaded`) instead of stopping
+    transformers with a pointer to a report it does not show."""
+    options: dict[str, Any] = {
+        "use_safetensors": None,
+        "output_loading_info": True,
+        "ignore_mismatched_sizes": True,
+        "dtype": torch_dtype(dtype),
+    }
     if config is not None:
         options["config"] = config
     if device_map is not None:

@@ -7,7 +7,7 @@ which are special. The `tokenizers` library does all three in a fraction of the 
 takes to import. A GGUF file carries its vocabulary as metadata (read and checked in
 `gguf_vocab`): byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) vocabularies are rebuilt
 (`tokens`) the way transformers rebuilds them, and kept built in embedlens' cache
-(tokenizer_cache): a 262k-piece vocabulary takes seconds to rebuild.
+(gguf_cache): a 262k-piece vocabulary takes seconds to rebuild.
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ from typing import TYPE_CHECKING, Protocol
 from embedlens.errors import CheckpointError, UnsupportedError
 from embedlens.io.gguf import GGUFHeader, LazyArray, read_gguf_header
 from embedlens.io.source import ModelSource
-from embedlens.model import tokenizer_cache
+from embedlens.model import gguf_cache
 from embedlens.model.gguf_vocab import (
     CONTROL,
     STRING,
-    GGUFTokenizer,
     check_merges,
     checked_tokenizer,
     corrupt,
-    first_ids,
     gguf_kind,
     not_strings,
     numbers_at,
@@ -37,10 +35,10 @@ from embedlens.model.gguf_vocab import (
 )
 from embedlens.model.tokens import (
     add_gguf_tokens,
+    build_gguf_tokenizer,
     byte_alphabet_spelling,
-    byte_level_tokenizer,
+    first_ids,
     partial_tokenizer,
-    sentencepiece_tokenizer,
     token_text,
 )
 from embedlens.text import error_line
@@ -233,43 +231,17 @@ def vocab_from_tokenizer(tok: Tokenizer, origin: str) -> Vocab:
 
 def vocab_from_gguf(header: GGUFHeader) -> Vocab:
     """Rebuild the tokenizer a GGUF file describes (byte-level or SentencePiece BPE), or load
-    the one built before from the same metadata (tokenizer_cache)."""
+    the one built before from the same metadata (`gguf_cache.kept_tokenizer`)."""
     meta = checked_tokenizer(header)
     kind, tokens, types = meta.kind, meta.tokens, meta.types
     spelled = byte_alphabet_spelling(tokens) if kind == "gpt2" else tokens
-    tok = tokenizer_cache.kept(
-        header, functools.partial(_build_gguf_tokenizer, header, meta, spelled)
+    tok = gguf_cache.kept_tokenizer(
+        header, functools.partial(build_gguf_tokenizer, header, meta, spelled)
     )
     unk = header.metadata.get("tokenizer.ggml.unknown_token_id")
     special = {i for i, t in enumerate(types) if t == CONTROL}
     vocab = _wrap(tok, GGUF_ORIGIN, unk=unk if isinstance(unk, int) else None, special=special)
     return replace(vocab, pieces=stored_pieces(spelled, vocab.size))
-
-
-def _build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list[str]) -> Tokenizer:
-    """The tokenizer of a GGUF vocabulary ('gpt2' or 'llama'), built from its arrays; a
-    CheckpointError when the Rust side finds them inconsistent."""
-    try:
-        if meta.kind == "gpt2":
-            assert meta.merges is not None, "vocab_from_gguf checks that it has merges"
-            tok = byte_level_tokenizer(
-                first_ids(spelled), meta.merges, header.metadata.get("tokenizer.ggml.pre")
-            )
-        else:
-            add_space = header.metadata.get("tokenizer.ggml.add_space_prefix", True)
-            scores = (
-                None if meta.scores is None else dict(zip(meta.tokens, meta.scores, strict=False))
-            )
-            vocab = first_ids(meta.tokens)
-            tok = sentencepiece_tokenizer(vocab, meta.merges, scores, add_space=bool(add_space))
-        add_gguf_tokens(tok, meta.tokens, meta.types, byte_level=meta.kind == "gpt2")
-    except (UnsupportedError, CheckpointError):
-        raise
-    except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
-        raise CheckpointError(
-            f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
-        ) from e
-    return tok
 
 
 def stored_pieces(spelled: list[str], size: int) -> tuple[str | None, ...]:

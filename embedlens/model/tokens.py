@@ -15,10 +15,14 @@ import functools
 import re
 from typing import TYPE_CHECKING, Any
 
-from embedlens.model.gguf_vocab import CONTROL, USER_DEFINED
+from embedlens.errors import CheckpointError, UnsupportedError
+from embedlens.model.gguf_vocab import CONTROL, USER_DEFINED, GGUFTokenizer
+from embedlens.text import error_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+    from embedlens.io.gguf import GGUFHeader
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 REPLACEMENT = "\ufffd"
@@ -176,6 +180,37 @@ _GGUF_SPLITS = {
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
+
+
+def first_ids(tokens: list[str]) -> dict[str, int]:
+    """Each entry's first id (a repeated entry's later ids lose), built at C speed."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
+
+
+def build_gguf_tokenizer(header: GGUFHeader, meta: GGUFTokenizer, spelled: list[str]) -> Tokenizer:
+    """The tokenizer of a GGUF vocabulary ('gpt2' or 'llama'), built from its arrays; a
+    CheckpointError when the Rust side finds them inconsistent."""
+    try:
+        if meta.kind == "gpt2":
+            assert meta.merges is not None, "vocab_from_gguf checks that it has merges"
+            tok = byte_level_tokenizer(
+                first_ids(spelled), meta.merges, header.metadata.get("tokenizer.ggml.pre")
+            )
+        else:
+            add_space = header.metadata.get("tokenizer.ggml.add_space_prefix", True)
+            scores = (
+                None if meta.scores is None else dict(zip(meta.tokens, meta.scores, strict=False))
+            )
+            vocab = first_ids(meta.tokens)
+            tok = sentencepiece_tokenizer(vocab, meta.merges, scores, add_space=bool(add_space))
+        add_gguf_tokens(tok, meta.tokens, meta.types, byte_level=meta.kind == "gpt2")
+    except (UnsupportedError, CheckpointError):
+        raise
+    except Exception as e:  # the Rust side raises bare Exceptions on inconsistent vocabularies
+        raise CheckpointError(
+            f"'{header.path.name}' has a corrupt tokenizer: {error_line(e)}"
+        ) from e
+    return tok
 
 
 def partial_tokenizer(vocab: dict[str, int], *, byte_level: bool) -> Tokenizer:

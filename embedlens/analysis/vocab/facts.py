@@ -26,7 +26,7 @@ from embedlens.analysis.vocab.kinds import TokenKinds
 from embedlens.analysis.vocab.layout import find_unreachable
 from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
-from embedlens.model import tokenizer_cache
+from embedlens.model import gguf_cache as tokenizer_cache
 from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.tokenizer import (
     GGUF_ORIGIN,
