@@ -196,15 +196,15 @@ def _residual_of(a: Path, b: Path, many: bool) -> list[float]:
 def test_kept_rows_are_the_chunk_itself_when_every_row_is_kept():
     """A chunk whose rows are all kept is kept as it is (no copy of its logits); some rows of
     it are copied, so that the chunk is let go."""
-    from embedlens.analysis.lens.engine import kept_rows
+    from embedlens.analysis.lens.report import kept_rows
 
-    out = torch.randn(3, 5)
-    part = [(0, 0), (0, 1), (0, 2)]
-    own, _ = kept_rows(None, part, out, ["a", "b", "c"], None, torch.device("cpu"))  # type: ignore[arg-type]
-    assert [k for k, _ in own] == ["a", "b", "c"]
+    out, theirs = torch.randn(3, 5), torch.randn(3, 5)
+    own, none = kept_rows(["a", "b", "c"], out)
+    assert [k for k, _ in own] == ["a", "b", "c"] and none == []
     assert all(row.data_ptr() == out[i].data_ptr() for i, (_, row) in enumerate(own))
-    some, _ = kept_rows(None, part, out, ["a", None, "c"], None, torch.device("cpu"))  # type: ignore[arg-type]
-    assert [k for k, _ in some] == ["a", "c"]
+    some, other = kept_rows(["a", None, "c"], out, theirs)
+    assert [k for k, _ in some] == ["a", "c"] and [k for k, _ in other] == ["a", "c"]
+    assert torch.equal(torch.stack([row for _, row in other]), theirs[[0, 2]])
     assert torch.equal(torch.stack([row for _, row in some]), out[[0, 2]])
     assert all(
         row.untyped_storage().data_ptr() != out.untyped_storage().data_ptr() for _, row in some

@@ -111,7 +111,7 @@ def test_prompts_run_alone_give_what_their_batch_gives(tiny, monkeypatch, agains
 
 
 def test_a_decoded_row_that_is_not_finite_is_refused_and_an_overflowing_sum_is_not():
-    from embedlens.analysis.lens.report import check_decoded
+    from embedlens.analysis.lens.engine import check_decoded
     from embedlens.errors import NumericError
 
     pos = [7, 9].__getitem__

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,9 +22,9 @@ from embedlens.analysis.lens.report import (
     Check,
     Kept,
     LensResult,
-    check_decoded,
+    kept_rows,
     model_not_finite,
-    tolerance,
+    not_finite,
 )
 from embedlens.analysis.lens.stats import (
     Reference,
@@ -35,7 +34,7 @@ from embedlens.analysis.lens.stats import (
     next_ids,
     tops_from_log_softmax,
 )
-from embedlens.errors import UnsupportedError
+from embedlens.errors import NumericError, UnsupportedError
 
 CHUNK_BYTES = 256 * 2**20
 """Logits decoded at once by `run_lens` (float32 bytes): rows are decoded in chunks of at most
@@ -49,11 +48,19 @@ similar length go together, so little of a pass is padding."""
 
 Row = tuple[int, int]
 """(layer, row of the capture)."""
-K = TypeVar("K")
 KL = dict[tuple[int, int], tuple[float, float]]
 """(layer, position) -> (KL of the model's output from the lens's, the lens's entropy)."""
 Rows = dict[int, torch.Tensor]
 """Tensors by number: a residual stream's rows by layer ([N, d]), or logits by row ([V])."""
+
+
+def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
+    """The check's tolerance: 1e-3 in float32; in a 16-bit dtype, what its rounding allows at
+    these logits' size."""
+    if dtype in (torch.float32, torch.float64):
+        return 1e-3
+    scale = max(1.0, float(logits.abs().max()))
+    return max(1e-3, 8 * torch.finfo(dtype).eps * scale)
 
 
 def decoded(
@@ -80,31 +87,6 @@ def decode_rows(
     in the chunks of this one's."""
     h = torch.stack([residual[layer][r].to(device) for layer, r in part])
     return decoder.logits(h, [layer for layer, _ in part]).float()
-
-
-def kept_rows(
-    decoder: Decoder,
-    part: list[Row],
-    out: torch.Tensor,
-    keys: Sequence[K | None],
-    other: dict[int, torch.Tensor] | None,
-    device: torch.device,
-) -> tuple[list[tuple[K, torch.Tensor]], list[tuple[K, torch.Tensor]]]:
-    """A decoded chunk's rows whose key is not None (copied unless every row is kept: the chunk
-    itself is let go), and the other model's residual at the same rows through the same decoder
-    in the same chunk."""
-    at = [(i, k) for i, k in enumerate(keys) if k is not None]
-    if not at:
-        return [], []
-    index = [i for i, _ in at]
-    every = len(index) == len(out)  # `at` is in order: every row is row j
-    mine = out if every else out[index]
-    own = [(k, mine[j]) for j, (_, k) in enumerate(at)]
-    if not other:
-        return own, []
-    theirs = decode_rows(decoder, other, part, device)
-    theirs = theirs if every else theirs[index]
-    return own, [(k, theirs[j]) for j, (_, k) in enumerate(at)]
 
 
 @dataclass(frozen=True)
@@ -389,7 +371,10 @@ class _Decode:
         for layer, r in part:
             b, p = self.where[r]
             keys.append((b, (layer, p)) if self.lens.as_batch or self._full(b, p) else None)
-        own, other = kept_rows(decoder, part, out, keys, self.other, device)
+        if all(key is None for key in keys):
+            return
+        theirs = None if not self.other else decode_rows(decoder, self.other, part, device)
+        own, other = kept_rows(keys, out, theirs)
         for (b, key), row in own:
             self.kept[b].logits[key] = row
         for (b, key), row in other:
@@ -495,3 +480,20 @@ def _other_rows(items: list[BatchItem]) -> dict[int, torch.Tensor] | None:
         return None
     layers = items[0].other or {}
     return {layer: torch.cat([(item.other or {})[layer] for item in items]) for layer in layers}
+
+
+def check_decoded(out: torch.Tensor, part: list[Row], position: Callable[[int], int]) -> None:
+    """Refuse a decoded row that is not finite (the model's own logits were finite); `position`
+    gives the prompt position of a capture row."""
+    if bool(out.sum(-1).isfinite().all()):  # a NaN or an infinity makes its row's sum one
+        return
+    bad = ~out.isfinite().all(-1)  # a sum of finite logits may overflow: look at each
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        layer, r = part[i]
+        raise NumericError(
+            f"decoding layer {layer} at position {position(r)} through the model's final steps "
+            f"gives {not_finite(out[i])} logits, though the model's own logits are finite: the "
+            "lens cannot be read there",
+            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
+        )

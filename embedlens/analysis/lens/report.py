@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens.opening import Prompt, target_note
 from embedlens.analysis.lens.options import Ask
@@ -24,6 +24,8 @@ from embedlens.reports.lens import (
     TargetAt,
 )
 from embedlens.reports.tokens import TokenRef
+
+K = TypeVar("K")
 
 if TYPE_CHECKING:
     import torch
@@ -48,17 +50,6 @@ class Check:
     def ok(self) -> bool:
         """Whether the lens reproduced the model within tolerance (never for a NaN difference)."""
         return math.isfinite(self.max_abs_logit_diff) and self.max_abs_logit_diff <= self.tolerance
-
-
-def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
-    """The check's tolerance: 1e-3 in float32; in a 16-bit dtype, what its rounding allows at
-    these logits' size."""
-    import torch
-
-    if dtype in (torch.float32, torch.float64):
-        return 1e-3
-    scale = max(1.0, float(logits.abs().max()))
-    return max(1e-3, 8 * torch.finfo(dtype).eps * scale)
 
 
 @dataclass(frozen=True)
@@ -104,6 +95,23 @@ class LensResult:
         return self.output[self.positions.index(position)]
 
 
+def kept_rows(
+    keys: Sequence[K | None], out: torch.Tensor, theirs: torch.Tensor | None = None
+) -> tuple[list[tuple[K, torch.Tensor]], list[tuple[K, torch.Tensor]]]:
+    """A decoded chunk's rows whose key is not None (copied unless every row is kept: the chunk
+    itself is let go), and the same rows of `theirs` (the other model's residual decoded in the
+    same chunk through the same decoder)."""
+    at = [(i, k) for i, k in enumerate(keys) if k is not None]
+    index = [i for i, _ in at]
+    every = len(index) == len(out)  # `at` is in order: every row is row j
+    mine = out if every else out[index]
+    own = [(k, mine[j]) for j, (_, k) in enumerate(at)]
+    if theirs is None:
+        return own, []
+    theirs = theirs if every else theirs[index]
+    return own, [(k, theirs[j]) for j, (_, k) in enumerate(at)]
+
+
 def not_finite(t: torch.Tensor) -> str:
     """'NaN' or 'infinite' (NaN first: it is the worse of the two)."""
     return "NaN" if bool(t.isnan().any()) else "infinite"
@@ -147,25 +155,6 @@ def _hint(model: nn.Module) -> str:
     if next(model.parameters()).dtype in (torch.float16, torch.bfloat16):
         return "a 16-bit dtype can overflow: try --dtype float32"
     return "check the weights: a NaN or infinity in a tensor spreads to everything after it"
-
-
-def check_decoded(
-    out: torch.Tensor, part: list[tuple[int, int]], position: Callable[[int], int]
-) -> None:
-    """Refuse a decoded row that is not finite (the model's own logits were finite); `position`
-    gives the prompt position of a capture row."""
-    if bool(out.sum(-1).isfinite().all()):  # a NaN or an infinity makes its row's sum one
-        return
-    bad = ~out.isfinite().all(-1)  # a sum of finite logits may overflow: look at each
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        layer, r = part[i]
-        raise NumericError(
-            f"decoding layer {layer} at position {position(r)} through the model's final steps "
-            f"gives {not_finite(out[i])} logits, though the model's own logits are finite: the "
-            "lens cannot be read there",
-            hint="in a 16-bit dtype the lens can overflow: try --dtype float32",
-        )
 
 
 def lens_report(

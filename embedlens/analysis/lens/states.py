@@ -324,7 +324,7 @@ def _check(file: StatesFile, tail: Tail, decoder: Decoder, own: torch.Tensor | N
     bfloat16's rounding)."""
     import torch
 
-    from embedlens.analysis.lens.report import tolerance
+    from embedlens.analysis.lens.engine import tolerance
 
     held = (next(tail.model.parameters()).dtype, getattr(torch, file.dtype))
     dtype = max(held, key=lambda d: torch.finfo(d).eps)

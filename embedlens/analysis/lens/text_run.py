@@ -27,8 +27,7 @@ from embedlens.analysis.lens.blocks import (
     input_device,
     threads_for,
 )
-from embedlens.analysis.lens.engine import decode_rows
-from embedlens.analysis.lens.report import tolerance
+from embedlens.analysis.lens.engine import decode_rows, tolerance
 from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats, rowdot
 from embedlens.analysis.lens.text_stats import ONE, PAIR, TextTotals, WindowSums
 from embedlens.reports.lens_text import LensTextReport, TextSiteLayer, TextSitePairLayer

@@ -24,7 +24,7 @@ from embedlens.analysis.lens.blocks import (
     input_device,
     threads_for,
 )
-from embedlens.analysis.lens.report import tolerance
+from embedlens.analysis.lens.engine import tolerance
 from embedlens.errors import UnsupportedError
 
 

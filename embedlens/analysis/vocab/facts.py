@@ -3,7 +3,7 @@
 The tokens the tokenizer never produces, the vocabulary's fingerprint, the entries named unused,
 and every id's text with the added and special ids depend on the tokenizer only; finding the
 unreachable tokens decodes and encodes every token. For a GGUF file they are kept in the
-tokenizer cache (`tokenizer_cache`) under the tokenizer's key and this module's FORMAT, so a later
+tokenizer cache (`gguf_cache`) under the tokenizer's key and this module's FORMAT, so a later
 `vocab` on a file with the same tokenizer metadata reads them back instead of building the
 tokenizer (which is then built only if something else asks for it: --against, --verify,
 --check-fit). A missing or damaged entry means they are found again.
@@ -26,7 +26,7 @@ from embedlens.analysis.vocab.kinds import TokenKinds
 from embedlens.analysis.vocab.layout import find_unreachable
 from embedlens.io.gguf import GGUFHeader
 from embedlens.io.source import ModelSource
-from embedlens.model import gguf_cache as tokenizer_cache
+from embedlens.model import gguf_cache
 from embedlens.model.gguf_vocab import byte_level_merge_results
 from embedlens.model.tokenizer import (
     GGUF_ORIGIN,
@@ -77,13 +77,13 @@ def model_vocab(source: ModelSource, gguf: GGUFHeader | None) -> tuple[Vocab, Vo
     if gguf is None:
         vocab = load_vocab(source)
         return vocab, facts_of(vocab, None)
-    name = f"{tokenizer_cache.tokenizer_key(gguf)}.vocab{FORMAT}"
-    kept = _read(tokenizer_cache.load_bytes(name), gguf)
+    name = f"{gguf_cache.tokenizer_key(gguf)}.vocab{FORMAT}"
+    kept = _read(gguf_cache.load_bytes(name), gguf)
     if kept is not None:
         return kept
     vocab = load_vocab(source, gguf)
     facts = facts_of(vocab, byte_level_merge_results(gguf))
-    tokenizer_cache.store_bytes(name, _written(vocab, facts))
+    gguf_cache.store_bytes(name, _written(vocab, facts))
     return vocab, facts
 
 
