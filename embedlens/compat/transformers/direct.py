@@ -6,7 +6,8 @@ without importing every model), and the weights of a frozen float32 model are as
 memory-mapped files with transformers' own steps (its init context, renaming rules and
 finalisation) but without its per-tensor conversion machinery, which costs more than the copy
 itself. Every function returns None where transformers would do something more (remote code, a
-quantised or converted checkpoint, a class the tables do not settle), and where the gate in
+quantised or converted checkpoint, a class the tables do not settle), and every entry
+(`read_config`, `build_on_meta`, `load_folder`, `early_files`) where the gate in
 `embedlens.compat.transformers` closes the shortcuts (another release, EMBEDLENS_PLAIN=1): the
 caller then goes through transformers' public API (`AutoConfig`, `AutoModelForCausalLM`).
 
@@ -87,11 +88,10 @@ def _from_model_module(model_type: str, name: str) -> Any:
 def causal_lm_class(config: Any) -> tuple[Any, Any] | None:
     """The class `AutoModelForCausalLM` builds for a built-in config, and the config it is given
     (a multimodal config's text part when the class takes that); None where the auto class would
-    look further (repository code, classes registered at run time, no causal LM)."""
+    look further (repository code, classes registered at run time, no causal LM). Behind the
+    gate of its callers' entry (`build_on_meta`, `load_folder`'s `weight_files`)."""
     from transformers.models.auto import modeling_auto
 
-    if not fast():
-        return None
     auto_map = getattr(config, "auto_map", None)
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
         return None
@@ -138,7 +138,7 @@ def _chosen(config: Any, model_type: str, names: str | tuple[str, ...]) -> Any:
 def build_on_meta(config: Any) -> Any | None:
     """`AutoModelForCausalLM.from_config(config)` on the meta device (no memory, no weights);
     None where the auto class would look further."""
-    found = causal_lm_class(config)
+    found = causal_lm_class(config) if fast() else None
     if found is None:
         return None
     import torch
@@ -221,7 +221,7 @@ def load_float32(
     generates. `early`: float32 copies of the tensors already begun (`copies_for`)."""
     if getattr(config, "quantization_config", None) is not None:
         return None
-    found = causal_lm_class(config)  # None also where the gate closes the shortcuts
+    found = causal_lm_class(config)
     if found is None:
         return None
     model_class, config = found
