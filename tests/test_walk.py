@@ -31,7 +31,15 @@ that reads it, the layers resolved where the blocks are found, the decoding on t
 device: fresh, lens 72 and 75 to 68 and 71. On 2026-12-06 the option objects were made from a
 call's arguments in `embedlens.options` (`lens_given`), a token's text from a tokenizer came from
 `model.tokens` (`id_text`) and a run's result carried the tokenizer length it ranked by: fresh,
-lens 64 and 68, tune 83 and 89.
+lens 64 and 68, tune 83 and 89. On 2026-12-06 the sites asked for were checked with the rest of a
+call's options (`Ask.sites`) and a model's loading in `options.loading`, the threshold where the
+pair is made; a GGUF's transformers reads went through one call, its tokenizer built beside its
+pieces (`tokens.build_gguf_tokenizer`, no callback from the cache), its two caches one module
+(`gguf_cache`), the guard of every read beside its callers (`loading.reading`); the direct load
+checks its gate once per entry. This test, each walk alone in a fresh process, then counted
+lens 59 and 57, tune 79 and 79, vocab 72 and 71 on the newest releases CI runs, and on the
+lowest (5.0, its shortcuts off; GGUF lens and tune skipped) lens 58, tune 80, vocab 72 and 71:
+the ceilings of lens and tune are now the issue's targets (60, 80) themselves.
 """
 
 from __future__ import annotations
@@ -50,9 +58,9 @@ from tests.tiny_gguf import byte_level_vocabulary, write_tiny_gguf
 from tests.walk import walk
 
 CEILINGS = {
-    ("lens", "folder"): 66, ("lens", "gguf"): 70,
-    ("tune", "folder"): 85, ("tune", "gguf"): 91,
-    ("vocab", "folder"): 74, ("vocab", "gguf"): 76,
+    ("lens", "folder"): 60, ("lens", "gguf"): 60,
+    ("tune", "folder"): 80, ("tune", "gguf"): 80,
+    ("vocab", "folder"): 74, ("vocab", "gguf"): 73,
 }  # fmt: skip
 """Per command, walked on a safetensors folder and on a GGUF file."""
 OLDER = release_key(installed_transformers() or "0") < READS_GGUF_AS_FILE
