@@ -1,6 +1,7 @@
-"""A lens run's result (`LensResult`: its rows, its self-check, what a comparison keeps), the
-refusal of a model whose own logits (or a decoded row) are not finite, and a result as the
-`LensReport` users get (`lens_report`, `one_report`): tokens as text, rows, grid, check."""
+"""A lens run's result (`LensResult`: its rows, its self-check, what a comparison keeps, picked
+from each decoded chunk by `kept_rows`), the refusal of a model whose own logits are not finite,
+and a result as the `LensReport` users get (`lens_report`, `one_report`): tokens as text, rows,
+grid, check."""
 
 from __future__ import annotations
 
