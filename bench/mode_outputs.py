@@ -67,6 +67,7 @@ def cases(fix: Path, fam: str, out: Path) -> dict[str, list[str]]:
     p = "the king of France is"
     s = out / f"{fam}.saved.safetensors"
     ss = out / f"{fam}.saved-sites.safetensors"
+    lg = out / f"{fam}.logits.npz"
     vs_b = ["--against", str(b), "--json"]
     return {
         "site": [p, "--site", "attn_out", "--json"],
@@ -90,6 +91,12 @@ def cases(fix: Path, fam: str, out: Path) -> dict[str, list[str]]:
         "save-sites": [p, "--site", "attn_out", "--save-states", str(ss), "--json"],
         "against-target": [p, "--against", str(b), "--target", "Paris", "--json"],
         "against-prompts-table": ["--prompts", str(f), "--against", str(b)],
+        "states-sites": ["--states", str(ss), "--site", "attn_out", "--json"],
+        "states-against": ["--states", str(s), *vs_b],
+        "tuned-against": [p, "--tuned", str(lens), *vs_b],
+        "text-site": ["--text", str(t), "--ctx", "32", "--site", "attn_out,resid", "--json"],
+        "text-save-logits": ["--text", str(t), "--ctx", "32", "--save-logits", str(lg), "--json"],
+        "text-against-logits": ["--text", str(t), "--ctx", "32", "--against-logits", str(lg)],
     }
 
 
