@@ -12,58 +12,49 @@ from embedlens.errors import UsageError
 from embedlens.options import LensOptions, LoadOptions
 from embedlens.runtime import world
 
+
+def _option(name: str, help: str, panel: str = "Input", metavar: str | None = None) -> Any:
+    """The option `--name` (its `_` as `-`) with its help, in its panel of `lens --help`."""
+    flag = "--" + name.replace("_", "-")
+    return typer.Option(flag, help=help, rich_help_panel=panel, metavar=metavar)
+
+
 TextOpt = Annotated[
     Path | None,
-    typer.Option(
-        "--text",
-        metavar="FILE",
-        help="Score every token of a text file (windows of --ctx, llama-perplexity's rule): per "
-        "layer cross-entropy, bits per byte, KL to the output, entropy, top-1 accuracy; with "
+    _option(
+        "text",
+        "Score every token of a text file (windows of --ctx, llama-perplexity's rule): per layer "
+        "cross-entropy, bits per byte, KL to the output, entropy, top-1 accuracy; with "
         "--against, llama-perplexity's KL table at every layer. See docs/text.md.",
-        rich_help_panel="Input",
+        metavar="FILE",
     ),
 ]
-CtxOpt = Annotated[
-    int, typer.Option("--ctx", help="With --text: tokens per window.", rich_help_panel="Input")
-]
+CtxOpt = Annotated[int, _option("ctx", "With --text: tokens per window.")]
 StrideOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--stride",
-        help="With --text: tokens between window starts (--ctx by default).",
-        rich_help_panel="Input",
-    ),
+    int | None, _option("stride", "With --text: tokens between window starts (--ctx by default).")
 ]
 MaxTokensOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--max-tokens", help="With --text: the text's first N tokens only.", rich_help_panel="Input"
-    ),
+    int | None, _option("max_tokens", "With --text: the text's first N tokens only.")
 ]
 ScoreOpt = Annotated[
-    str,
-    typer.Option(
-        "--score",
-        help="With --text: 'half' (each window's second half) or 'all' its tokens.",
-        rich_help_panel="Input",
-    ),
+    str, _option("score", "With --text: 'half' (each window's second half) or 'all' its tokens.")
 ]
 SaveLogitsOpt = Annotated[
     Path | None,
-    typer.Option(
-        "--save-logits",
-        metavar="FILE",
-        help="With --text: write the output's top-k log-probabilities, for --against-logits.",
-        rich_help_panel="Output",
+    _option(
+        "save_logits",
+        "With --text: write the output's top-k log-probabilities, for --against-logits.",
+        "Output",
+        "FILE",
     ),
 ]
 AgainstLogitsOpt = Annotated[
     Path | None,
-    typer.Option(
-        "--against-logits",
-        metavar="FILE",
-        help="With --text: compare the output with a --save-logits FILE (the base).",
-        rich_help_panel="Comparison",
+    _option(
+        "against_logits",
+        "With --text: compare the output with a --save-logits FILE (the base).",
+        "Comparison",
+        "FILE",
     ),
 ]
 

@@ -13,8 +13,8 @@ given made into its option objects):
   checked, then run a window at a time;
 - `stats`: the best tokens by logit, every per-row statistic defined once, and the one
   accumulator they are summed in;
-- `text`: `lens_text`, the lens over every scored token of a text (`text_run`: a window through
-  the model(s), and the report; `text_stats`: the sums read out, --save-logits files);
+- `text`: `lens_text`, the lens over every scored token of a text, and --save-logits files
+  (`text_run`: a window through the model(s), and the report; `text_stats`: the sums read out);
 - `report`: a run's result (`LensResult`), and the `LensReport` users get of it;
 - `against`, `pairing`: `--against` (B checked, both run, the figures and reports);
 - `sites`, `site_report`: `--site` (the pieces inside a block found, checked and decoded; the

@@ -6,11 +6,16 @@ tokenised once, cut into windows (llama-perplexity's rule), and each window run 
 model(s) (`text_run`); only sums and per-token KL and Δp values are kept. Under torchrun,
 window w runs on rank w mod N and the windows' sums are combined in window order on every rank.
 
-A file of --against-logits is read (`text_stats.LogitsFile`) before any model loads too.
+`--save-logits` keeps a run's output compactly (`LogitsFile`: per scored token its top
+`text_run.TOP_K` ids and log-probabilities, the true token's log-probability and the argmax, with
+the run's token ids and window rule), so that a later run on another model (a quantisation of
+it) compares its output with it: O(tokens x k), not llama.cpp's O(tokens x vocabulary). A file of
+--against-logits is read before any model loads too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -24,16 +29,20 @@ from embedlens.errors import UsageError
 from embedlens.options import LoadKeywords, LoadOptions, model_and_load
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch import nn
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.text_run import TextRun, Window
-    from embedlens.analysis.lens.text_stats import LogitsFile, WindowSums
+    from embedlens.analysis.lens.text_stats import WindowSums
     from embedlens.progress import Progress
     from embedlens.reports.lens_text import LensTextReport
 
 SCORES = ("half", "all")
+FORMAT = "embedlens-logits/1"
+KEYS = ("ids", "logp", "target_logp", "top1")
+"""The arrays a logits file keeps per scored token (`text_run.kept_logits`)."""
 
 
 def lens_text(
@@ -86,7 +95,7 @@ def lens_text(
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
-    reference = None if against_logits is None else _reference_file(against_logits)
+    reference = None if against_logits is None else read_logits(against_logits)
     session = _joined(dist_backend, load.device, against)
     with nullcontext() if session is None else session.guarded():
         saving = saving_many(save_states, load.revision, against, session, "--text")
@@ -95,13 +104,6 @@ def lens_text(
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
                     (tuned, reference, save_logits, residual, sites, saving), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
-
-
-def _reference_file(path: str | os.PathLike[str]) -> LogitsFile:
-    """A `save_logits` file, read and checked (the reference run; NumPy imported now)."""
-    from embedlens.analysis.lens.text_stats import read_logits
-
-    return read_logits(path)
 
 
 def _check(
@@ -126,21 +128,19 @@ def _run(
     progress: Progress,
 ) -> LensTextReport:
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
-    from embedlens.analysis.lens import text_stats
+    from embedlens.analysis.lens.decoders import open_tuned
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.text_run import TOP_K, TextRun, text_report
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual, sites, saving = more
-    lens_dir = None
-    if tuned is not None:
-        from embedlens.analysis.lens.decoders import open_tuned
-
-        lens_dir = open_tuned(tuned)
+    lens_dir = None if tuned is None else open_tuned(tuned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
         fits_tuned(lens_dir, config)
-        _check_ctx(config, r)
+        limit = getattr(config, "max_position_embeddings", None)  # a window past it is refused
+        if isinstance(limit, int) and r.ctx > limit:
+            raise UsageError(f"--ctx {r.ctx} is longer than the model's {limit:,} positions")
         return tokenise(body, tok, r, name)
 
     with ExitStack() as stack:
@@ -155,15 +155,8 @@ def _run(
         report = text_report(opened, run, done, head, other, ref)
         if save_logits is not None and (session is None or session.rank == 0):
             meta = {"model": opened.name, **cut, "vocab": run.vocab, "top_k": TOP_K}
-            text_stats.save_logits(save_logits, meta, tokens.ids, done)
+            write_logits(save_logits, meta, tokens.ids, done)
         return report
-
-
-def _check_ctx(config: Any, r: Rule) -> None:
-    """A window longer than the model's positions is refused."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and r.ctx > limit:
-        raise UsageError(f"--ctx {r.ctx} is longer than the model's {limit:,} positions")
 
 
 def _joined(backend: str, device: str, against: object) -> Session | None:
@@ -201,24 +194,16 @@ def _other(
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.pairing import Side, check_pair
 
-    a = Side(opened.model, opened.tokenizer, load)
-    b_asked = LoadOptions(revision=revision)
-    if isinstance(load, options.Load):
-        a = Side(opened.name, opened.tokenizer, load)
-        trust = load.trust_remote_code
-        b_asked = LoadOptions(
-            revision=revision, dtype=load.dtype, device=load.device, trust_remote_code=trust
-        )
-    b_load = options.loading(against, b_asked)
+    files = isinstance(load, options.Load)  # B loaded as A was
+    a = Side(opened.name if files else opened.model, opened.tokenizer, load)
+    like_a = {"dtype": load.dtype, "device": load.device} if files else {}
+    trust = {"trust_remote_code": load.trust_remote_code} if files else {}
+    b_load = options.loading(against, LoadOptions(revision=revision, **like_a, **trust))
     check_pair(a, Side(against, tokenizer, b_load))  # type: ignore[arg-type]
     b_tok = tokenizer
-    if b_tok is None and not isinstance(b_load, options.Load):
+    if b_tok is None and not isinstance(b_load, options.Load):  # B given loaded: A's tokenizer
         b_tok = opened.tokenizer
-
-    def fits(_tok: Any, config: Any, _template: str) -> None:
-        fits_tuned(lens_dir, config)
-
-    with open_model(against, b_tok, b_load, fits) as (other, _):
+    with open_model(against, b_tok, b_load, lambda _, c, _t: fits_tuned(lens_dir, c)) as (other, _):
         yield other
 
 
@@ -434,3 +419,79 @@ def _bytes(text: str, ids: list[int], offsets: list[Any] | None, tokenizer: Any)
         out.append(max(e - seen, 0))
         seen = max(seen, e)
     return out
+
+
+@dataclass(frozen=True)
+class LogitsFile:
+    """A saved run's output (`--save-logits`): `meta` (model, ctx, stride, score, vocab, top_k,
+    windows), the text's token ids, and per scored token the arrays of `KEYS`."""
+
+    path: str
+    meta: dict[str, Any]
+    tokens: np.ndarray
+    rows: dict[str, np.ndarray]
+    starts: np.ndarray
+    """Each window's first row in `rows`."""
+
+    def window(self, index: int) -> dict[str, np.ndarray]:
+        """The rows of window `index`."""
+        a, b = int(self.starts[index]), int(self.starts[index + 1])
+        return {k: v[a:b] for k, v in self.rows.items()}
+
+    def check_run(self, tokens: list[int], ctx: int, stride: int, score: str, vocab: int) -> None:
+        """Refuse a file made from another text, window rule or vocabulary."""
+        m = self.meta
+        mine = {"ctx": ctx, "stride": stride, "score": score, "vocab": vocab}
+        for key, value in mine.items():
+            if m.get(key) != value:
+                raise UsageError(
+                    f"--against-logits {self.path} was saved with {key} {m.get(key)}, this run "
+                    f"has {value}",
+                    hint="run with the options the file was saved with",
+                )
+        if self.tokens.tolist() != tokens:
+            raise UsageError(
+                f"--against-logits {self.path} holds another text's tokens "
+                f"({len(self.tokens):,} tokens; this run {len(tokens):,})",
+                hint="give the same --text and --max-tokens, and models of the same tokenizer",
+            )
+
+
+def read_logits(path: str | os.PathLike[str]) -> LogitsFile:
+    """Read a file `--save-logits` wrote (`write_logits`); anything else is refused with one
+    line."""
+    import zipfile
+
+    import numpy as np
+
+    name = os.fspath(path)
+    try:
+        with np.load(name, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta.get("format") != FORMAT:
+                raise ValueError(meta.get("format"))
+            tokens = z["tokens"]
+            rows = {k: z[k] for k in KEYS}
+    except FileNotFoundError:
+        raise UsageError(f"--against-logits {name}: no such file") from None
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise UsageError(
+            f"--against-logits {name} is not a logits file of lens --text --save-logits ({e})"
+        ) from None
+    starts = np.concatenate([[0], np.cumsum(meta["windows"])])
+    return LogitsFile(name, meta, tokens, rows, starts)
+
+
+def write_logits(
+    path: str | os.PathLike[str], meta: dict[str, Any], ids: list[int], done: list[WindowSums]
+) -> None:
+    """The output's rows each window kept (`text_run.kept_logits`) written as a logits file,
+    with the run's `meta` and the text's token ids."""
+    import numpy as np
+
+    head = {**meta, "format": FORMAT, "windows": [len(w.extra["top1"]) for w in done]}
+    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)}
+    arrays["tokens"] = np.asarray(ids, dtype=np.int32)
+    arrays.update({k: np.concatenate([w.extra[k] for w in done]) for k in KEYS})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)

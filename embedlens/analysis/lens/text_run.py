@@ -28,7 +28,7 @@ from embedlens.analysis.lens.blocks import (
     threads_for,
 )
 from embedlens.analysis.lens.engine import decode_rows, tolerance
-from embedlens.analysis.lens.stats import ROW_STATS, Sums, add_row, row_stats, rowdot
+from embedlens.analysis.lens.stats import ROW_STATS, Reference, Sums, add_row, row_stats, rowdot
 from embedlens.analysis.lens.text_stats import ONE, PAIR, TextTotals, WindowSums
 from embedlens.reports.lens_text import LensTextReport, TextSiteLayer, TextSitePairLayer
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 64 * 2**20
 """float32 logits decoded and reduced at once (the reduction holds a few such arrays)."""
 TOP_K = 256
-"""Log-probabilities a logits file keeps per token (`text_stats.LogitsFile`)."""
+"""Log-probabilities a logits file keeps per token (`text.LogitsFile`)."""
 
 
 @dataclass
@@ -87,16 +87,11 @@ class Scratch:
 
     def __call__(self, name: str, like: Tensor) -> Tensor:
         """A buffer of `like`'s shape, dtype and device (its contents undefined)."""
-        buf = self._kept.get(name)
-        n = like.shape[0]
-        if buf is None or buf.shape[0] < n or self._kind(buf) != self._kind(like):
-            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-            self._kept[name] = buf
+        buf, n = self._kept.get(name), like.shape[0]
+        kind = like.shape[1:], like.dtype, like.device
+        if buf is None or buf.shape[0] < n or (buf.shape[1:], buf.dtype, buf.device) != kind:
+            buf = self._kept[name] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         return buf[:n]
-
-    @staticmethod
-    def _kind(x: Tensor) -> tuple[object, ...]:
-        return x.shape[1:], x.dtype, x.device
 
 
 def _one_rows(
@@ -194,8 +189,6 @@ def kept_logits(out: Tensor, t: Tensor, vocab: int) -> dict[str, np.ndarray]:
 Part = tuple[list[tuple[int, int]], bool]
 """A chunk of (layer, position) rows, and whether they are the model's output (its logits,
 never decoded)."""
-Out = tuple[Tensor, Tensor]
-"""The output's probabilities and Σ p log p at each scored position."""
 
 
 Asked = tuple[object, bool, tuple[str, ...]]
@@ -245,9 +238,7 @@ class TextRun:
             t = torch.tensor(w.targets, dtype=torch.long, device=real.device)
             if self.check is None:
                 self._self_check(cap)
-            out_lp = _lp(real)
-            out_p = out_lp.exp()
-            out = out_p, rowdot(out_p, out_lp)
+            out = Reference(real)
             decoded = [(x, j) for x in self.layers if x != self.n_layers for j in range(len(t))]
             output = [(self.n_layers, j) for j in range(len(t))]
             parts = self._parts(decoded, False, real) + self._parts(output, True, real)
@@ -270,7 +261,7 @@ class TextRun:
         chunk = max(1, CHUNK_BYTES // (4 * like.shape[1]))
         return [(rows[s : s + chunk], last) for s in range(0, len(rows), chunk)]
 
-    def _site_sums(self, sums: WindowSums, w: Window, out: Out, t: Tensor) -> None:
+    def _site_sums(self, sums: WindowSums, w: Window, out: Reference, t: Tensor) -> None:
         """Each site's sums, its rows decoded and reduced as the residual stream's are, from
         the window's blocks taken apart (their sums checked: `sites`); with --against, B's
         blocks taken apart on the same window and its site rows compared with A's as the
@@ -285,7 +276,7 @@ class TextRun:
         if self.other is not None:
             theirs = take_apart(self.other.model, w.ids, w.positions, mid)
         layers = [x for x in self.layers if x >= 1]
-        parts = self._parts([(x, j) for x in layers for j in range(len(t))], False, out[0])
+        parts = self._parts([(x, j) for x in layers for j in range(len(t))], False, out.prob)
         for site in (s for s in self.sites if s != "resid"):
             a = Capture({x: stream((PIECE[site], x), pieces) for x in layers})
             b = None
@@ -298,7 +289,7 @@ class TextRun:
         w: Window,
         parts: list[Part],
         caps: tuple[Capture, Capture | None],
-        out: Out,
+        out: Reference,
         t: Tensor,
         site: bool = False,
     ) -> WindowSums:
@@ -319,8 +310,9 @@ class TextRun:
         for part in parts:
             at = torch.tensor([index[layer] for layer, _ in part[0]])
             js = torch.tensor([j for _, j in part[0]])
-            tj = t[js.to(t.device)]
-            oj = None if part[1] else (out[0][js.to(out[0].device)], out[1][js.to(out[0].device)])
+            on = js.to(t.device)  # the logits' device: the targets' and the output's rows'
+            tj = t[on]
+            oj = None if part[1] else (out.prob[on], out.negent[on])
             mine: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
             for key, decoder in lenses.items():
                 logits = self._rows(decoder, caps[0], part)

@@ -1,32 +1,21 @@
 """What the windows of `lens --text` leave: their sums, read out with llama-perplexity's
 definitions (tools/perplexity's `kl_divergence`: docs/text.md gives each) into the report's rows
-(`TextTotals`; `text_run.text_report` builds the report), and the output's rows a logits file
-keeps.
+(`TextTotals`; `text_run.text_report` builds the report).
 
 Each window leaves float64 sums per layer (`WindowSums`) and, for a comparison, the per-token KL
 and Δp values (float32, tokens x layers: llama.cpp keeps the same to sort them). Windows are
 combined in window order whichever process ran them, so a split run gives the same sums.
-
-`--save-logits` / `--against-logits`: the output layer of a run kept compactly in a NumPy .npz
-file (`LogitsFile`): per scored token, the top `text_run.TOP_K` token ids of the output and their
-log-probabilities (over the whole softmax), the true next token's log-probability and the argmax;
-with the run's token ids, window rule and vocabulary size, so that a later run on another model
-(a quantisation of it) reads the same tokens and compares its output with this one. That is
-O(tokens x k), not O(tokens x vocabulary) as llama.cpp's 16-bit --kl-divergence-base file.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from embedlens.analysis.lens.stats import ROW_STATS, Sums
-from embedlens.errors import UsageError
 from embedlens.reports.lens import BlockSums
 from embedlens.reports.lens_text import TextLayer, TextPairLayer, TextPairOutput
 
@@ -34,16 +23,12 @@ ONE = ("nll", "nll2", "kl", "entropy", "top1")
 """Sums per layer of one model: NLL, NLL², KL(output ‖ lens), entropy, top-1 hits."""
 PAIR = tuple("nll_a nll_a2 nll_b nll_b2 nll_ab kl kl2 dp dp2 dp4 same res_kl".split())
 """Sums per layer of a comparison (a: the reference, b: the evaluated side)."""
-FORMAT = "embedlens-logits/1"
-KEYS = ("ids", "logp", "target_logp", "top1")
-"""The arrays a logits file keeps per scored token (`text_run.kept_logits`)."""
 
-KL_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9),
-         ("median", 0.5), ("10", 0.1), ("5", 0.05), ("1", 0.01), ("0.1", 0.001),
-         ("min", 0.0))  # fmt: skip
 DP_AT = (("max", 1.0), ("99.9", 0.999), ("99", 0.99), ("95", 0.95), ("90", 0.9), ("75", 0.75),
          ("median", 0.5), ("25", 0.25), ("10", 0.1), ("5", 0.05), ("1", 0.01), ("0.1", 0.001),
          ("min", 0.0))  # fmt: skip
+"""The percentiles of Δp llama-perplexity gives; of KL, the same but the quartiles."""
+KL_AT = tuple(at for at in DP_AT if at[0] not in ("75", "25"))
 
 
 @dataclass
@@ -139,9 +124,9 @@ class TextTotals:
     def _rows(self, key: str, site: str, prefix: str = "") -> list[dict[str, Any]]:
         """Each layer's `ROW_STATS` over every window (in window order), by report field
         (`prefix` before each name: the evaluated side's)."""
-        if not ROW_STATS:
+        each = [w.rows[key] for w in self._each(site) if key in w.rows]
+        if not each:  # no `ROW_STATS`, or a logits file's evaluated side
             return [{} for _ in self.layers]
-        each = [w.rows[key] for w in self._each(site)]
         out = []
         for i in range(len(each[0])):
             acc = Sums()
@@ -174,9 +159,8 @@ class TextTotals:
         """Per layer llama.cpp's KL table (reference: this model; evaluated: the other;
         `site`: of a site inside the blocks)."""
         sums, n, each = self._sum("pair", site), self.n, self._each(site)
-        kl_values = np.concatenate([w.values["kl"] for w in each], 1)
-        dp_values = np.concatenate([w.values["dp"] for w in each], 1)
-        rows = self._rows("against", site, "against_") if "against" in each[0].rows else None
+        values = {k: np.concatenate([w.values[k] for w in each], 1) for k in ("kl", "dp")}
+        rows = self._rows("against", site, "against_")
         out = []
         for i, layer in enumerate(self.pair_layers):
             s = dict(zip(PAIR, (float(x) for x in sums[i]), strict=True))
@@ -192,19 +176,19 @@ class TextTotals:
                     layer=layer,
                     kl=kl,
                     kl_err=kl_err,
-                    kl_percentiles=quantiles(kl_values[i], KL_AT),
+                    kl_percentiles=quantiles(values["kl"][i], KL_AT),
                     same_top=same,
                     same_top_err=same_err,
                     dp_mean=dp,
                     dp_mean_err=dp_err,
                     dp_rms=rms,
                     dp_rms_err=0.5 / rms * mse_err if rms > 0 else 0.0,
-                    dp_percentiles=quantiles(dp_values[i], DP_AT),
+                    dp_percentiles=quantiles(values["dp"][i], DP_AT),
                     cross_entropy_evaluated=b,
                     ln_ppl_ratio=b - a,
                     ln_ppl_ratio_err=ratio_err,
                     residual_kl=s["res_kl"] / n if residual else None,
-                    **({} if rows is None else rows[i]),
+                    **rows[i],
                 )
             )
         return out
@@ -243,74 +227,3 @@ class TextTotals:
             for site in sites
             if site == "resid" or layer >= 1
         ]
-
-
-@dataclass(frozen=True)
-class LogitsFile:
-    """A saved run's output (`--save-logits`): `meta` (model, ctx, stride, score, vocab, top_k,
-    windows), the text's token ids, and per scored token the arrays of `KEYS`."""
-
-    path: str
-    meta: dict[str, Any]
-    tokens: np.ndarray
-    rows: dict[str, np.ndarray]
-    starts: np.ndarray
-    """Each window's first row in `rows`."""
-
-    def window(self, index: int) -> dict[str, np.ndarray]:
-        """The rows of window `index`."""
-        a, b = int(self.starts[index]), int(self.starts[index + 1])
-        return {k: v[a:b] for k, v in self.rows.items()}
-
-    def check_run(self, tokens: list[int], ctx: int, stride: int, score: str, vocab: int) -> None:
-        """Refuse a file made from another text, window rule or vocabulary."""
-        m = self.meta
-        mine = {"ctx": ctx, "stride": stride, "score": score, "vocab": vocab}
-        for key, value in mine.items():
-            if m.get(key) != value:
-                raise UsageError(
-                    f"--against-logits {self.path} was saved with {key} {m.get(key)}, this run "
-                    f"has {value}",
-                    hint="run with the options the file was saved with",
-                )
-        if len(self.tokens) != len(tokens) or not np.array_equal(self.tokens, tokens):
-            raise UsageError(
-                f"--against-logits {self.path} holds another text's tokens "
-                f"({len(self.tokens):,} tokens; this run {len(tokens):,})",
-                hint="give the same --text and --max-tokens, and models of the same tokenizer",
-            )
-
-
-def read_logits(path: str | os.PathLike[str]) -> LogitsFile:
-    """Read a file `--save-logits` wrote (`_save`); anything else is refused with one line."""
-    import zipfile
-
-    name = os.fspath(path)
-    try:
-        with np.load(name, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            if meta.get("format") != FORMAT:
-                raise ValueError(meta.get("format"))
-            tokens = z["tokens"]
-            rows = {k: z[k] for k in KEYS}
-    except FileNotFoundError:
-        raise UsageError(f"--against-logits {name}: no such file") from None
-    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
-        raise UsageError(
-            f"--against-logits {name} is not a logits file of lens --text --save-logits ({e})"
-        ) from None
-    starts = np.concatenate([[0], np.cumsum(meta["windows"])])
-    return LogitsFile(name, meta, tokens, rows, starts)
-
-
-def save_logits(
-    path: str | os.PathLike[str], meta: dict[str, Any], ids: list[int], done: list[WindowSums]
-) -> None:
-    """The output's rows each window kept (`text_run.kept_logits`) written as a logits file,
-    with the run's `meta` and the text's token ids."""
-    head = {**meta, "format": FORMAT, "windows": [len(w.extra["top1"]) for w in done]}
-    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)}
-    arrays["tokens"] = np.asarray(ids, dtype=np.int32)
-    arrays.update({k: np.concatenate([w.extra[k] for w in done]) for k in KEYS})
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
