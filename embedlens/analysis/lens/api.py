@@ -1,32 +1,33 @@
 """`lens` and `lens_prompts`: the logit lens from Python, on one prompt or many.
 
-Each makes what it is given into its option objects (`given`: `LoadOptions`, `LensOptions`),
-checks them before any file is read (`options`), gets the model ready one way (`opening`), runs
-the engine, and builds the report. A model given already loaded is used as it
-is: never reloaded, moved, re-typed or left changed.
-
-What a call was given is made into its option objects by `embedlens.options.lens_given`
-(keyword arguments build the objects; a field given both as a keyword and in `load=`/`options=`
-is refused, as is a keyword neither object has), and checked before any file is read
-(`options.ask`, `options.many`, `models`).
+Each makes what it is given into its option objects (`embedlens.options.lens_given`: keyword
+arguments build the `LoadOptions` and `LensOptions`; a field given both as a keyword and in
+`load=`/`options=` is refused, as is a keyword neither object has), checks them before any file
+is read (`options.ask`, `options.many`, `models`), gets the model ready one way (`opening`),
+runs the engine, and builds the report. A model given already loaded is used as it is: never
+reloaded, moved, re-typed or left changed.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import warnings
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Unpack, overload
 
+from embedlens.analysis.lens import many
 from embedlens.analysis.lens import options as checks
+from embedlens.analysis.lens.against import lens_pair, lens_pair_prompts
 from embedlens.analysis.lens.many import OnReport, run_one
 from embedlens.analysis.lens.opening import make_prompt, open_model
+from embedlens.analysis.lens.pairing import Pair, Side
 from embedlens.analysis.lens.report import one_report
-from embedlens.analysis.lens.site_report import sites_report
-from embedlens.analysis.lens.states_file import saving_many
+from embedlens.analysis.lens.site_report import SiteManyRun, sites_report
+from embedlens.analysis.lens.states_file import ManySaver, save_run, saving_many
+from embedlens.analysis.lens.tuned_folder import fits_tuned, open_folder
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given, renamed
 
@@ -35,14 +36,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.opening import Check
-    from embedlens.analysis.lens.pairing import Pair
+    from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
-
-T = TypeVar("T")
 
 
 @overload
@@ -114,31 +112,32 @@ def lens(
     loading, pair = models(model, tokenizer, load, *b)
     if save_states is not None and pair is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
+    lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
+    if pair is not None:
+        return lens_pair(pair, ask, ask.sites, lens_dir)
     save = None if save_states is None else (save_states, load.revision)
-    return _one_prompt(model, tokenizer, loading, pair, ask, asked, save)
+    return _one_prompt(model, tokenizer, loading, ask, lens_dir, save)
 
 
 def _one_prompt(
     model: object,
     tokenizer: Any,
     loading: checks.Loading,
-    pair: Pair | None,
     ask: checks.Ask,
-    asked: LensOptions,
+    lens_dir: LensFolder | None,
     save: tuple[str | os.PathLike[str], str | None] | None,
 ) -> LensReport:
-    """One prompt through the engine (a pair's, or through a tuned lens), and its report (with
+    """One prompt through the engine (through a tuned lens, `lens_dir`), and its report (with
     the sites inside the blocks, `ask.sites`; `save`: where --save-states writes, and the
     revision its metadata names)."""
-    lens_dir = _tuned_folder(asked.tuned)
-    if pair is not None:
-        from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask, ask.sites, lens_dir)
+    def check(tok: Any, config: Any, template: str) -> Prompt:
+        fits_tuned(lens_dir, config)
+        return make_prompt(ask, tok, config, template)
+
     own_template = ask.chat is not None and ask.template is None
-    check = _checked_with(lens_dir, functools.partial(make_prompt, ask))
     texts = () if ask.chat is not None else (ask.prompt,)
-    ready = open_model(model, tokenizer, loading, check, own_template, asked.target, texts=texts)
+    ready = open_model(model, tokenizer, loading, check, own_template, ask.target, texts=texts)
     with ready as (opened, run):
         from embedlens.analysis.lens.decoders import tuned_decoder
 
@@ -147,13 +146,9 @@ def _one_prompt(
         base = one_report(opened, ask, run, result)
         report = sites_report(base, opened, ask, run, result, ask.sites)
         if save is not None:
-            from embedlens.analysis.lens.states_file import save_run
-
             save_run(save[0], opened, run, ask, save[1], ask.sites)
         if described is None:
             return report
-        from dataclasses import replace
-
         return replace(report, tuned=described)
 
 
@@ -206,7 +201,7 @@ def lens_prompts(
     source = PromptSource.of(prompts)
     session = torchrun.lens_session(dist_backend, load, source, against)
     with nullcontext() if session is None else session.guarded():
-        lens_dir = _tuned_folder(asked.tuned)
+        lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
@@ -228,21 +223,17 @@ def _many(
 ) -> LensSummaryReport:
     """`lens_prompts` once what was asked is checked: every line checked before the model
     loads, then the run (`many.ManyRun`), split over the processes of `session`."""
-    from embedlens.analysis.lens import many
-
     on_report, progress, compare_logit = run
     sites = ask.sites
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
-        from embedlens.analysis.lens.against import lens_pair_prompts
-
         return lens_pair_prompts(pair, ask, source, on_report, lens_dir, sites)
 
-    def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
+    def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
+        fits_tuned(lens_dir, config)
         return many.check_all(source, ask, tok, config, template)
 
-    check = _checked_with(lens_dir, check_lines)
     targets = functools.partial(many.check_targets, source, ask)
     texts = many.plain_texts(source)
     ready = open_model(model, tokenizer, loading, check, targets=targets, texts=texts)
@@ -252,12 +243,8 @@ def _many(
         through = through_of(lens_dir, opened)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
         if sites != ("resid",):
-            from embedlens.analysis.lens.site_report import SiteManyRun
-
             lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
         if saving is not None:
-            from embedlens.analysis.lens.states_file import ManySaver
-
             lensing.saver = ManySaver(saving[0], opened, saving[1], sites)
         return lensing.run_all(source, n_bad, bad, session, progress)
 
@@ -272,9 +259,6 @@ def _deprecated_many(
     argument of that call, of which lens_prompts takes those it has too."""
     if args["save_states"] is not None:
         raise UsageError("save_states= writes the states of one prompt: give a prompt alone")
-    taken = set(inspect.signature(lens_prompts).parameters) - {"model", "prompts", "keywords"}
-    many_options = {name: value for name, value in args.items() if name in taken}
-    many_options.update(args["keywords"])
     if prompts is None:
         raise UsageError("give a prompt, or many with lens_prompts(model, prompts)")
     if prompt is not None:
@@ -284,30 +268,8 @@ def _deprecated_many(
         DeprecationWarning,
         stacklevel=3,
     )
-    return lens_prompts(model, prompts, **many_options)
-
-
-def _tuned_folder(tuned: str | os.PathLike[str] | None) -> LensFolder | None:
-    """The lens folder given, checked without torch (None without one)."""
-    if tuned is None:
-        return None
-    from embedlens.analysis.lens.decoders import open_tuned
-
-    return open_tuned(tuned)
-
-
-def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
-    """`check`, after the tuned lens's size is checked against the model's config."""
-    if lens_dir is None:
-        return check
-
-    def both(tok: Any, config: Any, template: str) -> T:
-        from embedlens.analysis.lens.tuned_folder import fits_tuned
-
-        fits_tuned(lens_dir, config)
-        return check(tok, config, template)
-
-    return both
+    both = ("tokenizer", "load", "options", "against", "against_tokenizer", "against_revision")
+    return lens_prompts(model, prompts, **{name: args[name] for name in both}, **args["keywords"])
 
 
 def models(
@@ -327,10 +289,6 @@ def models(
         if against_tokenizer is not None or against_revision is not None:
             raise UsageError("--against-revision and against_tokenizer apply only with --against")
         return a_loading, None
-    from dataclasses import replace
-
-    from embedlens.analysis.lens.pairing import Pair, Side
-
     if isinstance(against, (str, os.PathLike)):
         b_loading = checks.loading(against, replace(load, source=None, revision=against_revision))
     else:

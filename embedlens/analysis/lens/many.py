@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from embedlens.analysis.lens.opening import Prompt, make_prompt, position_index
 from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
-from embedlens.analysis.lens.report import dtype_name, lens_report
+from embedlens.analysis.lens.report import dtype_name, one_report
 from embedlens.analysis.lens.stats import LAYER_STATS, Sums, add_row
 from embedlens.errors import UsageError
 from embedlens.model.prompts import BadLine, PromptLine, PromptSource
@@ -50,9 +51,7 @@ def prepare_line(
 ) -> Prepared:
     """One line as a single run would take it: its ask, its prompt, and the absolute positions
     read (None: the position of the single run)."""
-    empty = _empty(line)
-    if empty is not None:
-        raise empty
+    _not_empty(line)
     one = ask.line(line.prompt, line.chat, line.target)
     pos = ask.position
     try:
@@ -67,11 +66,10 @@ def prepare_line(
     return one, prompt, listed
 
 
-def _empty(line: PromptLine) -> BadLine | None:
-    """A line whose prompt is empty (and that has no chat message to run instead)."""
+def _not_empty(line: PromptLine) -> None:
+    """A line whose prompt is empty (and that has no chat message to run instead) is bad."""
     if not line.prompt.strip() and line.chat is None:
-        return BadLine(line.line, "the prompt is empty")
-    return None
+        raise BadLine(line.line, "the prompt is empty")
 
 
 def run_one(
@@ -105,22 +103,10 @@ def run_one(
 
 def check_file(source: PromptSource, ask: ManyAsk) -> None:
     """What a file's lines show without a tokenizer (JSON, keys, types, empty prompts), checked
-    one line at a time before anything heavy is imported: the first bad line stops the run here
-    unless `skip_bad`, as does a file without a prompt. stdin and Python lists are left to
-    `check_all` (stdin is not read ahead for this)."""
-    if source.path is None:
-        return
-    good, n_bad = 0, 0
-    for line in source:
-        bad = line if isinstance(line, BadLine) else _empty(line)
-        if bad is None:
-            good += 1
-        elif not ask.skip_bad:
-            raise bad
-        else:
-            n_bad += 1
-    if good == 0:
-        raise _nothing_to_run(n_bad)
+    one line at a time before anything heavy is imported, as `check_all` checks them. stdin
+    and Python lists are left to `check_all` (stdin is not read ahead for this)."""
+    if source.path is not None:
+        _bad_lines(source, ask, _not_empty)
 
 
 def check_targets(source: PromptSource, ask: ManyAsk, one: Callable[[str], None]) -> None:
@@ -151,15 +137,25 @@ def plain_texts(source: PromptSource) -> Iterator[str]:
 def check_all(
     source: PromptSource, ask: ManyAsk, tokenizer: Any, config: Any, template: str
 ) -> tuple[int, list[BadLine]]:
-    """Every line checked (before the model loads): the prompts that will run, the bad lines
-    (the first few kept for notes); the first bad one raises unless `skip_bad`."""
+    """Every line checked (before the model loads): the bad lines (the first few kept for
+    notes)."""
+    return _bad_lines(
+        source, ask, lambda line: prepare_line(line, ask, tokenizer, config, template)
+    )
+
+
+def _bad_lines(
+    source: PromptSource, ask: ManyAsk, check: Callable[[PromptLine], object]
+) -> tuple[int, list[BadLine]]:
+    """Every line checked with `check` (BadLine when it is bad): how many are bad, and the
+    first few; the first bad one raises unless `skip_bad`, as does an input without a prompt."""
     good, n_bad = 0, 0
     bad: list[BadLine] = []
     for line in source:
         try:
             if isinstance(line, BadLine):
                 raise line
-            prepare_line(line, ask, tokenizer, config, template)
+            check(line)
             good += 1
         except BadLine as e:
             if not ask.skip_bad:
@@ -168,14 +164,9 @@ def check_all(
             if len(bad) < _SHOWN_BAD:
                 bad.append(e)
     if good == 0:
-        raise _nothing_to_run(n_bad)
+        what = f": all {n_bad} lines are bad" if n_bad else ": the input is empty"
+        raise UsageError("no prompt to run" + what)
     return n_bad, bad
-
-
-def _nothing_to_run(n_bad: int) -> UsageError:
-    return UsageError(
-        "no prompt to run" + (f": all {n_bad} lines are bad" if n_bad else ": the input is empty")
-    )
 
 
 def bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
@@ -186,12 +177,12 @@ def bad_notes(n_bad: int, shown: list[BadLine]) -> list[str]:
     return notes
 
 
-def rows_read(prepared: Prepared) -> int:
-    """How many (prompt, position) rows a prepared line reads."""
+def positions_read(prepared: Prepared) -> list[int]:
+    """The absolute positions a prepared line reads."""
     ask, prompt, listed = prepared
     if listed is not None:
-        return len(listed)
-    return len(prompt.ids) if ask.position is None else 1
+        return listed
+    return list(range(len(prompt.ids))) if ask.position is None else [prompt.index]
 
 
 def windows(
@@ -214,7 +205,7 @@ def windows(
         except BadLine:
             continue
         window.append((line, prepared))
-        n_rows += rows_read(prepared)
+        n_rows += len(positions_read(prepared))
         if len(window) >= WINDOW or (rows is not None and n_rows >= rows):
             yield window
             window, n_rows = [], 0
@@ -315,8 +306,13 @@ class ManyRun:
     def _hand_on(
         self, session: Session, kept: list[tuple[LensReport, PromptLine]], each: OnReport | None
     ) -> None:
-        """A round's reports, and the states saved, handed to rank 0."""
-        _hand_on(session, kept, each)
+        """A round's reports, gathered on rank 0 and handed to `each` there in input order (the
+        round's windows are in rank order), and the states saved, handed to rank 0."""
+        parts = session.gather(list(kept))
+        kept.clear()
+        if each is not None:
+            for report, line in chain.from_iterable(parts or []):
+                each(report, line)
         if self.saver is not None:
             self.saver.hand_on(session)
 
@@ -341,10 +337,8 @@ class ManyRun:
         from embedlens.analysis.lens.engine import BatchItem
 
         items = []
-        for i, (_, (ask, prompt, listed)) in enumerate(window):
-            positions = listed or (
-                list(range(len(prompt.ids))) if ask.position is None else [prompt.index]
-            )
+        for i, (_, prepared) in enumerate(window):
+            prompt, positions = prepared[1], positions_read(prepared)
             other = None if others is None else others[i]
             items.append(BatchItem(prompt.ids, positions, prompt.target_id, prompt.index, other))
         outs = self.batch.run(items)
@@ -361,10 +355,7 @@ class ManyRun:
 
     def report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
         """The report a single run on this prompt gives (notes too)."""
-        o = self.opened
-        around = (o.before, o.after)
-        result = shown_rows(out.result, self.shown)
-        report = lens_report(o.name, o.tokenizer, o.model, result, ask, prompt, around)
+        report = one_report(self.opened, ask, prompt, shown_rows(out.result, self.shown))
         if self.through is None:
             return report
         return dataclasses.replace(report, tuned=self.through.described)
@@ -399,20 +390,6 @@ def shown_rows(result: LensResult, shown: list[int]) -> LensResult:
         return result
     rows = {key: top for key, top in result.rows.items() if key[0] in shown}
     return dataclasses.replace(result, layers=[x for x in result.layers if x in shown], rows=rows)
-
-
-def _hand_on(
-    session: Session, kept: list[tuple[LensReport, PromptLine]], each: OnReport | None
-) -> None:
-    """The reports of a round of windows, gathered on rank 0 and handed to `each` there, in
-    input order (the round's windows are in rank order)."""
-    parts = session.gather(list(kept))
-    kept.clear()
-    if parts is None or each is None:
-        return
-    for part in parts:
-        for report, line in part:
-            each(report, line)
 
 
 class LensStats:

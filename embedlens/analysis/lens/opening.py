@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     from embedlens.io.source import ModelSource
     from embedlens.model.files import ModelFiles
-    from embedlens.model.tokenizer import Vocab
 
 T = TypeVar("T")
 Check = Callable[[Any, Any, str], T]
@@ -200,13 +199,10 @@ def _target_check(source: ModelSource) -> Callable[[str], None]:
     from embedlens.model.file_tokens import file_vocab
 
     assert source.path is not None
-    path = source.path
-    built: list[Vocab] = []
+    built = functools.cache(functools.partial(file_vocab, source.path))
 
     def check(target: str) -> None:  # the tokenizer is built for the first target asked about
-        if not built:
-            built.append(file_vocab(path))
-        vocab = built[0]
+        vocab = built()
         unk = vocab.unk_id
         unk_token = None if unk is None else vocab.piece(unk)
         single_token(target, vocab.encode, vocab.text, unk, unk_token)
@@ -282,43 +278,25 @@ class Prompt:
 
 def make_prompt(ask: Ask, tokenizer: Any, config: PretrainedConfig | None, template: str) -> Prompt:
     """Tokenise the prompt, find the target, and check both fit the model (before any weight
-    is read). `template` names the model's chat template in messages."""
-    own = None if ask.template is None else ask.template[0]
-    name = template if ask.template is None else ask.template[1]
-    text, ids = prompt_ids(tokenizer, ask.prompt, ask.chat, ask.switches, name, config, own)
+    is read). The text run is the prompt as the tokenizer encodes it by default, or after the
+    chat template (the caller's, else the model's, named by `template` in messages; rendered
+    within bounds of time and size, and its text checked against what the model's context
+    could hold before it is tokenised), whose output already holds the special tokens, so
+    none are added again."""
+    if ask.chat is None:
+        text, ids = ask.prompt, encoded(tokenizer, ask.prompt)
+    else:
+        own, name = (None, template) if ask.template is None else ask.template
+        context = context_length(config)
+        text = _render_chat(tokenizer, ask.chat, ask.switches, name, context, own) + ask.prompt
+        ids = encoded(tokenizer, text, add_special_tokens=False)
+    if not ids:
+        raise UsageError("the prompt is empty: it encodes to no tokens")
     target_id = alternative = None
     if ask.target is not None:
         target_id, alternative = target_token(tokenizer, ask.target)
     check_fits(config, ids, ask.layers)
     return Prompt(text, ids, position_index(ask.position, len(ids)), target_id, [], alternative)
-
-
-def prompt_ids(
-    tokenizer: Any,
-    prompt: str,
-    chat: str | None,
-    switches: dict[str, Any],
-    template: str,
-    config: PretrainedConfig | None,
-    chat_template: str | None = None,
-) -> tuple[str, list[int]]:
-    """The text run and its ids: PROMPT as the tokenizer encodes it by default, or after a chat
-    template (whose output already holds the special tokens, so none are added again).
-
-    The template (named by `template`) renders within bounds of time and size, and its text is
-    checked against what the model's context could hold before it is tokenised. A
-    `chat_template` (Jinja text) is used instead of the tokenizer's own.
-    """
-    if chat is None:
-        ids = encoded(tokenizer, prompt)
-        text = prompt
-    else:
-        context = context_length(config)
-        text = _render_chat(tokenizer, chat, switches, template, context, chat_template) + prompt
-        ids = encoded(tokenizer, text, add_special_tokens=False)
-    if not ids:
-        raise UsageError("the prompt is empty: it encodes to no tokens")
-    return text, ids
 
 
 def encoded(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:

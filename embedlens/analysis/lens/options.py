@@ -74,17 +74,12 @@ class ManyAsk:
                    pos is None, self.template, self.sites)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Load:
-    """How to load a model from its files."""
+@dataclass(frozen=True, kw_only=True)
+class Load(LoadOptions):
+    """How to load a model from its files, checked (`loading`)."""
 
-    revision: str | None
-    dtype: str
-    device: str
-    device_map: str | None
-    max_memory: MemoryMap | None
-    offload_folder: Path | None
-    trust_remote_code: bool
+    max_memory: MemoryMap | None = None
+    offload_folder: Path | None = None
 
 
 def ask(prompt: str, asked: LensOptions) -> Ask:
@@ -130,8 +125,16 @@ def many(asked: LensOptions, against: object) -> ManyAsk:
     return ManyAsk(items, positions, asked.top_k, switches, asked.skip_bad, template, sites)
 
 
-def load_options(load: LoadOptions) -> Load:
-    """How to load the model, checked before any file is read."""
+Loading = Load | dict[str, bool]
+"""How to load a model named by its files (checked), or for a model given loaded, which loading
+options were given (it refuses them)."""
+
+
+def loading(model: object, load: LoadOptions) -> Loading:
+    """How to load a model named by its files, checked before any file is read; for a model
+    already loaded, which loading options were given (it refuses them)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return load.given()
     from embedlens.model.loading import check_choices
 
     check_choices(load.dtype, load.device)
@@ -144,29 +147,14 @@ def load_options(load: LoadOptions) -> Load:
         )
     memory = parse_max_memory(max_memory) if isinstance(max_memory, str) else max_memory
     folder = None if offload_folder is None else Path(offload_folder)
-    check_offload_folder(folder)
-    return Load(
-        load.revision,
-        load.dtype,
-        load.device,
-        device_map,
-        None if memory is None else dict(memory),
-        folder,
-        load.trust_remote_code,
-    )
-
-
-Loading = Load | dict[str, bool]
-"""How to load a model named by its files (checked), or for a model given loaded, which loading
-options were given (it refuses them)."""
-
-
-def loading(model: object, load: LoadOptions) -> Loading:
-    """How to load a model named by its files, checked; for a model already loaded, which
-    loading options were given (it refuses them)."""
-    if isinstance(model, (str, os.PathLike)):
-        return load_options(load)
-    return load.given()
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise UsageError(
+            f"--offload-folder '{folder}' is not a folder",
+            hint="name a folder (it is made if missing), or leave the option out for a "
+            "temporary one",
+        )
+    checked = {"max_memory": None if memory is None else dict(memory), "offload_folder": folder}
+    return Load(**{**vars(load), **checked})
 
 
 def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:
@@ -336,16 +324,6 @@ def parse_max_memory(spec: str) -> MemoryMap:
     return out
 
 
-def check_offload_folder(folder: Path | None) -> None:
-    """--offload-folder must be a folder, or not exist yet (it is made then)."""
-    if folder is not None and folder.exists() and not folder.is_dir():
-        raise UsageError(
-            f"--offload-folder '{folder}' is not a folder",
-            hint="name a folder (it is made if missing), or leave the option out for a "
-            "temporary one",
-        )
-
-
 _OPTION = "an option of transformers' apply_chat_template, not a template variable"
 RESERVED_TEMPLATE_ARGS: dict[str, str] = {
     "conversation": "the conversation is the --chat message (the template reads it as messages)",
@@ -382,7 +360,6 @@ def template_switches(
     where they parse as JSON, else the text); none may take a name the chat call uses itself."""
     import json
 
-    out: dict[str, Any] = {}
     if isinstance(args, Mapping):
         given = dict(args)
     else:
@@ -405,10 +382,7 @@ def template_switches(
                 hint="template arguments are the chat template's own variables "
                 "(such as enable_thinking)",
             )
-    if no_thinking:
-        out["enable_thinking"] = False
-    out.update(given)
-    return out
+    return ({"enable_thinking": False} if no_thinking else {}) | given
 
 
 def user_template(
