@@ -381,6 +381,7 @@ def test_help_says_float32(cli):
         (["", "-k", "3"], "the prompt is empty"),
         ([PROMPT, "--layers", "9"], "layer 9 is out of range: the model has layers 0..3"),
         ([PROMPT, "--layers", "0:9"], "layer 9 is out of range"),
+        ([PROMPT, "--layers", "4:4"], "layer 4 is out of range"),  # a start is no stop
         ([PROMPT, "--layers", "1-2"], "malformed --layers '1-2'"),
         ([PROMPT, "--layers", "0,,2"], "malformed --layers"),
         ([PROMPT, "--layers", "a:b"], "malformed --layers"),

@@ -261,9 +261,9 @@ def resolve_layers(items: list[LayerItem] | None, num_layers: int) -> list[int]:
             out.append(n % (top + 1))
         else:
             start, stop, step = item
-            for bound in (start, stop):
+            for bound, is_stop in ((start, False), (stop, True)):
                 if bound is not None:
-                    check(bound, stop=bound is stop)
+                    check(bound, stop=is_stop)
             out.extend(range(top + 1)[slice(start, stop, step)])
     if not out:
         raise UsageError("--layers selects no layer")
