@@ -281,17 +281,13 @@ def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> No
 
 
 def _plot(report: LensReport | LensSummaryReport, plot: Path | None) -> None:
-    """The plot asked for: with --against the KL curves, else one prompt's heatmap or the
-    summary's curves."""
+    """The plot asked for: one prompt's heatmap without --against, else the curves (the
+    summary's, or the KL curves of A against B)."""
     from embedlens.reports.lens import LensReport
 
     if plot is None:
         return
-    if report.diff is not None:
-        from embedlens.views.curves import save_diff_curves
-
-        save_diff_curves(report, plot)
-    elif isinstance(report, LensReport):
+    if isinstance(report, LensReport) and report.diff is None:
         from embedlens.views.heatmap import save_heatmap
 
         for text in save_heatmap(report, plot):

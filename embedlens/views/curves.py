@@ -15,7 +15,7 @@ from typing import Any
 
 from embedlens.reports.lens import LensReport, LensSummaryReport
 from embedlens.views.format import lens_name
-from embedlens.views.heatmap import drawn, write_page, write_plot
+from embedlens.views.heatmap import drawn, pyplot, write_page, write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
@@ -30,16 +30,6 @@ output: on a linear axis layer 0 flattens every later layer into the floor, so i
 log scale that stays linear near 0 (symlog), where the output's 0 sits."""
 KL_LINEAR_BELOW = 0.01
 """The symlog KL axis is linear from 0 to this many nats, logarithmic above."""
-
-
-def _pyplot() -> Any:
-    """matplotlib's pyplot, drawing off screen."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _layer_axis(ax: Any) -> None:
@@ -58,7 +48,7 @@ def _titled(fig: Any, title: str, size: int) -> Any:
 
 def figure(report: LensSummaryReport) -> Any:
     """The curves as a matplotlib Figure: one panel per statistic that has values."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [
         (key, label, scale)
         for key, label, scale in PANELS
@@ -93,7 +83,7 @@ def figure(report: LensSummaryReport) -> Any:
 
 def diff_figure(report: LensReport | LensSummaryReport) -> Any:
     """The two curves of A against B as a matplotlib Figure, the first divergent layer marked."""
-    plt = _pyplot()
+    plt = pyplot()
     d = report.diff
     assert d is not None
     layers = [row.layer for row in d.layers]
@@ -145,14 +135,14 @@ def _diff_title(report: LensReport | LensSummaryReport) -> str:
     return f"{report.display_model} (A) against {report.diff.against} (B), {where}"
 
 
-def save_curves(report: LensSummaryReport, path: Path) -> None:
-    """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
-    save_figure(lambda: figure(report), _title(report), path)
-
-
-def save_diff_curves(report: LensReport | LensSummaryReport, path: Path) -> None:
-    """Write the curves of A against B to `path`: .png, .svg, or .html (the SVG inside a page)."""
-    save_figure(lambda: diff_figure(report), _diff_title(report), path)
+def save_curves(report: LensReport | LensSummaryReport, path: Path) -> None:
+    """Write the curves to `path` (.png, .svg, or .html: the SVG inside a page): A against B's
+    with --against, else the summary's."""
+    if report.diff is not None:
+        save_figure(lambda: diff_figure(report), _diff_title(report), path)
+    else:
+        assert isinstance(report, LensSummaryReport)
+        save_figure(lambda: figure(report), _title(report), path)
 
 
 def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:

@@ -75,6 +75,16 @@ def check_plot_file(path: Path) -> None:
         )
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing off screen."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _width(text: str) -> int:
     """Columns the text takes: a wide (CJK, fullwidth) character counts twice."""
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
@@ -255,11 +265,7 @@ def texts(report: LensReport) -> list[str]:
 def figure(report: LensReport) -> Any:
     """The heatmap as a matplotlib Figure (the grid's last layer at the top), with a column of
     the target's probability beside it when the report follows one."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if report.grid is None:
         raise EmbedlensError("there is no layer x position grid to draw")
     rows = list(reversed(report.grid))
