@@ -9,7 +9,7 @@ prints the report, with the warnings, notes and plot that go to stderr and files
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -269,11 +269,8 @@ def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> No
         checks.append((f"the logits of '{diff.against}'", diff.against_check))
     for whose, c in checks:
         if not c.ok:
-            warn(
-                f"the lens does not reproduce {whose} (max |Δ| = "
-                f"{c.max_abs_logit_diff:.3g} > {c.tolerance:.3g}): its rows are not faithful "
-                f"for this architecture; suspect: {c.suspect}"
-            )
+            how = f"(max |Δ| = {c.max_abs_logit_diff:.3g} > {c.tolerance:.3g})"
+            _unfaithful(whose, how, f"; suspect: {c.suspect}")
     say_notes(report)
     if saved is not None:
         note(f"wrote the states to {saved}")
@@ -281,17 +278,13 @@ def _say(report: LensReport, plot: Path | None, saved: Path | None = None) -> No
 
 
 def _plot(report: LensReport | LensSummaryReport, plot: Path | None) -> None:
-    """The plot asked for: with --against the KL curves, else one prompt's heatmap or the
-    summary's curves."""
+    """The plot asked for: one prompt's heatmap without --against, else the curves (the
+    summary's, or the KL curves of A against B)."""
     from embedlens.reports.lens import LensReport
 
     if plot is None:
         return
-    if report.diff is not None:
-        from embedlens.views.curves import save_diff_curves
-
-        save_diff_curves(report, plot)
-    elif isinstance(report, LensReport):
+    if isinstance(report, LensReport) and report.diff is None:
         from embedlens.views.heatmap import save_heatmap
 
         for text in save_heatmap(report, plot):
@@ -348,14 +341,23 @@ def _prompts(model: str, given: dict[str, Any], load: LoadOptions, asked: LensOp
         note(f"wrote each prompt's states to {save} (a file a line)")
 
 
+def _unfaithful(whose: str, how: str, then: str = "") -> None:
+    """The warning that the lens does not reproduce `whose` logits (`how`: by how much, or on
+    how many prompts)."""
+    warn(
+        f"the lens does not reproduce {whose} {how}: its rows are not faithful for this "
+        f"architecture{then}"
+    )
+
+
+@dataclass
 class _Shown:
     """What each prompt prints: its JSON line, or its table with --each; notes once each."""
 
-    def __init__(self, *, as_json: bool, each: bool) -> None:
-        self.as_json = as_json
-        self.each = each
-        self.noted: set[str] = set()
-        self.unfaithful = 0
+    as_json: bool
+    each: bool
+    noted: set[str] = field(default_factory=set)
+    unfaithful: int = 0
 
     def report(self, report: LensReport, line: PromptLine) -> None:
         if not report.check.ok:
@@ -374,19 +376,13 @@ class _Shown:
 
     def finish(self, summary: LensSummaryReport, plot: Path | None) -> None:
         """The warning when some prompts were not faithful, the notes, then the plot."""
+        of = f"of {summary.n_prompts} prompts"
         if self.unfaithful:
-            warn(
-                f"the lens does not reproduce this model's logits on {self.unfaithful} of "
-                f"{summary.n_prompts} prompts: its rows are not faithful for this architecture "
-                "(run one of them alone to see the suspect step)"
-            )
+            alone = " (run one of them alone to see the suspect step)"
+            _unfaithful("this model's logits", f"on {self.unfaithful} {of}", alone)
         diff = summary.diff
         if diff is not None and diff.n_against_unfaithful:
-            warn(
-                f"the lens does not reproduce the logits of '{diff.against}' on "
-                f"{diff.n_against_unfaithful} of {summary.n_prompts} prompts: its rows "
-                "are not faithful for this architecture"
-            )
+            _unfaithful(f"the logits of '{diff.against}'", f"on {diff.n_against_unfaithful} {of}")
         self.notes(summary.notes)
         _plot(summary, plot)
 

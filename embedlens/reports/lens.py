@@ -239,24 +239,23 @@ class LensDiffLayer:
 
 
 @dataclass(frozen=True)
-class LensDiff:
-    """A's lens against B's at one position (`lens --against`).
-
-    A (MODEL) and B (--against) read the same prompt ids. At each layer: `kl` is KL(P_A ‖ P_B) in
-    nats, each model's lens through its own decoder (the last layer: the two models' own
-    outputs); `residual_kl` is KL(P_A ‖ A's decoder applied to B's residual stream), both through
-    A's decoder at every layer, the last too, so it is 0 wherever the two residual streams are
-    equal whatever the heads do; `top1_agree` compares the two lenses' top-1 tokens;
-    `target_logprob_delta` is B's log-probability of the --target token minus A's.
-    `first_divergent_layer` is the first layer whose `kl` (over many prompts, mean `kl`) exceeds
-    `threshold`, among every layer whether `layers` holds it or not.
-    """
+class Parting:
+    """Where B (--against) parts from A (MODEL), both reading the same prompt ids."""
 
     against: str
     """B, as given."""
     threshold: float
     """The KL (nats) above which a layer counts as divergent."""
     first_divergent_layer: int | None
+    """The first layer whose `kl` (over many prompts, mean `kl`) exceeds `threshold`, among every
+    layer whether `layers` holds it or not."""
+
+
+@dataclass(frozen=True)
+class LensDiff(Parting):
+    """A's lens against B's at one position (`lens --against`), layer by layer (`LensDiffLayer`:
+    each model's lens through its own decoder, the last layer the two models' own outputs)."""
+
     layers: list[LensDiffLayer]
     against_check: LensCheck
     """B's own self-check: decoding its last block's output reproduces its logits."""
@@ -280,13 +279,9 @@ class LensDiffLayerStats:
 
 
 @dataclass(frozen=True)
-class LensSummaryDiff:
+class LensSummaryDiff(Parting):
     """A against B over many prompts."""
 
-    against: str
-    threshold: float
-    first_divergent_layer: int | None
-    """The first layer whose mean `kl` exceeds `threshold`."""
     layers: list[LensDiffLayerStats]
     n_against_unfaithful: int
     """Prompts on which B's self-check failed (its lens does not reproduce its logits)."""
@@ -358,27 +353,29 @@ class SiteStats(LensLayerStats):
 
 
 @dataclass(frozen=True)
-class SiteDiff:
-    """One row inside the blocks of `lens --against --site`: KL(P_A ‖ P_B) in nats at the
-    position read, each model's row through its own decoder, and whether the top-1 agree."""
+class SiteKL:
+    """One row inside the blocks, A against B: KL(P_A ‖ P_B) in nats, each model's row through
+    its own decoder."""
 
     layer: int
     site: str
     row: str
     kl: float
+
+
+@dataclass(frozen=True)
+class SiteDiff(SiteKL):
+    """One row inside the blocks of `lens --against --site` at the position read, and whether
+    the top-1 agree."""
+
     top1_agree: bool
 
 
 @dataclass(frozen=True)
-class SiteDiffStats:
+class SiteDiffStats(SiteKL):
     """One row inside the blocks of `lens --prompts --against --site`, over every prompt and
-    position read: the mean KL(P_A ‖ P_B) in nats (each model's row through its own decoder)
-    and the fraction of rows whose top-1 agree."""
+    position read: the mean KL and the fraction of rows whose top-1 agree."""
 
-    layer: int
-    site: str
-    row: str
-    kl: float
     top1_agreement: float
 
 

@@ -15,7 +15,7 @@ def load_views() -> None:
     from embedlens.views import (  # noqa: F401
         addr,
         html,
-        lens_report,
+        lens,
         lens_text,
         neighbors,
         params,

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from embedlens.reports.lens import LensReport, LensSummaryReport
+from embedlens.reports.lens import LensDiff, LensReport, LensSummaryDiff, LensSummaryReport
 from embedlens.views.format import lens_name
-from embedlens.views.heatmap import drawn, write_page, write_plot
+from embedlens.views.heatmap import drawn, pyplot, write_page, write_plot
 
 PANELS = (
     ("kl", "KL(output ‖ lens), nats (log scale)", "symlog"),
@@ -32,21 +32,13 @@ KL_LINEAR_BELOW = 0.01
 """The symlog KL axis is linear from 0 to this many nats, logarithmic above."""
 
 
-def _pyplot() -> Any:
-    """matplotlib's pyplot, drawing off screen."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _layer_axis(ax: Any) -> None:
-    """Layers along x: whole numbers, 0 the embedding output."""
+    """Layers along x: whole numbers, 0 the embedding output; a light grid."""
     from matplotlib.ticker import MaxNLocator
 
+    ax.set_xlabel("layer (0 = embedding output)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
 
 
 def _titled(fig: Any, title: str, size: int) -> Any:
@@ -56,9 +48,13 @@ def _titled(fig: Any, title: str, size: int) -> Any:
     return fig
 
 
-def figure(report: LensSummaryReport) -> Any:
-    """The curves as a matplotlib Figure: one panel per statistic that has values."""
-    plt = _pyplot()
+def figure(report: LensReport | LensSummaryReport) -> Any:
+    """The curves as a matplotlib Figure: one panel per statistic that has values; with
+    --against, A against B's (`_diff_figure`)."""
+    if report.diff is not None:
+        return _diff_figure(report, report.diff)
+    assert isinstance(report, LensSummaryReport)
+    plt = pyplot()
     panels = [
         (key, label, scale)
         for key, label, scale in PANELS
@@ -76,9 +72,7 @@ def figure(report: LensSummaryReport) -> Any:
         if len(by_site) > 1:
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("layer (0 = embedding output)")
         _layer_axis(ax)
-        ax.grid(alpha=0.3)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=KL_LINEAR_BELOW)
             ax.set_ylim(bottom=0)
@@ -91,11 +85,9 @@ def figure(report: LensSummaryReport) -> Any:
     return _titled(fig, _title(report), 11)
 
 
-def diff_figure(report: LensReport | LensSummaryReport) -> Any:
+def _diff_figure(report: LensReport | LensSummaryReport, d: LensDiff | LensSummaryDiff) -> Any:
     """The two curves of A against B as a matplotlib Figure, the first divergent layer marked."""
-    plt = _pyplot()
-    d = report.diff
-    assert d is not None
+    plt = pyplot()
     layers = [row.layer for row in d.layers]
     fig, ax = plt.subplots(figsize=(7.0, 3.8))
     ax.plot(layers, [row.kl for row in d.layers], marker="o", markersize=3, label="KL(A ‖ B)")
@@ -112,11 +104,9 @@ def diff_figure(report: LensReport | LensSummaryReport) -> Any:
     ax.axhline(d.threshold, color="grey", linewidth=0.8, linestyle=":")
     if d.first_divergent_layer is not None:
         ax.axvline(d.first_divergent_layer, color="red", linewidth=0.8, linestyle="--")
-    ax.set_xlabel("layer (0 = embedding output)")
     ax.set_ylabel("nats")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _titled(fig, _diff_title(report), 10)
+    return _titled(fig, _title(report), 10)
 
 
 def _by_site(rows: list[Any]) -> dict[str | None, list[Any]]:
@@ -127,32 +117,25 @@ def _by_site(rows: list[Any]) -> dict[str | None, list[Any]]:
     return out
 
 
-def _title(report: LensSummaryReport) -> str:
-    where = "last position" if report.position == -1 else f"positions: {report.position}"
-    return (
-        f"{lens_name(report)} of {report.display_model} over {report.n_prompts} prompts "
-        f"({report.n_positions} positions read, {where})"
-    )
-
-
-def _diff_title(report: LensReport | LensSummaryReport) -> str:
-    where = (
-        f"over {report.n_prompts} prompts"
-        if isinstance(report, LensSummaryReport)
-        else f"at position {report.position_index}"
-    )
-    assert report.diff is not None
+def _title(report: LensReport | LensSummaryReport) -> str:
+    """The figure's title: which lens read which model (against which B), over what."""
+    if isinstance(report, LensReport):
+        assert report.diff is not None  # one prompt draws curves only against B
+        where = f"at position {report.position_index}"
+    elif report.diff is None:
+        read = "last position" if report.position == -1 else f"positions: {report.position}"
+        return (
+            f"{lens_name(report)} of {report.display_model} over {report.n_prompts} prompts "
+            f"({report.n_positions} positions read, {read})"
+        )
+    else:
+        where = f"over {report.n_prompts} prompts"
     return f"{report.display_model} (A) against {report.diff.against} (B), {where}"
 
 
-def save_curves(report: LensSummaryReport, path: Path) -> None:
-    """Write the curves to `path`: .png, .svg, or .html (the SVG inside a page)."""
+def save_curves(report: LensReport | LensSummaryReport, path: Path) -> None:
+    """Write the curves (`figure`) to `path`: .png, .svg, or .html (the SVG inside a page)."""
     save_figure(lambda: figure(report), _title(report), path)
-
-
-def save_diff_curves(report: LensReport | LensSummaryReport, path: Path) -> None:
-    """Write the curves of A against B to `path`: .png, .svg, or .html (the SVG inside a page)."""
-    save_figure(lambda: diff_figure(report), _diff_title(report), path)
 
 
 def save_figure(make: Callable[[], Any], title: str, path: Path) -> None:

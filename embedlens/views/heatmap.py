@@ -12,7 +12,6 @@ positions, consecutive positions share a column (their mean). The figure and a n
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import html
 import importlib.util
@@ -20,12 +19,12 @@ import io
 import unicodedata
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from embedlens.errors import EmbedlensError, MissingDependencyError, UsageError
-from embedlens.reports.lens import GridRow, LensReport, SiteGridRow, TargetAt
+from embedlens.reports.lens import GridCell, GridRow, LensReport, SiteGridRow, TargetAt
 from embedlens.text import visible
 from embedlens.views.format import lens_name, prob
 from embedlens.views.lens import layer_label, row_label
@@ -73,6 +72,16 @@ def check_plot_file(path: Path) -> None:
         raise MissingDependencyError(
             "--plot needs matplotlib", hint="pip install 'embedlens[plot]'"
         )
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing off screen."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _width(text: str) -> int:
@@ -255,11 +264,7 @@ def texts(report: LensReport) -> list[str]:
 def figure(report: LensReport) -> Any:
     """The heatmap as a matplotlib Figure (the grid's last layer at the top), with a column of
     the target's probability beside it when the report follows one."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if report.grid is None:
         raise EmbedlensError("there is no layer x position grid to draw")
     rows = list(reversed(report.grid))
@@ -276,12 +281,11 @@ def figure(report: LensReport) -> Any:
     image = _draw_grid(ax, report, rows, layout, drawn)
     if targets:
         _draw_target(axes[1], report, targets, layout)
-    title = fig.suptitle(
+    fig.suptitle(
         f"{lens_name(report)}: {report.display_model} ({report.dtype}): top-1 at every layer "
         "and position",
         fontsize=10,
-    )
-    title.set_parse_math(False)
+    ).set_parse_math(False)
     fig.colorbar(image, ax=axes, fraction=0.03, pad=0.02, label="probability")
     return fig
 
@@ -296,13 +300,13 @@ def _draw_grid(
         starts = list(range(0, drawn.positions, drawn.group))
         sizes = np.array([len(drawn.shown(c)) for c in range(drawn.columns)])
         probs = np.add.reduceat(probs, starts, axis=1) / sizes
-    image = ax.imshow(probs, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
-    if drawn.text:
-        for y, row in enumerate(rows):
-            for x, cell in enumerate(row.cells):
-                text = label(cell.token, layout.limit)
-                text += "\n" + prob(cell.prob, cell.logprob, 2) if layout.probs else ""
-                _put(ax, x, y, text, cell.prob, layout)
+
+    def text(c: GridCell) -> str:
+        under = "\n" + prob(c.prob, c.logprob, 2) if layout.probs else ""
+        return label(c.token, layout.limit) + under
+
+    texts = [[text(c) for c in row.cells] for row in rows] if drawn.text else []
+    image = _paint(ax, probs, texts, layout)
     positions = [c.position for c in rows[0].cells]
     ax.set_xticks(drawn.labelled())
     ax.set_xticklabels(
@@ -311,9 +315,8 @@ def _draw_grid(
         ha="right",
         rotation_mode="anchor",
         fontsize=8,
+        parse_math=False,
     )
-    for tick in ax.get_xticklabels():
-        tick.set_parse_math(False)
     ax.set_yticks(range(len(rows)))
     n = report.num_layers
     labels = [
@@ -349,18 +352,19 @@ def _x_title(drawn: Plan) -> str:
     )
 
 
-def _put(ax: Any, x: int, y: int, text: str, p: float, layout: _Layout) -> None:
-    ax.text(
-        x,
-        y,
-        text,
-        ha="center",
-        va="center",
-        fontsize=layout.font,
-        linespacing=1.1,
-        color="white" if p > 0.55 else "black",
-        parse_math=False,
-    )
+_CELL_TEXT = {"ha": "center", "va": "center", "linespacing": 1.1, "parse_math": False}
+"""How a cell's text is drawn (its size and colour aside)."""
+
+
+def _paint(ax: Any, probs: Any, texts: list[list[str]], layout: _Layout) -> Any:
+    """The probabilities as colours (0 white, 1 blue), each cell's text (if any) over its
+    colour, in the colour that reads on it."""
+    image = ax.imshow(probs, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
+    for y, row in enumerate(texts):
+        for x, text in enumerate(row):
+            color = "white" if probs[y][x] > 0.55 else "black"
+            ax.text(x, y, text, fontsize=layout.font, color=color, **_CELL_TEXT)
+    return image
 
 
 def _key(row: Any) -> tuple[int, str]:
@@ -382,18 +386,16 @@ def _draw_target(ax: Any, report: LensReport, column: list[TargetAt], layout: _L
     import numpy as np
 
     assert report.target is not None
-    ax.imshow(np.array([[t.prob] for t in column]), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
-    for y, t in enumerate(column):
-        text = prob(t.prob, t.logprob, 2) + ("\n#" + str(t.rank) if layout.probs else "")
-        _put(ax, 0, y, text, t.prob, dataclasses.replace(layout, font=CELL_FONT))
+    texts = [
+        [prob(t.prob, t.logprob, 2) + ("\n#" + str(t.rank) if layout.probs else "")] for t in column
+    ]
+    _paint(ax, np.array([[t.prob] for t in column]), texts, replace(layout, font=CELL_FONT))
     ax.set_yticks(range(len(column)))
     ax.set_yticklabels([])
     ax.set_xticks([0])
-    ax.set_xticklabels([label(report.target.token, TICK_LABEL)], fontsize=8)
-    ax.get_xticklabels()[0].set_parse_math(False)
+    ax.set_xticklabels([label(report.target.token, TICK_LABEL)], fontsize=8, parse_math=False)
     read = label(report.tokens[report.position_index].token, TICK_LABEL)
-    heading = ax.set_title(f"target\n(after {read})\np, #rank", fontsize=7)
-    heading.set_parse_math(False)
+    ax.set_title(f"target\n(after {read})\np, #rank", fontsize=7).set_parse_math(False)
 
 
 _NO_METADATA: dict[str, str | None] = {"Date": None, "Creator": None, "Type": None, "Format": None}

@@ -1,11 +1,14 @@
-"""What every `lens` table is made of, and how the report is shown without --against.
+"""How the two `lens` report shapes are shown: one prompt's (`LensReport`) and the `--prompts`
+summary's (`LensSummaryReport`), each with the parts it holds.
 
 Every column of every lens table is declared once in `COLUMNS` (its name, header, how a row's
 cell is read and written, its alignment); a table is a list of their names, built by `sheet`.
 One prompt (`render`): the prompt's tokens, a row per layer (with --site a row per (layer,
 site), what each piece does to the lens), the grid, the blocks' sums and the self-check. Many
-prompts (`render_summary`): a row per layer (or (layer, site)) of statistics. `lens_report`
-adds the tables of A against B.
+prompts (`render_summary`): a row per layer (or (layer, site)) of statistics. With --against
+(`_pair`, `_pair_summary`): each model's top-1, whether they agree, KL(A ‖ B) and the residual
+KL, the --target's log-probability change (over many prompts, the per-layer means), both
+self-checks, and with --site where inside the blocks the two part.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from typing import Any, Literal
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from embedlens.reports import register_view
 from embedlens.reports.lens import (
     BlockSums,
+    LensCheck,
+    LensDiff,
     LensReport,
+    LensSummaryDiff,
     LensSummaryReport,
     Prediction,
     SiteChange,
@@ -57,11 +64,6 @@ class Column:
         """The cell of `row` (of the report `r`)."""
         value = getattr(row, self.read) if isinstance(self.read, str) else self.read(r, row)
         return self.show(value)
-
-
-def nats(value: float | None) -> str:
-    """A KL or a log-probability change, three significant digits ('-' when there is none)."""
-    return "-" if value is None else f"{value:.3g}"
 
 
 def _spec(spec: str) -> Callable[[float | None], str]:
@@ -120,12 +122,8 @@ def row_label(
 ) -> str:
     """`3.attn`, `3.mid`, `3.mlp`, `3`; the embedding and the output named as the lens names
     them."""
-    label = row.row or str(row.layer)
-    if row.site == "resid" and row.layer == 0:
-        return label + " emb"
-    if row.site == "resid" and row.layer == num_layers:
-        return label + " out"
-    return label
+    end = {0: " emb", num_layers: " out"}.get(row.layer, "") if row.site == "resid" else ""
+    return (row.row or str(row.layer)) + end
 
 
 def runners_up(top: Sequence[Prediction]) -> Words:
@@ -143,6 +141,8 @@ def runners_up(top: Sequence[Prediction]) -> Words:
 
 
 _FIXED, _RATE, _SHORT = _spec(".3f"), _spec(".1%"), _spec("g")
+nats = _spec(".3g")
+"""A KL or a log-probability change, three significant digits ('-' when there is none)."""
 
 COLUMNS = {
     c.name: c
@@ -166,7 +166,7 @@ COLUMNS = {
         Column("logit kl", "logit KL", lambda r, row: _logit(r, row).kl, _FIXED),
         Column("logit top-1", "logit top-1", lambda r, row: _logit(r, row).top1_agreement, _RATE),
         Column("change kl", "change KL", "change_kl", nats),
-        Column("mean p", "p(target)", "target_prob", _spec(".3g")),
+        Column("mean p", "p(target)", "target_prob", nats),
         Column("mean log p", "log p(target)", "target_logprob", _FIXED),
         Column("median rank", "median rank", "target_rank_median", _SHORT),
         Column("next rank", "next rank", "next_rank_median", _SHORT),
@@ -227,20 +227,26 @@ def title_over(r: LensSummaryReport, head: str) -> Words:
     return shown(head + over, "table.title")
 
 
+def _head(r: LensReport | LensSummaryReport) -> str:
+    """A table's head: which lens read which model (against which B, or inside the blocks)."""
+    if r.diff is None and r.sites is not None:
+        return f"Logit lens inside the blocks of {r.display_model}"
+    head = f"{lens_name(r)} of {r.display_model}"
+    return head if r.diff is None else f"{head} (A) against {r.diff.against} (B)"
+
+
 def render(r: LensReport) -> RenderableType:
     """The prompt's tokens, one row per layer (with --site per (layer, site)), the grid, the
-    blocks' sums and the self-check."""
+    blocks' sums and the self-check; with --against, A against B (`_pair`)."""
+    if r.diff is not None:
+        return _pair(r, r.diff)
     names = ["row", "read"] if r.sites is not None else ["layer"]
     names += ["top-1", "p"]
     names += ["next"] if r.layers and len(r.layers[0].top) > 1 else []
     names += ["p(target)", "rank"] if r.target is not None else []
     if any(isinstance(row, SiteLayer) and row.change is not None for row in r.layers):
         names += ["change", "gained"]
-    if r.sites is None:
-        title = title_after(r, f"{lens_name(r)} of {r.display_model}")
-    else:
-        sites = f"; sites {', '.join(r.sites)}"
-        title = title_after(r, f"Logit lens inside the blocks of {r.display_model}", sites)
+    title = title_after(r, _head(r), "" if r.sites is None else f"; sites {', '.join(r.sites)}")
     parts: list[RenderableType] = [tokens_line(r), sheet(r, title, names, r.layers)]
     if r.grid is not None:
         parts.append(_grid(r))
@@ -278,7 +284,10 @@ def _grid(r: LensReport) -> Sheet:
 
 def render_summary(r: LensSummaryReport) -> RenderableType:
     """The per-layer statistics (with --site per (layer, site), a piece's change KL beside),
-    a line saying what they were taken over, and the blocks' sums."""
+    a line saying what they were taken over, and the blocks' sums; with --against, A against B
+    (`_pair_summary`)."""
+    if r.diff is not None:
+        return _pair_summary(r, r.diff)
     sites = r.sites is not None
     names = ["row", "kl", "entropy", "agrees", "change kl"] if sites else ["layer"]
     names += [] if sites else ["kl", "entropy", "agrees"]
@@ -291,16 +300,15 @@ def render_summary(r: LensSummaryReport) -> RenderableType:
     ranked = ranked and any(row.next_rank_median is not None for row in r.layers)
     names += ["next rank"] if ranked else []
     if sites:
-        title = title_over(r, f"Logit lens inside the blocks of {r.display_model}")
         line = (
             "KL(model's output ‖ row) and the row's entropy in nats; attn_out and mlp_out rows: "
             "the piece decoded directly, and change KL: the mean KL(lens after it ‖ before it)"
         )
     else:
-        title = title_over(r, f"{lens_name(r)} of {r.display_model}")
         line = _summary_line(r, targets, ranked)
     # Headers wrap at their spaces on a narrow terminal; the figures never do.
-    parts: list[RenderableType] = [sheet(r, title, names, r.layers, no_wrap=False)]
+    table = sheet(r, title_over(r, _head(r)), names, r.layers, no_wrap=False)
+    parts: list[RenderableType] = [table]
     parts.append(Text(line + ".", style="dim"))
     if r.block_sums is not None:
         parts.append(sums_line(r.block_sums))
@@ -325,9 +333,116 @@ def _summary_line(r: LensSummaryReport, targets: bool, ranked: bool) -> str:
     return line
 
 
+def _pair(r: LensReport, d: LensDiff) -> RenderableType:
+    """One prompt, A against B: the table, what it says, both self-checks."""
+    names = ["layer", "A top-1", "A p", "B top-1", "B p", "agree", "KL(A‖B)", "residual KL"]
+    delta = None
+    if r.target is not None:  # the token kept whole: a line never breaks at its leading space
+        delta = Words("Δ log p: B's log-probability of ").token(r.target.token).add(" minus A's")
+    names += [] if delta is None else ["Δ log p"]
+    table = sheet(r, title_after(r, _head(r)), names, d.layers)
+    states = r.states  # A from a states file: its check said on its own line
+    lines: list[RenderableType] = [tokens_line(r), table, _legend(d, "", delta)]
+    lines.append(_checks(None if states is not None else r.check, d.against_check))
+    if states is not None:
+        lines.append(render_check(r))
+    if r.tuned is not None:  # both models read through one tuned lens
+        lines.append(
+            shown(
+                f"Both models read through the tuned lens in '{r.tuned.path}' (its translator at "
+                f"layers 0-{r.num_layers - 1}), then each model's own decoder.",
+                style="dim",
+            )
+        )
+    return _with_sites(r, Group(*lines))
+
+
+def _pair_summary(r: LensSummaryReport, d: LensSummaryDiff) -> RenderableType:
+    """Many prompts, A against B: the per-layer means over every prompt and position read."""
+    names = ["layer", "KL(A‖B)", "residual KL", "agrees"]
+    delta = None
+    if any(row.target_logprob_delta is not None for row in d.layers):
+        delta = "Δ log p: B's log-probability of each prompt's target minus A's"
+    names += [] if delta is None else ["Δ log p"]
+    table = sheet(r, title_over(r, _head(r)), names, d.layers)
+    parts: list[RenderableType] = [table, _legend(d, "mean ", delta)]
+    if d.n_against_unfaithful:
+        parts.append(
+            Text(
+                f"✗ B's lens does not reproduce its own logits on {d.n_against_unfaithful} "
+                "prompts: its rows there are not faithful",
+                style="bold red",
+            )
+        )
+    return _with_sites(r, Group(*parts), f" over {r.n_prompts} prompts")
+
+
+def _legend(d: LensDiff | LensSummaryDiff, mean: str, delta: str | Words | None) -> Text:
+    """What the columns mean (`delta`: what it says of the --target's change, if shown), and
+    where the two models part (among every layer, shown or not)."""
+    first, threshold = d.first_divergent_layer, d.threshold
+    if first is None:
+        where = f"No layer diverges ({mean}KL ≤ {threshold:.3g} nats at every layer)"
+    elif first in {row.layer for row in d.layers}:
+        where = f"First divergent layer: {first}{MARK} ({mean}KL > {threshold:.3g} nats)"
+    else:
+        where = (
+            f"First divergent layer: {first} ({mean}KL > {threshold:.3g} nats), not among the "
+            "layers shown"
+        )
+    line = shown(
+        "KL in nats, each model's lens through its own decoder; residual KL: A's decoder on "
+        "B's residual stream (0 where the two streams are equal)",
+        style="dim",
+    )
+    if delta is not None:
+        line.add("; ").add(delta)
+    return line.add(f". {where}.")
+
+
+def _checks(a: LensCheck | None, b: LensCheck) -> Text:
+    """Both self-checks on one line (B's alone without A's)."""
+
+    def one(name: str, c: LensCheck) -> str:
+        sign = "≤" if c.ok else ">"
+        verdict = (
+            "reproduces its logits" if c.ok else f"does NOT reproduce its logits ({c.suspect})"
+        )
+        return f"{name} {verdict} (max |Δ| = {c.max_abs_logit_diff:.2g} {sign} {c.tolerance:.0e})"
+
+    ok = (a is None or a.ok) and b.ok
+    mine = "" if a is None else f"{one('A', a)}; "
+    return _verdict("✓ " if ok else "✗ NOT FAITHFUL ", f"self-check: {mine}{one('B', b)}.")
+
+
+def _with_sites(
+    r: LensReport | LensSummaryReport, pair: RenderableType, over: str = ""
+) -> RenderableType:
+    """The pair's tables (`pair`), then (with --site) its rows inside the blocks and where the
+    two models part (`over` many prompts: the means)."""
+    if r.sites is None:
+        return pair
+    assert r.site_diff is not None and r.diff is not None
+    title = f"Inside the blocks: {r.display_model} against {r.diff.against}{over}"
+    title += f" (sites {', '.join(r.sites)})"
+    names = (
+        ["site row", "site mean KL", "agrees"] if over else ["site row", "site KL", "site top-1"]
+    )
+    table = sheet(r, shown(title, "table.title"), names, r.site_diff)
+    mean = "mean " if over else ""
+    if r.parts_in is None:
+        line = f"No row inside the blocks parts past {mean}KL {r.diff.threshold:g} nats."
+    else:
+        where = f"row {r.parts_at}: {r.parts_in}"
+        line = f"The two first part at {where} ({mean}KL > {r.diff.threshold:g})."
+    parts: list[RenderableType] = [pair, table, Text(line, style="bold")]
+    if r.block_sums is not None:
+        parts.append(sums_line(r.block_sums))
+    return Group(*parts)
+
+
 def sums_line(s: BlockSums, reads: bool = True) -> Text:
     """The check that every block's pieces add up (`reads`: and how a piece's rows read)."""
-    line = Words().add("✓ ", style="green")
     how = (
         "input + attn_out + mlp_out = output"
         if s.structure == "parallel"
@@ -337,14 +452,12 @@ def sums_line(s: BlockSums, reads: bool = True) -> Text:
         " 'direct': the piece alone through the final steps; change: KL(lens after the piece ‖ "
         "before) and the tokens it raised most."
     )
-    line.add(
-        shown(
-            f"pieces add up in every block ({s.structure}: {how}; max |Δ| = "
-            f"{s.max_abs_error:.2g} ≤ {s.tolerance:.2g}). attn_out: {s.attn}'s output; "
-            f"mlp_out: {s.mlp}'s output." + (reading if reads else "")
-        )
+    return _verdict(
+        "✓ ",
+        f"pieces add up in every block ({s.structure}: {how}; max |Δ| = "
+        f"{s.max_abs_error:.2g} ≤ {s.tolerance:.2g}). attn_out: {s.attn}'s output; "
+        f"mlp_out: {s.mlp}'s output." + (reading if reads else ""),
     )
-    return line
 
 
 def render_check(r: LensReport) -> Text:
@@ -380,3 +493,7 @@ def _verdict(mark: str, text: str) -> Text:
     """A self-check line: its mark (✓, ✗ NOT FAITHFUL or ?) in its colour, then the text."""
     style = {"✓": "green", "✗": "bold red"}.get(mark[0], "yellow")
     return Words().add(mark, style=style).add(shown(text))
+
+
+register_view(LensReport, render)
+register_view(LensSummaryReport, render_summary)
