@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import gc
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -73,8 +73,6 @@ PAIR_STATS = tuple(f.name for f in fields(LensDiffLayerStats) if f.name != "laye
 Ran = tuple[list["BatchOut"], list[Any]]
 """A window of one model's: each prompt's rows (at every layer, kept), and its rows inside the
 blocks (`site_report.SiteLogits`; None for resid alone)."""
-Reading = tuple["LensFolder | None", Sequence[str]]
-"""The tuned lens both models are read through (A's; None: their own tails), and the sites."""
 
 
 @dataclass(frozen=True)
@@ -82,30 +80,29 @@ class _Work:
     """What a pair runs, the same way for one prompt and many: `check` tokenises the prompts
     with A's tokenizer before any weight is read (what it returns is handed to `windows`, after
     A's tokenizer, config and template), `windows` reads them again a window at a time; `opening`:
-    A's options for `open_model`; `each`: given each prompt's report."""
+    A's options for `open_model`; `tuned`: the lens both models are read through (A's; None:
+    their own tails); `each`: given each prompt's report."""
 
     ask: Ask | ManyAsk
     check: Check[Any]
     windows: Callable[..., Iterator[many.Window]]
     opening: dict[str, Any]
-    reading: Reading
+    tuned: LensFolder | None
     each: many.OnReport | None
 
 
-def lens_pair(
-    pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",), tuned: LensFolder | None = None
-) -> LensReport:
+def lens_pair(pair: Pair, ask: Ask, tuned: LensFolder | None = None) -> LensReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
-    inside the blocks the two part, with `sites` other than resid: `site_report`). With `tuned`,
+    inside the blocks the two part, with `ask.sites` other than resid: `site_report`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
     alone), each then through its own model's tail."""
     check_pair(pair.a, pair.b)
     reports: list[LensReport] = []
-    _run(pair, _one(ask, (tuned, sites), lambda report, _: reports.append(report)), apart=True)
+    _run(pair, _one(ask, tuned, lambda report, _: reports.append(report)), apart=True)
     return reports[0]
 
 
-def _one(ask: Ask, reading: Reading, each: many.OnReport | None = None) -> _Work:
+def _one(ask: Ask, tuned: LensFolder | None, each: many.OnReport | None = None) -> _Work:
     """One prompt as a window of one."""
     line = PromptLine(0, ask.prompt, ask.target, ask.chat)
 
@@ -113,7 +110,7 @@ def _one(ask: Ask, reading: Reading, each: many.OnReport | None = None) -> _Work
         yield [(line, (ask, at[3], None))]  # at: A's tokenizer, config, template, the prompt
 
     opening = {"target": ask.target, "texts": () if ask.chat is not None else (ask.prompt,)}
-    return _Work(ask, functools.partial(make_prompt, ask), windows, opening, reading, each)
+    return _Work(ask, functools.partial(make_prompt, ask), windows, opening, tuned, each)
 
 
 def lens_pair_prompts(
@@ -122,11 +119,10 @@ def lens_pair_prompts(
     source: PromptSource,
     each: many.OnReport | None,
     tuned: LensFolder | None = None,
-    sites: Sequence[str] = ("resid",),
 ) -> LensSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
     other; A's summary with the per-layer means of B against it (with `tuned`, both read
-    through that lens, as `lens_pair` reads one prompt; with `sites`, the rows inside the
+    through that lens, as `lens_pair` reads one prompt; with `ask.sites`, the rows inside the
     blocks compared too, as `lens_pair` compares them on one prompt)."""
     from embedlens.runtime import heap_kept
 
@@ -141,7 +137,7 @@ def lens_pair_prompts(
     opening = {"targets": targets, "texts": many.plain_texts(source)}
     check = functools.partial(many.check_all, source, ask)
     with heap_kept():
-        work = _Work(ask, check, windows, opening, (tuned, sites), each)
+        work = _Work(ask, check, windows, opening, tuned, each)
         run, (n_bad, bad) = _run(pair, work, apart=apart is not None)
         return run.summary(n_bad, bad, [] if apart is None else [apart])
 
@@ -187,12 +183,12 @@ def _run(pair: Pair, work: _Work, *, apart: bool) -> tuple[_PairRun, Any]:
     others = () if b.source is None else (b.source,)
 
     def check(tok: Any, config: Any, template: str) -> Any:
-        fits_tuned(work.reading[0], config)
+        fits_tuned(work.tuned, config)
         return work.check(tok, config, template)
 
     def a_side(oa: Opened, checked: Any, named: Named, runs: Iterator[Ran]) -> _PairRun:
         run = _PairRun(oa, named, work, pair.threshold)
-        rows = _rows(oa.config, work.reading[1])
+        rows = _rows(oa.config, work.ask.sites)
         lines = work.windows(oa.tokenizer, oa.config, oa.template, checked, rows=rows)
         for window, ran_b in zip(lines, runs, strict=True):
             run.window(window, ran_b)
@@ -252,7 +248,7 @@ def _b_side(b: Side, work: _Work, at: tuple[Any, ...]) -> Iterator[tuple[Named, 
     lines = functools.partial(work.windows, *at)
 
     def fits(_tok: Any, b_config: Any, _template: str) -> None:
-        fits_tuned(work.reading[0], b_config)
+        fits_tuned(work.tuned, b_config)
         mine, theirs = context_length(b_config), context_length(config)
         if mine is None or (theirs is not None and theirs <= mine):
             return
@@ -266,21 +262,21 @@ def _b_side(b: Side, work: _Work, at: tuple[Any, ...]) -> Iterator[tuple[Named, 
     tokenizer = tok if b.tokenizer is None else b.tokenizer
     with open_model(b.model, tokenizer, b.loading, fits) as (ob, _):
         named = Named(ob.name, [f"against: {n}" for n in (*ob.before, *ob.after)])
-        yield named, map(_Side(ob, work, own=False).run, lines(rows=_rows(config, work.reading[1])))
+        yield named, map(_Side(ob, work, own=False).run, lines(rows=_rows(config, work.ask.sites)))
 
 
 def run_b(
-    b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
+    b: Side, tok: Any, run: Prompt, ask: Ask, tuned: LensFolder | None
 ) -> tuple[LensResult, Named, Any]:
     """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
     kept for the comparison; its name and notes; its rows inside the blocks (`site_report`)."""
-    with _b_side(b, _one(ask, (tuned, sites)), (tok, None, "", run)) as (named, runs):
+    with _b_side(b, _one(ask, tuned), (tok, None, "", run)) as (named, runs):
         [(outs, inside)] = runs
     gc.collect()  # B's weights go before A's are read
     return outs[0].result, named, inside[0]
 
 
-def _rows(config: Any, sites: Sequence[str]) -> int | None:
+def _rows(config: Any, sites: tuple[str, ...]) -> int | None:
     """Rows per window so that the logits kept fit KEEP_BYTES (None: the config cannot say):
     with `sites`, B's rows inside the blocks too (float64, a row per site and layer)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -289,7 +285,7 @@ def _rows(config: Any, sites: Sequence[str]) -> int | None:
     if not isinstance(vocab, int) or not isinstance(blocks, int) or vocab < 1:
         return None
     layers = blocks + 1  # every layer runs: the first divergent one is found among all
-    inside = 0 if tuple(sites) == ("resid",) else len(sites) * blocks * vocab * 8
+    inside = 0 if sites == ("resid",) else len(sites) * blocks * vocab * 8
     return max(1, KEEP_BYTES // (3 * layers * vocab * 4 + inside))
 
 
@@ -303,9 +299,9 @@ class _Side:
         from embedlens.analysis.lens.blocks import find_blocks
         from embedlens.analysis.lens.decoders import through_of
 
-        tuned, self.sites = work.reading
         self.opened, ask = opened, work.ask
-        self.through = through_of(tuned, opened, fingerprints=own)
+        self.sites = ask.sites
+        self.through = through_of(work.tuned, opened, fingerprints=own)
         self.shown = resolve_layers(ask.layers, len(find_blocks(opened.model).modules))
         self.many = None
         if isinstance(ask, ManyAsk):
@@ -318,7 +314,7 @@ class _Side:
             outs = self.many.run_window(window, others)
         else:
             outs = [self._alone(ask, prompt, others) for _, (ask, prompt, _) in window]
-        if tuple(self.sites) == ("resid",):
+        if self.sites == ("resid",):
             return outs, [None] * len(outs)
         from embedlens.analysis.lens.site_report import site_logits
 
@@ -378,7 +374,7 @@ class _PairRun:
             diffs = compare(a, b, prompt.index) if one else self._add(a, b, prompt.index)
             inside = None
             if inside_a[i] is not None:
-                inside = (inside_a[i], inside_b[i], side.sites)
+                inside = (inside_a[i], inside_b[i])
                 self.inside.add(inside_a[i], inside_b[i])
             if self.each is not None:
                 tok, report = side.opened.tokenizer, side.report(ask, prompt, a)
@@ -418,4 +414,4 @@ class _PairRun:
         notes = [*summary.notes, *self.named.notes, *notes]
         pair = dataclasses.replace(summary, notes=notes, diff=diff)
         sites = self.side.sites
-        return pair if tuple(sites) == ("resid",) else self.inside.summary(pair, sites)
+        return pair if sites == ("resid",) else self.inside.summary(pair, sites)

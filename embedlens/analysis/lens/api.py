@@ -134,7 +134,7 @@ def _one_prompt(
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair
 
-        return lens_pair(pair, ask, ask.sites, lens_dir)
+        return lens_pair(pair, ask, lens_dir)
     own_template = ask.chat is not None and ask.template is None
     check = _checked_with(lens_dir, functools.partial(make_prompt, ask))
     texts = () if ask.chat is not None else (ask.prompt,)
@@ -145,11 +145,11 @@ def _one_prompt(
         decoder, described = tuned_decoder(lens_dir, opened, run)
         result = run_one(opened, ask, run, decoder=decoder)
         base = one_report(opened, ask, run, result)
-        report = sites_report(base, opened, ask, run, result, ask.sites)
+        report = sites_report(base, opened, ask, run, result)
         if save is not None:
             from embedlens.analysis.lens.states_file import save_run
 
-            save_run(save[0], opened, run, ask, save[1], ask.sites)
+            save_run(save[0], opened, run, ask, save[1])
         if described is None:
             return report
         from dataclasses import replace
@@ -237,7 +237,7 @@ def _many(
     if pair is not None:
         from embedlens.analysis.lens.against import lens_pair_prompts
 
-        return lens_pair_prompts(pair, ask, source, on_report, lens_dir, sites)
+        return lens_pair_prompts(pair, ask, source, on_report, lens_dir)
 
     def check_lines(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         return many.check_all(source, ask, tok, config, template)
@@ -254,7 +254,7 @@ def _many(
         if sites != ("resid",):
             from embedlens.analysis.lens.site_report import SiteManyRun
 
-            lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
+            lensing = SiteManyRun(opened, ask, on_report, through)
         if saving is not None:
             from embedlens.analysis.lens.states_file import ManySaver
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.analysis.lens.report import LensResult
+    from embedlens.analysis.lens.site_report import SiteLogits
     from embedlens.analysis.lens.stats import Top
     from embedlens.io.source import ModelSource
     from embedlens.model.tokenizer import Vocab
@@ -237,12 +238,12 @@ def pair_report(
     threshold: float,
     tokenizer: Any,
     shown: list[int],
-    inside: tuple[Any, Any, Sequence[str]] | None = None,
+    inside: tuple[SiteLogits, SiteLogits] | None = None,
 ) -> LensReport:
     """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
     `compare`; `b`: B's result), B's notes after A's. `shown`: the layers the report holds (the
-    first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks,
-    B's, and the sites (`site_report.pair_sites`)."""
+    first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks
+    and B's (`site_report.pair_sites`)."""
     tok = functools.cache(functools.partial(id_text, tokenizer))
     layers = [
         LensDiffLayer(

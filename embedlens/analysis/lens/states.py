@@ -156,7 +156,7 @@ def _run_on(
     if pair is not None:  # B first, on the file's ids, then freed (as `lens --against` runs it)
         from embedlens.analysis.lens.against import run_b
 
-        b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
+        b = run_b(pair.b, tokenizer, run, ask, lens_dir)
     dtype = torch.float32 if load.dtype == "auto" else loading.torch_dtype(load.dtype)
     tail = open_tail(source, dtype, trust_remote_code=trust)
     through = None if lens_dir is None else tuned_through(lens_dir, tail.model, tokenizer)
@@ -185,26 +185,26 @@ def _composed(
 
     from embedlens.analysis.lens.many import shown_rows
     from embedlens.analysis.lens.report import lens_report
+    from embedlens.analysis.lens.sites import Reader
 
     name, tokenizer, tail, decoder, run, ask = made
-    inner = [x for x in shown if x >= 1]
+    inner, cpu = [x for x in shown if x >= 1], torch.device("cpu")
     report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
     if b is None or pair is None:
-        if tuple(sites) == ("resid",):
+        if sites == ("resid",):
             return report
         from embedlens.analysis.lens.site_report import read_sites
 
-        pieces = file.pieces(inner, result.positions)
-        return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
+        reader = Reader(file.pieces(inner, result.positions), decoder, cpu, result.vocab_size)
+        return read_sites(report, reader, tokenizer, ask, run, result, tail.model)
     from embedlens.analysis.lens.pairing import compare, pair_report
     from embedlens.analysis.lens.site_report import logits_at
 
     rb, named, b_sites = b
     inside = None
     if b_sites is not None:  # A's rows inside the blocks read from the file, at the position read
-        at, pieces = [run.index], file.pieces(inner, [run.index])
-        cpu, vocab = torch.device("cpu"), result.vocab_size
-        inside = (logits_at(pieces, decoder, sites, inner, cpu, vocab, at), b_sites, sites)
+        reader = Reader(file.pieces(inner, [run.index]), decoder, cpu, result.vocab_size)
+        inside = (logits_at(reader, sites, inner, [run.index]), b_sites)
     diffs = compare(result, rb, run.index)
     return pair_report(report, diffs, rb, named, pair.threshold, tokenizer, shown, inside)
 

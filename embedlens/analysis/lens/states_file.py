@@ -325,12 +325,11 @@ def save_run(
     run: Prompt,
     ask: Ask,
     revision: str | None,
-    sites: Sequence[str] = ("resid",),
 ) -> None:
     """Run the prompt once more, keeping every layer at every position (and every site asked
     for) and the model's own logits at the last position, and write them to `path`."""
     about = prompt_about(run, ask)
-    residual, logits, about, inner = states_of(opened, run.ids, revision, about, sites)
+    residual, logits, about, inner = states_of(opened, run.ids, revision, about, ask.sites)
     save_states(path, residual, run.ids, logits, about, inner)
 
 
