@@ -3,17 +3,11 @@
 Before any weight is read, B is checked against A (`pairing`: vocabulary, layers, outputs).
 One prompt and many run through the same code (`_run`), a window of prompts at a time (one
 prompt is a window of one), both models through the same side (`_Side`): B first, keeping at
-the rows read its logits at every layer and its residual stream; then A, with B's residual as
-`other` (its own decoder on B's rows), each prompt compared (`_PairRun`). How the models share
-memory:
-
-- one prompt: B is loaded, run and freed before A's weights are read (what A needs of it is a
-  few rows), so the two are never in memory together;
-- many prompts: both at once when the pre-flight says they fit together (A's weights plus B's
-  load), B and A then taking each window of prompts in turn; otherwise one after the other, as
-  one prompt runs, B's rows waiting in a temporary folder a window per file.
-
-A model given already loaded is in memory whatever is done, and is never freed here.
+the rows read its logits at every layer and its residual stream; then A (`_PairRun`), with B's
+residual as `other` (its own decoder on B's rows), each prompt compared. The models share
+memory as docs/lens.md says: one prompt, B freed before A's weights are read; many, both at once
+when the pre-flight says they fit together, else one after the other, B's rows waiting in a
+temporary folder a window per file. A model given already loaded is never freed here.
 """
 
 from __future__ import annotations
@@ -156,10 +150,7 @@ def apart_note(a: Side, b: Side) -> str | None:
     from embedlens.text import binary_size
 
     assert a.source is not None and b.source is not None
-    est_a, est_b = (
-        preflight.estimate(a.source, load.dtype),
-        preflight.estimate(b.source, load.dtype),
-    )
+    est_a, est_b = (preflight.estimate(side, load.dtype) for side in (a.source, b.source))
     device = "cpu" if load.device == "cpu" else resolve_device(load.device)  # cpu: no torch yet
     free, label = preflight.available(device)
     if est_a is None or est_b is None or free is None:
@@ -348,7 +339,7 @@ class _Side:
         return dataclasses.replace(report, tuned=self.through.described)
 
 
-class _PairRun:
+class _PairRun(_Side):
     """A's side: each window run with B's residual and compared with B's rows, each prompt's
     report handed on; over many prompts, the sums per layer of A against B (every position
     read) and inside the blocks."""
@@ -356,7 +347,7 @@ class _PairRun:
     def __init__(self, opened: Opened, named: Named, work: _Work, threshold: float) -> None:
         from embedlens.analysis.lens.site_report import SiteSums
 
-        self.side = _Side(opened, work, own=True)
+        super().__init__(opened, work, own=True)
         self.named, self.each, self.threshold = named, work.each, threshold
         self.sums: dict[int, Sums] = {}
         self.n_against_unfaithful = 0
@@ -366,19 +357,18 @@ class _PairRun:
         """A's run of a window beside B's, compared prompt by prompt."""
         outs_b, inside_b = ran_b
         residual = [out.result.kept.residual for out in outs_b if out.result.kept is not None]
-        outs_a, inside_a = self.side.run(window, residual)
-        side, named = self.side, self.named
+        outs_a, inside_a = self.run(window, residual)
+        tok, named = self.opened.tokenizer, self.named
         for i, (line, (ask, prompt, _)) in enumerate(window):
             a, b = outs_a[i].result, outs_b[i].result
-            one = side.many is None
+            one = self.many is None
             diffs = compare(a, b, prompt.index) if one else self._add(a, b, prompt.index)
-            inside = None
-            if inside_a[i] is not None:
-                inside = (inside_a[i], inside_b[i])
-                self.inside.add(inside_a[i], inside_b[i])
+            inside = None if inside_a[i] is None else (inside_a[i], inside_b[i])
+            if inside is not None:
+                self.inside.add(*inside)
             if self.each is not None:
-                tok, report = side.opened.tokenizer, side.report(ask, prompt, a)
-                pair = pair_report(report, diffs, b, named, self.threshold, tok, side.shown, inside)
+                report = self.report(ask, prompt, a)
+                pair = pair_report(report, diffs, b, named, self.threshold, tok, self.shown, inside)
                 self.each(pair, line)
 
     def _add(self, a: LensResult, b: LensResult, read: int) -> list[LayerDiff]:
@@ -403,15 +393,14 @@ class _PairRun:
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensSummaryReport:
         """A's summary with, in `diff`, the per-layer means of B against it (the first divergent
         layer found among all of them, the layers asked for shown); `notes` after B's."""
-        assert self.side.many is not None
-        summary = self.side.many.summary(n_bad, bad)
+        assert self.many is not None
+        summary = self.many.summary(n_bad, bad)
         rows = sorted(self.sums.items())
         every = [LensDiffLayerStats(layer=x, **acc.values(PAIR_STATS)) for x, acc in rows]
         first = first_above(every, self.threshold)
-        layers = [x for x in every if x.layer in self.side.shown]
+        layers = [x for x in every if x.layer in self.shown]
         n_unfaithful = self.n_against_unfaithful
         diff = LensSummaryDiff(self.named.name, self.threshold, first, layers, n_unfaithful)
         notes = [*summary.notes, *self.named.notes, *notes]
         pair = dataclasses.replace(summary, notes=notes, diff=diff)
-        sites = self.side.sites
-        return pair if sites == ("resid",) else self.inside.summary(pair, sites)
+        return pair if self.sites == ("resid",) else self.inside.summary(pair, self.sites)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
@@ -32,8 +31,8 @@ if TYPE_CHECKING:
     from embedlens.reports.tune import TunedLens
 
 
-Parts = tuple["LensFolder | None", Sequence[str], "Pair | None"]
-"""What decodes and compares the states: a tuned lens's folder (or None), the sites, B."""
+Parts = tuple["LensFolder | None", "Pair | None"]
+"""What decodes and compares the states: a tuned lens's folder (or None), and B."""
 
 
 def lens_states(
@@ -81,7 +80,7 @@ def lens_states(
 
         check_pair(pair.a, pair.b)
     ask = dataclasses.replace(ask, prompt="", chat=file.metadata.get("chat"))
-    return _run(os.fspath(name), load, file, ask, (lens_dir, ask.sites, pair))
+    return _run(os.fspath(name), load, file, ask, (lens_dir, pair))
 
 
 _NOT_APPLIED = {
@@ -142,7 +141,7 @@ def _run_on(
     from embedlens.analysis.lens.decoders import open_tail, tuned_through
     from embedlens.model import file_tokens, loading
 
-    lens_dir, sites, pair = parts
+    lens_dir, pair = parts
     source, trust = files.source, load.trust_remote_code
     tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
@@ -156,7 +155,7 @@ def _run_on(
     if pair is not None:  # B first, on the file's ids, then freed (as `lens --against` runs it)
         from embedlens.analysis.lens.against import run_b
 
-        b = run_b(pair.b, tokenizer, run, ask, lens_dir)
+        b = (*run_b(pair.b, tokenizer, run, ask, lens_dir), pair.threshold)
     dtype = torch.float32 if load.dtype == "auto" else loading.torch_dtype(load.dtype)
     tail = open_tail(source, dtype, trust_remote_code=trust)
     through = None if lens_dir is None else tuned_through(lens_dir, tail.model, tokenizer)
@@ -164,7 +163,7 @@ def _run_on(
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
     result, decoder = _decode(tail, through, file, decoding, run, ask, len(tokenizer), other)
     made = (name, tokenizer, tail, decoder, run, ask)
-    report = _composed(made, result, file, shown, sites, b, pair)
+    report = _composed(made, result, file, shown, b)
     tuned = None if through is None else through.described
     return _states_report(report, file, tail, result.check, tuned)
 
@@ -174,13 +173,12 @@ def _composed(
     result: LensResult,
     file: StatesFile,
     shown: list[int],
-    sites: Sequence[str],
     b: Any,
-    pair: Pair | None,
 ) -> LensReport:
     """The report of the decoded states (`made`: the model's name, tokenizer, tail, decoder,
-    the prompt and what was asked): with B (`against.run_b`'s), A against B as `lens_pair`
-    compares them, A's sites read from the file; else with the sites the file holds."""
+    the prompt and what was asked): with B (`against.run_b`'s, and the threshold), A against B
+    as `lens_pair` compares them, A's sites read from the file; else with the sites the file
+    holds."""
     import torch
 
     from embedlens.analysis.lens.many import shown_rows
@@ -190,8 +188,8 @@ def _composed(
     name, tokenizer, tail, decoder, run, ask = made
     inner, cpu = [x for x in shown if x >= 1], torch.device("cpu")
     report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
-    if b is None or pair is None:
-        if sites == ("resid",):
+    if b is None:
+        if ask.sites == ("resid",):
             return report
         from embedlens.analysis.lens.site_report import read_sites
 
@@ -200,13 +198,13 @@ def _composed(
     from embedlens.analysis.lens.pairing import compare, pair_report
     from embedlens.analysis.lens.site_report import logits_at
 
-    rb, named, b_sites = b
+    rb, named, b_sites, threshold = b
     inside = None
     if b_sites is not None:  # A's rows inside the blocks read from the file, at the position read
         reader = Reader(file.pieces(inner, [run.index]), decoder, cpu, result.vocab_size)
-        inside = (logits_at(reader, sites, inner, [run.index]), b_sites)
+        inside = (logits_at(reader, ask.sites, inner, [run.index]), b_sites)
     diffs = compare(result, rb, run.index)
-    return pair_report(report, diffs, rb, named, pair.threshold, tokenizer, shown, inside)
+    return pair_report(report, diffs, rb, named, threshold, tokenizer, shown, inside)
 
 
 def _check_fits(file: StatesFile, ids: list[int], config: Any, tokenizer_size: int) -> int:
