@@ -247,11 +247,7 @@ def pair_report(
     tok = functools.cache(functools.partial(id_text, tokenizer))
     layers = [
         LensDiffLayer(
-            layer=d.layer,
-            kl=d.kl,
-            top1_agree=d.top1_agree,
-            residual_kl=d.residual_kl,
-            target_logprob_delta=d.target_logprob_delta,
+            **{f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "against"},
             against_top=[
                 Prediction(i, tok(i), p, lp)
                 for i, p, lp in zip(d.against.ids, d.against.probs, d.against.logprobs, strict=True)

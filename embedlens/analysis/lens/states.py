@@ -84,27 +84,20 @@ def lens_states(
 
 
 _NOT_APPLIED = {
-    "device": "it decodes on the CPU",
-    "device_map": "it decodes on the CPU",
-    "max_memory": "it decodes on the CPU",
-    "offload_folder": "it decodes on the CPU",
-    "chat": "the file holds the ids",
-    "no_thinking": "the file holds the ids",
-    "template_args": "the file holds the ids",
-    "chat_template": "the file holds the ids",
-    "skip_bad": "one file, one run",
-    "compare_logit": "one file, one run",
+    "it decodes on the CPU": ("device", "device_map", "max_memory", "offload_folder"),
+    "the file holds the ids": ("chat", "no_thinking", "template_args", "chat_template"),
+    "one file, one run": ("skip_bad", "compare_logit"),
 }
-"""The options `lens_states` does not take, and why."""
+"""Why `lens_states` does not take an option: the options (`LoadOptions`' or `LensOptions`')."""
 
 
 def _applies(load: LoadOptions, asked: LensOptions) -> None:
     """Refuse an option `lens_states` does not take (given other than its default)."""
-    given = {**load.given(), **{f: getattr(asked, f) != getattr(LensOptions(), f)
-                                for f in _NOT_APPLIED if hasattr(asked, f)}}  # fmt: skip
-    for name, why in _NOT_APPLIED.items():
-        if given.get(name):
-            raise UsageError(f"{name} does not apply to lens_states ({why})")
+    loading, default = load.given(), LensOptions()
+    for why, names in _NOT_APPLIED.items():
+        for name in names:
+            if loading.get(name) or getattr(asked, name, None) != getattr(default, name, None):
+                raise UsageError(f"{name} does not apply to lens_states ({why})")
 
 
 def _run(
