@@ -17,7 +17,7 @@ import functools
 import gc
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,19 +198,16 @@ def _run(pair: Pair, work: _Work, *, apart: bool) -> tuple[_PairRun, Any]:
 
     kept: list[Ran | Path] = []
     ready = open_model(a.model, a.tokenizer, a.loading, b_first, others=others, **work.opening)
-    with _keeping(not apart or isinstance(work.ask, Ask)) as folder, ready as (oa, ran):
+    # where B's rows wait while A loads (apart): in memory for one prompt, else a temporary folder
+    one = not apart or isinstance(work.ask, Ask)
+    keeping = nullcontext() if one else tempfile.TemporaryDirectory(prefix="embedlens-against-")
+    with keeping as folder, ready as (oa, ran):
         checked, named = ran
         if named is None:  # B now, beside A
             with _b_side(b, work, (oa.tokenizer, oa.config, oa.template, checked)) as (named, runs):
                 return a_side(oa, checked, named, runs), checked
         back = (_load(x) if isinstance(x, Path) else x for x in kept)
         return a_side(oa, checked, named, back), checked
-
-
-def _keeping(one: bool) -> AbstractContextManager[str | None]:
-    """Where B's rows wait while A loads: in memory for one prompt (`one`), else a temporary
-    folder (nowhere when both run together)."""
-    return nullcontext() if one else tempfile.TemporaryDirectory(prefix="embedlens-against-")
 
 
 def _save(ran: Ran, path: Path) -> Path:
