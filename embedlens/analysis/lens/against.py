@@ -3,17 +3,11 @@
 Before any weight is read, B is checked against A (`pairing`: vocabulary, layers, outputs).
 One prompt and many run through the same code (`_run`), a window of prompts at a time (one
 prompt is a window of one), both models through the same side (`_Side`): B first, keeping at
-the rows read its logits at every layer and its residual stream; then A, with B's residual as
-`other` (its own decoder on B's rows), each prompt compared (`_PairRun`). How the models share
-memory:
-
-- one prompt: B is loaded, run and freed before A's weights are read (what A needs of it is a
-  few rows), so the two are never in memory together;
-- many prompts: both at once when the pre-flight says they fit together (A's weights plus B's
-  load), B and A then taking each window of prompts in turn; otherwise one after the other, as
-  one prompt runs, B's rows waiting in a temporary folder a window per file.
-
-A model given already loaded is in memory whatever is done, and is never freed here.
+the rows read its logits at every layer and its residual stream; then A (`_PairRun`), with B's
+residual as `other` (its own decoder on B's rows), each prompt compared. The models share
+memory as docs/lens.md says: one prompt, B freed before A's weights are read; many, both at once
+when the pre-flight says they fit together, else one after the other, B's rows waiting in a
+temporary folder a window per file. A model given already loaded is never freed here.
 """
 
 from __future__ import annotations
@@ -22,8 +16,8 @@ import dataclasses
 import functools
 import gc
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,8 +67,6 @@ PAIR_STATS = tuple(f.name for f in fields(LensDiffLayerStats) if f.name != "laye
 Ran = tuple[list["BatchOut"], list[Any]]
 """A window of one model's: each prompt's rows (at every layer, kept), and its rows inside the
 blocks (`site_report.SiteLogits`; None for resid alone)."""
-Reading = tuple["LensFolder | None", Sequence[str]]
-"""The tuned lens both models are read through (A's; None: their own tails), and the sites."""
 
 
 @dataclass(frozen=True)
@@ -82,30 +74,29 @@ class _Work:
     """What a pair runs, the same way for one prompt and many: `check` tokenises the prompts
     with A's tokenizer before any weight is read (what it returns is handed to `windows`, after
     A's tokenizer, config and template), `windows` reads them again a window at a time; `opening`:
-    A's options for `open_model`; `each`: given each prompt's report."""
+    A's options for `open_model`; `tuned`: the lens both models are read through (A's; None:
+    their own tails); `each`: given each prompt's report."""
 
     ask: Ask | ManyAsk
     check: Check[Any]
     windows: Callable[..., Iterator[many.Window]]
     opening: dict[str, Any]
-    reading: Reading
+    tuned: LensFolder | None
     each: many.OnReport | None
 
 
-def lens_pair(
-    pair: Pair, ask: Ask, sites: Sequence[str] = ("resid",), tuned: LensFolder | None = None
-) -> LensReport:
+def lens_pair(pair: Pair, ask: Ask, tuned: LensFolder | None = None) -> LensReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
-    inside the blocks the two part, with `sites` other than resid: `site_report`). With `tuned`,
+    inside the blocks the two part, with `ask.sites` other than resid: `site_report`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
     alone), each then through its own model's tail."""
     check_pair(pair.a, pair.b)
     reports: list[LensReport] = []
-    _run(pair, _one(ask, (tuned, sites), lambda report, _: reports.append(report)), apart=True)
+    _run(pair, _one(ask, tuned, lambda report, _: reports.append(report)), apart=True)
     return reports[0]
 
 
-def _one(ask: Ask, reading: Reading, each: many.OnReport | None = None) -> _Work:
+def _one(ask: Ask, tuned: LensFolder | None, each: many.OnReport | None = None) -> _Work:
     """One prompt as a window of one."""
     line = PromptLine(0, ask.prompt, ask.target, ask.chat)
 
@@ -113,7 +104,7 @@ def _one(ask: Ask, reading: Reading, each: many.OnReport | None = None) -> _Work
         yield [(line, (ask, at[3], None))]  # at: A's tokenizer, config, template, the prompt
 
     opening = {"target": ask.target, "texts": () if ask.chat is not None else (ask.prompt,)}
-    return _Work(ask, functools.partial(make_prompt, ask), windows, opening, reading, each)
+    return _Work(ask, functools.partial(make_prompt, ask), windows, opening, tuned, each)
 
 
 def lens_pair_prompts(
@@ -122,11 +113,10 @@ def lens_pair_prompts(
     source: PromptSource,
     each: many.OnReport | None,
     tuned: LensFolder | None = None,
-    sites: Sequence[str] = ("resid",),
 ) -> LensSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
     other; A's summary with the per-layer means of B against it (with `tuned`, both read
-    through that lens, as `lens_pair` reads one prompt; with `sites`, the rows inside the
+    through that lens, as `lens_pair` reads one prompt; with `ask.sites`, the rows inside the
     blocks compared too, as `lens_pair` compares them on one prompt)."""
     from embedlens.runtime import heap_kept
 
@@ -141,7 +131,7 @@ def lens_pair_prompts(
     opening = {"targets": targets, "texts": many.plain_texts(source)}
     check = functools.partial(many.check_all, source, ask)
     with heap_kept():
-        work = _Work(ask, check, windows, opening, (tuned, sites), each)
+        work = _Work(ask, check, windows, opening, tuned, each)
         run, (n_bad, bad) = _run(pair, work, apart=apart is not None)
         return run.summary(n_bad, bad, [] if apart is None else [apart])
 
@@ -160,10 +150,7 @@ def apart_note(a: Side, b: Side) -> str | None:
     from embedlens.text import binary_size
 
     assert a.source is not None and b.source is not None
-    est_a, est_b = (
-        preflight.estimate(a.source, load.dtype),
-        preflight.estimate(b.source, load.dtype),
-    )
+    est_a, est_b = (preflight.estimate(side, load.dtype) for side in (a.source, b.source))
     device = "cpu" if load.device == "cpu" else resolve_device(load.device)  # cpu: no torch yet
     free, label = preflight.available(device)
     if est_a is None or est_b is None or free is None:
@@ -187,12 +174,12 @@ def _run(pair: Pair, work: _Work, *, apart: bool) -> tuple[_PairRun, Any]:
     others = () if b.source is None else (b.source,)
 
     def check(tok: Any, config: Any, template: str) -> Any:
-        fits_tuned(work.reading[0], config)
+        fits_tuned(work.tuned, config)
         return work.check(tok, config, template)
 
     def a_side(oa: Opened, checked: Any, named: Named, runs: Iterator[Ran]) -> _PairRun:
         run = _PairRun(oa, named, work, pair.threshold)
-        rows = _rows(oa.config, work.reading[1])
+        rows = _rows(oa.config, work.ask.sites)
         lines = work.windows(oa.tokenizer, oa.config, oa.template, checked, rows=rows)
         for window, ran_b in zip(lines, runs, strict=True):
             run.window(window, ran_b)
@@ -211,19 +198,16 @@ def _run(pair: Pair, work: _Work, *, apart: bool) -> tuple[_PairRun, Any]:
 
     kept: list[Ran | Path] = []
     ready = open_model(a.model, a.tokenizer, a.loading, b_first, others=others, **work.opening)
-    with _keeping(not apart or isinstance(work.ask, Ask)) as folder, ready as (oa, ran):
+    # where B's rows wait while A loads (apart): in memory for one prompt, else a temporary folder
+    one = not apart or isinstance(work.ask, Ask)
+    keeping = nullcontext() if one else tempfile.TemporaryDirectory(prefix="embedlens-against-")
+    with keeping as folder, ready as (oa, ran):
         checked, named = ran
         if named is None:  # B now, beside A
             with _b_side(b, work, (oa.tokenizer, oa.config, oa.template, checked)) as (named, runs):
                 return a_side(oa, checked, named, runs), checked
         back = (_load(x) if isinstance(x, Path) else x for x in kept)
         return a_side(oa, checked, named, back), checked
-
-
-def _keeping(one: bool) -> AbstractContextManager[str | None]:
-    """Where B's rows wait while A loads: in memory for one prompt (`one`), else a temporary
-    folder (nowhere when both run together)."""
-    return nullcontext() if one else tempfile.TemporaryDirectory(prefix="embedlens-against-")
 
 
 def _save(ran: Ran, path: Path) -> Path:
@@ -252,7 +236,7 @@ def _b_side(b: Side, work: _Work, at: tuple[Any, ...]) -> Iterator[tuple[Named, 
     lines = functools.partial(work.windows, *at)
 
     def fits(_tok: Any, b_config: Any, _template: str) -> None:
-        fits_tuned(work.reading[0], b_config)
+        fits_tuned(work.tuned, b_config)
         mine, theirs = context_length(b_config), context_length(config)
         if mine is None or (theirs is not None and theirs <= mine):
             return
@@ -266,21 +250,21 @@ def _b_side(b: Side, work: _Work, at: tuple[Any, ...]) -> Iterator[tuple[Named, 
     tokenizer = tok if b.tokenizer is None else b.tokenizer
     with open_model(b.model, tokenizer, b.loading, fits) as (ob, _):
         named = Named(ob.name, [f"against: {n}" for n in (*ob.before, *ob.after)])
-        yield named, map(_Side(ob, work, own=False).run, lines(rows=_rows(config, work.reading[1])))
+        yield named, map(_Side(ob, work, own=False).run, lines(rows=_rows(config, work.ask.sites)))
 
 
 def run_b(
-    b: Side, tok: Any, run: Prompt, ask: Ask, sites: Sequence[str], tuned: LensFolder | None
+    b: Side, tok: Any, run: Prompt, ask: Ask, tuned: LensFolder | None
 ) -> tuple[LensResult, Named, Any]:
     """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
     kept for the comparison; its name and notes; its rows inside the blocks (`site_report`)."""
-    with _b_side(b, _one(ask, (tuned, sites)), (tok, None, "", run)) as (named, runs):
+    with _b_side(b, _one(ask, tuned), (tok, None, "", run)) as (named, runs):
         [(outs, inside)] = runs
     gc.collect()  # B's weights go before A's are read
     return outs[0].result, named, inside[0]
 
 
-def _rows(config: Any, sites: Sequence[str]) -> int | None:
+def _rows(config: Any, sites: tuple[str, ...]) -> int | None:
     """Rows per window so that the logits kept fit KEEP_BYTES (None: the config cannot say):
     with `sites`, B's rows inside the blocks too (float64, a row per site and layer)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -289,7 +273,7 @@ def _rows(config: Any, sites: Sequence[str]) -> int | None:
     if not isinstance(vocab, int) or not isinstance(blocks, int) or vocab < 1:
         return None
     layers = blocks + 1  # every layer runs: the first divergent one is found among all
-    inside = 0 if tuple(sites) == ("resid",) else len(sites) * blocks * vocab * 8
+    inside = 0 if sites == ("resid",) else len(sites) * blocks * vocab * 8
     return max(1, KEEP_BYTES // (3 * layers * vocab * 4 + inside))
 
 
@@ -303,9 +287,9 @@ class _Side:
         from embedlens.analysis.lens.blocks import find_blocks
         from embedlens.analysis.lens.decoders import through_of
 
-        tuned, self.sites = work.reading
         self.opened, ask = opened, work.ask
-        self.through = through_of(tuned, opened, fingerprints=own)
+        self.sites = ask.sites
+        self.through = through_of(work.tuned, opened, fingerprints=own)
         self.shown = resolve_layers(ask.layers, len(find_blocks(opened.model).modules))
         self.many = None
         if isinstance(ask, ManyAsk):
@@ -318,7 +302,7 @@ class _Side:
             outs = self.many.run_window(window, others)
         else:
             outs = [self._alone(ask, prompt, others) for _, (ask, prompt, _) in window]
-        if tuple(self.sites) == ("resid",):
+        if self.sites == ("resid",):
             return outs, [None] * len(outs)
         from embedlens.analysis.lens.site_report import site_logits
 
@@ -352,7 +336,7 @@ class _Side:
         return dataclasses.replace(report, tuned=self.through.described)
 
 
-class _PairRun:
+class _PairRun(_Side):
     """A's side: each window run with B's residual and compared with B's rows, each prompt's
     report handed on; over many prompts, the sums per layer of A against B (every position
     read) and inside the blocks."""
@@ -360,7 +344,7 @@ class _PairRun:
     def __init__(self, opened: Opened, named: Named, work: _Work, threshold: float) -> None:
         from embedlens.analysis.lens.site_report import SiteSums
 
-        self.side = _Side(opened, work, own=True)
+        super().__init__(opened, work, own=True)
         self.named, self.each, self.threshold = named, work.each, threshold
         self.sums: dict[int, Sums] = {}
         self.n_against_unfaithful = 0
@@ -370,19 +354,18 @@ class _PairRun:
         """A's run of a window beside B's, compared prompt by prompt."""
         outs_b, inside_b = ran_b
         residual = [out.result.kept.residual for out in outs_b if out.result.kept is not None]
-        outs_a, inside_a = self.side.run(window, residual)
-        side, named = self.side, self.named
+        outs_a, inside_a = self.run(window, residual)
+        tok, named = self.opened.tokenizer, self.named
         for i, (line, (ask, prompt, _)) in enumerate(window):
             a, b = outs_a[i].result, outs_b[i].result
-            one = side.many is None
+            one = self.many is None
             diffs = compare(a, b, prompt.index) if one else self._add(a, b, prompt.index)
-            inside = None
-            if inside_a[i] is not None:
-                inside = (inside_a[i], inside_b[i], side.sites)
-                self.inside.add(inside_a[i], inside_b[i])
+            inside = None if inside_a[i] is None else (inside_a[i], inside_b[i])
+            if inside is not None:
+                self.inside.add(*inside)
             if self.each is not None:
-                tok, report = side.opened.tokenizer, side.report(ask, prompt, a)
-                pair = pair_report(report, diffs, b, named, self.threshold, tok, side.shown, inside)
+                report = self.report(ask, prompt, a)
+                pair = pair_report(report, diffs, b, named, self.threshold, tok, self.shown, inside)
                 self.each(pair, line)
 
     def _add(self, a: LensResult, b: LensResult, read: int) -> list[LayerDiff]:
@@ -407,15 +390,14 @@ class _PairRun:
     def summary(self, n_bad: int, bad: list[BadLine], notes: list[str]) -> LensSummaryReport:
         """A's summary with, in `diff`, the per-layer means of B against it (the first divergent
         layer found among all of them, the layers asked for shown); `notes` after B's."""
-        assert self.side.many is not None
-        summary = self.side.many.summary(n_bad, bad)
+        assert self.many is not None
+        summary = self.many.summary(n_bad, bad)
         rows = sorted(self.sums.items())
         every = [LensDiffLayerStats(layer=x, **acc.values(PAIR_STATS)) for x, acc in rows]
         first = first_above(every, self.threshold)
-        layers = [x for x in every if x.layer in self.side.shown]
+        layers = [x for x in every if x.layer in self.shown]
         n_unfaithful = self.n_against_unfaithful
         diff = LensSummaryDiff(self.named.name, self.threshold, first, layers, n_unfaithful)
         notes = [*summary.notes, *self.named.notes, *notes]
         pair = dataclasses.replace(summary, notes=notes, diff=diff)
-        sites = self.side.sites
-        return pair if tuple(sites) == ("resid",) else self.inside.summary(pair, sites)
+        return pair if self.sites == ("resid",) else self.inside.summary(pair, self.sites)

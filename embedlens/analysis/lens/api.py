@@ -114,7 +114,7 @@ def lens(
         raise UsageError("--save-states and --against do not combine: save each model's alone")
     lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
     if pair is not None:
-        return lens_pair(pair, ask, ask.sites, lens_dir)
+        return lens_pair(pair, ask, lens_dir)
     save = None if save_states is None else (save_states, load.revision)
     return _one_prompt(model, tokenizer, loading, ask, lens_dir, save)
 
@@ -144,9 +144,9 @@ def _one_prompt(
         decoder, described = tuned_decoder(lens_dir, opened, run)
         result = run_one(opened, ask, run, decoder=decoder)
         base = one_report(opened, ask, run, result)
-        report = sites_report(base, opened, ask, run, result, ask.sites)
+        report = sites_report(base, opened, ask, run, result)
         if save is not None:
-            save_run(save[0], opened, run, ask, save[1], ask.sites)
+            save_run(save[0], opened, run, ask, save[1])
         if described is None:
             return report
         return replace(report, tuned=described)
@@ -228,7 +228,7 @@ def _many(
     if isinstance(loading, checks.Load):
         many.check_file(source, ask)  # before the imports that loading brings in
     if pair is not None:
-        return lens_pair_prompts(pair, ask, source, on_report, lens_dir, sites)
+        return lens_pair_prompts(pair, ask, source, on_report, lens_dir)
 
     def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
         fits_tuned(lens_dir, config)
@@ -243,7 +243,7 @@ def _many(
         through = through_of(lens_dir, opened)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
         if sites != ("resid",):
-            lensing = SiteManyRun(opened, ask, on_report, through).with_sites(sites)
+            lensing = SiteManyRun(opened, ask, on_report, through)
         if saving is not None:
             lensing.saver = ManySaver(saving[0], opened, saving[1], sites)
         return lensing.run_all(source, n_bad, bad, session, progress)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.analysis.lens.report import LensResult
+    from embedlens.analysis.lens.site_report import SiteLogits
     from embedlens.analysis.lens.stats import Top
     from embedlens.io.source import ModelSource
     from embedlens.model.tokenizer import Vocab
@@ -237,20 +238,16 @@ def pair_report(
     threshold: float,
     tokenizer: Any,
     shown: list[int],
-    inside: tuple[Any, Any, Sequence[str]] | None = None,
+    inside: tuple[SiteLogits, SiteLogits] | None = None,
 ) -> LensReport:
     """A's report with, in `diff`, B against it at the position the report reads (`diffs`, from
     `compare`; `b`: B's result), B's notes after A's. `shown`: the layers the report holds (the
-    first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks,
-    B's, and the sites (`site_report.pair_sites`)."""
+    first divergent layer is found among all of `diffs`); `inside`: A's rows inside the blocks
+    and B's (`site_report.pair_sites`)."""
     tok = functools.cache(functools.partial(id_text, tokenizer))
     layers = [
         LensDiffLayer(
-            layer=d.layer,
-            kl=d.kl,
-            top1_agree=d.top1_agree,
-            residual_kl=d.residual_kl,
-            target_logprob_delta=d.target_logprob_delta,
+            **{f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "against"},
             against_top=[
                 Prediction(i, tok(i), p, lp)
                 for i, p, lp in zip(d.against.ids, d.against.probs, d.against.logprobs, strict=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from embedlens.analysis.lens.many import ManyRun
+from embedlens.analysis.lens.many import ManyRun, OnReport
 from embedlens.analysis.lens.options import SITES, SUFFIX
 from embedlens.analysis.lens.stats import LAYER_STATS, ROW_STATS, Sums, add_row, next_ids
 from embedlens.reports.lens import (
@@ -38,13 +38,13 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.decoders import Through
     from embedlens.analysis.lens.engine import BatchOut
     from embedlens.analysis.lens.many import Window
     from embedlens.analysis.lens.opening import Opened, Prompt
-    from embedlens.analysis.lens.options import Ask
+    from embedlens.analysis.lens.options import Ask, ManyAsk
     from embedlens.analysis.lens.report import LensResult
-    from embedlens.analysis.lens.sites import Pieces, SiteRows
+    from embedlens.analysis.lens.sites import Pieces, Reader, SiteRows
     from embedlens.model.prompts import BadLine
 
 SITE_STATS = (*LAYER_STATS, "change_kl")
@@ -52,56 +52,57 @@ SITE_STATS = (*LAYER_STATS, "change_kl")
 
 
 def in_block_order(layers: Iterable[int], sites: Sequence[str]) -> Iterator[tuple[int, str, str]]:
-    """(layer, site, its row label) of each layer and each of `sites`, in block order."""
-    return ((x, s, f"{x}{SUFFIX[s]}") for x in layers for s in SITES if s in sites)
+    """(layer, site, its row label) of each layer and each of `sites` in block order (layer 0:
+    resid alone, the embedding output having no block)."""
+    kept = [s for s in SITES if s in sites]
+    return ((x, s, f"{x}{SUFFIX[s]}") for x in layers for s in kept if x or s == "resid")
+
+
+def model_reader(
+    model: nn.Module, run: Prompt, positions: Sequence[int], sites: Sequence[str], vocab: int
+) -> Reader:
+    """`model`'s blocks taken apart on the prompt at `positions`, read through its own decoder
+    into `vocab` rows, on its device."""
+    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
+    from embedlens.analysis.lens.sites import Reader, take_apart
+
+    pieces = take_apart(model, run.ids, positions, "resid_mid" in sites)
+    decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
+    return Reader(pieces, decoder, input_device(model), vocab)
 
 
 def sites_report(
-    report: LensReport,
-    opened: Opened,
-    ask: Ask,
-    run: Prompt,
-    result: LensResult,
-    sites: Sequence[str],
+    report: LensReport, opened: Opened, ask: Ask, run: Prompt, result: LensResult
 ) -> LensReport:
-    """The lens's report with the sites' rows; the report itself for `resid` alone."""
-    if tuple(sites) == ("resid",):
+    """The lens's report with the rows of `ask.sites`; the report itself for `resid` alone."""
+    if ask.sites == ("resid",):
         return report
-    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
-    from embedlens.analysis.lens.sites import take_apart
-
-    model = opened.model
-    pieces = take_apart(model, run.ids, result.positions, "resid_mid" in sites)
-    decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
-    return read_sites(report, sites, pieces, decoder, opened.tokenizer, ask, run, result, model)
+    reader = model_reader(opened.model, run, result.positions, ask.sites, result.vocab_size)
+    return read_sites(report, reader, opened.tokenizer, ask, run, result, opened.model)
 
 
 def read_sites(
     report: LensReport,
-    sites: Sequence[str],
-    pieces: Pieces,
-    decoder: Decoder,
+    reader: Reader,
     tokenizer: Any,
     ask: Ask,
     run: Prompt,
     result: LensResult,
     model: nn.Module,
 ) -> LensReport:
-    """The lens's report with a row per (layer, site asked) in block order, the rows of `sites`
-    decoded from `pieces` (a model's blocks taken apart, or a states file's) through `decoder`,
-    on `model`'s device; the grid too, when the report has one."""
-    from embedlens.analysis.lens.blocks import input_device
-    from embedlens.analysis.lens.sites import Reader, decode_sites
+    """The lens's report with a row per (layer, site asked) in block order, the rows of
+    `ask.sites` decoded through `reader` (a model's blocks taken apart, or a states file's,
+    on `model`'s threads); the grid too, when the report has one."""
+    from embedlens.analysis.lens.sites import decode_sites
     from embedlens.model.tokens import id_text
 
-    reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
+    sites = ask.sites
     decoded = decode_sites(reader, model, sites, result, run, ask.top_k, len(tokenizer))
     tok = functools.cache(functools.partial(id_text, tokenizer))
     rows = [
         _resid(row, label) if site == "resid" else _row(decoded, site, row.layer, label, tok)
         for row in report.layers
         for _, site, label in in_block_order([row.layer], sites)
-        if site == "resid" or row.layer >= 1
     ]
     grid = None
     if report.grid is not None:
@@ -109,10 +110,9 @@ def read_sites(
             SiteGridRow(g.layer, _cells(decoded, site, g, tok), site, label)
             for g in report.grid
             for _, site, label in in_block_order([g.layer], sites)
-            if site == "resid" or g.layer >= 1
         ]
     return dataclasses.replace(
-        report, layers=rows, grid=grid, sites=list(sites), block_sums=sums(pieces)
+        report, layers=rows, grid=grid, sites=list(sites), block_sums=sums(reader.pieces)
     )
 
 
@@ -195,7 +195,7 @@ class SiteSums:
         for key, la in a.logprobs.items():
             acc = self.sums.setdefault(key, Sums())
             for j in range(la.shape[0]):
-                kl, agree = _compared(la[j], b.logprobs[key][j])
+                kl, agree = _compared(a, b, key, j)
                 acc.add("kl", kl)
                 acc.add("top1_agreement", int(agree))
         self.checked(a.pieces)
@@ -208,19 +208,18 @@ class SiteSums:
             )
             for layer, site, label in in_block_order(sorted({x for _, x in self.sums}), sites)
         ]
-        assert summary.diff is not None
-        parts = _parts(rows, sites, summary.diff.threshold)
-        return dataclasses.replace(summary, **parts, site_diff=rows, block_sums=self.blocks)
+        return _parted(summary, rows, sites, self.blocks)
 
 
 @dataclasses.dataclass(frozen=True)
 class SiteLogits:
-    """One model's site rows at the positions read: (site, layer) -> log-probabilities [P, V]
-    (float64, a row per position of `positions`), and its blocks taken apart."""
+    """One model's rows of `sites` at the positions read: (site, layer) -> log-probabilities
+    [P, V] (float64, a row per position of `positions`), and its blocks taken apart."""
 
     logprobs: dict[tuple[str, int], torch.Tensor]
     positions: list[int]
     pieces: Pieces
+    sites: Sequence[str]
 
 
 def site_logits(
@@ -232,33 +231,21 @@ def site_logits(
 ) -> SiteLogits:
     """A model's sites at `layers` (>= 1), at `positions` (the prompt's position read by
     default), through its decoder."""
-    from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks, input_device
-    from embedlens.analysis.lens.sites import take_apart
-
     model = opened.model
     at = [run.index] if positions is None else list(positions)
-    pieces = take_apart(model, run.ids, at, "resid_mid" in sites)
-    decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
-    return logits_at(pieces, decoder, sites, layers, input_device(model), vocab, at)
+    return logits_at(model_reader(model, run, at, sites, vocab), sites, layers, at)
 
 
 def logits_at(
-    pieces: Pieces,
-    decoder: Decoder,
-    sites: Sequence[str],
-    layers: Sequence[int],
-    device: torch.device,
-    vocab: int,
-    at: Sequence[int],
+    reader: Reader, sites: Sequence[str], layers: Sequence[int], at: Sequence[int]
 ) -> SiteLogits:
-    """The sites at `layers` of `pieces` (taken apart at the positions `at`: a model's, or a
-    states file's) through `decoder`, on `device`."""
+    """The sites at `layers` of `reader`'s pieces (taken apart at the positions `at`: a
+    model's, or a states file's)."""
     import torch
 
-    from embedlens.analysis.lens.sites import PIECE, Reader, stacked
+    from embedlens.analysis.lens.sites import PIECE, stacked
 
-    reader = Reader(pieces, decoder, device, vocab)
     with torch.inference_mode():
         got = reader.decoded(reader.rows([s for s in SITES if s in sites], layers, len(at), ()))
         out = {key: row.double().log_softmax(-1).cpu() for key, row in got}
@@ -267,64 +254,60 @@ def logits_at(
         for s in sites
         for layer in layers
     }
-    return SiteLogits(logprobs, list(at), pieces)
+    return SiteLogits(logprobs, list(at), reader.pieces, sites)
 
 
-def _compared(la: torch.Tensor, lb: torch.Tensor) -> tuple[float, bool]:
-    """KL(A ‖ B) of two rows of log-probabilities, and whether their top-1 agree."""
+def _compared(a: SiteLogits, b: SiteLogits, key: tuple[str, int], j: int) -> tuple[float, bool]:
+    """KL(A ‖ B) of A's and B's rows of `key` at their j-th position, and whether their top-1
+    agree."""
     from embedlens.analysis.lens.sites import kl
 
+    la, lb = a.logprobs[key][j], b.logprobs[key][j]
     return float(kl(la, lb)), bool(la.argmax() == lb.argmax())
 
 
-def pair_sites(
-    report: LensReport, a: SiteLogits, b: SiteLogits, sites: Sequence[str], read: int
-) -> LensReport:
+def pair_sites(report: LensReport, a: SiteLogits, b: SiteLogits, read: int) -> LensReport:
     """A's pair report with the rows inside the blocks compared at the position `read`, and
     where the two part."""
-    j = a.positions.index(read)
-    layers = sorted({x for _, x in a.logprobs})
+    j, layers = a.positions.index(read), sorted({x for _, x in a.logprobs})
     rows = [
-        SiteDiff(
-            layer,
-            site,
-            label,
-            *_compared(a.logprobs[(site, layer)][j], b.logprobs[(site, layer)][j]),
-        )
-        for layer, site, label in in_block_order(layers, sites)
+        SiteDiff(layer, site, label, *_compared(a, b, (site, layer), j))
+        for layer, site, label in in_block_order(layers, a.sites)
     ]
+    return _parted(report, rows, a.sites, sums(a.pieces))
+
+
+R = TypeVar("R", LensReport, LensSummaryReport)
+
+
+def _parted(report: R, rows: list[Any], sites: Sequence[str], blocks: BlockSums | None) -> R:
+    """`report` with `sites`, its `rows` inside the blocks compared (`site_diff`: a report's
+    `SiteDiff`, a summary's `SiteDiffStats`), the blocks' check, and the first row past the
+    threshold with what it blames: a block's output parting where its resid_mid (asked for)
+    agreed blames its MLP."""
     assert report.diff is not None
-    parts = _parts(rows, sites, report.diff.threshold)
-    return dataclasses.replace(report, **parts, site_diff=rows, block_sums=sums(a.pieces))
-
-
-def _parts(
-    rows: Sequence[SiteDiff | SiteDiffStats], sites: Sequence[str], threshold: float
-) -> dict[str, Any]:
-    """`sites`, and the first row past the threshold with what it blames: a block's output
-    parting where its resid_mid (asked for) agreed blames its MLP."""
-    first = next((r for r in rows if r.kl > threshold), None)
-    if first is None:
-        return {"sites": list(sites), "parts_at": None, "parts_in": None}
-    if first.site in ("attn_out", "resid_mid"):
-        blamed = f"the attention of block {first.layer}"
-    elif first.site == "mlp_out" or "resid_mid" in sites:
-        blamed = f"the MLP of block {first.layer}"
-    else:
-        blamed = f"block {first.layer}"
-    return {"sites": list(sites), "parts_at": first.row, "parts_in": blamed}
+    first = next((r for r in rows if r.kl > report.diff.threshold), None)
+    at = blamed = None
+    if first is not None:
+        at, blamed = first.row, f"block {first.layer}"
+        if first.site in ("attn_out", "resid_mid"):
+            blamed = f"the attention of block {first.layer}"
+        elif first.site == "mlp_out" or "resid_mid" in sites:
+            blamed = f"the MLP of block {first.layer}"
+    return dataclasses.replace(
+        report, sites=list(sites), parts_at=at, parts_in=blamed, site_diff=rows, block_sums=blocks
+    )
 
 
 class SiteManyRun(ManyRun):
     """`ManyRun` with the sites inside the blocks: each prompt's report and the summary with
     their `sites` parts (a piece's statistics summed in `inside` as each prompt runs)."""
 
-    sites: tuple[str, ...] = ("resid",)
-
-    def with_sites(self, sites: Sequence[str]) -> SiteManyRun:
-        """This run, reading `sites`."""
-        self.sites, self.inside = tuple(sites), SiteSums()
-        return self
+    def __init__(
+        self, opened: Opened, ask: ManyAsk, each: OnReport | None, through: Through | None
+    ) -> None:
+        super().__init__(opened, ask, each, through)
+        self.sites, self.inside = ask.sites, SiteSums()
 
     def run_window(
         self, window: Window, others: list[dict[int, Any]] | None = None
@@ -340,19 +323,12 @@ class SiteManyRun(ManyRun):
         entropy, top-1 agreement, the target's place, `ROW_STATS`, a piece's change KL."""
         import torch
 
-        from embedlens.analysis.lens.blocks import (
-            ModelDecoder,
-            find_blocks,
-            input_device,
-            threads_for,
-        )
-        from embedlens.analysis.lens.sites import Reader, kl, take_apart
+        from embedlens.analysis.lens.blocks import threads_for
+        from embedlens.analysis.lens.sites import kl
 
         model, inner = self.opened.model, [s for s in self.sites if s != "resid"]
-        pieces = take_apart(model, run.ids, result.positions, "resid_mid" in self.sites)
-        self.inside.checked(pieces)
-        decoder = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
-        reader = Reader(pieces, decoder, input_device(model), result.vocab_size)
+        reader = model_reader(model, run, result.positions, self.sites, result.vocab_size)
+        self.inside.checked(reader.pieces)
         assert result.output is not None
         real = torch.log_softmax(result.output.float(), -1)
         nexts, n = next_ids(run.ids, result.positions), int(real.shape[0])
@@ -367,7 +343,7 @@ class SiteManyRun(ManyRun):
 
     def report(self, ask: Ask, prompt: Prompt, out: BatchOut) -> LensReport:
         base = super().report(ask, prompt, out)
-        return sites_report(base, self.opened, ask, prompt, out.result, self.sites)
+        return sites_report(base, self.opened, ask, prompt, out.result)
 
     def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         base = super().summary(n_bad, bad)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
@@ -32,8 +31,8 @@ if TYPE_CHECKING:
     from embedlens.reports.tune import TunedLens
 
 
-Parts = tuple["LensFolder | None", Sequence[str], "Pair | None"]
-"""What decodes and compares the states: a tuned lens's folder (or None), the sites, B."""
+Parts = tuple["LensFolder | None", "Pair | None"]
+"""What decodes and compares the states: a tuned lens's folder (or None), and B."""
 
 
 def lens_states(
@@ -81,31 +80,24 @@ def lens_states(
 
         check_pair(pair.a, pair.b)
     ask = dataclasses.replace(ask, prompt="", chat=file.metadata.get("chat"))
-    return _run(os.fspath(name), load, file, ask, (lens_dir, ask.sites, pair))
+    return _run(os.fspath(name), load, file, ask, (lens_dir, pair))
 
 
 _NOT_APPLIED = {
-    "device": "it decodes on the CPU",
-    "device_map": "it decodes on the CPU",
-    "max_memory": "it decodes on the CPU",
-    "offload_folder": "it decodes on the CPU",
-    "chat": "the file holds the ids",
-    "no_thinking": "the file holds the ids",
-    "template_args": "the file holds the ids",
-    "chat_template": "the file holds the ids",
-    "skip_bad": "one file, one run",
-    "compare_logit": "one file, one run",
+    "it decodes on the CPU": ("device", "device_map", "max_memory", "offload_folder"),
+    "the file holds the ids": ("chat", "no_thinking", "template_args", "chat_template"),
+    "one file, one run": ("skip_bad", "compare_logit"),
 }
-"""The options `lens_states` does not take, and why."""
+"""Why `lens_states` does not take an option: the options (`LoadOptions`' or `LensOptions`')."""
 
 
 def _applies(load: LoadOptions, asked: LensOptions) -> None:
     """Refuse an option `lens_states` does not take (given other than its default)."""
-    given = {**load.given(), **{f: getattr(asked, f) != getattr(LensOptions(), f)
-                                for f in _NOT_APPLIED if hasattr(asked, f)}}  # fmt: skip
-    for name, why in _NOT_APPLIED.items():
-        if given.get(name):
-            raise UsageError(f"{name} does not apply to lens_states ({why})")
+    loading, default = load.given(), LensOptions()
+    for why, names in _NOT_APPLIED.items():
+        for name in names:
+            if loading.get(name) or getattr(asked, name, None) != getattr(default, name, None):
+                raise UsageError(f"{name} does not apply to lens_states ({why})")
 
 
 def _run(
@@ -142,7 +134,7 @@ def _run_on(
     from embedlens.analysis.lens.decoders import open_tail, tuned_through
     from embedlens.model import file_tokens, loading
 
-    lens_dir, sites, pair = parts
+    lens_dir, pair = parts
     source, trust = files.source, load.trust_remote_code
     tokenizer = loading.load_tokenizer(files, trust_remote_code=trust)
     config = loading.hf_config(source, trust_remote_code=trust)
@@ -156,7 +148,7 @@ def _run_on(
     if pair is not None:  # B first, on the file's ids, then freed (as `lens --against` runs it)
         from embedlens.analysis.lens.against import run_b
 
-        b = run_b(pair.b, tokenizer, run, ask, sites, lens_dir)
+        b = (*run_b(pair.b, tokenizer, run, ask, lens_dir), pair.threshold)
     dtype = torch.float32 if load.dtype == "auto" else loading.torch_dtype(load.dtype)
     tail = open_tail(source, dtype, trust_remote_code=trust)
     through = None if lens_dir is None else tuned_through(lens_dir, tail.model, tokenizer)
@@ -164,7 +156,7 @@ def _run_on(
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
     result, decoder = _decode(tail, through, file, decoding, run, ask, len(tokenizer), other)
     made = (name, tokenizer, tail, decoder, run, ask)
-    report = _composed(made, result, file, shown, sites, b, pair)
+    report = _composed(made, result, file, shown, b)
     tuned = None if through is None else through.described
     return _states_report(report, file, tail, result.check, tuned)
 
@@ -174,39 +166,38 @@ def _composed(
     result: LensResult,
     file: StatesFile,
     shown: list[int],
-    sites: Sequence[str],
     b: Any,
-    pair: Pair | None,
 ) -> LensReport:
     """The report of the decoded states (`made`: the model's name, tokenizer, tail, decoder,
-    the prompt and what was asked): with B (`against.run_b`'s), A against B as `lens_pair`
-    compares them, A's sites read from the file; else with the sites the file holds."""
+    the prompt and what was asked): with B (`against.run_b`'s, and the threshold), A against B
+    as `lens_pair` compares them, A's sites read from the file; else with the sites the file
+    holds."""
     import torch
 
     from embedlens.analysis.lens.many import shown_rows
     from embedlens.analysis.lens.report import lens_report
+    from embedlens.analysis.lens.sites import Reader
 
     name, tokenizer, tail, decoder, run, ask = made
-    inner = [x for x in shown if x >= 1]
+    inner, cpu = [x for x in shown if x >= 1], torch.device("cpu")
     report = lens_report(name, tokenizer, tail.model, shown_rows(result, shown), ask, run)
-    if b is None or pair is None:
-        if tuple(sites) == ("resid",):
+    if b is None:
+        if ask.sites == ("resid",):
             return report
         from embedlens.analysis.lens.site_report import read_sites
 
-        pieces = file.pieces(inner, result.positions)
-        return read_sites(report, sites, pieces, decoder, tokenizer, ask, run, result, tail.model)
+        reader = Reader(file.pieces(inner, result.positions), decoder, cpu, result.vocab_size)
+        return read_sites(report, reader, tokenizer, ask, run, result, tail.model)
     from embedlens.analysis.lens.pairing import compare, pair_report
     from embedlens.analysis.lens.site_report import logits_at
 
-    rb, named, b_sites = b
+    rb, named, b_sites, threshold = b
     inside = None
     if b_sites is not None:  # A's rows inside the blocks read from the file, at the position read
-        at, pieces = [run.index], file.pieces(inner, [run.index])
-        cpu, vocab = torch.device("cpu"), result.vocab_size
-        inside = (logits_at(pieces, decoder, sites, inner, cpu, vocab, at), b_sites, sites)
+        reader = Reader(file.pieces(inner, [run.index]), decoder, cpu, result.vocab_size)
+        inside = (logits_at(reader, ask.sites, inner, [run.index]), b_sites)
     diffs = compare(result, rb, run.index)
-    return pair_report(report, diffs, rb, named, pair.threshold, tokenizer, shown, inside)
+    return pair_report(report, diffs, rb, named, threshold, tokenizer, shown, inside)
 
 
 def _check_fits(file: StatesFile, ids: list[int], config: Any, tokenizer_size: int) -> int:

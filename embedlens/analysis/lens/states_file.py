@@ -1,23 +1,13 @@
-"""Files of hidden states: vLLM's, and embedlens' own, read lazily by layer and position.
+"""Files of hidden states (docs/states.md): vLLM's, and embedlens' own, read lazily by layer
+and position.
 
 Both are safetensors files holding `token_ids` [T] and `hidden_states` [T, N, H]: the residual
-stream at N layers for each of the T tokens. vLLM's hidden-states connector (the
-`extract_hidden_states` method) writes exactly these two tensors and nothing else: which layers
-they are is the engine's `eagle_aux_hidden_state_layer_ids`, given here by `--state-layers`. Its
-layer i is the input of block i, the sum vLLM keeps as `hidden_states + residual`: embedlens'
-layer i (0 = the embedding output, i the output of block i). embedlens' own file (`lens
---save-states`) states its layers (0..L, every one) in its metadata, with the model, revision,
-dtype and prompt, and the model's own logits at the last position (`logits` [V], float32): the
-decoding of the last layer is checked against them.
-
+stream at N layers for each of the T tokens (vLLM's layers given by `--state-layers`, embedlens'
+stated in its metadata, with its model's own logits at the last position for the self-check).
 The file is memory-mapped: only the rows read are copied, so a file larger than memory works.
 
-Written by `lens --save-states` (`save_run`, `ManySaver`): the residual stream of every layer at
-every position of a prompt run, for `lens --states` to decode later on a machine that holds only
-the model's final norm and head. One prompt: the file named. Many (`--prompts`): a folder, one
-file per prompt, named by its line (`000001.safetensors` for line 1), written as the windows
-run; under torchrun the other ranks' states are sent to rank 0 at each round's end, which alone
-writes.
+Written by `lens --save-states`: one prompt's to the file named (`save_run`), many prompts' or
+windows' to a folder, a file each (`ManySaver`), rank 0 alone writing under torchrun.
 """
 
 from __future__ import annotations
@@ -325,12 +315,11 @@ def save_run(
     run: Prompt,
     ask: Ask,
     revision: str | None,
-    sites: Sequence[str] = ("resid",),
 ) -> None:
     """Run the prompt once more, keeping every layer at every position (and every site asked
     for) and the model's own logits at the last position, and write them to `path`."""
     about = prompt_about(run, ask)
-    residual, logits, about, inner = states_of(opened, run.ids, revision, about, sites)
+    residual, logits, about, inner = states_of(opened, run.ids, revision, about, ask.sites)
     save_states(path, residual, run.ids, logits, about, inner)
 
 
