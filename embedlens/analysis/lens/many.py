@@ -9,9 +9,9 @@ statistics (`LensStats`, sums of `stats`): memory does not grow with the number 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from embedlens.analysis.lens.opening import Prompt, make_prompt, position_index
 from embedlens.analysis.lens.options import Ask, ManyAsk, resolve_layers
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.states_file import ManySaver
 
 OnReport = Callable[[LensReport, PromptLine], None]
+T = TypeVar("T")
 """A result callback: called with each prompt's report (what a single run returns) and the
 prompt's line."""
 WINDOW = 64
@@ -213,6 +214,20 @@ def windows(
         yield window
 
 
+def in_rounds(items: Iterable[T], session: Session, hand_on: Callable[[], None]) -> Iterator[T]:
+    """Under torchrun: this process's items (item w runs on rank w mod N), `hand_on` called on
+    every rank after each round of N items and after the last (a round cut short)."""
+    count = 0
+    for count, item in enumerate(items, 1):
+        session.check()
+        if (count - 1) % session.size == session.rank:
+            yield item
+        if count % session.size == 0:
+            hand_on()
+    if count % session.size:
+        hand_on()
+
+
 class ManyRun:
     """The second reading: prompts run a window at a time, reports handed on, statistics kept."""
 
@@ -282,24 +297,17 @@ class ManyRun:
         """Under torchrun: window w runs on rank w mod N (so each prompt runs in the batch one
         process gives it, and its report is the same bytes); after each round of N windows,
         rank 0 hands their reports on in input order; the statistics are summed at the end."""
-        each, n = self.each, session.size
+        each = self.each
         kept: list[tuple[LensReport, PromptLine]] = []
         if each is not None:  # reports are built where `each` is given (on every process)
             self.each = lambda report, line: kept.append((report, line))
         if self.saver is not None:  # rank 0 writes every rank's states
             self.saver.keep = session.rank != 0
-        ran = count = 0
-        for w, window in enumerate(found):
-            session.check()
-            count = w + 1
-            if w % n == session.rank:
-                self.run_window(window)
-                ran += 1
-                progress("prompts", session.total("prompts", len(window)), 0, "prompts")
-            if count % n == 0:
-                self._hand_on(session, kept, each)
-        if count % n:
-            self._hand_on(session, kept, each)
+        ran = 0
+        for window in in_rounds(found, session, lambda: self._hand_on(session, kept, each)):
+            self.run_window(window)
+            ran += 1
+            progress("prompts", session.total("prompts", len(window)), 0, "prompts")
         self.each = each
         self._merge(session, ran)
 

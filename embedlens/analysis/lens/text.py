@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
@@ -231,9 +231,9 @@ def _all(
     split: tuple[Session | None, ManySaver | None],
     progress: Progress,
 ) -> list[WindowSums]:
-    """Every window run (this process's share under torchrun), and every window's sums in
-    window order (every process's under torchrun); with a saver, each window's states saved
-    (rank 0 writes them all, `ManySaver`)."""
+    """Every window run (this process's share under torchrun: window w on rank w mod N), and
+    every window's sums in window order (every process's under torchrun); with a saver, each
+    window's states saved (rank 0 writes them all, `ManySaver`: handed to it after each round)."""
     from embedlens.runtime import heap_kept
 
     (r, name), (session, saver) = what, split
@@ -244,11 +244,19 @@ def _all(
         reference.check_run(tokens.ids, r.ctx, r.stride, r.score, run.vocab)
     total = sum(len(w.positions) for w in found)
     done = 0
-    mine: list[WindowSums] = []
+    ran: list[WindowSums] = []
+    mine: Iterable[Window] = found
+    if session is not None:
+        from functools import partial
+
+        from embedlens.analysis.lens.many import in_rounds
+
+        hand_on = (lambda: None) if saver is None else partial(saver.hand_on, session)
+        mine = in_rounds(found, session, hand_on)
     with heap_kept():
-        for w in _mine(found, session, saver):
+        for w in mine:
             ref = None if reference is None else reference.window(w.index)
-            mine.append(run.run(w, ref))
+            ran.append(run.run(w, ref))
             if saver is not None:
                 about = {"text": name, "window": str(w.index + 1), "start": str(w.index * r.stride)}
                 saver.put(w.index + 1, w.ids, about)
@@ -257,30 +265,12 @@ def _all(
             if session is None or session.rank == 0:
                 progress("text", done, total, "tokens")
     if session is None:
-        return mine
-    every = sorted((w for part in session.all_gather(mine) for w in part), key=lambda w: w.index)
+        return ran
+    every = sorted((w for part in session.all_gather(ran) for w in part), key=lambda w: w.index)
     # every rank gathers, a rank that ran no window (fewer windows than ranks) too
     checks = [c for c in session.all_gather(run.check) if c is not None]
     run.check = max(checks) if checks else None
     return every
-
-
-def _mine(
-    found: list[Window], session: Session | None, saver: ManySaver | None
-) -> Iterator[Window]:
-    """This process's windows (under torchrun window w runs on rank w mod N), and a saver's
-    states handed to rank 0 after each round of N windows (every rank takes part)."""
-    for w in found:
-        if session is None:
-            yield w
-            continue
-        session.check()
-        if saver is not None and w.index % session.size == 0 and w.index:
-            saver.hand_on(session)
-        if w.index % session.size == session.rank:
-            yield w
-    if session is not None and saver is not None:
-        saver.hand_on(session)
 
 
 @dataclass(frozen=True)

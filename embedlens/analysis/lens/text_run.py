@@ -41,16 +41,6 @@ TOP_K = 256
 """Log-probabilities a logits file keeps per token (`text.LogitsFile`)."""
 
 
-@dataclass
-class Side:
-    """A model with its decoder(s): the lens's (tuned or logit) and, with --tuned, the logit
-    lens's beside it."""
-
-    model: nn.Module
-    decoder: Decoder
-    logit: Decoder | None = None
-
-
 @dataclass(frozen=True)
 class Window:
     """One window: its index, its ids, the positions scored, their next tokens and bytes."""
@@ -205,8 +195,9 @@ class TextRun:
         """The window runner for A (its tuned lens beside the logit lens), and B (through the
         same tuned lens: A's, checked against B's blocks alone)."""
         save_logits, self.residual, self.sites = more
-        self.other = None if other is None else _side(other, lens_dir, own=False)
-        self.main = _side(opened, lens_dir)
+        self.other = None if other is None else (other.model, _lenses(other, lens_dir)["one"])
+        """B and its lens (with --tuned, A's tuned lens: its fingerprints are A's)."""
+        self.model, self.lenses = opened.model, _lenses(opened, lens_dir, own=True)
         self.n_layers = len(find_blocks(opened.model).modules)
         self.layers = sorted(set(options.resolve_layers(items, self.n_layers)) | {self.n_layers})
         get: Any = getattr(opened.model, "get_output_embeddings", None)
@@ -229,10 +220,10 @@ class TextRun:
 
     def run(self, w: Window, ref: dict[str, np.ndarray] | None = None) -> WindowSums:
         """One window's sums (`ref`: the rows of a logits file to compare the output with)."""
-        model = self.main.model
+        model = self.model
         with torch.inference_mode(), threads_for(model, len(w.ids)):
             cap = self._capture(model, w)
-            theirs = None if self.other is None else self._capture(self.other.model, w)
+            theirs = None if self.other is None else self._capture(self.other[0], w)
             assert cap.logits is not None
             real = cap.logits
             t = torch.tensor(w.targets, dtype=torch.long, device=real.device)
@@ -270,11 +261,11 @@ class TextRun:
         from embedlens.analysis.lens.sites import PIECE, stream, take_apart
 
         mid = "resid_mid" in self.sites
-        pieces = take_apart(self.main.model, w.ids, w.positions, mid)
+        pieces = take_apart(self.model, w.ids, w.positions, mid)
         sums.blocks = block_sums(pieces)
         theirs = None
         if self.other is not None:
-            theirs = take_apart(self.other.model, w.ids, w.positions, mid)
+            theirs = take_apart(self.other[0], w.ids, w.positions, mid)
         layers = [x for x in self.layers if x >= 1]
         parts = self._parts([(x, j) for x in layers for j in range(len(t))], False, out.prob)
         for site in (s for s in self.sites if s != "resid"):
@@ -297,9 +288,7 @@ class TextRun:
         the logit lens beside a tuned one, and A's decoder on B's residual, on the residual
         stream alone (not a `site`'s)."""
         index = {layer: i for i, layer in enumerate(self.layers)}
-        lenses = {"one": self.main.decoder}
-        if self.main.logit is not None and not site:
-            lenses["logit"] = self.main.logit
+        lenses = {"one": self.lenses["one"]} if site else self.lenses
         n = len(self.layers)
         acc = {key: torch.zeros(n, len(ONE), dtype=torch.float64) for key in lenses}
         values: dict[str, Tensor] = {}
@@ -345,21 +334,21 @@ class TextRun:
         `residual`, this model's decoder on B's residual (B's rows themselves where the two
         tails are one: the same computation on the same rows, the same bits)."""
         assert self.other is not None
-        b = self._rows(self.other.decoder, cap, part).to(device)
+        b = self._rows(self.other[1], cap, part).to(device)
         if not (residual and self.residual):
             return b, None
         if self.same_tail and not part[1]:
             return b, b
-        return b, self._rows(self.main.decoder, cap, (part[0], False)).to(device)
+        return b, self._rows(self.lenses["one"], cap, (part[0], False)).to(device)
 
     def _self_check(self, cap: Capture) -> None:
         """Decoding the last block's output at the first rows must give the model's logits."""
         assert cap.logits is not None
         n = min(8, cap.logits.shape[0])
         rows = [(self.n_layers, j) for j in range(n)]
-        mine = decode_rows(self.main.decoder, cap.residual, rows, self.device)
+        mine = decode_rows(self.lenses["one"], cap.residual, rows, self.device)
         real = cap.logits[:n].to(mine.device)
-        tol = tolerance(next(self.main.model.parameters()).dtype, real)
+        tol = tolerance(next(self.model.parameters()).dtype, real)
         self.check = float((mine - real).abs().max()), tol
 
     def _row_sums(
@@ -375,17 +364,17 @@ class TextRun:
             add_row(each[i], row)
 
 
-def _side(o: Opened, lens_dir: Any, own: bool = True) -> Side:
-    """A model with its logit lens, or its tuned lens (`lens_dir`) with the logit lens beside it
-    (`own`: A's, the lens's fingerprints checked; B: through A's lens alone)."""
+def _lenses(o: Opened, lens_dir: Any, own: bool = False) -> dict[str, Decoder]:
+    """A model's lens ('one'): its logit lens, or its tuned lens (`lens_dir`) with, when it is
+    A's (`own`: the lens's fingerprints checked), the logit lens beside it ('logit')."""
     dummy = o.tokenizer.eos_token_id or 0
     plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
     if lens_dir is None:
-        return Side(o.model, plain)
+        return {"one": plain}
     from embedlens.analysis.lens.decoders import tuned_through
 
     wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
-    return Side(o.model, wrap(plain), logit=plain if own else None)
+    return {"one": wrap(plain), "logit": plain} if own else {"one": wrap(plain)}
 
 
 def same_tail(a: nn.Module, b: nn.Module) -> bool:
