@@ -380,12 +380,12 @@ def _side(o: Opened, lens_dir: Any, own: bool = True) -> Side:
     (`own`: A's, the lens's fingerprints checked; B: through A's lens alone)."""
     dummy = o.tokenizer.eos_token_id or 0
     plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
-    if lens_dir is None:
-        return Side(o.model, plain)
     from embedlens.analysis.lens.decoders import tuned_through
 
-    wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
-    return Side(o.model, wrap(plain), logit=plain if own else None)
+    through = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own)
+    if through is None:
+        return Side(o.model, plain)
+    return Side(o.model, through.wrap(plain), logit=plain if own else None)
 
 
 def same_tail(a: nn.Module, b: nn.Module) -> bool:
