@@ -121,7 +121,7 @@ def test_the_translator_is_added_to_the_residual():
     """h + W h + b: zero translators are the logit lens, and each row gets its own layer's."""
     from embedlens.analysis.lens.decoders import Translators
 
-    t = Translators.identity(3, 4)
+    t = Translators(torch.zeros(3, 4, 4), torch.zeros(3, 4))  # W = 0, b = 0: the logit lens
     rows = torch.randn(5, 4)
     assert torch.equal(t.apply(rows, [0, 1, 2, 3, 1]), rows)
     weight = torch.randn(3, 4, 4)

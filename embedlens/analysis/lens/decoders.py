@@ -58,12 +58,6 @@ class Translators:
         object.__setattr__(self, "num_layers", int(self.weight.shape[0]))
         object.__setattr__(self, "width", int(self.weight.shape[1]))
 
-    @classmethod
-    def identity(cls, num_layers: int, width: int) -> Translators:
-        """Translators that change nothing (W = 0, b = 0): the logit lens."""
-        weight = torch.zeros(num_layers, width, width, dtype=torch.float32)
-        return cls(weight, torch.zeros(num_layers, width, dtype=torch.float32))
-
     def apply(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Rows [n, d] translated, row i by the translator of layers[i] (none at layer L), in
         float32: h + W h + b."""
@@ -307,23 +301,21 @@ def _head_skipped(model: nn.Module) -> Iterator[None]:
 
 
 def _after_last_block(model: nn.Module, blocks: Blocks, row: torch.Tensor) -> list[str]:
-    """The modules (outermost) that run after the last block, found on one zero state."""
-    try:
-        return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)  # the engine's
-    except UnsupportedError:
-        raise
-    except Exception:
-        # a kernel that refuses an expanded zero (grouped experts): the last block's tensors as
-        # zeros in memory (that block alone), and once more
-        _zeros(blocks.modules[-1], in_memory=True)
-    try:
-        return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)
-    except UnsupportedError:
-        raise
-    except Exception as e:
-        raise UnsupportedError(
-            f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: {e})"
-        ) from e
+    """The modules (outermost) that run after the last block, found on one zero state (the
+    engine's probe); where a kernel refuses an expanded zero (grouped experts), once more with
+    the last block's tensors as zeros in memory (that block alone)."""
+    for in_memory in (False, True):
+        if in_memory:
+            _zeros(blocks.modules[-1], in_memory=True)
+        try:
+            return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)
+        except UnsupportedError:
+            raise
+        except Exception as e:
+            error = e
+    raise UnsupportedError(
+        f"the model's tail cannot run without its blocks' weights ({type(error).__name__}: {error})"
+    ) from error
 
 
 def _tensors_of(model: nn.Module, modules: list[str]) -> list[str]:
