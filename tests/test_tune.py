@@ -121,7 +121,7 @@ def test_the_translator_is_added_to_the_residual():
     """h + W h + b: zero translators are the logit lens, and each row gets its own layer's."""
     from embedlens.analysis.lens.decoders import Translators
 
-    t = Translators.identity(3, 4)
+    t = Translators(torch.zeros(3, 4, 4), torch.zeros(3, 4))  # W = 0, b = 0: the logit lens
     rows = torch.randn(5, 4)
     assert torch.equal(t.apply(rows, [0, 1, 2, 3, 1]), rows)
     weight = torch.randn(3, 4, 4)
@@ -234,8 +234,8 @@ def test_lens_prompts_through_a_tuned_lens_beside_the_logit_lens(tiny, cli, tmp_
 def test_the_same_data_and_seed_give_the_same_lens(tiny, tmp_path):
     """Byte for byte, and the folder reads back as the translators the run fitted."""
     from embedlens import tune
-    from embedlens.analysis.lens.decoders import load_translators
-    from embedlens.analysis.lens.tuned_folder import open_folder
+    from embedlens.analysis.lens.decoders import Translators
+    from embedlens.analysis.lens.tuned_folder import open_folder, read_translators
     from embedlens.analysis.tune import run
 
     fitted: list[Any] = []
@@ -254,7 +254,7 @@ def test_the_same_data_and_seed_give_the_same_lens(tiny, tmp_path):
     tune(folder, data, tmp_path / "b", **args)
     for name in ("params.safetensors", "config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    back = load_translators(open_folder(tmp_path / "a"))
+    back = Translators(*read_translators(open_folder(tmp_path / "a")))
     assert torch.equal(back.weight, fitted[0].weight) and torch.equal(back.bias, fitted[0].bias)
     assert back.num_layers == first.num_layers == 3 and back.width == first.hidden_size == 32
     assert first.out == str(tmp_path / "a") and first.method == "kl"
@@ -318,8 +318,8 @@ def test_affine_is_the_least_squares_map_to_the_last_layer(tiny, tmp_path):
     residual to the last layer's over the data fitted (as numpy's lstsq finds it from every
     hidden state held at once; tune only keeps sums)."""
     from embedlens import tune
-    from embedlens.analysis.lens.decoders import load_translators
-    from embedlens.analysis.lens.tuned_folder import open_folder
+    from embedlens.analysis.lens.decoders import Translators
+    from embedlens.analysis.lens.tuned_folder import open_folder, read_translators
     from embedlens.analysis.tune.data import read_sequences
 
     folder = tiny("gpt2")
@@ -344,7 +344,7 @@ def test_affine_is_the_least_squares_map_to_the_last_layer(tiny, tmp_path):
         model(torch.tensor(seqs.ids))
     handle.remove()
     last = hooks[0].reshape(-1, 32).double()  # the last block's output (before ln_f)
-    got = load_translators(open_folder(tmp_path / "lens"))
+    got = Translators(*read_translators(open_folder(tmp_path / "lens")))
     for layer in range(n):
         x = states[layer].reshape(-1, 32).double()
         design = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1)

@@ -285,11 +285,11 @@ class _Side:
 
     def __init__(self, opened: Opened, work: _Work, *, own: bool) -> None:
         from embedlens.analysis.lens.blocks import find_blocks
-        from embedlens.analysis.lens.decoders import through_of
+        from embedlens.analysis.lens.decoders import tuned_through
 
         self.opened, ask = opened, work.ask
         self.sites = ask.sites
-        self.through = through_of(work.tuned, opened, fingerprints=own)
+        self.through = tuned_through(work.tuned, opened.model, opened.tokenizer, fingerprints=own)
         self.shown = resolve_layers(ask.layers, len(find_blocks(opened.model).modules))
         self.many = None
         if isinstance(ask, ManyAsk):
@@ -316,13 +316,10 @@ class _Side:
 
     def _alone(self, ask: Ask, prompt: Prompt, others: list[Any] | None) -> BatchOut:
         """One prompt through the engine at every layer (`others`: the other model's residual)."""
-        from embedlens.analysis.lens.blocks import ModelDecoder, find_blocks
         from embedlens.analysis.lens.engine import BatchOut
 
-        model, decoder = self.opened.model, None
-        if self.through is not None:
-            own = ModelDecoder(model, find_blocks(model), dummy_id=prompt.ids[0])
-            decoder = self.through.wrap(own)
+        through, model = self.through, self.opened.model
+        decoder = None if through is None else through.decoder(model, prompt.ids[0])
         every = dataclasses.replace(ask, layers=None)  # the first divergent layer, among all
         other = None if others is None else others[0]
         result = run_one(self.opened, every, prompt, keep=True, other=other, decoder=decoder)

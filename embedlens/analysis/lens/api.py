@@ -139,17 +139,18 @@ def _one_prompt(
     texts = () if ask.chat is not None else (ask.prompt,)
     ready = open_model(model, tokenizer, loading, check, own_template, ask.target, texts=texts)
     with ready as (opened, run):
-        from embedlens.analysis.lens.decoders import tuned_decoder
+        from embedlens.analysis.lens.decoders import tuned_through
 
-        decoder, described = tuned_decoder(lens_dir, opened, run)
+        through = tuned_through(lens_dir, opened.model, opened.tokenizer)
+        decoder = None if through is None else through.decoder(opened.model, run.ids[0])
         result = run_one(opened, ask, run, decoder=decoder)
         base = one_report(opened, ask, run, result)
         report = sites_report(base, opened, ask, run, result)
         if save is not None:
             save_run(save[0], opened, run, ask, save[1])
-        if described is None:
+        if through is None:
             return report
-        return replace(report, tuned=described)
+        return replace(report, tuned=through.described)
 
 
 def lens_prompts(
@@ -238,9 +239,9 @@ def _many(
     texts = many.plain_texts(source)
     ready = open_model(model, tokenizer, loading, check, targets=targets, texts=texts)
     with ready as (opened, (n_bad, bad)):
-        from embedlens.analysis.lens.decoders import through_of
+        from embedlens.analysis.lens.decoders import tuned_through
 
-        through = through_of(lens_dir, opened)
+        through = tuned_through(lens_dir, opened.model, opened.tokenizer)
         lensing = many.ManyRun(opened, ask, on_report, through, compare_logit=compare_logit)
         if sites != ("resid",):
             lensing = SiteManyRun(opened, ask, on_report, through)

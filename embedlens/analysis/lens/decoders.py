@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, Capture, Decoder, ModelDecoder, find_blocks
+from embedlens.analysis.lens.blocks import Blocks, Decoder, ModelDecoder, find_blocks
 from embedlens.analysis.lens.tuned_folder import config_size, head_weight
 from embedlens.compat.torch import put_tensor
 from embedlens.errors import UnsupportedError, UsageError
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.opening import Opened, Prompt
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.io.source import ModelSource
     from embedlens.reports.tune import TunedLens as TunedDescription
@@ -58,12 +57,6 @@ class Translators:
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_layers", int(self.weight.shape[0]))
         object.__setattr__(self, "width", int(self.weight.shape[1]))
-
-    @classmethod
-    def identity(cls, num_layers: int, width: int) -> Translators:
-        """Translators that change nothing (W = 0, b = 0): the logit lens."""
-        weight = torch.zeros(num_layers, width, width, dtype=torch.float32)
-        return cls(weight, torch.zeros(num_layers, width, dtype=torch.float32))
 
     def apply(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Rows [n, d] translated, row i by the translator of layers[i] (none at layer L), in
@@ -86,7 +79,9 @@ class Translators:
 
 
 class TunedDecoder:
-    """Translator, then the model's own decoder: the tuned lens (the last layer untranslated)."""
+    """Translator, then the model's own decoder: the tuned lens. The last layer is decoded
+    untranslated, so the head's hooks, the steps after the last block and the suspect step are
+    the model's own decoder's (`full` too: its tail ran with every block in place)."""
 
     def __init__(self, own: Decoder, translators: Translators) -> None:
         self.own = own
@@ -94,29 +89,20 @@ class TunedDecoder:
 
     @property
     def full(self) -> bool:
-        """The model's own decoder's flag (its tail ran with every block in place)."""
+        """The model's own decoder's flag."""
         return self.own.full
 
     @full.setter
     def full(self, value: bool) -> None:
         self.own.full = value
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.own, name)  # watch, steps, suspect: the model's own decoder's
+
     def logits(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Logits [n, V] of rows [n, d], each translated for the layer it was read at."""
         translated = self.translators.apply(rows, layers)
         return self.own.logits(translated.to(rows.dtype), layers)
-
-    def watch(self, cap: Capture) -> list[Any]:
-        """The model's own decoder's hooks on the head."""
-        return self.own.watch(cap)
-
-    def steps(self, row: torch.Tensor, tol: float) -> list[str]:
-        """What runs after the last block (the last layer is decoded untranslated)."""
-        return self.own.steps(row, tol)
-
-    def suspect(self, real: Capture, tol: float) -> str:
-        """The model's own decoder's suspect step (the last layer has no translator)."""
-        return self.own.suspect(real, tol)
 
 
 class LogitLens:
@@ -159,89 +145,52 @@ class TunedLens(LogitLens):
         """The tuned lens in `folder` (`embedlens tune`'s, or one tuned-lens saved) on `model`,
         refused for another model (its size, its decoder's weights, and with `tokenizer` its
         vocabulary, as `lens --tuned` checks them)."""
-        from embedlens.analysis.lens.tuned_folder import fits_tuned
+        from embedlens.analysis.lens.tuned_folder import fits_tuned, open_folder
 
-        lens = open_tuned(folder)
+        lens = open_folder(folder)
         fits_tuned(lens, getattr(model, "config", None))
         through = tuned_through(lens, model, tokenizer)
-        own = ModelDecoder(model, find_blocks(model), dummy_id=0)
-        return cls(model, through.wrap(own))
-
-
-Wrap = Callable[[Decoder], Decoder]
-"""Builds the lens's decoder on the model's own."""
+        assert through is not None
+        return cls(model, through.decoder(model, 0))
 
 
 @dataclass(frozen=True)
 class Through:
-    """The tuned lens ready for the engine: its decoder maker, and what reports say of it."""
+    """The tuned lens ready for the engine: its translators, and what reports say of it."""
 
-    wrap: Wrap
-    """Builds the tuned lens's decoder on the model's own."""
+    translators: Translators
     described: TunedDescription
     """What reports say of the lens (their `tuned`)."""
 
+    def wrap(self, own: Decoder) -> Decoder:
+        """The tuned lens's decoder on the model's own."""
+        return TunedDecoder(own, self.translators)
 
-def open_tuned(path: str | os.PathLike[str]) -> LensFolder:
-    """The lens folder, its config and tensors' shapes checked (no torch)."""
-    from embedlens.analysis.lens.tuned_folder import open_folder
-
-    return open_folder(path)
+    def decoder(self, model: nn.Module, dummy_id: int) -> Decoder:
+        """The tuned lens's decoder on `model`'s own (its tail run on `dummy_id`)."""
+        return self.wrap(ModelDecoder(model, find_blocks(model), dummy_id=dummy_id))
 
 
 def tuned_through(
-    lens: LensFolder, model: nn.Module, tokenizer: Any, *, fingerprints: bool = True
-) -> Through:
-    """The decoder maker and the report's description of the lens, once the lens is checked
-    against the loaded model (its blocks, its decoder's weights, its vocabulary: without a
-    `tokenizer`, not that; without `fingerprints`, its blocks alone: the model compared with
-    the one the lens was tuned on, read through that model's lens)."""
-    from embedlens.analysis.lens.tuned_folder import check_model
+    lens: LensFolder | None, model: nn.Module, tokenizer: Any, *, fingerprints: bool = True
+) -> Through | None:
+    """The tuned lens ready for the engine (None without a lens), once it is checked against the
+    loaded model (its blocks, its decoder's weights, its vocabulary: without a `tokenizer`, not
+    that; without `fingerprints`, its blocks alone: the model compared with the one the lens was
+    tuned on, read through that model's lens)."""
+    from embedlens.analysis.lens.tuned_folder import check_model, read_translators
     from embedlens.reports.tune import TunedLens as Described
 
+    if lens is None:
+        return None
     check_model(lens, model, find_blocks(model), tokenizer, fingerprints=fingerprints)
-    translators = load_translators(lens)
-
-    def wrap(own: Decoder) -> Decoder:
-        return TunedDecoder(own, translators)
-
     described = Described(
         path=str(lens.path),
         made_by=lens.made_by,
         base_model=lens.base_model,
         num_layers=lens.num_layers,
     )
-    return Through(wrap, described)
-
-
-def load_translators(lens: LensFolder) -> Translators:
-    """The lens folder's translators (`tuned_folder.read_translators`)."""
-    from embedlens.analysis.lens.tuned_folder import read_translators
-
-    return Translators(*read_translators(lens))
-
-
-def through_of(
-    tuned: LensFolder | None, opened: Opened, *, fingerprints: bool = True
-) -> Through | None:
-    """The tuned lens as a decoder maker for `opened` (None without a lens): checked against the
-    model (without `fingerprints`: its blocks alone, the lens being the other model's)."""
-    if tuned is None:
-        return None
-    return tuned_through(tuned, opened.model, opened.tokenizer, fingerprints=fingerprints)
-
-
-def tuned_decoder(
-    tuned: LensFolder | None, opened: Opened, run: Prompt, *, fingerprints: bool = True
-) -> tuple[Decoder | None, TunedDescription | None]:
-    """The tuned lens's decoder on `opened`'s own for one prompt, and what reports say of the
-    lens (None without one), as `through_of` checks it."""
-    through = through_of(tuned, opened, fingerprints=fingerprints)
-    if through is None:
-        return None, None
-    model = opened.model
-    own = ModelDecoder(model, find_blocks(model), dummy_id=run.ids[0])
-    return through.wrap(own), through.described
+    return Through(Translators(*read_translators(lens)), described)
 
 
 Reader = tuple[dict[str, str], Callable[[str, torch.dtype], torch.Tensor]]
@@ -352,23 +301,21 @@ def _head_skipped(model: nn.Module) -> Iterator[None]:
 
 
 def _after_last_block(model: nn.Module, blocks: Blocks, row: torch.Tensor) -> list[str]:
-    """The modules (outermost) that run after the last block, found on one zero state."""
-    try:
-        return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)  # the engine's
-    except UnsupportedError:
-        raise
-    except Exception:
-        # a kernel that refuses an expanded zero (grouped experts): the last block's tensors as
-        # zeros in memory (that block alone), and once more
-        _zeros(blocks.modules[-1], in_memory=True)
-    try:
-        return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)
-    except UnsupportedError:
-        raise
-    except Exception as e:
-        raise UnsupportedError(
-            f"the model's tail cannot run without its blocks' weights ({type(e).__name__}: {e})"
-        ) from e
+    """The modules (outermost) that run after the last block, found on one zero state (the
+    engine's probe); where a kernel refuses an expanded zero (grouped experts), once more with
+    the last block's tensors as zeros in memory (that block alone)."""
+    for in_memory in (False, True):
+        if in_memory:
+            _zeros(blocks.modules[-1], in_memory=True)
+        try:
+            return list(ModelDecoder(model, blocks, dummy_id=0).probe(row).steps)
+        except UnsupportedError:
+            raise
+        except Exception as e:
+            error = e
+    raise UnsupportedError(
+        f"the model's tail cannot run without its blocks' weights ({type(error).__name__}: {error})"
+    ) from error
 
 
 def _tensors_of(model: nn.Module, modules: list[str]) -> list[str]:

@@ -219,12 +219,11 @@ class BatchLens:
         """One prompt's rows from a residual stream another source gives (layer -> [P, d]: a
         states file), over `vocab` tokens, with no forward pass and no check: the last layer's
         decoded rows stand for the model's output, but where `held` has it (row -> logits [V])."""
-        if self.decoder is None:
-            self.decoder = self._new_decoder(item.ids[0])
+        decoder = self._decoder(item.ids[0])
         job = _Decode(self, [item], None, residual)
         job.vocab, job.held = vocab, held
-        job.run(self.decoder, torch.device("cpu"))
-        return job.result(0, [], self.decoder.full, "").result
+        job.run(decoder, torch.device("cpu"))
+        return job.result(0, [], decoder.full, "").result
 
     def _run_group(self, items: list[BatchItem]) -> list[BatchOut]:
         n_tokens = sum(len(item.ids) for item in items)
@@ -241,9 +240,8 @@ class BatchLens:
 
     def _alone(self, item: BatchItem) -> BatchOut:
         """One prompt on its own (`exact`), its statistics from a batch of one."""
-        decoder = None if self.wrap is None else self._new_decoder(item.ids[0])
         alone = BatchLens(
-            self.model, self.layers, self.k, self.real_vocab, self.keep, decoder=decoder, exact=True
+            self.model, self.layers, self.k, self.real_vocab, self.keep, self.wrap, exact=True
         )
         alone.as_batch = True
         result = alone.one(item)
@@ -256,9 +254,7 @@ class BatchLens:
         """Capture and decode a batch; None when the model's own logits are not finite (one
         prompt run `exact` raises instead, saying where)."""
         model, n_layers = self.model, self.n_layers
-        if self.decoder is None:
-            self.decoder = self._new_decoder(items[0].ids[0])
-        decoder = self.decoder
+        decoder = self._decoder(items[0].ids[0])
         wanted = sorted(set(self.layers) | {n_layers})
         reads = [item.positions for item in items]
         watch = decoder.watch if self.exact else None
@@ -291,10 +287,13 @@ class BatchLens:
             suspect = decoder.suspect(cap, job.tol)
         return [job.result(b, steps, decoder.full, suspect) for b in range(len(items))]
 
-    def _new_decoder(self, dummy_id: int) -> Decoder:
-        """The model's own decoder, or the one `wrap` builds on it."""
-        own = ModelDecoder(self.model, self.blocks, dummy_id=dummy_id)
-        return own if self.wrap is None else self.wrap(own)
+    def _decoder(self, dummy_id: int) -> Decoder:
+        """The decoder, built once (its tail run on `dummy_id`, the first prompt's first id): the
+        model's own, or the one `wrap` builds on it."""
+        if self.decoder is None:
+            own = ModelDecoder(self.model, self.blocks, dummy_id=dummy_id)
+            self.decoder = own if self.wrap is None else self.wrap(own)
+        return self.decoder
 
 
 class _Decode:

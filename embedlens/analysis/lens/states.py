@@ -151,7 +151,7 @@ def _run_on(
         b = (*run_b(pair.b, tokenizer, run, ask, lens_dir), pair.threshold)
     dtype = torch.float32 if load.dtype == "auto" else loading.torch_dtype(load.dtype)
     tail = open_tail(source, dtype, trust_remote_code=trust)
-    through = None if lens_dir is None else tuned_through(lens_dir, tail.model, tokenizer)
+    through = tuned_through(lens_dir, tail.model, tokenizer)
     decoding = shown if b is None else sorted(file.layers)  # the pair: every layer, then cut
     other = None if b is None else b[0].kept.residual  # type: ignore[union-attr]
     result, decoder = _decode(tail, through, file, decoding, run, ask, len(tokenizer), other)

@@ -128,13 +128,13 @@ def _run(
     progress: Progress,
 ) -> LensTextReport:
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
-    from embedlens.analysis.lens.decoders import open_tuned
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.text_run import TOP_K, TextRun, text_report
+    from embedlens.analysis.lens.tuned_folder import open_folder
 
     name, body, r, items = asked
     tuned, reference, save_logits, residual, sites, saving = more
-    lens_dir = None if tuned is None else open_tuned(tuned)
+    lens_dir = None if tuned is None else open_folder(tuned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
         fits_tuned(lens_dir, config)

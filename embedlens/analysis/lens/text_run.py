@@ -369,11 +369,12 @@ def _lenses(o: Opened, lens_dir: Any, own: bool = False) -> dict[str, Decoder]:
     A's (`own`: the lens's fingerprints checked), the logit lens beside it ('logit')."""
     dummy = o.tokenizer.eos_token_id or 0
     plain = ModelDecoder(o.model, find_blocks(o.model), dummy_id=int(dummy))
-    if lens_dir is None:
-        return {"one": plain}
     from embedlens.analysis.lens.decoders import tuned_through
 
-    wrap = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own).wrap
+    through = tuned_through(lens_dir, o.model, o.tokenizer, fingerprints=own)
+    if through is None:
+        return {"one": plain}
+    wrap = through.wrap
     return {"one": wrap(plain), "logit": plain} if own else {"one": wrap(plain)}
 
 

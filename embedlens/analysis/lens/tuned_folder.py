@@ -179,7 +179,7 @@ def _check_header(path: Path, width: int, layers: int, bias: bool) -> None:
 
 def read_translators(lens: LensFolder) -> tuple[torch.Tensor, torch.Tensor]:
     """The translators' weight [L, d, d] and bias [L, d] as float32 tensors (a missing bias is
-    zero): `decoders.load_translators` makes them `Translators`."""
+    zero): `decoders.tuned_through` makes them `Translators`."""
     import torch
 
     state = _read_safetensors(lens) if lens.params.suffix == ".safetensors" else _unpickle(lens)
