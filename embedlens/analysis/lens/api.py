@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Unpack, overload
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from embedlens.analysis.lens import many
 from embedlens.analysis.lens import options as checks
@@ -36,11 +36,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.opening import Prompt
+    from embedlens.analysis.lens.opening import Check
     from embedlens.analysis.lens.tuned_folder import LensFolder
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
+
+T = TypeVar("T")
 
 
 @overload
@@ -130,11 +132,7 @@ def _one_prompt(
     """One prompt through the engine (through a tuned lens, `lens_dir`), and its report (with
     the sites inside the blocks, `ask.sites`; `save`: where --save-states writes, and the
     revision its metadata names)."""
-
-    def check(tok: Any, config: Any, template: str) -> Prompt:
-        fits_tuned(lens_dir, config)
-        return make_prompt(ask, tok, config, template)
-
+    check = _checked_with(lens_dir, functools.partial(make_prompt, ask))
     own_template = ask.chat is not None and ask.template is None
     texts = () if ask.chat is not None else (ask.prompt,)
     ready = open_model(model, tokenizer, loading, check, own_template, ask.target, texts=texts)
@@ -231,10 +229,7 @@ def _many(
     if pair is not None:
         return lens_pair_prompts(pair, ask, source, on_report, lens_dir)
 
-    def check(tok: Any, config: Any, template: str) -> tuple[int, list[Any]]:
-        fits_tuned(lens_dir, config)
-        return many.check_all(source, ask, tok, config, template)
-
+    check = _checked_with(lens_dir, functools.partial(many.check_all, source, ask))
     targets = functools.partial(many.check_targets, source, ask)
     texts = many.plain_texts(source)
     ready = open_model(model, tokenizer, loading, check, targets=targets, texts=texts)
@@ -248,6 +243,19 @@ def _many(
         if saving is not None:
             lensing.saver = ManySaver(saving[0], opened, saving[1], sites)
         return lensing.run_all(source, n_bad, bad, session, progress)
+
+
+def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
+    """`check`, after the tuned lens's size is checked against the model's config (`check`
+    itself without a lens: the walk from opening to it stays in opening)."""
+    if lens_dir is None:
+        return check
+
+    def both(tok: Any, config: Any, template: str) -> T:
+        fits_tuned(lens_dir, config)
+        return check(tok, config, template)
+
+    return both
 
 
 def _deprecated_many(
