@@ -6,6 +6,7 @@ their probabilities under the full softmax)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,11 @@ def test_tuned_lens_from_a_folder_gives_the_reports_figures(tiny, tmp_path):
     logit = embedlens.LogitLens.from_model(model)
     assert not torch.allclose(tuned(hidden[1], 1), logit(hidden[1], 1))  # translated
     assert torch.equal(tuned(hidden[-1], len(hidden) - 1), logit(hidden[-1], len(hidden) - 1))
+    copied = copy.copy(tuned.decoder)  # a copy is built before its fields are set
+    assert copied.steps == tuned.decoder.own.steps  # the model's own decoder's
+    assert torch.equal(
+        copied.logits(hidden[1][0], [1] * hidden[1].shape[1]), tuned(hidden[1], 1)[0]
+    )
 
 
 def test_a_tuned_lens_for_another_model_and_a_bad_layer_are_refused(tiny, tmp_path):

@@ -97,6 +97,8 @@ class TunedDecoder:
         self.own.full = value
 
     def __getattr__(self, name: str) -> Any:
+        if name == "own" or name.startswith("__"):  # not set yet (a copy being built)
+            raise AttributeError(name)
         return getattr(self.own, name)  # watch, steps, suspect: the model's own decoder's
 
     def logits(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
