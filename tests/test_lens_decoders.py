@@ -93,7 +93,7 @@ def test_tuned_lens_from_a_folder_gives_the_reports_figures(tiny, tmp_path):
     assert not torch.allclose(tuned(hidden[1], 1), logit(hidden[1], 1))  # translated
     assert torch.equal(tuned(hidden[-1], len(hidden) - 1), logit(hidden[-1], len(hidden) - 1))
     copied = copy.copy(tuned.decoder)  # a copy is built before its fields are set
-    assert copied.steps == tuned.decoder.own.steps  # the model's own decoder's
+    assert copied.own is tuned.decoder.own  # the model's own decoder's steps and hooks
     assert torch.equal(
         copied.logits(hidden[1][0], [1] * hidden[1].shape[1]), tuned(hidden[1], 1)[0]
     )

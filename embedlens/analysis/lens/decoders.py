@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, Decoder, ModelDecoder, find_blocks
+from embedlens.analysis.lens.blocks import Blocks, Capture, Decoder, ModelDecoder, find_blocks
 from embedlens.analysis.lens.tuned_folder import config_size, head_weight
 from embedlens.compat.torch import put_tensor
 from embedlens.errors import UnsupportedError, UsageError
@@ -96,15 +96,19 @@ class TunedDecoder:
     def full(self, value: bool) -> None:
         self.own.full = value
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "own" or name.startswith("__"):  # not set yet (a copy being built)
-            raise AttributeError(name)
-        return getattr(self.own, name)  # watch, steps, suspect: the model's own decoder's
-
     def logits(self, rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Logits [n, V] of rows [n, d], each translated for the layer it was read at."""
         translated = self.translators.apply(rows, layers)
         return self.own.logits(translated.to(rows.dtype), layers)
+
+    def watch(self, cap: Capture) -> list[Any]:
+        return self.own.watch(cap)
+
+    def steps(self, row: torch.Tensor, tol: float) -> list[str]:
+        return self.own.steps(row, tol)
+
+    def suspect(self, real: Capture, tol: float) -> str:
+        return self.own.suspect(real, tol)
 
 
 class LogitLens:

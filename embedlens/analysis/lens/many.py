@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.states_file import ManySaver
 
 OnReport = Callable[[LensReport, PromptLine], None]
-T = TypeVar("T")
 """A result callback: called with each prompt's report (what a single run returns) and the
 prompt's line."""
+T = TypeVar("T")
 WINDOW = 64
 """Prompts read ahead and run together (in batches of similar length)."""
 _SHOWN_BAD = 5

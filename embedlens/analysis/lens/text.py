@@ -128,7 +128,7 @@ def _run(
     progress: Progress,
 ) -> LensTextReport:
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
-    from embedlens.analysis.lens.opening import open_model
+    from embedlens.analysis.lens.opening import context_length, open_model
     from embedlens.analysis.lens.text_run import TOP_K, TextRun, text_report
     from embedlens.analysis.lens.tuned_folder import open_folder
 
@@ -138,8 +138,8 @@ def _run(
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
         fits_tuned(lens_dir, config)
-        limit = getattr(config, "max_position_embeddings", None)  # a window past it is refused
-        if isinstance(limit, int) and r.ctx > limit:
+        limit = context_length(config)  # a window past it is refused
+        if limit is not None and r.ctx > limit:
             raise UsageError(f"--ctx {r.ctx} is longer than the model's {limit:,} positions")
         return tokenise(body, tok, r, name)
 
