@@ -29,7 +29,7 @@ import embedlens.views  # noqa: F401
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
     from embedlens.analysis.lens import lens, lens_prompts, lens_states, lens_text
-    from embedlens.analysis.lens.decoders import LogitLens, TunedLens
+    from embedlens.analysis.lens.decoders import JacobianLens, LogitLens, TunedLens
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
     from embedlens.analysis.tied import tied
@@ -59,6 +59,7 @@ _EXPORTS = {
     "lens_prompts": "embedlens.analysis.lens",
     "lens_states": "embedlens.analysis.lens",
     "lens_text": "embedlens.analysis.lens",
+    "JacobianLens": "embedlens.analysis.lens.decoders",
     "LogitLens": "embedlens.analysis.lens.decoders",
     "TunedLens": "embedlens.analysis.lens.decoders",
     "vocab": "embedlens.analysis.vocab",
@@ -93,6 +94,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EmbedlensError",
+    "JacobianLens",
     "LensOptions",
     "LoadOptions",
     "LogitLens",

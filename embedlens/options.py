@@ -88,8 +88,12 @@ class LensOptions:
     """With `against`: the KL (nats) above which a layer counts as divergent."""
     tuned: PathLike | None = None
     """A lens folder (`tune`'s or tuned-lens's): each layer but the last read through it."""
+    jacobian: PathLike | None = None
+    """A Jacobian lens's artifact (a .pt file, a folder holding one, or 'HUB_ID:FILE'): each layer
+    with a matrix read through it."""
     compare_logit: bool = False
-    """Many prompts, with `tuned`: the logit lens's statistics over the same prompts too."""
+    """Many prompts, with `tuned` or `jacobian`: the logit lens's statistics over the same prompts
+    too."""
     site: str | Sequence[str] | None = None
     """Where in the blocks the stream is read: 'resid' (the default: each block's output),
     'resid_mid', 'attn_out', 'mlp_out', or several (a comma list or a sequence): docs/lens.md."""
@@ -127,6 +131,7 @@ class LensKeywords(LoadKeywords, total=False):
     skip_bad: bool
     threshold: float | None
     tuned: PathLike | None
+    jacobian: PathLike | None
     compare_logit: bool
     site: str | Sequence[str] | None
 

@@ -54,6 +54,7 @@ REPORTS: dict[str, type[Report]] = {
 STATES = "lens --states"
 MODES: dict[str, tuple[str, ...]] = {
     "lens --tuned": ("lens --tuned",),
+    "lens --jacobian": ("lens --jacobian",),
     "lens --against": ("lens --against",),
     "lens --site": ("lens --site",),
     "lens --against --site": ("lens --against", "lens --against --site"),
@@ -68,6 +69,7 @@ MODES: dict[str, tuple[str, ...]] = {
         "lens --states --against --site",
     ),
     "lens --prompts --tuned": ("lens --prompts --tuned",),
+    "lens --prompts --jacobian": ("lens --prompts --jacobian",),
     "lens --prompts --against": ("lens --prompts --against",),
     "lens --prompts --site": ("lens --prompts --site",),
     "lens --prompts --against --site": (
@@ -84,6 +86,7 @@ MODES: dict[str, tuple[str, ...]] = {
 EACH_LINE = {
     "lens --prompts": "lens",
     "lens --prompts --tuned": "lens --tuned",
+    "lens --prompts --jacobian": "lens --jacobian",
     "lens --prompts --against": "lens --against",
     "lens --prompts --site": "lens --site",
     "lens --prompts --against --site": "lens --against --site",
@@ -104,6 +107,14 @@ ARGS: dict[str, list[str]] = {
     "lens --prompts": ["--prompts", "PROMPTS", "-k", "2"],
     "lens --tuned": ["the king of France is", "--tuned", "TUNED", "--target", "king", "-k", "2"],
     "lens --prompts --tuned": ["--prompts", "PROMPTS", "--tuned", "TUNED", "--compare-logit"],
+    "lens --jacobian": ["the king of France is", "--jacobian", "JACOBIAN", "-k", "2"],
+    "lens --prompts --jacobian": [
+        "--prompts",
+        "PROMPTS",
+        "--jacobian",
+        "JACOBIAN",
+        "--compare-logit",
+    ],
     "lens --against": ["the king of France is", "--against", "MODEL", "--target", "king"],
     "lens --prompts --against": ["--prompts", "PROMPTS", "--against", "MODEL", "-k", "2"],
     "lens --states": ["--states", "STATES", "--target", "king", "--position", "all", "-k", "2"],
@@ -341,6 +352,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], l
                 "DATA": lambda: words_file(folder / "words.txt"),
                 "OUT": lambda: folder / "lens",
                 "TUNED": lambda: run(model, "tune")[0]["out"],
+                "JACOBIAN": lambda: _jacobian(model, folder / "j.pt"),
                 "MODEL": lambda: model,
                 "STATES": lambda: _saved_states(cli, model, folder / "states.safetensors"),
                 "SITES": lambda: _saved_states(cli, model, folder / "sites.safetensors", SITES),
@@ -355,6 +367,19 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], l
 
 
 SITES = "attn_out,resid_mid,mlp_out,resid"
+
+
+def _jacobian(model: Path, path: Path) -> Path:
+    """A Jacobian-lens artifact for `model`: near-identity matrices at every block but the last."""
+    import torch
+
+    from embedlens.analysis.lens.jacobian import write_artifact
+
+    sized = embedlens.params(model, meta_only=model.suffix != ".gguf")
+    d, n = sized.hidden_size, sized.num_layers
+    g = torch.Generator().manual_seed(0)
+    matrices = {i: torch.eye(d) + 0.01 * torch.randn(d, d, generator=g) for i in range(n - 1)}
+    return write_artifact(path, matrices, n_prompts=1, metadata={"target_layer": n - 1})
 
 
 def _saved_states(cli: Runner, model: Path, path: Path, sites: str = "resid") -> Path:

@@ -34,13 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("model", "states")
 REDUCTIONS = ("prompt", "prompts", "text")
 SITES = (None, "resid", "attn_out")
-DECODERS = ("logit", "tuned")
+DECODERS = ("logit", "tuned", "jacobian")
 COMPARISONS = (None, "against", "compare_logit", "against_logits")
 ALL_SITES = "resid_mid,attn_out,mlp_out,resid"
 
 REASONS = {
     "tuned_site": "--tuned reads the residual stream only",
-    "compare_needs_tuned": "--compare-logit compares the tuned lens with the logit lens",
+    "jacobian_site": "--jacobian reads the residual stream only",
+    "compare_needs_tuned": "--compare-logit compares a learned lens with the logit lens",
     "compare_one_model": "--compare-logit compares two lenses on one model",
     "compare_many": "--compare-logit applies to --prompts",
     "compare_text": "--text and --compare-logit do not combine",
@@ -58,8 +59,8 @@ def refusals(
     """The reasons a combination is refused for (empty: it runs). Where several apply, the
     error names one of them."""
     out: set[str] = set()
-    if decoder == "tuned" and site not in (None, "resid"):
-        out.add("tuned_site")
+    if decoder != "logit" and site not in (None, "resid"):
+        out.add(f"{decoder}_site")
     if source == "states" and reduction == "prompts":
         out.add("states_prompts")
     if source == "states" and reduction == "text":
@@ -79,10 +80,11 @@ COMBOS = list(itertools.product(SOURCES, REDUCTIONS, SITES, DECODERS, COMPARISON
 
 @pytest.fixture(scope="module")
 def parts(tuned_pair, tmp_path_factory, cli_module):  # noqa: F811 (the fixture imported above)
-    """A, B, the lens tuned on A, a prompts file, a text, A's saved logits over the text, and A's
-    states of PROMPT saved with every site."""
+    """A, B, the lens tuned on A, a Jacobian lens fitted on A, a prompts file, a text, A's saved
+    logits over the text, and A's states of PROMPT saved with every site."""
     a, b, lens = tuned_pair
     root = tmp_path_factory.mktemp("matrix")
+    jacobian = _jacobian_lens(a, root / "jacobian.pt")
     prompts = root / "p.txt"
     prompts.write_text(PROMPT + "\nthe capital city of Italy is Rome and the capital of\n")
     text = root / "t.txt"
@@ -95,8 +97,22 @@ def parts(tuned_pair, tmp_path_factory, cli_module):  # noqa: F811 (the fixture 
                   [PROMPT, "--site", ALL_SITES, "--save-states", states]):  # fmt: skip
         done = cli_module("lens", a, *extra, "-q")
         assert done.exit_code == 0, done.stderr
-    return {"a": a, "b": b, "lens": lens, "prompts": prompts, "text": text, "logits": logits,
-            "states": states}  # fmt: skip
+    return {"a": a, "b": b, "lens": lens, "jacobian": jacobian, "prompts": prompts, "text": text,
+            "logits": logits, "states": states}  # fmt: skip
+
+
+def _jacobian_lens(model: Path, path: Path) -> Path:
+    """A Jacobian lens for `model`: matrices near the identity at every block but the last."""
+    import torch
+
+    import embedlens
+    from embedlens.analysis.lens.jacobian import write_artifact
+
+    sized = embedlens.params(model, meta_only=True)
+    d, n = sized.hidden_size, sized.num_layers
+    g = torch.Generator().manual_seed(1)
+    matrices = {i: torch.eye(d) + 0.05 * torch.randn(d, d, generator=g) for i in range(n - 1)}
+    return write_artifact(path, matrices, n_prompts=1, metadata={"target_layer": n - 1})
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +135,8 @@ def command(parts: dict[str, Path], combo: tuple[Any, ...]) -> list[Any]:
              "prompts": ["--prompts", parts["prompts"]],
              "text": ["--text", parts["text"], "--ctx", "32"]}[reduction]  # fmt: skip
     args += [] if site is None else ["--site", site]
-    args += [] if decoder == "logit" else ["--tuned", parts["lens"]]
+    learned = {"tuned": ["--tuned", parts["lens"]], "jacobian": ["--jacobian", parts["jacobian"]]}
+    args += learned.get(decoder, [])
     args += {None: [], "against": ["--against", parts["b"]], "compare_logit": ["--compare-logit"],
              "against_logits": ["--against-logits", parts["logits"]]}[comparison]  # fmt: skip
     return args
@@ -192,6 +209,7 @@ def test_every_refusal_of_the_grid_is_listed_in_the_docs():
     listed = docs.split("## Combinations refused", 1)[1].split("\n## ", 1)[0]
     flags = {
         "tuned_site": ["--tuned", "--site"],
+        "jacobian_site": ["--jacobian", "--site"],
         "compare_needs_tuned": ["--compare-logit", "--tuned"],
         "compare_one_model": ["--compare-logit", "--against"],
         "compare_many": ["--compare-logit", "--prompts"],

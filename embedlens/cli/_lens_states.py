@@ -36,8 +36,8 @@ def run_states(model: str, given: dict[str, Any], load: LoadOptions, asked: Lens
     taken = LoadOptions(revision=load.revision, dtype=load.dtype,
                         trust_remote_code=load.trust_remote_code)  # fmt: skip
     shown = LensOptions(layers=asked.layers, top_k=asked.top_k, position=asked.position,
-                        target=asked.target, tuned=asked.tuned, site=asked.site,
-                        threshold=asked.threshold)  # fmt: skip
+                        target=asked.target, tuned=asked.tuned, jacobian=asked.jacobian,
+                        site=asked.site, threshold=asked.threshold)  # fmt: skip
     layers, against = given["state_layers"], given["against"]
 
     def work() -> LensReport:

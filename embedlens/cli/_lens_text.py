@@ -87,7 +87,7 @@ def run_text(model: str, given: dict[str, Any]) -> None:
     from embedlens.analysis.lens.text import lens_text
 
     keys = ("ctx", "stride", "max_tokens", "score", "layers", "against", "against_revision",
-            "against_logits", "save_logits", "tuned", "site", "save_states",
+            "against_logits", "save_logits", "tuned", "jacobian", "site", "save_states",
             "dist_backend")  # fmt: skip
     load = LoadOptions(revision=given["revision"], dtype=given["dtype"], device=given["device"],
                        trust_remote_code=given["trust_remote_code"])  # fmt: skip

@@ -74,7 +74,7 @@ _PANELS = {
     "Input": "prompts skip_bad target chat no_thinking template_arg chat_template states "
     "state_layers",
     "Sites": "layers position site",
-    "Decoder": "tuned compare_logit",
+    "Decoder": "tuned jacobian compare_logit",
     "Comparison": "against threshold",
     "Output": "top_k plot each save_states",
     "Loading": "dtype device_map max_memory offload_folder",
@@ -112,8 +112,12 @@ _HELP = {
     "default).",
     "tuned": "Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
     "folder, or one tuned-lens saved), then the model's own decoder.",
-    "compare_logit": "With --prompts and --tuned: the logit lens's KL and top-1 beside the tuned "
-    "lens's.",
+    "jacobian": "Read every layer through the Jacobian lens in FILE (a .pt artifact `embedlens "
+    "tune --jacobian`, TransformerLens or the reference wrote; a folder holding one; or "
+    "HUB_ID:FILE): J_l h, then the model's own decoder. Layers without a matrix (the embedding "
+    "output, the last) are read as the logit lens reads them.",
+    "compare_logit": "With --prompts and --tuned or --jacobian: the logit lens's KL and top-1 "
+    "beside the learned lens's.",
     "states": "Decode the hidden states FILE holds (vLLM's hidden-states connector's, or "
     "--save-states'), reading only the model's config, tokenizer, final norm and head: "
     "no PROMPT (the file holds the ids), no blocks run; with --site, the sites it holds; "
@@ -179,6 +183,7 @@ def lens(
     against_revision: AgainstRevisionOpt = None,
     threshold: Annotated[float | None, _option("threshold", metavar="NATS")] = None,
     tuned: Annotated[Path | None, _option("tuned", metavar="DIR")] = None,
+    jacobian: Annotated[str | None, _option("jacobian", metavar="FILE")] = None,
     compare_logit: Annotated[bool, _option("compare_logit")] = False,
     dist_backend: DistBackendOpt = "auto",
     states: Annotated[Path | None, _option("states", metavar="FILE")] = None,

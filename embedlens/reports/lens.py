@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from embedlens.reports import Report, part
 from embedlens.reports.tokens import TokenRef
-from embedlens.reports.tune import TunedLens
+from embedlens.reports.tune import JacobianArtifact, TunedLens
 from embedlens.text import model_title
 
 
@@ -140,6 +140,8 @@ class LensReport(Report):
         default=None, metadata=part(lambda r: r.tuned is not None or r.states is not None)
     )
     """With --tuned: the tuned lens the layers were read through (with --states: null without)."""
+    jacobian: JacobianArtifact | None = field(default=None, metadata=part())
+    """With --jacobian: the Jacobian lens the layers were read through."""
     states: StatesSource | None = field(default=None, metadata=part())
     """With --states: where the states came from."""
 
@@ -207,11 +209,18 @@ class LensSummaryReport(Report):
     block_sums: BlockSums | None = field(default=None, metadata=part(lambda r: r.sites is not None))
     tuned: TunedLens | None = field(default=None, metadata=part())
     """With --tuned: the tuned lens (`layers` are its statistics)."""
+    jacobian: JacobianArtifact | None = field(default=None, metadata=part())
+    """With --jacobian: the Jacobian lens (`layers` are its statistics)."""
     logit_layers: list[LensLayerStats] | None = field(
-        default=None, metadata=part(lambda r: r.tuned is not None and r.diff is None)
+        default=None, metadata=part(lambda r: r.learned and r.diff is None)
     )
-    """With --tuned --compare-logit: the logit lens's statistics over the same prompts (null
-    with --tuned alone; --compare-logit is refused with --against)."""
+    """With --tuned (or --jacobian) --compare-logit: the logit lens's statistics over the same
+    prompts (null with --tuned alone; --compare-logit is refused with --against)."""
+
+    @property
+    def learned(self) -> bool:
+        """Whether the layers were read through a learned lens (tuned or Jacobian)."""
+        return self.tuned is not None or self.jacobian is not None
 
     @property
     def display_model(self) -> str:

@@ -130,7 +130,7 @@ class LensTextReport(Report):
     layers: list[TextLayer] | list[TextSiteLayer]
     """The logit lens (with --tuned: the tuned lens, the logit lens in `logit_layers`)."""
     lens: str = "logit"
-    """'logit' or 'tuned'."""
+    """'logit', 'tuned' or 'jacobian'."""
     logit_layers: list[TextLayer] | None = None
     """With --tuned: the logit lens's statistics on the same tokens."""
     reference: str | None = None

@@ -1,5 +1,5 @@
-"""The `tune` report (a lens fitted, and its held-out evaluation), and the tuned lens a lens
-report was read through (`lens --tuned`: the report's `tuned`)."""
+"""The `tune` report (a lens fitted, and its held-out evaluation), and the learned lens a lens
+report was read through (`lens --tuned`: the report's `tuned`; `lens --jacobian`: `jacobian`)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,18 @@ class TunedLens:
     """The model it was tuned on, as its config.json names it."""
     num_layers: int
     """Layers with a translator: 0..num_layers-1 (the model's output has none)."""
+
+
+@dataclass(frozen=True)
+class JacobianArtifact:
+    """The Jacobian lens a lens report was drawn through."""
+
+    path: str
+    made_by: str
+    """'embedlens' (`embedlens tune --jacobian`), 'transformer-lens', or 'jacobian-lens' (the
+    reference implementation's artifact)."""
+    model_name: str
+    """The model it was fitted on, as its metadata names it (empty when it names none)."""
+    n_prompts: int
+    layers: list[int]
+    """The layers with a matrix (the others, the embedding output and the last, the identity)."""

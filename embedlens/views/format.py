@@ -169,8 +169,52 @@ def size(n: int | None) -> str:
 
 
 def lens_name(report: object) -> str:
-    """Which lens drew a lens report: 'Tuned lens' (`lens --tuned`) or 'Logit lens'."""
-    return "Tuned lens" if getattr(report, "tuned", None) is not None else "Logit lens"
+    """Which lens drew a lens report: 'Tuned lens' (`lens --tuned`), 'Jacobian lens' (`lens
+    --jacobian`) or 'Logit lens'."""
+    kind = getattr(report, "lens", None)  # the text report names it
+    if getattr(report, "tuned", None) is not None or kind == "tuned":
+        return "Tuned lens"
+    if getattr(report, "jacobian", None) is not None or kind == "jacobian":
+        return "Jacobian lens"
+    return "Logit lens"
+
+
+def learned_note(report: Any, both: bool = False) -> str | None:
+    """The line saying which learned lens read the layers of a lens report (`both`: the two
+    models of --against); None for the logit lens."""
+    n, tuned, jacobian = report.num_layers, report.tuned, getattr(report, "jacobian", None)
+    if tuned is not None and both:
+        return (
+            f"Both models read through the tuned lens in '{tuned.path}' (its translator at "
+            f"layers 0-{n - 1}), then each model's own decoder."
+        )
+    if tuned is not None:
+        return (
+            f"Layers 0-{n - 1} are read through the tuned lens in '{tuned.path}' "
+            f"(made by {tuned.made_by}): its translator, then the same decode; layer "
+            f"{n} is the model's own output."
+        )
+    if jacobian is None:
+        return None
+    at = spans(jacobian.layers)
+    who = "Both models read" if both else f"Layers {at} are read"
+    return (
+        f"{who} through the Jacobian lens in '{jacobian.path}' (made by {jacobian.made_by}, "
+        f"fitted on {jacobian.n_prompts:,} prompts{'' if not both else f'; matrices at {at}'}): "
+        f"J_l h, then {'each model' if both else 'the model'}'s own decode; the other layers "
+        "are read as the logit lens reads them."
+    )
+
+
+def spans(layers: list[int]) -> str:
+    """Layers as runs: [1, 2, 3, 7] is '1-3, 7'."""
+    runs: list[list[int]] = []
+    for x in sorted(layers):
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def prob(p: float, logprob: float, digits: int = 3) -> str:

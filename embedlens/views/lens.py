@@ -36,7 +36,7 @@ from embedlens.reports.lens import (
     TargetAt,
 )
 from embedlens.reports.lens_text import TextSiteLayer, TextSitePairLayer
-from embedlens.views.format import Sheet, Words, lens_name, prob, quoted, shown
+from embedlens.views.format import Sheet, Words, learned_note, lens_name, prob, quoted, shown
 
 NEXT_SHOWN = 100
 """Predictions after the top-1 that a table row shows; the rest are counted."""
@@ -253,16 +253,9 @@ def render(r: LensReport) -> RenderableType:
     if r.block_sums is not None:
         parts.append(sums_line(r.block_sums))
     parts.append(render_check(r))
-    tuned = r.tuned
-    if tuned is not None:
-        parts.append(
-            shown(
-                f"Layers 0-{r.num_layers - 1} are read through the tuned lens in '{tuned.path}' "
-                f"(made by {tuned.made_by}): its translator, then the same decode; layer "
-                f"{r.num_layers} is the model's own output.",
-                style="dim",
-            )
-        )
+    note = learned_note(r)
+    if note is not None:
+        parts.append(shown(note, style="dim"))
     return Group(*parts)
 
 
@@ -346,14 +339,9 @@ def _pair(r: LensReport, d: LensDiff) -> RenderableType:
     lines.append(_checks(None if states is not None else r.check, d.against_check))
     if states is not None:
         lines.append(render_check(r))
-    if r.tuned is not None:  # both models read through one tuned lens
-        lines.append(
-            shown(
-                f"Both models read through the tuned lens in '{r.tuned.path}' (its translator at "
-                f"layers 0-{r.num_layers - 1}), then each model's own decoder.",
-                style="dim",
-            )
-        )
+    note = learned_note(r, both=True)  # both models read through one learned lens
+    if note is not None:
+        lines.append(shown(note, style="dim"))
     return _with_sites(r, Group(*lines))
 
 

@@ -18,7 +18,7 @@ from embedlens.reports.lens_text import (
     TextSiteLayer,
     TextSitePairLayer,
 )
-from embedlens.views.format import Sheet, shown
+from embedlens.views.format import Sheet, lens_name, shown
 from embedlens.views.lens import row_label, sums_line
 
 
@@ -49,7 +49,7 @@ def render(r: LensTextReport) -> RenderableType:
 
 
 def _one(r: LensTextReport) -> RenderableType:
-    name = "Tuned lens" if r.lens == "tuned" else "Logit lens"
+    name = lens_name(r)
     title = f"{name} of {r.display_model} over a text: {_over(r)}"
     sites = r.sites is not None
     if r.sites is not None:

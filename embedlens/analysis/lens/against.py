@@ -54,7 +54,7 @@ from embedlens.reports.lens import LensDiffLayerStats, LensSummaryDiff
 if TYPE_CHECKING:
     from embedlens.analysis.lens.engine import BatchOut
     from embedlens.analysis.lens.report import LensResult
-    from embedlens.analysis.lens.tuned_folder import LensFolder
+    from embedlens.analysis.lens.tuned_folder import Learned
     from embedlens.model.prompts import BadLine, PromptSource
     from embedlens.reports.lens import LensReport, LensSummaryReport
 
@@ -81,11 +81,11 @@ class _Work:
     check: Check[Any]
     windows: Callable[..., Iterator[many.Window]]
     opening: dict[str, Any]
-    tuned: LensFolder | None
+    tuned: Learned | None
     each: many.OnReport | None
 
 
-def lens_pair(pair: Pair, ask: Ask, tuned: LensFolder | None = None) -> LensReport:
+def lens_pair(pair: Pair, ask: Ask, tuned: Learned | None = None) -> LensReport:
     """One prompt through B then A (B freed first), and A's report with B's `diff` (and where
     inside the blocks the two part, with `ask.sites` other than resid: `site_report`). With `tuned`,
     both sides are read through that lens (tuned on A: checked against A, against B its size
@@ -96,7 +96,7 @@ def lens_pair(pair: Pair, ask: Ask, tuned: LensFolder | None = None) -> LensRepo
     return reports[0]
 
 
-def _one(ask: Ask, tuned: LensFolder | None, each: many.OnReport | None = None) -> _Work:
+def _one(ask: Ask, tuned: Learned | None, each: many.OnReport | None = None) -> _Work:
     """One prompt as a window of one."""
     line = PromptLine(0, ask.prompt, ask.target, ask.chat)
 
@@ -112,7 +112,7 @@ def lens_pair_prompts(
     ask: ManyAsk,
     source: PromptSource,
     each: many.OnReport | None,
-    tuned: LensFolder | None = None,
+    tuned: Learned | None = None,
 ) -> LensSummaryReport:
     """Many prompts through B and A, both at once when they fit together, else one after the
     other; A's summary with the per-layer means of B against it (with `tuned`, both read
@@ -254,7 +254,7 @@ def _b_side(b: Side, work: _Work, at: tuple[Any, ...]) -> Iterator[tuple[Named, 
 
 
 def run_b(
-    b: Side, tok: Any, run: Prompt, ask: Ask, tuned: LensFolder | None
+    b: Side, tok: Any, run: Prompt, ask: Ask, tuned: Learned | None
 ) -> tuple[LensResult, Named, Any]:
     """B on A's ids (`tok`: A's tokenizer), freed before returning: its result at every layer,
     kept for the comparison; its name and notes; its rows inside the blocks (`site_report`)."""
@@ -330,7 +330,7 @@ class _Side:
         report = one_report(self.opened, ask, prompt, many.shown_rows(result, self.shown))
         if self.through is None:
             return report
-        return dataclasses.replace(report, tuned=self.through.described)
+        return dataclasses.replace(report, **self.through.fields)
 
 
 class _PairRun(_Side):

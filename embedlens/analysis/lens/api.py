@@ -27,7 +27,7 @@ from embedlens.analysis.lens.pairing import Pair, Side
 from embedlens.analysis.lens.report import one_report
 from embedlens.analysis.lens.site_report import SiteManyRun, sites_report
 from embedlens.analysis.lens.states_file import ManySaver, save_run, saving_many
-from embedlens.analysis.lens.tuned_folder import fits_tuned, open_folder
+from embedlens.analysis.lens.tuned_folder import fits_tuned, open_learned
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given, renamed
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.opening import Check
-    from embedlens.analysis.lens.tuned_folder import LensFolder
+    from embedlens.analysis.lens.tuned_folder import Learned
     from embedlens.model.prompts import PromptSource
     from embedlens.progress import Progress
     from embedlens.reports.lens import LensReport, LensSummaryReport
@@ -114,7 +114,7 @@ def lens(
     loading, pair = models(model, tokenizer, load, *b)
     if save_states is not None and pair is not None:
         raise UsageError("--save-states and --against do not combine: save each model's alone")
-    lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
+    lens_dir = open_learned(asked.tuned, asked.jacobian)
     if pair is not None:
         return lens_pair(pair, ask, lens_dir)
     save = None if save_states is None else (save_states, load.revision)
@@ -126,7 +126,7 @@ def _one_prompt(
     tokenizer: Any,
     loading: checks.Loading,
     ask: checks.Ask,
-    lens_dir: LensFolder | None,
+    lens_dir: Learned | None,
     save: tuple[str | os.PathLike[str], str | None] | None,
 ) -> LensReport:
     """One prompt through the engine (through a tuned lens, `lens_dir`), and its report (with
@@ -148,7 +148,7 @@ def _one_prompt(
             save_run(save[0], opened, run, ask, save[1])
         if through is None:
             return report
-        return replace(report, tuned=through.described)
+        return replace(report, **through.fields)
 
 
 def lens_prompts(
@@ -200,7 +200,7 @@ def lens_prompts(
     source = PromptSource.of(prompts)
     session = torchrun.lens_session(dist_backend, load, source, against)
     with nullcontext() if session is None else session.guarded():
-        lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
+        lens_dir = open_learned(asked.tuned, asked.jacobian)
         b = (against, against_tokenizer, against_revision, asked.threshold)
         loading, pair = models(model, tokenizer, load, *b)
         run = (on_report, progress_of(progress, "lens_prompts"), asked.compare_logit)
@@ -216,7 +216,7 @@ def _many(
     ask: checks.ManyAsk,
     source: PromptSource,
     run: tuple[OnReport | None, Progress, bool],
-    lens_dir: LensFolder | None,
+    lens_dir: Learned | None,
     session: Session | None,
     saving: tuple[str | os.PathLike[str], str | None] | None,
 ) -> LensSummaryReport:
@@ -245,7 +245,7 @@ def _many(
         return lensing.run_all(source, n_bad, bad, session, progress)
 
 
-def _checked_with(lens_dir: LensFolder | None, check: Check[T]) -> Check[T]:
+def _checked_with(lens_dir: Learned | None, check: Check[T]) -> Check[T]:
     """`check`, after the tuned lens's size is checked against the model's config (`check`
     itself without a lens: the walk from opening to it stays in opening)."""
     if lens_dir is None:

@@ -38,8 +38,10 @@ from embedlens.compat.torch import put_tensor
 from embedlens.errors import UnsupportedError, UsageError
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.tuned_folder import LensFolder
+    from embedlens.analysis.lens.jacobian import Transport
+    from embedlens.analysis.lens.tuned_folder import Learned
     from embedlens.io.source import ModelSource
+    from embedlens.reports.tune import JacobianArtifact
     from embedlens.reports.tune import TunedLens as TunedDescription
 
 
@@ -79,11 +81,11 @@ class Translators:
 
 
 class TunedDecoder:
-    """Translator, then the model's own decoder: the tuned lens. The last layer is decoded
-    untranslated, so the head's hooks, the steps after the last block and the suspect step are
+    """Translator, then the model's own decoder: the tuned lens (with a Jacobian lens's
+    `Transport` as its translators: the Jacobian lens). The last layer is decoded untranslated, so the head's hooks, the steps after the last block and the suspect step are
     the model's own decoder's (`full` too: its tail ran with every block in place)."""
 
-    def __init__(self, own: Decoder, translators: Translators) -> None:
+    def __init__(self, own: Decoder, translators: Translators | Transport) -> None:
         self.own = own
         self.translators = translators
 
@@ -160,13 +162,38 @@ class TunedLens(LogitLens):
         return cls(model, through.decoder(model, 0))
 
 
+class JacobianLens(LogitLens):
+    """The Jacobian lens as an object: `JacobianLens.from_file(model, path)(hidden, layer)`, a
+    residual [..., d] at `layer` moved by that layer's matrix (none: the identity), then decoded by
+    the model's own tail."""
+
+    @classmethod
+    def from_file(cls, model: nn.Module, path: str | os.PathLike[str]) -> JacobianLens:
+        """The Jacobian lens in `path` (a file, a folder holding one, or HUB_ID:FILE) on `model`,
+        refused for a model of another width or with fewer blocks."""
+        from embedlens.analysis.lens.jacobian import open_jacobian
+
+        through = tuned_through(open_jacobian(path), model, None)
+        assert through is not None
+        return cls(model, through.decoder(model, 0))
+
+
 @dataclass(frozen=True)
 class Through:
-    """The tuned lens ready for the engine: its translators, and what reports say of it."""
+    """A learned lens ready for the engine: its translators (or a Jacobian lens's matrices), and
+    what reports say of it."""
 
-    translators: Translators
-    described: TunedDescription
-    """What reports say of the lens (their `tuned`)."""
+    translators: Translators | Transport
+    described: TunedDescription | JacobianArtifact
+    """What reports say of the lens (their `tuned`, or their `jacobian`)."""
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The report's field that names the lens, and its value."""
+        from embedlens.reports.tune import JacobianArtifact
+
+        jacobian = isinstance(self.described, JacobianArtifact)
+        return {"jacobian" if jacobian else "tuned": self.described}
 
     def wrap(self, own: Decoder) -> Decoder:
         """The tuned lens's decoder on the model's own."""
@@ -178,17 +205,36 @@ class Through:
 
 
 def tuned_through(
-    lens: LensFolder | None, model: nn.Module, tokenizer: Any, *, fingerprints: bool = True
+    lens: Learned | None,
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    fingerprints: bool = True,
 ) -> Through | None:
     """The tuned lens ready for the engine (None without a lens), once it is checked against the
     loaded model (its blocks, its decoder's weights, its vocabulary: without a `tokenizer`, not
     that; without `fingerprints`, its blocks alone: the model compared with the one the lens was
-    tuned on, read through that model's lens)."""
+    tuned on, read through that model's lens). A Jacobian lens is checked against the model's
+    width and blocks."""
+    from embedlens.analysis.lens.jacobian import JacobianFile, Transport
     from embedlens.analysis.lens.tuned_folder import check_model, read_translators
+    from embedlens.reports.tune import JacobianArtifact
     from embedlens.reports.tune import TunedLens as Described
 
     if lens is None:
         return None
+    if isinstance(lens, JacobianFile):
+        blocks = len(find_blocks(model).modules)
+        lens.fits(config_size(getattr(model, "config", None))[0], blocks)
+        model_name = lens.metadata.get("model_name")
+        described_j = JacobianArtifact(
+            path=str(lens.path),
+            made_by=lens.made_by,
+            model_name=model_name if isinstance(model_name, str) else "",
+            n_prompts=lens.n_prompts,
+            layers=list(lens.layers),
+        )
+        return Through(Transport(lens), described_j)
     check_model(lens, model, find_blocks(model), tokenizer, fingerprints=fingerprints)
     described = Described(
         path=str(lens.path),

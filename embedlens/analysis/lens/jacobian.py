@@ -145,6 +145,8 @@ def open_jacobian(spec: str | os.PathLike[str]) -> JacobianFile:
     """The artifact `spec` names, read by the weights-only unpickler, its keys checked."""
     path = resolve(spec)
     payload = _load(path)
+    matrices: Any
+    n_prompts: Any
     if "J" not in payload and "jacobian_sum" in payload:  # the reference's fit checkpoint
         done = payload.get("n_done")
         if not isinstance(done, int) or done < 1:
@@ -182,18 +184,15 @@ def _load(path: Path) -> dict[str, Any]:
     """The file's payload, memory-mapped where its format allows; a pickle asking for more than
     tensors and plain containers is refused unread."""
     import pickle
-
-    import torch
+    import warnings
 
     try:
-        try:
-            payload = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:  # a legacy (non-zip) file cannot be mapped
-            if "mmap" not in str(e) and "zip" not in str(e):
-                raise
-            payload = torch.load(str(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a legacy file's pickle protocol
+            warnings.simplefilter("ignore", UserWarning)
+            payload = _torch_load(path)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        lines = [x.strip() for x in str(e).splitlines() if "Unsupported global" in x]
+        first = lines[0] if lines else type(e).__name__
         raise CheckpointError(
             f"'{path}' is not a plain file of tensors: its pickle asks for more than tensors "
             f"({first[:160]}); refused, and nothing in it ran",
@@ -204,6 +203,18 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise CheckpointError(f"'{path}' is not a Jacobian-lens artifact (not a dict)")
     return payload
+
+
+def _torch_load(path: Path) -> Any:
+    """torch.load, weights only, memory-mapped (a legacy file, which cannot be, read whole)."""
+    import torch
+
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e) and "zip" not in str(e):
+            raise
+    return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
 def write_artifact(

@@ -366,7 +366,7 @@ class ManyRun:
         report = one_report(self.opened, ask, prompt, shown_rows(out.result, self.shown))
         if self.through is None:
             return report
-        return dataclasses.replace(report, tuned=self.through.described)
+        return dataclasses.replace(report, **self.through.fields)
 
     def summary(self, n_bad: int, bad: list[BadLine]) -> LensSummaryReport:
         """The per-layer statistics of every prompt run so far."""
@@ -389,7 +389,7 @@ class ManyRun:
         if self.through is None:
             return summary
         logit = None if self.logit is None else self.logit[1].summary()
-        return dataclasses.replace(summary, tuned=self.through.described, logit_layers=logit)
+        return dataclasses.replace(summary, **self.through.fields, logit_layers=logit)
 
 
 def shown_rows(result: LensResult, shown: list[int]) -> LensResult:

@@ -99,7 +99,7 @@ def ask(prompt: str, asked: LensOptions) -> Ask:
     if asked.compare_logit:
         raise UsageError("--compare-logit applies to --prompts (a summary over many prompts)")
     grid = asked.grid or pos is None
-    sites = sites_asked(asked.site, asked.tuned)
+    sites = sites_asked(asked.site, asked.tuned, asked.jacobian)
     return Ask(prompt, chat, switches, items, pos, asked.top_k, asked.target, grid, template, sites)
 
 
@@ -113,15 +113,16 @@ def many(asked: LensOptions, against: object) -> ManyAsk:
     switches = template_switches(asked.no_thinking, asked.template_args)
     template = user_template(asked.chat_template, None, per_line=True)
     positions = parse_positions(asked.position)
-    if asked.compare_logit and asked.tuned is None:
+    if asked.compare_logit and asked.tuned is None and asked.jacobian is None:
         raise UsageError(
-            "--compare-logit compares the tuned lens with the logit lens: give --tuned"
+            "--compare-logit compares a learned lens with the logit lens: give --tuned or "
+            "--jacobian"
         )
     if asked.compare_logit and against is not None:
         raise UsageError(
             "--compare-logit compares two lenses on one model: run it without --against"
         )
-    sites = sites_asked(asked.site, asked.tuned)
+    sites = sites_asked(asked.site, asked.tuned, asked.jacobian)
     return ManyAsk(items, positions, asked.top_k, switches, asked.skip_bad, template, sites)
 
 
@@ -166,10 +167,14 @@ def one_prompt_only(target: str | None, chat: str | None, grid: bool) -> None:
         )
 
 
-def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, ...]:
+def sites_asked(
+    value: str | Sequence[str] | None, tuned: object, jacobian: object = None
+) -> tuple[str, ...]:
     """`--site` (one site or several: comma-separated, or a list) as the sites asked for, in
-    block order, checked before any model loads: a tuned lens is fitted to the residual stream
-    only."""
+    block order, checked before any model loads: a tuned or Jacobian lens is fitted to the
+    residual stream only (and one learned lens is read at a time)."""
+    if tuned is not None and jacobian is not None:
+        raise UsageError("--tuned and --jacobian do not combine: read through one learned lens")
     if value is None:
         sites: tuple[str, ...] = ("resid",)
     else:
@@ -183,12 +188,13 @@ def sites_asked(value: str | Sequence[str] | None, tuned: object) -> tuple[str, 
                 hint="e.g. --site resid_mid,resid",
             )
         sites = tuple(s for s in SITES if s in names)
-    if tuned is not None and sites != ("resid",):
-        raise UsageError(
-            "--tuned reads the residual stream only (--site resid): a tuned lens is fitted to "
-            "the blocks' outputs, not to the stream inside a block or to what one adds",
-            hint="drop --tuned to read the other sites through the model's own decoder",
-        )
+    for flag, lens, kind in (("--tuned", tuned, "tuned"), ("--jacobian", jacobian, "Jacobian")):
+        if lens is not None and sites != ("resid",):
+            raise UsageError(
+                f"{flag} reads the residual stream only (--site resid): a {kind} lens is fitted "
+                "to the blocks' outputs, not to the stream inside a block or to what one adds",
+                hint=f"drop {flag} to read the other sites through the model's own decoder",
+            )
     return sites
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens import options as checks
 from embedlens.analysis.lens.report import Check, LensResult
-from embedlens.analysis.lens.tuned_folder import config_size, fits_tuned, head_weight, open_folder
+from embedlens.analysis.lens.tuned_folder import config_size, fits_tuned, head_weight, open_learned
 from embedlens.errors import UsageError
 from embedlens.options import LensKeywords, LensOptions, LoadOptions, lens_given
 
@@ -25,13 +25,12 @@ if TYPE_CHECKING:
     from embedlens.analysis.lens.opening import Prompt
     from embedlens.analysis.lens.pairing import Pair
     from embedlens.analysis.lens.states_file import StatesFile
-    from embedlens.analysis.lens.tuned_folder import LensFolder
+    from embedlens.analysis.lens.tuned_folder import Learned
     from embedlens.model.files import ModelFiles
     from embedlens.reports.lens import LensReport
-    from embedlens.reports.tune import TunedLens
 
 
-Parts = tuple["LensFolder | None", "Pair | None"]
+Parts = tuple["Learned | None", "Pair | None"]
 """What decodes and compares the states: a tuned lens's folder (or None), and B."""
 
 
@@ -72,7 +71,7 @@ def lens_states(
     b = (against, None, against_revision, asked.threshold)
     pair = api.models(name, None, load, *b)[1]
     check_dtype(load.dtype)
-    lens_dir = None if asked.tuned is None else open_folder(asked.tuned)
+    lens_dir = open_learned(asked.tuned, asked.jacobian)
     file = open_states(states, state_layers)
     file.check_sites(ask.sites)
     if pair is not None:
@@ -157,8 +156,8 @@ def _run_on(
     result, decoder = _decode(tail, through, file, decoding, run, ask, len(tokenizer), other)
     made = (name, tokenizer, tail, decoder, run, ask)
     report = _composed(made, result, file, shown, b)
-    tuned = None if through is None else through.described
-    return _states_report(report, file, tail, result.check, tuned)
+    learned = {} if through is None else through.fields
+    return _states_report(report, file, tail, result.check, learned)
 
 
 def _composed(
@@ -333,10 +332,10 @@ def _check(file: StatesFile, tail: Tail, decoder: Decoder, own: torch.Tensor | N
 
 
 def _states_report(
-    report: LensReport, file: StatesFile, tail: Tail, check: Check, tuned: TunedLens | None
+    report: LensReport, file: StatesFile, tail: Tail, check: Check, learned: dict[str, Any]
 ) -> LensReport:
-    """The lens report (with sites, or B's diff) with where its states came from and what the
-    check did."""
+    """The lens report (with sites, or B's diff) with where its states came from, what the
+    check did, and the learned lens it was read through (`learned`: the report's field)."""
     from embedlens.reports.lens import StatesSource
 
     n_layers = len(tail.blocks.modules)
@@ -355,4 +354,4 @@ def _states_report(
         tensors_read=list(tail.read),
         metadata=dict(file.metadata),
     )
-    return dataclasses.replace(report, tuned=tuned, states=source)
+    return dataclasses.replace(report, **learned, states=source)

@@ -62,6 +62,7 @@ def lens_text(
     save_logits: str | os.PathLike[str] | None = None,
     residual: bool = True,
     tuned: str | os.PathLike[str] | None = None,
+    jacobian: str | os.PathLike[str] | None = None,
     site: str | Sequence[str] | None = None,
     save_states: str | os.PathLike[str] | None = None,
     load: LoadOptions | None = None,
@@ -81,8 +82,8 @@ def lens_text(
         model's decoder on B's residual.
     against_logits: a file `save_logits` wrote (the reference); this model is evaluated.
     save_logits: write the output's top-k log-probabilities for a later `against_logits`.
-    tuned: a lens folder: the tuned lens's statistics, the logit lens's beside them; with
-        `against`, B read through the same lens (tuned on this model).
+    tuned (a lens folder) or jacobian (a Jacobian lens's artifact): that lens's statistics, the
+        logit lens's beside them; with `against`, B read through the same lens (fitted on A).
     site: statistics per (layer, site) (and B's against A's); save_states: a file a window.
     load: `LoadOptions` (or its fields as keywords: `dtype=`, ...), on one device.
     dist_backend: under torchrun, the windows are split over the processes.
@@ -91,7 +92,7 @@ def lens_text(
     from embedlens.progress import progress_of
 
     model, load = model_and_load("lens_text", model, load, dict(keywords))
-    sites = _check(load, against, against_logits, tuned, site)
+    sites = _check(load, against, against_logits, (tuned, jacobian), site)
     r = rule(ctx, stride, score, max_tokens)
     items = None if layers is None else options.layer_items(layers)
     body = read_text(text)
@@ -102,19 +103,23 @@ def lens_text(
         loading = options.loading(model, load)
         b = (against, against_tokenizer, against_revision)
         return _run(model, tokenizer, loading, (os.fspath(text), body, r, items), b,
-                    (tuned, reference, save_logits, residual, sites, saving), session,
+                    ((tuned, jacobian), reference, save_logits, residual, sites, saving), session,
                     progress_of(progress, "lens_text"))  # fmt: skip
 
 
 def _check(
-    load: LoadOptions, against: object, against_logits: object, tuned: object, site: Any
+    load: LoadOptions,
+    against: object,
+    against_logits: object,
+    learned: tuple[object, object],
+    site: Any,
 ) -> tuple[str, ...]:
     """What `lens_text` cannot combine, refused before any file is read; the sites asked."""
     if load.device_map is not None or load.max_memory is not None or load.offload_folder:
         raise UsageError("lens_text runs the model on one device: --device-map does not apply")
     if against is not None and against_logits is not None:
         raise UsageError("give --against or --against-logits, not both")
-    return options.sites_asked(site, tuned)
+    return options.sites_asked(site, *learned)
 
 
 def _run(
@@ -130,11 +135,11 @@ def _run(
     """`lens_text` once its options are checked: the model(s) ready, every window run."""
     from embedlens.analysis.lens.opening import context_length, open_model
     from embedlens.analysis.lens.text_run import TOP_K, TextRun, text_report
-    from embedlens.analysis.lens.tuned_folder import open_folder
+    from embedlens.analysis.lens.tuned_folder import open_learned
 
     name, body, r, items = asked
-    tuned, reference, save_logits, residual, sites, saving = more
-    lens_dir = None if tuned is None else open_folder(tuned)
+    learned, reference, save_logits, residual, sites, saving = more
+    lens_dir = open_learned(*learned)
 
     def check(tok: Any, config: Any, _template: str) -> Tokens:
         fits_tuned(lens_dir, config)

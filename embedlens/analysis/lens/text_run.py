@@ -205,8 +205,8 @@ class TextRun:
         rows = len(opened.tokenizer) if weight is None else int(weight.shape[0])
         self.vocab = min(len(opened.tokenizer), rows)
         self.keep_logits = save_logits is not None
-        self.tuned = lens_dir is not None
-        """A tuned lens, the logit lens beside it."""
+        self.tuned = _kind(lens_dir)
+        """'tuned' or 'jacobian': a learned lens, the logit lens beside it (None: none)."""
         self.device = input_device(opened.model)
         self.scratch = Scratch()
         self.check: tuple[float, float] | None = None
@@ -364,6 +364,15 @@ class TextRun:
             add_row(each[i], row)
 
 
+def _kind(lens_dir: object) -> str | None:
+    """'tuned' or 'jacobian': the kind of learned lens read (None without one)."""
+    from embedlens.analysis.lens.jacobian import JacobianFile
+
+    if lens_dir is None:
+        return None
+    return "jacobian" if isinstance(lens_dir, JacobianFile) else "tuned"
+
+
 def _lenses(o: Opened, lens_dir: Any, own: bool = False) -> dict[str, Decoder]:
     """A model's lens ('one'): its logit lens, or its tuned lens (`lens_dir`) with, when it is
     A's (`own`: the lens's fingerprints checked), the logit lens beside it ('logit')."""
@@ -457,7 +466,7 @@ def text_report(
         perplexity=ppl,
         perplexity_err=ppl_err,
         layers=layers,
-        lens="tuned" if run.tuned else "logit",
+        lens=run.tuned or "logit",
         logit_layers=totals.one("logit") if run.tuned else None,
         reference=reference,
         evaluated=evaluated,

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from embedlens.errors import CheckpointError, UnsupportedError, UsageError
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from embedlens.analysis.lens.blocks import Blocks
+    from embedlens.analysis.lens.jacobian import JacobianFile
 
 CONFIG = "config.json"
 PARAMS = "params.safetensors"
@@ -61,6 +62,10 @@ class LensFolder:
     def made_by(self) -> str:
         """'embedlens', or 'tuned-lens' for a folder without embedlens' own keys."""
         return "embedlens" if self.ours is not None else "tuned-lens"
+
+
+Learned: TypeAlias = "LensFolder | JacobianFile"
+"""A learned lens: a tuned lens's folder or a Jacobian lens's artifact."""
 
 
 def open_folder(path: str | os.PathLike[str]) -> LensFolder:
@@ -251,12 +256,28 @@ def config_size(config: Any) -> tuple[int | None, int | None]:
     )
 
 
-def fits_tuned(lens: LensFolder | None, config: Any) -> None:
+def open_learned(
+    tuned: str | os.PathLike[str] | None, jacobian: str | os.PathLike[str] | None
+) -> LensFolder | JacobianFile | None:
+    """The learned lens asked for: a tuned lens's folder, a Jacobian lens's artifact, or none."""
+    if tuned is not None and jacobian is not None:
+        raise UsageError("--tuned and --jacobian do not combine: read through one learned lens")
+    if jacobian is not None:
+        from embedlens.analysis.lens.jacobian import open_jacobian
+
+        return open_jacobian(jacobian)
+    return None if tuned is None else open_folder(tuned)
+
+
+def fits_tuned(lens: LensFolder | JacobianFile | None, config: Any) -> None:
     """Refuse, before the weights load, a lens whose width or layer count is not the model's
     config's (nothing without a lens)."""
     if lens is None:
         return
     width, layers = config_size(config)
+    if not isinstance(lens, LensFolder):
+        lens.fits(width, layers)
+        return
     if (width is not None and width != lens.width) or (
         layers is not None and layers != lens.num_layers
     ):

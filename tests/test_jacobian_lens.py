@@ -1,0 +1,206 @@
+"""The Jacobian lens as a decoder (`lens --jacobian`, `embedlens.JacobianLens`): its artifact read
+safely and checked against the model, and its reading, W_U norm(J_l h), computed independently
+here from the model's own final norm and head (plain torch) on transformers' hidden states.
+
+The artifact is the reference's format (TransformerLens writes the same): `J` maps artifact layer
+l (block l's output, embedlens' layer l + 1) to a float16 matrix; layers without a matrix are
+read through the identity."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import embedlens
+from embedlens.analysis.lens.jacobian import Transport, open_jacobian, write_artifact
+from tests.hubserver import FakeHub, Repo
+from tests.test_hub_failures import run
+from tests.test_lens_decoders import _hidden, _loaded
+
+PROMPT = "the king of France is"
+
+
+def _artifact(model: Path, path: Path, seed: int = 0, **metadata: Any) -> dict[int, torch.Tensor]:
+    """Matrices near the identity for every block but the last, written to `path`; returned as
+    float16 rounds them (what a reader gets)."""
+    sized = embedlens.params(model, meta_only=True)
+    d, n = sized.hidden_size, sized.num_layers
+    g = torch.Generator().manual_seed(seed)
+    matrices = {i: torch.eye(d) + 0.1 * torch.randn(d, d, generator=g) for i in range(n - 1)}
+    write_artifact(path, matrices, n_prompts=7, metadata={"target_layer": n - 1, **metadata})
+    return {i: m.half().float() for i, m in matrices.items()}
+
+
+def _plain_logits(model: Any, h: torch.Tensor) -> torch.Tensor:
+    """The model's final norm then head on h (llama's and gpt2's layout), float32."""
+    inner = getattr(model, "model", None) or model.transformer
+    norm = getattr(inner, "norm", None) or inner.ln_f
+    with torch.no_grad():
+        return model.lm_head(norm(h)).float()
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "gpt2"])
+def test_the_report_is_the_head_on_j_times_h(tiny, tmp_path, family):
+    folder = tiny(family)
+    matrices = _artifact(folder, tmp_path / "j.pt")
+    model, tok = _loaded(folder)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    report = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "j.pt", top_k=4).to_dict()
+    assert report["jacobian"] == {
+        "path": str(tmp_path / "j.pt"),
+        "made_by": "jacobian-lens",
+        "model_name": "",
+        "n_prompts": 7,
+        "layers": [i + 1 for i in sorted(matrices)],
+    }
+    hidden = _hidden(model, ids)
+    for row in report["layers"]:
+        layer = row["layer"]
+        h = hidden[layer][0, -1]
+        if layer - 1 in matrices:
+            h = matrices[layer - 1] @ h
+        logits = _plain_logits(model, h)
+        probs = torch.softmax(logits.double(), -1)
+        top = torch.topk(logits[: len(tok)], 4).indices.tolist()
+        assert [t["id"] for t in row["top"]] == top, layer
+        for t in row["top"]:
+            assert t["prob"] == pytest.approx(float(probs[t["id"]]), rel=1e-4, abs=1e-7)
+    # the public decoder on the same hidden states gives the same logits
+    decoder = embedlens.JacobianLens.from_file(model, tmp_path / "j.pt")
+    for layer in range(len(hidden)):
+        h = hidden[layer][0, -1]
+        expected = _plain_logits(model, matrices[layer - 1] @ h if layer - 1 in matrices else h)
+        assert torch.allclose(decoder(hidden[layer], layer)[0, -1], expected, atol=1e-4), layer
+
+
+def test_the_identity_is_the_logit_lens(tiny, tmp_path):
+    folder = tiny("llama-tied")
+    sized = embedlens.params(folder, meta_only=True)
+    d, n = sized.hidden_size, sized.num_layers
+    eye = {i: torch.eye(d) for i in range(n - 1)}
+    write_artifact(tmp_path / "eye.pt", eye, n_prompts=1, metadata={})
+    through = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "eye.pt", position="all")
+    plain = embedlens.lens(folder, PROMPT, position="all")
+    assert through.layers == plain.layers and through.grid == plain.grid
+    assert through.check == plain.check
+
+
+def test_a_reference_fit_checkpoint_reads_as_its_means(tiny, tmp_path):
+    folder = tiny("llama-tied")
+    matrices = _artifact(folder, tmp_path / "j.pt")
+    sums = {i: 4 * m for i, m in matrices.items()}
+    torch.save(
+        {
+            "jacobian_sum": sums,
+            "n_done": 4,
+            "next_idx": 4,
+            "source_layers": list(sums),
+            "target_layer": len(sums),
+            "skip_first": 16,
+        },
+        tmp_path / "ckpt.pt",
+    )
+    from_ckpt = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "ckpt.pt", top_k=3)
+    from_file = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "j.pt", top_k=3)
+    assert [r.top for r in from_ckpt.layers] == [r.top for r in from_file.layers]
+    assert from_ckpt.jacobian is not None and from_ckpt.jacobian.n_prompts == 4
+
+
+def test_only_the_layers_decoded_are_read(tiny, tmp_path):
+    folder = tiny("llama-tied")
+    _artifact(folder, tmp_path / "j.pt")
+    lens = open_jacobian(tmp_path / "j.pt")
+    transport = Transport(lens)
+    rows = torch.randn(3, lens.d_model)
+    out = transport.apply(rows, [0, 2, 2])
+    assert set(transport._read) == {2}  # layer 1's matrix was never read from the file
+    assert torch.equal(out[0], rows[0])  # layer 0 (the embedding output): the identity
+
+
+def test_a_folder_holding_one_artifact_and_the_hub(tiny, tmp_path):
+    folder = tiny("llama-tied")
+    (tmp_path / "lens").mkdir()
+    _artifact(folder, tmp_path / "lens" / "j.pt")
+    by_file = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "lens" / "j.pt").to_dict()
+    by_folder = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "lens").to_dict()
+    assert by_folder["layers"] == by_file["layers"]
+    with FakeHub() as hub:
+        hub.repos["org/jlens"] = Repo("ok", {"j.pt": (tmp_path / "lens" / "j.pt").read_bytes()})
+        done = run(
+            hub.url,
+            tmp_path / "home",
+            "lens",
+            str(folder),
+            PROMPT,
+            "--jacobian",
+            "org/jlens:j.pt",
+            "--json",
+        )
+    assert done.returncode == 0, done.stderr
+    from_hub = json.loads(done.stdout)
+    assert from_hub["layers"] == by_file["layers"]
+    path = Path(from_hub["jacobian"]["path"])
+    assert path.name == "j.pt" and "snapshots" in path.parts
+
+
+class _Runs:
+    """A pickle that would run code when loaded."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("touch pwned",))
+
+
+def test_bad_artifacts_are_refused_with_one_line(tiny, tmp_path, cli, monkeypatch):
+    folder = tiny("llama-tied")
+    monkeypatch.chdir(tmp_path)
+    sized = embedlens.params(folder, meta_only=True)
+    d, n = sized.hidden_size, sized.num_layers
+    bad = {
+        "code.pt": ({"J": {0: _Runs()}}, "not a plain file of tensors"),
+        "noj.pt": ({"W": {0: torch.eye(d)}}, "holds no 'J'"),
+        "shape.pt": (
+            {"J": {0: torch.eye(d + 1)}, "d_model": d + 1, "n_prompts": 1},
+            "this model's residual stream is",
+        ),
+        "ragged.pt": (
+            {"J": {0: torch.eye(d), 1: torch.eye(3)}, "n_prompts": 1},
+            "every matrix must be d_model x d_model",
+        ),
+        "deep.pt": (
+            {"J": {n - 1: torch.eye(d)}, "d_model": d, "n_prompts": 1},
+            f"this model has {n} blocks",
+        ),
+        "target.pt": (
+            {
+                "J": {0: torch.eye(d)},
+                "d_model": d,
+                "n_prompts": 1,
+                "metadata": {"target_layer": n + 3},
+            },
+            "was fitted to block",
+        ),
+    }
+    for name, (payload, said) in bad.items():
+        torch.save(payload, tmp_path / name)
+        code = 2 if name in ("shape.pt", "deep.pt", "target.pt") else 1  # another model: usage
+        err = cli.fails("lens", folder, PROMPT, "--jacobian", tmp_path / name, code=code)
+        assert said in err, (name, err)
+    assert not (tmp_path / "pwned").exists()
+    (tmp_path / "text.pt").write_bytes(pickle.dumps("not torch"))
+    cli.fails("lens", folder, PROMPT, "--jacobian", tmp_path / "text.pt", code=1)
+    (tmp_path / "two").mkdir()
+    for name in ("a.pt", "b.pt"):
+        (tmp_path / "two" / name).write_bytes((tmp_path / "shape.pt").read_bytes())
+    assert "holds 2 .pt files" in cli.fails("lens", folder, PROMPT, "--jacobian", "two", code=2)
+    assert "does not exist" in cli.fails("lens", folder, PROMPT, "--jacobian", "no.pt", code=2)
+    _artifact(folder, tmp_path / "j.pt")
+    said = cli.fails("lens", folder, PROMPT, "--jacobian", "j.pt", "--site", "attn_out", code=2)
+    assert "--jacobian reads the residual stream only" in said
+    said = cli.fails("lens", folder, PROMPT, "--jacobian", "j.pt", "--tuned", ".", code=2)
+    assert "--tuned and --jacobian do not combine" in said
