@@ -204,3 +204,26 @@ def test_bad_artifacts_are_refused_with_one_line(tiny, tmp_path, cli, monkeypatc
     assert "--jacobian reads the residual stream only" in said
     said = cli.fails("lens", folder, PROMPT, "--jacobian", "j.pt", "--tuned", ".", code=2)
     assert "--tuned and --jacobian do not combine" in said
+
+
+@pytest.mark.slow
+def test_text_through_a_jacobian_lens_over_two_processes(tiny, cli, tmp_path):
+    from tests.test_dist import relative, torchrun
+    from tests.test_tune import words_file
+
+    folder = tiny("llama-tied")
+    _artifact(folder, tmp_path / "j.pt")
+    text = words_file(tmp_path / "w.txt", docs=12)
+    args = ["lens", folder, "--text", text, "--ctx", "16", "--jacobian", tmp_path / "j.pt"]
+    one = cli.json(*args)
+    two = torchrun(*args, "--json")
+    assert two.returncode == 0, two.stderr
+    split = json.loads(two.stdout)
+    assert split["lens"] == one["lens"] == "jacobian" and split["n_scored"] == one["n_scored"]
+    for key in ("layers", "logit_layers"):
+        for a, b in zip(one[key], split[key], strict=True):
+            for name, value in a.items():
+                if isinstance(value, float):
+                    assert relative(value, b[name]) <= 1e-6, (key, name, a, b)
+                else:
+                    assert value == b[name], (key, name)
