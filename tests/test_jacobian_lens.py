@@ -123,30 +123,68 @@ def test_only_the_layers_decoded_are_read(tiny, tmp_path):
     assert torch.equal(out[0], rows[0])  # layer 0 (the embedding output): the identity
 
 
-def test_a_folder_holding_one_artifact_and_the_hub(tiny, tmp_path):
+def test_a_folder_holding_one_artifact_and_the_hub_by_range(tiny, tmp_path):
     folder = tiny("llama-tied")
     (tmp_path / "lens").mkdir()
     _artifact(folder, tmp_path / "lens" / "j.pt")
     by_file = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "lens" / "j.pt").to_dict()
     by_folder = embedlens.lens(folder, PROMPT, jacobian=tmp_path / "lens").to_dict()
     assert by_folder["layers"] == by_file["layers"]
+    data = (tmp_path / "lens" / "j.pt").read_bytes()
+    args = ["lens", str(folder), PROMPT, "--jacobian", "org/jlens:j.pt", "--json"]
     with FakeHub() as hub:
-        hub.repos["org/jlens"] = Repo("ok", {"j.pt": (tmp_path / "lens" / "j.pt").read_bytes()})
-        done = run(
-            hub.url,
-            tmp_path / "home",
-            "lens",
-            str(folder),
-            PROMPT,
-            "--jacobian",
-            "org/jlens:j.pt",
-            "--json",
-        )
-    assert done.returncode == 0, done.stderr
-    from_hub = json.loads(done.stdout)
+        hub.repos["org/jlens"] = Repo("ok", {"j.pt": data})
+        done = run(hub.url, tmp_path / "home", *args, "--layers", "0,1")
+        everything = run(hub.url, tmp_path / "home2", *args)
+    assert done.returncode == 0 and everything.returncode == 0, done.stderr + everything.stderr
+    from_hub = json.loads(everything.stdout)
     assert from_hub["layers"] == by_file["layers"]
-    path = Path(from_hub["jacobian"]["path"])
-    assert path.name == "j.pt" and "snapshots" in path.parts
+    assert from_hub["jacobian"]["path"] == "org/jlens:j.pt"
+    for row, alone in zip(json.loads(done.stdout)["layers"], by_file["layers"][:2], strict=True):
+        assert [t["id"] for t in row["top"]] == [t["id"] for t in alone["top"]]
+        for t, u in zip(row["top"], alone["top"], strict=True):  # other rows beside: rounding
+            assert t["prob"] == pytest.approx(u["prob"], rel=1e-5)
+
+
+def test_by_range_only_the_matrices_read_are_fetched(tmp_path):
+    from embedlens.io.torchzip import RangeFile, read_payload
+
+    d = 1024  # 2 MiB a float16 matrix: more than a block of the zip's small reads
+    write_artifact(
+        tmp_path / "big.pt", {i: torch.eye(d) for i in range(3)}, n_prompts=1, metadata={}
+    )
+    data = (tmp_path / "big.pt").read_bytes()
+    fetched: list[int] = []
+
+    def read(start: int, stop: int) -> bytes:
+        fetched.append(stop - start)
+        return data[start:stop]
+
+    import io
+
+    payload = read_payload(io.BufferedReader(RangeFile(len(data), read)), "big.pt")
+    before = sum(fetched)
+    assert before <= 2 << 16  # the directory and the pickle: two blocks of 64 KiB at most
+    assert torch.equal(payload["J"][1].load(), torch.eye(d).half())
+    assert sum(fetched) - before <= 2 * d * d + (2 << 16)  # one matrix, and a block each side
+
+
+def test_the_torch_zip_reader_gives_what_torch_load_gives(tmp_path):
+    from embedlens.io.torchzip import read_payload
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    saved = {
+        "J": {0: base.half(), 3: base.T.contiguous().bfloat16(), 5: base[:, 1:4]},
+        "n": 3,
+        "meta": {"a": [1, 2.5, None, True, "x"], "t": (1, 2)},
+    }
+    torch.save(saved, tmp_path / "x.pt")
+    with open(tmp_path / "x.pt", "rb") as f:
+        lazy = read_payload(f, "x.pt")
+        assert lazy["n"] == 3 and lazy["meta"] == saved["meta"]
+        for key, tensor in saved["J"].items():
+            got = lazy["J"][key].load()
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
 
 
 class _Runs:

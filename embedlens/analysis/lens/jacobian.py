@@ -8,14 +8,17 @@ reads and writes too: `J` (artifact layer -> matrix, float16), `n_prompts`, `sou
 layer l + 1; the last block's output has no matrix (its map is the identity), nor has the
 embedding output (embedlens' layer 0), which the lens reads through the identity: the logit lens.
 
-The file is read by torch's weights-only unpickler (a pickle that would run code is refused
-unread) and memory-mapped, so only the matrices of the layers asked for are read from disk. A
-fit checkpoint of the reference (`jacobian_sum`, `n_done`) is read as its means, as
-TransformerLens reads it.
+The file's pickle is read by an unpickler that builds tensors and plain containers alone (a
+pickle that would run code is refused unread: `io.torchzip`), and each matrix is read when a row
+of its layer is first decoded, so only the matrices of the layers decoded are read: from disk, or
+on the hub by range where the hub cache does not hold the file. A legacy (pre-zip) file is read
+by torch's weights-only unpickler. A fit checkpoint of the reference (`jacobian_sum`, `n_done`)
+is read as its means, as TransformerLens reads it.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -42,8 +45,9 @@ class JacobianFile:
     source_layers: tuple[int, ...]
     """The artifact's layers: block l's output (embedlens' layer l + 1)."""
     metadata: dict[str, Any]
-    matrices: Mapping[int, torch.Tensor]
-    """Artifact layer -> [d, d], memory-mapped where the file allows it."""
+    matrices: Mapping[int, Any]
+    """Artifact layer -> [d, d]: a tensor, or where it lies in the file (`io.torchzip.LazyTensor`,
+    read when asked for)."""
     scale: float = 1.0
     """What every matrix is multiplied by (a fit checkpoint's sums: 1 / n_done)."""
 
@@ -61,7 +65,9 @@ class JacobianFile:
 
     def matrix(self, layer: int) -> torch.Tensor:
         """The matrix of embedlens layer `layer`, float32 (read from the file now)."""
-        return self.matrices[layer - 1].float() * self.scale
+        m = self.matrices[layer - 1]
+        tensor: torch.Tensor = m.load() if hasattr(m, "load") else m
+        return tensor.float() * self.scale
 
     def fits(self, width: int | None, blocks: int | None) -> None:
         """Refuse the lens for a model of another width or with fewer blocks than it has layers
@@ -117,34 +123,48 @@ class Transport:
         return out
 
 
-def resolve(spec: str | os.PathLike[str]) -> Path:
-    """The artifact's path: a file; a folder holding one .pt file; or HUB_ID:FILE, fetched from
-    the hub (its cache first)."""
+def _payload(spec: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """The artifact `spec` names, and its payload (tensors lazy where its format allows): a file;
+    a folder holding one .pt file; or HUB_ID:FILE, from the hub cache, else by range."""
     path = Path(spec)
-    if path.is_file():
-        return path
     if path.is_dir():
         found = sorted(p for p in path.rglob("*.pt") if p.is_file())
         if len(found) != 1:
             what = "no .pt file" if not found else f"{len(found)} .pt files"
             raise UsageError(f"--jacobian '{path}' holds {what}", hint=_HINT)
-        return found[0]
+        path = found[0]
+    if path.is_file():
+        return str(path), _load(path)
     text = str(spec)
-    if not path.exists() and _HUB.match(text) and ":" in text:
+    if _HUB.match(text) and ":" in text:
         repo, _, name = text.partition(":")
-        from huggingface_hub import hf_hub_download
-
-        try:
-            return Path(hf_hub_download(repo, name))
-        except Exception as e:  # the hub's errors: no such repo, file, or no network
-            raise UsageError(f"--jacobian '{text}': {type(e).__name__}: {str(e)[:200]}") from None
+        return text, _hub_payload(repo, name)
     raise UsageError(f"--jacobian '{text}' does not exist", hint=_HINT)
+
+
+def _hub_payload(repo: str, name: str) -> dict[str, Any]:
+    """A hub artifact's payload: the hub cache's copy where it holds the whole file, else its
+    directory and pickle by range now, each matrix by range when it is read."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from embedlens.io import ranges
+    from embedlens.io.torchzip import RangeFile, read_payload
+
+    cached = try_to_load_from_cache(repo, name)
+    if isinstance(cached, str):
+        return _load(Path(cached))
+    hub = ranges.describe(repo, name, None)
+    file = RangeFile(hub.size, lambda start, stop: ranges.read_bytes(hub, start, stop))
+    payload = read_payload(io.BufferedReader(file), f"{repo}:{name}")
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"'{repo}:{name}' is not a Jacobian-lens artifact (not a dict)")
+    return payload
 
 
 def open_jacobian(spec: str | os.PathLike[str]) -> JacobianFile:
     """The artifact `spec` names, read by the weights-only unpickler, its keys checked."""
-    path = resolve(spec)
-    payload = _load(path)
+    where, payload = _payload(spec)
+    path = Path(where)
     matrices: Any
     n_prompts: Any
     if "J" not in payload and "jacobian_sum" in payload:  # the reference's fit checkpoint
@@ -181,40 +201,36 @@ def open_jacobian(spec: str | os.PathLike[str]) -> JacobianFile:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """The file's payload, memory-mapped where its format allows; a pickle asking for more than
-    tensors and plain containers is refused unread."""
+    """A local file's payload: a zip `torch.save` wrote read by `io.torchzip` (its tensors lazy,
+    its pickle's globals refused but tensors and plain containers), a legacy file by torch's
+    weights-only unpickler."""
     import pickle
     import warnings
+    import zipfile
 
-    try:
-        with warnings.catch_warnings():  # torch's note on a legacy file's pickle protocol
-            warnings.simplefilter("ignore", UserWarning)
-            payload = _torch_load(path)
-    except pickle.UnpicklingError as e:
-        lines = [x.strip() for x in str(e).splitlines() if "Unsupported global" in x]
-        first = lines[0] if lines else type(e).__name__
-        raise CheckpointError(
-            f"'{path}' is not a plain file of tensors: its pickle asks for more than tensors "
-            f"({first[:160]}); refused, and nothing in it ran",
-            hint="a Jacobian-lens artifact holds tensors only; get it from a source you trust",
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"cannot read '{path}': {str(e)[:200]}") from None
+    from embedlens.io.torchzip import read_payload
+
+    if zipfile.is_zipfile(path):
+        payload = read_payload(open(path, "rb"), str(path))  # noqa: SIM115 (read lazily, later)
+    else:
+        import torch
+
+        try:
+            with warnings.catch_warnings():  # torch's note on a legacy file's pickle protocol
+                warnings.simplefilter("ignore", UserWarning)
+                payload = torch.load(str(path), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            lines = [x.strip() for x in str(e).splitlines() if "Unsupported global" in x]
+            raise CheckpointError(
+                f"'{path}' is not a plain file of tensors: its pickle asks for more than tensors "
+                f"({(lines or [type(e).__name__])[0][:160]}); refused, and nothing in it ran",
+                hint="a Jacobian-lens artifact holds tensors only; get it from a source you trust",
+            ) from None
+        except (RuntimeError, OSError, EOFError, ValueError) as e:
+            raise CheckpointError(f"cannot read '{path}': {str(e)[:200]}") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"'{path}' is not a Jacobian-lens artifact (not a dict)")
     return payload
-
-
-def _torch_load(path: Path) -> Any:
-    """torch.load, weights only, memory-mapped (a legacy file, which cannot be, read whole)."""
-    import torch
-
-    try:
-        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e) and "zip" not in str(e):
-            raise
-    return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
 def write_artifact(
