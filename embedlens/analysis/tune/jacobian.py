@@ -43,8 +43,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from embedlens.analysis.lens.blocks import Blocks, find_blocks, first_tensor, forward, replace_first
-from embedlens.analysis.lens.blocks import input_device, threads_for
+from embedlens.analysis.lens.blocks import (
+    Blocks,
+    find_blocks,
+    first_tensor,
+    forward,
+    input_device,
+    replace_first,
+    threads_for,
+)
 from embedlens.errors import UnsupportedError, UsageError
 from embedlens.progress import Progress
 
@@ -308,26 +315,31 @@ class _Run:
         skipped: int,
         how: tuple[int, float, int, str, bool],
     ) -> JacobianFit:
-        """Random probes, a round (dim_batch more per prompt) at a time, until the halves agree
-        at every layer or `most` probes per prompt."""
+        """Random probes, a round at a time, until the halves agree at every layer or `most`
+        probes per prompt. Round k brings each prompt to min(2^k, most / dim_batch) backward
+        passes, after one forward pass each (a forward pass costs about what a backward pass
+        does here: the parameters need no gradient)."""
         most, agree, seed, kind, control = how
         self.control = control
         halves = [{layer: torch.zeros(0) for layer in self.layers} for _ in range(2)]
-        rounds = -(-most // self.dim_batch)
+        passes = -(-most // self.dim_batch)
         agreement: dict[int, float] = {}
-        r, d = 0, _width(self.model)
-        for k in range(rounds):
+        done, d, k = 0, _width(self.model), 0
+        while done < passes:
+            now = min(max(1, done), passes - done)  # 1, 1, 2, 4, ... passes a round
             for p, ids in enumerate(usable):
-                v = _probes((seed, p, k), self.dim_batch, d, kind)
+                v = [
+                    _probes((seed, p, i), self.dim_batch, d, kind) for i in range(done, done + now)
+                ]
                 with threads_for(self.model, len(ids) * self.dim_batch):
                     self._sketch_prompt(ids, skip, v, halves)
-            r += self.dim_batch
-            agreement = self._agreement(halves, r * len(usable), control)
+            done, k = done + now, k + 1
+            agreement = self._agreement(halves, done * self.dim_batch * len(usable), control)
             low = min(agreement.values())
-            self._tell(k + 1, rounds, "rounds", f"halves agree at {low:.4f}")
+            self._tell(done, passes, "passes", f"halves agree at {low:.4f}")
             if low >= agree:
                 break
-        n = len(usable)
+        n, r = len(usable), done * self.dim_batch
         whole = {layer: _estimate(halves[0][layer] + halves[1][layer], n * r, control)
                  for layer in self.layers}  # fmt: skip
         return JacobianFit(whole, n, skipped, "sketch", skip, self.dim_batch, self.backward,
@@ -335,22 +347,27 @@ class _Run:
                            min(agreement.values()) >= agree)  # fmt: skip
 
     def _sketch_prompt(
-        self, ids: list[int], skip: int, v: torch.Tensor, halves: list[dict[int, torch.Tensor]]
+        self,
+        ids: list[int],
+        skip: int,
+        probes: list[torch.Tensor],
+        halves: list[dict[int, torch.Tensor]],
     ) -> None:
-        """One backward pass of dim_batch probes on one prompt, added to the halves' sums of
-        v g^T (even probes to half 0, odd to half 1)."""
+        """One forward pass, then a backward pass per block of dim_batch probes [m, d], added
+        to the halves' sums of v (g - v)^T, or v g^T (even probes to half 0, odd to half 1)."""
         target, sources = self.graph(ids)
         at = torch.arange(skip, len(ids) - 1)
         cotangent = torch.zeros_like(target)
-        cotangent[:, at, :] = v[:, None, :].to(cotangent.dtype)
-        grads = self._grad(target, sources, cotangent, False)
-        for layer, g in zip(self.layers, grads, strict=True):
-            mean = g[:, at].float().mean(1)
-            for h in (0, 1):
-                w = v[h::2]
-                part = w.T @ (mean[h::2] - w if self.control else mean[h::2])
-                sums = halves[h]
-                sums[layer] = part if sums[layer].numel() == 0 else sums[layer] + part
+        for i, v in enumerate(probes):
+            cotangent[:, at, :] = v[:, None, :].to(cotangent.dtype)
+            grads = self._grad(target, sources, cotangent, i < len(probes) - 1)
+            for layer, g in zip(self.layers, grads, strict=True):
+                mean = g[:, at].float().mean(1)
+                for h in (0, 1):
+                    w = v[h::2]
+                    part = w.T @ (mean[h::2] - w if self.control else mean[h::2])
+                    sums = halves[h]
+                    sums[layer] = part if sums[layer].numel() == 0 else sums[layer] + part
 
     def _agreement(
         self, halves: list[dict[int, torch.Tensor]], probes: int, control: bool
