@@ -70,8 +70,11 @@ def main() -> None:
     t = time.perf_counter()
     exact = fit_jacobian(model, ids, **common)
     exact_s = time.perf_counter() - t
-    print(f"exact: {exact.n_prompts} prompts of {args.seq_len} tokens, "
-          f"{exact.backward_passes} backward passes, {exact_s:.1f} s", flush=True)
+    print(
+        f"exact: {exact.n_prompts} prompts of {args.seq_len} tokens, "
+        f"{exact.backward_passes} backward passes, {exact_s:.1f} s",
+        flush=True,
+    )
     result: dict[str, Any] = {
         "prompts": exact.n_prompts, "seq_len": args.seq_len, "skip_first": args.skip_first,
         "exact": {"seconds": exact_s, "backward_passes": exact.backward_passes}, "sketch": [],
@@ -91,8 +94,10 @@ def main() -> None:
                   f"{sk.forward_passes} forward, {s:.1f} s; cosine to exact: layer 0 "
                   f"{cos[0]:.4f}, layers 1+ min {later:.4f}", flush=True)  # fmt: skip
             for layer in sorted(cos):
-                print(f"  layer {layer:2d}: cosine {cos[layer]:.4f}, halves agree "
-                      f"{sk.agreement[layer]:.4f}")
+                print(
+                    f"  layer {layer:2d}: cosine {cos[layer]:.4f}, halves agree "
+                    f"{sk.agreement[layer]:.4f}"
+                )
             result["sketch"].append({
                 "control": control, "probes": sk.probes, "seconds": s,
                 "backward_passes": sk.backward_passes, "forward_passes": sk.forward_passes,
