@@ -101,8 +101,10 @@ def tune_model(
     if recipe is not None:
         refined = run.refine(translators, the_plan.refine, the_plan.check, recipe, seed)
         translators = refined.translators
-    transport = None if jacobian is None else jacobian(model)
-    layers = run.evaluate(translators, the_plan.held_out, transport)
+    if jacobian is None:
+        layers = run.evaluate(translators, the_plan.held_out)
+    else:
+        layers = run.evaluate(translators, the_plan.held_out, jacobian(model))
     return Fitted(translators, layers, run.reader.vocab_rows, run.reader.blocks, refined)
 
 
