@@ -5,7 +5,8 @@ printed: wall time and backward passes of each, and per layer the cosine of the 
 the exact one's (artifact layer l: block l's output, embedlens' layer l + 1), with the sketch's
 half-split agreement. Run from the repository root:
 
-    python bench/jacobian_fit.py --prompts 8 --seq-len 64 --skip-first 16 --json out.json
+    OMP_NUM_THREADS=1 python bench/jacobian_fit.py --prompts 6 --seq-len 24 --skip-first 4 \
+        --probes 72 --controls scaled identity none --json out.json
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
     p.add_argument("--skip-first", type=int, default=16)
     p.add_argument("--probes", type=int, nargs="*", default=[72])
     p.add_argument("--agree", type=float, default=1.0, help="1: always run to --probes")
-    p.add_argument("--no-control", action="store_true", help="also the plain estimator")
+    p.add_argument("--controls", nargs="*", default=["scaled"], help="scaled, identity, none")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -66,7 +67,12 @@ def main() -> None:
     tokenizer, _ = loading.tokenizer_and_config(source)
     model = loading.load_model(source, dtype="float32")
     ids = prompts(tokenizer, args.prompts, args.seq_len)
-    common = {"skip_first": args.skip_first}
+
+    def progress(stage: str, done: int, total: int, unit: str, detail: str = "") -> None:
+        print(f"{stage} {done}/{total} {unit} {detail} {time.perf_counter() - t:.0f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    common: dict[str, Any] = {"skip_first": args.skip_first, "progress": progress}
     t = time.perf_counter()
     exact = fit_jacobian(model, ids, **common)
     exact_s = time.perf_counter() - t
@@ -79,7 +85,7 @@ def main() -> None:
         "prompts": exact.n_prompts, "seq_len": args.seq_len, "skip_first": args.skip_first,
         "exact": {"seconds": exact_s, "backward_passes": exact.backward_passes}, "sketch": [],
     }  # fmt: skip
-    for control in [True, False] if args.no_control else [True]:
+    for control in args.controls:
         for probes in args.probes:
             t = time.perf_counter()
             sk = fit_jacobian(model, ids, estimator="sketch", probes=probes, agree=args.agree,

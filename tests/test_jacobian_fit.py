@@ -123,7 +123,7 @@ def test_the_sketch_approaches_the_exact_fit_and_follows_its_seed(tiny):
     for k in range(len(exact.matrices)):
         assert cos[16][k] < cos[64][k] < cos[512][k], cos
     assert min(cos[512]) > 0.99
-    plain = sketch(64, control=False)
+    plain = sketch(64, control="none")
     with_control = sketch(64)
     for k in exact.matrices:  # the identity as a control variate: closer at the same cost
         assert _cosine(plain.matrices[k], exact.matrices[k]) < cos[64][k]

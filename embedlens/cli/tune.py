@@ -120,7 +120,8 @@ EstimatorOpt = Annotated[
     typer.Option(
         "--estimator",
         help="With --jacobian: exact (every output dimension, the reference's estimator; by "
-        "default) or sketch (seeded random probes, the identity as a control variate, stopped "
+        "default) or sketch (seeded random probes, a multiple of the identity as a control "
+        "variate, stopped "
         "when two halves of the probes agree to 0.99 at every layer).",
     ),
 ]

@@ -66,7 +66,8 @@ def _jacobian_line(r: TuneReport) -> str:
     if jf is None:
         return ""
     how = "exact (one-hot cotangents)" if jf.estimator == "exact" else (
-        f"sketched ({jf.probes} random probes a sequence, the identity as a control variate; "
+        f"sketched ({jf.probes} random probes a sequence, a multiple of the identity as a "
+        "control variate; "
         + ("its two halves agreed to 0.99 at every layer" if jf.agreed else
            f"stopped at --probes, the halves agreeing to {min(jf.agreement or [1.0]):.4f}")
         + ")"

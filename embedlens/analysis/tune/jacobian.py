@@ -56,6 +56,9 @@ from embedlens.errors import UnsupportedError, UsageError
 from embedlens.progress import Progress
 
 ESTIMATORS = ("exact", "sketch")
+CONTROLS = ("scaled", "identity", "none")
+"""The sketch's control variates: a I with a = tr(J)/d (cross-fitted between the halves), I,
+none."""
 PROBE_KINDS = ("rademacher", "gaussian")
 DIM_BATCH = 8
 """Output dimensions (or probes) per backward pass, as the reference's default."""
@@ -83,8 +86,9 @@ class JacobianFit:
     probes: int | None = None
     """The sketch's probes per prompt (None: exact)."""
     probe_kind: str | None = None
-    control: bool | None = None
-    """The sketch: the identity used as a control variate."""
+    control: str | None = None
+    """The sketch's control variate: 'scaled' (a multiple of I, cross-fitted), 'identity' or
+    'none'."""
     agreement: dict[int, float] | None = None
     """The sketch: per layer, the cosine between the two halves' estimates."""
     agreed: bool | None = None
@@ -103,18 +107,18 @@ def fit_jacobian(
     seed: int = 0,
     layers: Sequence[int] | None = None,
     probe_kind: str = "rademacher",
-    control: bool = True,
+    control: str = "scaled",
     progress: Progress | None = None,
 ) -> JacobianFit:
     """The Jacobian lens of `model` over the token ids `sequences`, at artifact `layers`
     (0..L-2 by default). `probes`: the sketch's most probes per prompt (by default ceil(d/8)
     rounded up to dim_batch: at most 1/8 of the exact fit's backward passes). `control`: the
-    sketch's identity control variate. The model's flags and the grad mode are restored after;
+    sketch's control variate (`CONTROLS`). The model's flags and the grad mode are restored after;
     `progress('jacobian', done, total, unit)` after each prompt (exact) or round (sketch)."""
     blocks = find_blocks(model)
     n_blocks = len(blocks.modules)
     fit_layers = _layers(layers, n_blocks)
-    _check(estimator, dim_batch, probes, agree, probe_kind, skip_first)
+    _check(estimator, dim_batch, probes, agree, (probe_kind, control), skip_first)
     usable = [list(s) for s in sequences if len(s) >= skip_first + 2]
     if not usable:
         longest = max((len(s) for s in sequences), default=0)
@@ -154,9 +158,15 @@ def _layers(layers: Sequence[int] | None, n_blocks: int) -> list[int]:
 
 
 def _check(
-    estimator: str, dim_batch: int, probes: int | None, agree: float, kind: str, skip: int
+    estimator: str,
+    dim_batch: int,
+    probes: int | None,
+    agree: float,
+    kinds: tuple[str, str],
+    skip: int,
 ) -> None:
     """One error line for an option that makes no sense."""
+    kind, control = kinds
     if estimator not in ESTIMATORS:
         raise UsageError(f"unknown estimator {estimator!r}", hint="use exact or sketch")
     if isinstance(dim_batch, bool) or not isinstance(dim_batch, int) or dim_batch < 1:
@@ -176,6 +186,8 @@ def _check(
         raise UsageError(f"agree must be a cosine in (0, 1], not {agree!r}")
     if kind not in PROBE_KINDS:
         raise UsageError(f"unknown probe kind {kind!r}", hint="use rademacher or gaussian")
+    if control not in CONTROLS:
+        raise UsageError(f"unknown control {control!r}", hint="use scaled, identity or none")
 
 
 def _width(model: nn.Module) -> int:
@@ -224,8 +236,8 @@ class _Run:
     ) -> None:
         self.model, self.blocks, self.layers = model, blocks, layers
         self.dim_batch, self.progress = dim_batch, progress
-        self.control = True
-        """The sketch's control variate: sums of v (g - v)^T, else of v g^T."""
+        self.vv: list[torch.Tensor] = []
+        """The sketch: per half, the sum of v v^T over its probes (the same at every layer)."""
         self.target = len(blocks.modules) - 1
         self.backward = self.forward = 0
 
@@ -313,14 +325,14 @@ class _Run:
         usable: list[list[int]],
         skip: int,
         skipped: int,
-        how: tuple[int, float, int, str, bool],
+        how: tuple[int, float, int, str, str],
     ) -> JacobianFit:
         """Random probes, a round at a time, until the halves agree at every layer or `most`
         probes per prompt. Round k brings each prompt to min(2^k, most / dim_batch) backward
         passes, after one forward pass each (a forward pass costs about what a backward pass
         does here: the parameters need no gradient)."""
         most, agree, seed, kind, control = how
-        self.control = control
+        self.vv = [torch.zeros(0), torch.zeros(0)]
         halves = [{layer: torch.zeros(0) for layer in self.layers} for _ in range(2)]
         passes = -(-most // self.dim_batch)
         agreement: dict[int, float] = {}
@@ -334,14 +346,15 @@ class _Run:
                 with threads_for(self.model, len(ids) * self.dim_batch):
                     self._sketch_prompt(ids, skip, v, halves)
             done, k = done + now, k + 1
-            agreement = self._agreement(halves, done * self.dim_batch * len(usable), control)
+            parts = self._halves(halves, done * self.dim_batch * len(usable) // 2, control)
+            agreement = {layer: _cosine(parts[0][layer], parts[1][layer]) for layer in parts[0]}
             low = min(agreement.values())
             self._tell(done, passes, "passes", f"halves agree at {low:.4f}")
             if low >= agree:
                 break
         n, r = len(usable), done * self.dim_batch
-        whole = {layer: _estimate(halves[0][layer] + halves[1][layer], n * r, control)
-                 for layer in self.layers}  # fmt: skip
+        parts = self._halves(halves, n * r // 2, control)
+        whole = {layer: (parts[0][layer] + parts[1][layer]) / 2 for layer in self.layers}
         return JacobianFit(whole, n, skipped, "sketch", skip, self.dim_batch, self.backward,
                            self.forward, r, kind, control, agreement,
                            min(agreement.values()) >= agree)  # fmt: skip
@@ -361,33 +374,35 @@ class _Run:
         for i, v in enumerate(probes):
             cotangent[:, at, :] = v[:, None, :].to(cotangent.dtype)
             grads = self._grad(target, sources, cotangent, i < len(probes) - 1)
+            for h in (0, 1):
+                vv = v[h::2].T @ v[h::2]
+                self.vv[h] = vv if self.vv[h].numel() == 0 else self.vv[h] + vv
             for layer, g in zip(self.layers, grads, strict=True):
                 mean = g[:, at].float().mean(1)
                 for h in (0, 1):
                     w = v[h::2]
-                    part = w.T @ (mean[h::2] - w if self.control else mean[h::2])
+                    part = w.T @ mean[h::2]
                     sums = halves[h]
                     sums[layer] = part if sums[layer].numel() == 0 else sums[layer] + part
 
-    def _agreement(
-        self, halves: list[dict[int, torch.Tensor]], probes: int, control: bool
-    ) -> dict[int, float]:
-        """Per layer, the cosine between the two halves' estimates."""
-        out = {}
+    def _halves(
+        self, halves: list[dict[int, torch.Tensor]], per_half: int, control: str
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Each half's estimate of J at every layer: a I + mean of v (g - a v)^T, where a is 0
+        ('none'), 1 ('identity'), or ('scaled') tr(J) / d as the other half estimates it (the
+        mean of v^T g / d: E[v^T J^T v] = tr J), so that each half stays unbiased."""
+        out: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] = ({}, {})
+        vv = [t / per_half for t in self.vv]
         for layer in self.layers:
-            a = _estimate(halves[0][layer], probes // 2, control)
-            b = _estimate(halves[1][layer], probes // 2, control)
-            out[layer] = _cosine(a, b)
+            vg = [halves[0][layer] / per_half, halves[1][layer] / per_half]
+            d = vg[0].shape[0]
+            for h in (0, 1):
+                a = _FIXED.get(control, float(torch.trace(vg[1 - h])) / d)
+                out[h][layer] = vg[h] - a * vv[h] + a * torch.eye(d)
         return out
 
 
-def _estimate(sums: torch.Tensor, probes: int, control: bool) -> torch.Tensor:
-    """J from the sums over `probes` probes: (1/r) sum v g^T, or with the identity's control
-    variate (sums of v (g - v)^T) I + (1/r) sum v (g - v)^T."""
-    out = sums / probes
-    if control:
-        out = out + torch.eye(out.shape[0], dtype=out.dtype)
-    return out
+_FIXED = {"none": 0.0, "identity": 1.0}
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
