@@ -81,6 +81,7 @@ MODES: dict[str, tuple[str, ...]] = {
         "lens --prompts --tuned --against",
     ),
     "lens --text --site": ("lens --text --site",),
+    "tune --jacobian": ("tune --jacobian",),
 }
 """Each lens mode with parts: the subsections (of its shape's section) naming the parts it holds."""
 EACH_LINE = {
@@ -185,6 +186,10 @@ ARGS: dict[str, list[str]] = {
         "MODEL",
     ],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
+    "tune --jacobian": (
+        "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32 "
+        "--jacobian --estimator sketch --probes 8 --skip-first 4 --jacobian-tokens 32"
+    ).split(),
     "vocab": [],
 }
 PROMPTS = '{"prompt": "Hello world", "id": "first"}\n{"prompt": "The capital of France is"}\n'
@@ -257,6 +262,8 @@ def shape(mode: str) -> str:
     """The section of the report a mode (a key of ARGS) writes."""
     if mode in REPORTS:
         return mode
+    if mode.startswith("tune "):
+        return "tune"
     return (
         "lens --text" if "--text" in mode else "lens --prompts" if "--prompts" in mode else "lens"
     )

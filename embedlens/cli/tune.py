@@ -36,7 +36,8 @@ EXAMPLES = (
     '  $ embedlens lens ./SmolLM2-135M-Instruct.Q4_1.gguf "The capital of France is" --tuned '
     "smol-lens\n\n"
     "  $ embedlens tune ./my-model --data corpus.jsonl --eval held-out.txt --out lens --json\n\n"
-    "  $ embedlens tune ./my-model --data text.txt --out lens --method affine --tokens 100000"
+    "  $ embedlens tune ./my-model --data text.txt --out lens --method affine --tokens 100000\n\n"
+    "  $ embedlens tune ./my-model --data text.txt --out lens --jacobian --estimator sketch"
 )
 
 DataOpt = Annotated[
@@ -104,6 +105,51 @@ MethodOpt = Annotated[
     ),
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the refinement's order of rows.")]
+JacobianOpt = Annotated[
+    bool,
+    typer.Option(
+        "--jacobian",
+        help="Also fit the Jacobian lens (one d x d matrix per layer: the average effect of a "
+        "layer's output on the last block's), on the first --jacobian-tokens of the tokens "
+        "fitted; written to OUT/jacobian_lens.pt (for `lens --jacobian`) and evaluated beside "
+        "the tuned lens.",
+    ),
+]
+EstimatorOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--estimator",
+        help="With --jacobian: exact (every output dimension, the reference's estimator; by "
+        "default) or sketch (seeded random probes, a multiple of the identity as a control "
+        "variate, stopped "
+        "when two halves of the probes agree to 0.99 at every layer).",
+    ),
+]
+ProbesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--probes",
+        help="With --estimator sketch: the most probes per sequence (even; by default d/8 "
+        "rounded up to whole passes of 8: at most 1/8 of the exact estimator's backward "
+        "passes).",
+    ),
+]
+SkipFirstOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--skip-first",
+        help="With --jacobian: leading positions of each sequence left out of the fit (16 by "
+        "default); the last position is left out too.",
+    ),
+]
+JacobianTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--jacobian-tokens",
+        help="With --jacobian: tokens to fit it on, whole sequences, at least one (512 by "
+        "default: the exact fit costs d/8 backward passes of 8 copies of each sequence).",
+    ),
+]
 DtypeTuneOpt = Annotated[
     str, typer.Option("--dtype", help="Dtype the model is loaded in (float32 by default).")
 ]
@@ -123,6 +169,11 @@ def tune(
     lr: LrOpt = None,
     method: MethodOpt = "kl",
     seed: SeedOpt = 0,
+    jacobian: JacobianOpt = False,
+    estimator: EstimatorOpt = None,
+    probes: ProbesOpt = None,
+    skip_first: SkipFirstOpt = None,
+    jacobian_tokens: JacobianTokensOpt = None,
     as_json: JsonOpt = False,
     revision: RevisionOpt = None,
     dtype: DtypeTuneOpt = "float32",
@@ -137,7 +188,8 @@ def tune(
     One affine translator per layer (h + W h + b, tuned-lens's form), decoded by the model's own
     final norm and head: least squares from streamed statistics, then tuned-lens's KL
     refinement. Prints the held-out evaluation: per layer, the logit lens's and the tuned lens's
-    KL to the model's output and cross-entropy, in nats and bits per byte.
+    KL to the model's output and cross-entropy, in nats and bits per byte. With --jacobian, the
+    Jacobian lens too, fitted on the same text and evaluated beside them.
     """
     from embedlens.analysis.tune import tune as run
 
@@ -149,7 +201,9 @@ def tune(
         report = run(
             model, data, out, eval_data=eval_file, seq_len=seq_len, tokens=tokens,
             eval_tokens=eval_tokens, refine_tokens=refine_tokens, steps=steps, lr=lr,
-            method=method, seed=seed, progress=shown, load=load, dist_backend=dist_backend,
+            method=method, seed=seed, jacobian=jacobian, estimator=estimator, probes=probes,
+            skip_first=skip_first, jacobian_tokens=jacobian_tokens, progress=shown, load=load,
+            dist_backend=dist_backend,
         )  # fmt: skip
     if rank != 0:
         return

@@ -89,7 +89,7 @@ def part(written: Callable[[Any], bool] | None = None) -> dict[str, Any]:
     return {PART: written}
 
 
-def _written(report: Report, f: dataclasses.Field[Any]) -> bool:
+def _written(report: Any, f: dataclasses.Field[Any]) -> bool:
     """Whether the field is in the report's JSON (not SHOWN_ONLY; an optional part when set)."""
     if not f.metadata.get("json", True):
         return False
@@ -135,7 +135,11 @@ def _plain(value: Any, lists: dict[str, str] | None = None) -> Any:
     in one pass: a list of floats (every row's value) is converted without a call per item, and
     given `lists`, a long one is written apart (`_apart`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name), lists) for f in dataclasses.fields(value)}
+        return {
+            f.name: _plain(getattr(value, f.name), lists)
+            for f in dataclasses.fields(value)
+            if PART not in f.metadata or _written(value, f)  # an optional part, when set
+        }
     if type(value) is list and value and set(map(type, value)) == {float}:
         if math.isfinite(sum(value)):  # a NaN or an infinity would make the sum one
             return list(value) if lists is None or len(value) < LONG else _apart(value, lists)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from embedlens.reports import Report
+from embedlens.reports import Report, part
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,35 @@ class TuneLayer:
     tuned_kl_bpb: float
     logit_ce_bpb: float
     tuned_ce_bpb: float
+    jacobian_kl: float | None = field(default=None, metadata=part())
+    """With --jacobian: the same figures through the Jacobian lens (its matrix, then the model's
+    own decoder; the identity at a layer without one)."""
+    jacobian_ce: float | None = field(default=None, metadata=part())
+    jacobian_kl_bpb: float | None = field(default=None, metadata=part())
+    jacobian_ce_bpb: float | None = field(default=None, metadata=part())
+
+
+@dataclass(frozen=True)
+class JacobianFitted:
+    """The Jacobian lens `tune --jacobian` fitted beside the tuned lens."""
+
+    path: str
+    """The artifact written (OUT/jacobian_lens.pt)."""
+    estimator: str
+    """'exact' (one-hot cotangents, every output dimension) or 'sketch' (random probes)."""
+    prompts: int
+    """Sequences fitted (the first of those the tuned lens was fitted on)."""
+    tokens: int
+    skip_first: int
+    backward_passes: int
+    forward_passes: int
+    probes: int | None
+    """The sketch's probes per sequence; null with 'exact'."""
+    agreed: bool | None
+    """The sketch stopped because its two halves agreed at every layer (else at --probes)."""
+    agreement: list[float] | None
+    """The sketch: per layer with a matrix (1..L-1), the cosine between its two halves'
+    estimates."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,8 @@ class TuneReport(Report):
     layers: list[TuneLayer]
     """Layers 0..L (the last is the model's own output: KL 0 for both lenses)."""
     notes: list[str] = field(default_factory=list)
+    jacobian: JacobianFitted | None = field(default=None, metadata=part())
+    """With --jacobian: the Jacobian lens fitted and written beside the tuned lens."""
 
     @property
     def display_model(self) -> str:

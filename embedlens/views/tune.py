@@ -18,20 +18,24 @@ def render(r: TuneReport) -> RenderableType:
     )
     table = Table(title=shown(title, "table.title"))
     table.add_column("layer", justify="right")
-    for name in ("logit KL", "tuned KL", "logit CE", "tuned CE", "logit bpb", "tuned bpb"):
+    names = ["logit KL", "tuned KL", "logit CE", "tuned CE", "logit bpb", "tuned bpb"]
+    j = r.jacobian is not None
+    if j:
+        names[2:2] = ["J KL"]
+        names[5:5] = ["J CE"]
+        names.append("J bpb")
+    for name in names:
         table.add_column(name, justify="right")
     for row in r.layers:
         label = f"{row.layer} emb" if row.layer == 0 else str(row.layer)
         if row.layer == r.num_layers:
             label = f"{row.layer} out"
+        kl = [row.logit_kl, row.tuned_kl] + ([row.jacobian_kl] if j else [])
+        ce = [row.logit_ce, row.tuned_ce] + ([row.jacobian_ce] if j else [])
+        bpb = [row.logit_kl_bpb, row.tuned_kl_bpb] + ([row.jacobian_kl_bpb] if j else [])
         table.add_row(
             label,
-            f"{row.logit_kl:.3f}",
-            f"{row.tuned_kl:.3f}",
-            f"{row.logit_ce:.3f}",
-            f"{row.tuned_ce:.3f}",
-            f"{row.logit_kl_bpb:.3f}",
-            f"{row.tuned_kl_bpb:.3f}",
+            *(_figure(v) for v in [*kl, *ce, *bpb]),
             end_section=row.layer == r.num_layers - 1,
         )
     how = "least squares, then the KL refinement" if r.method == "kl" else "least squares"
@@ -47,9 +51,32 @@ def render(r: TuneReport) -> RenderableType:
         f"KL(model's output ‖ lens) and the next token's cross-entropy (CE) in nats per token; "
         f"bpb: the KL in bits per byte of the held-out text ({r.eval}). Fitted by {how} on "
         f"{r.fit_tokens:,} tokens of {r.data} in sequences of {r.seq_len:,}{refined}; "
-        f"written to {r.out}."
+        f"written to {r.out}.{_jacobian_line(r)}"
     )
     return Group(table, shown(line, style="dim"))
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _jacobian_line(r: TuneReport) -> str:
+    """How the Jacobian lens (J) was fitted, when it was."""
+    jf = r.jacobian
+    if jf is None:
+        return ""
+    how = "exact (one-hot cotangents)" if jf.estimator == "exact" else (
+        f"sketched ({jf.probes} random probes a sequence, a multiple of the identity as a "
+        "control variate; "
+        + ("its two halves agreed to 0.99 at every layer" if jf.agreed else
+           f"stopped at --probes, the halves agreeing to {min(jf.agreement or [1.0]):.4f}")
+        + ")"
+    )  # fmt: skip
+    return (
+        f" J: the Jacobian lens, {how}, on {jf.tokens:,} tokens ({jf.prompts} sequences, the "
+        f"first {jf.skip_first} positions of each left out) in {jf.backward_passes:,} backward "
+        f"passes; layer 0 and the output read through the identity; written to {jf.path}."
+    )
 
 
 def _ranges(layers: list[int]) -> str:

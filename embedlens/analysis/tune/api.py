@@ -10,6 +10,7 @@ params.safetensors hold).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens.tuned_folder import CONFIG, LENS_TYPE, PARAMS
 from embedlens.analysis.tune.data import Plan, check_file, plan_sequences
+from embedlens.analysis.tune.jacobian_tune import JacobianAsk, JacobianRun, jacobian_ask
 from embedlens.errors import UsageError
 from embedlens.options import LoadKeywords, LoadOptions, model_and_load, renamed
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.decoders import Translators
+    from embedlens.analysis.lens.jacobian import Transport
     from embedlens.analysis.lens.opening import Opened
     from embedlens.analysis.lens.tuned_folder import Identity
     from embedlens.analysis.tune.refine import Recipe
@@ -74,6 +77,8 @@ class TuneAsk:
     lr: float
     method: str
     seed: int
+    jacobian: JacobianAsk | None = None
+    """With --jacobian: the Jacobian lens's options."""
 
 
 def tune_ask(
@@ -166,6 +171,11 @@ def tune(
     lr: float | None = None,
     method: str = "kl",
     seed: int = 0,
+    jacobian: bool = False,
+    estimator: str | None = None,
+    probes: int | None = None,
+    skip_first: int | None = None,
+    jacobian_tokens: int | None = None,
     progress: Progress | None = None,
     load: LoadOptions | None = None,
     dist_backend: str = "auto",
@@ -180,6 +190,11 @@ def tune(
     method: 'kl' (least squares, then tuned-lens's KL refinement on `refine_tokens` of the
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
+    jacobian: also fit the Jacobian lens, on the first `jacobian_tokens` of the fitted tokens
+        (512 by default; whole sequences, at least one), by `estimator` ('exact', the
+        reference's, by default; or 'sketch': random probes, at most `probes` per sequence),
+        leaving out the first `skip_first` positions (16); written to OUT/jacobian_lens.pt and
+        evaluated beside the tuned lens (the report's `jacobian`, the layers' `jacobian_*`).
     progress: `progress(stage, done, total, unit, detail)` (`Progress`): 'fitting' tokens,
         'solving' layers, 'checking' sequences (detail: which translators), 'refining' steps
         from 0 (detail: KL by bands of layers), then 'evaluating' held-out tokens.
@@ -202,15 +217,23 @@ def tune(
     with nullcontext() if session is None else session.guarded():
         ask = tune_ask(data, out, eval_data, seq_len, tokens, eval_tokens,
                        (refine_tokens, steps, lr), method, seed)  # fmt: skip
+        j_ask = jacobian_ask(jacobian, estimator, probes, skip_first, jacobian_tokens)
+        if j_ask is not None and session is not None:
+            raise UsageError("--jacobian runs in one process: run tune without torchrun")
+        ask = dataclasses.replace(ask, jacobian=j_ask)
         _one_device(load)
         loading = checked_loading(model, load)
 
         def check(tok: Any, config: Any, _template: str) -> Plan:
             return plan(ask, tok, config)
 
-        with _opened(model, tokenizer, loading, check) as (opened, the_plan):
-            fitted = _run(opened, ask, the_plan, shown, session)
-            return _write(opened, ask, the_plan, fitted, load.revision, session)
+        with (
+            _opened(model, tokenizer, loading, check) as (opened, the_plan),
+            nullcontext(None) if j_ask is None else _beside(ask.out) as tmp,
+        ):
+            j_run = None if j_ask is None or tmp is None else JacobianRun(j_ask, tmp, opened.name)
+            fitted = _run(opened, ask, the_plan, shown, session, j_run)
+            return _write(opened, ask, the_plan, fitted, load.revision, session, j_run)
 
 
 _EVAL_NOW = "the held-out text's file is now"
@@ -229,7 +252,12 @@ def plan(ask: TuneAsk, tokenizer: Any, config: Any) -> Plan:
     """The sequences the run needs, tokenised before the weights load (`plan_sequences`)."""
     counts = (ask.tokens, ask.eval_tokens, ask.refine_tokens)
     files = (ask.data, ask.eval_file)
-    return plan_sequences(tokenizer, config, files, ask.seq_len, counts, ask.seed)
+    planned = plan_sequences(tokenizer, config, files, ask.seq_len, counts, ask.seed)
+    if ask.jacobian is not None:
+        from embedlens.analysis.tune.jacobian_tune import check_plan
+
+        check_plan(ask.jacobian, planned)
+    return planned
 
 
 def _run(
@@ -238,13 +266,22 @@ def _run(
     the_plan: Plan,
     progress: Progress | None,
     session: Session | None,
+    j_run: JacobianRun | None = None,
 ) -> Fitted:
     """Fit, refine and evaluate on the model made ready (split over the processes of
-    `session`)."""
+    `session`); with `j_run`, the Jacobian lens fitted and evaluated too."""
+    from embedlens.analysis.tune.jacobian_tune import sequences
     from embedlens.analysis.tune.run import tune_model
 
     recipe = _recipe(ask, the_plan) if ask.method == "kl" else None
-    return tune_model(opened.model, the_plan, recipe, ask.seed, progress, session)
+    fit_j = None
+    if j_run is not None:
+        ids = sequences(j_run.ask, the_plan)
+
+        def fit_j(model: nn.Module) -> Transport:
+            return j_run.fit(model, ids, progress)
+
+    return tune_model(opened.model, the_plan, recipe, ask.seed, progress, session, fit_j)
 
 
 def _recipe(ask: TuneAsk, the_plan: Plan) -> Recipe:
@@ -262,8 +299,10 @@ def _write(
     fitted: Fitted,
     revision: str | None,
     session: Session | None,
+    j_run: JacobianRun | None = None,
 ) -> TuneReport:
-    """The lens folder written (by rank 0 alone under torchrun), and the report."""
+    """The lens folder written (by rank 0 alone under torchrun; with the Jacobian lens's
+    artifact of `j_run`), and the report."""
     from embedlens.analysis.lens.report import dtype_name
     from embedlens.analysis.lens.tuned_folder import identify
     from embedlens.reports.tune import TuneReport
@@ -272,9 +311,11 @@ def _write(
     identity = identify(opened.model, fitted.blocks, opened.tokenizer)
     ours = _recorded(ask, the_plan, fitted, identity, dtype)
     if session is None or session.rank == 0:
+        extra = [] if j_run is None or j_run.path is None else [j_run.path]
         write_folder(
-            ask.out, fitted.translators, opened.name, revision, identity.unembed_hash, ours
-        )
+            ask.out, fitted.translators, opened.name, revision, identity.unembed_hash, ours,
+            extra,
+        )  # fmt: skip
     notes = [*opened.before, *the_plan.notes, *opened.after]
     if session is not None:
         notes.append(
@@ -302,6 +343,7 @@ def _write(
         dtype=dtype,
         layers=fitted.layers,
         notes=notes,
+        jacobian=None if j_run is None else j_run.report(ask.out),
     )
 
 
@@ -390,10 +432,11 @@ def write_folder(
     revision: str | None,
     unembed_hash: str | None,
     ours: dict[str, Any],
+    extra: list[Path] | None = None,
 ) -> None:
-    """Write the lens to `out` whole or not at all (its config.json: `lens_config`): into a
-    temporary folder beside it, renamed to `out` once complete (an interrupted run leaves
-    nothing at `out`)."""
+    """Write the lens to `out` whole or not at all (its config.json: `lens_config`; the files
+    `extra` moved in beside it): into a temporary folder beside it, renamed to `out` once
+    complete (an interrupted run leaves nothing at `out`)."""
     from safetensors.torch import save_file
 
     config = lens_config(base_model, revision, unembed_hash, translators, ours)
@@ -405,6 +448,8 @@ def write_folder(
         save_file(tensors, str(tmp / PARAMS), metadata={"format": "pt"})
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (tmp / CONFIG).write_text(text, encoding="utf-8")
+        for path in extra or []:
+            os.replace(path, tmp / path.name)
         _usual_modes(tmp)
         os.rename(tmp, out)
 

@@ -10,6 +10,7 @@ output (KL 0, the model's cross-entropy), for both lenses.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from embedlens.reports.tune import TuneLayer
 
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
-    from embedlens.analysis.lens.blocks import Decoder
+    from embedlens.analysis.lens.jacobian import Transport
     from embedlens.analysis.tune.reading import Reader
     from embedlens.progress import Progress
 
@@ -45,15 +46,36 @@ class _Sums:
         return cls([0.0] * n_layers, [0.0] * n_layers)
 
 
-class _Evaluation:
-    """Sums over sequences, one sequence at a time, through the tuned lens (and the logit lens
-    beside it with `logit`; the cross-entropy with `ce`)."""
+Decode = Callable[[torch.Tensor, list[int]], torch.Tensor]
+"""A lens's logits [n, V] for residual rows [n, d] read at the layers given."""
 
-    def __init__(self, reader: Reader, translators: Translators, *, logit: bool, ce: bool):
+
+class _Evaluation:
+    """Sums over sequences, one sequence at a time, through the tuned lens (with `logit`, the
+    logit lens before it, and with `jacobian` the Jacobian lens after it; the cross-entropy with
+    `ce`)."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        translators: Translators,
+        *,
+        logit: bool,
+        ce: bool,
+        jacobian: Transport | None = None,
+    ):
         self.reader, self.ce = reader, ce
         self.n_layers = n = reader.n_layers
-        decoders: list[Decoder] = [reader.own] if logit else []
-        decoders.append(TunedDecoder(reader.own, translators))
+        own = reader.own
+        decoders: list[Decode] = [own.logits] if logit else []
+        decoders.append(TunedDecoder(own, translators).logits)
+        if jacobian is not None:
+            moved = jacobian
+
+            def through_j(rows: torch.Tensor, layers: list[int]) -> torch.Tensor:
+                return own.logits(moved.apply(rows, layers).to(rows.dtype), layers)
+
+            decoders.append(through_j)
         self.lenses = [(_Sums.zeros(n), decoder) for decoder in decoders]
         self.model_ce = 0.0
         self.n_kl = self.n_ce = 0
@@ -76,7 +98,7 @@ class _Evaluation:
                 for layer in range(n_layers):
                     h = cap.residual[layer][rows].to(device)
                     for sums, decoder in self.lenses:
-                        lq = torch.log_softmax(decoder.logits(h, [layer] * len(h)).float(), -1)
+                        lq = torch.log_softmax(decoder(h, [layer] * len(h)).float(), -1)
                         lq = lq.to(real.device)
                         sums.kl[layer] += _total((p * (real - lq)).sum(-1))
                         if label is not None:
@@ -86,20 +108,20 @@ class _Evaluation:
 
     def reduce(self, sum_floats: Callable[[list[float]], list[float]]) -> None:
         """The sums of every process added (`sum_floats` sums values over them)."""
-        (logit, _), (lens, _) = self.lenses
-        parts = (logit.kl, logit.ce, lens.kl, lens.ce)
+        parts = [part for sums, _ in self.lenses for part in (sums.kl, sums.ce)]
         flat = sum_floats(
             [v for part in parts for v in part] + [self.model_ce, self.n_kl, self.n_ce]
         )
-        n = self.n_layers
+        n, at = self.n_layers, len(parts) * self.n_layers
         for i, part in enumerate(parts):
             part[:] = flat[i * n : (i + 1) * n]
-        self.model_ce = flat[4 * n]
-        self.n_kl, self.n_ce = round(flat[4 * n + 1]), round(flat[4 * n + 2])
+        self.model_ce = flat[at]
+        self.n_kl, self.n_ce = round(flat[at + 1]), round(flat[at + 2])
 
     def layers(self, to_bits: float) -> list[TuneLayer]:
-        """Layers 0..L: means per token, and in bits per byte."""
-        (logit, _), (lens, _) = self.lenses
+        """Layers 0..L: means per token, and in bits per byte (the Jacobian lens's too, when
+        evaluated)."""
+        (logit, _), (lens, _), *rest = self.lenses
         kl, ce = self.n_kl, self.n_ce
         out = [
             _layer(layer, logit.kl[layer] / kl, lens.kl[layer] / kl, logit.ce[layer] / ce,
@@ -108,6 +130,11 @@ class _Evaluation:
         ]  # fmt: skip
         model_ce = self.model_ce / ce
         out.append(_layer(self.n_layers, 0.0, 0.0, model_ce, model_ce, to_bits))
+        if rest:
+            ((j, _),) = rest
+            figures = [(j.kl[i] / kl, j.ce[i] / ce) for i in range(self.n_layers)]
+            figures.append((0.0, model_ce))
+            out = [_with_jacobian(row, *f, to_bits) for row, f in zip(out, figures, strict=True)]
         return out
 
 
@@ -143,11 +170,13 @@ def evaluate(
     on_sequence: Callable[[], None] | None = None,
     *,
     session: Session | None = None,
+    jacobian: Transport | None = None,
 ) -> list[TuneLayer]:
     """Every layer's figures over the held-out sequences `share` of `data` (this process's:
     under torchrun, `session`, sequence s on rank s mod N, the sums added over processes), the
-    logit lens beside the tuned lens of `translators`, in float64 sums."""
-    run = _Evaluation(reader, translators, logit=True, ce=True)
+    logit lens beside the tuned lens of `translators` (and the Jacobian lens of `jacobian`), in
+    float64 sums."""
+    run = _Evaluation(reader, translators, logit=True, ce=True, jacobian=jacobian)
     for i in share:
         run.add(data.ids[i])
         if on_sequence is not None:
@@ -183,3 +212,10 @@ def _layer(layer: int, lkl: float, tkl: float, lce: float, tce: float, to_bits: 
         logit_ce_bpb=lce * to_bits,
         tuned_ce_bpb=tce * to_bits,
     )
+
+
+def _with_jacobian(row: TuneLayer, kl: float, ce: float, to_bits: float) -> TuneLayer:
+    return dataclasses.replace(
+        row, jacobian_kl=kl, jacobian_ce=ce, jacobian_kl_bpb=kl * to_bits,
+        jacobian_ce_bpb=ce * to_bits,
+    )  # fmt: skip

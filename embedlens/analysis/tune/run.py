@@ -41,6 +41,7 @@ from embedlens.reports.tune import TuneLayer
 if TYPE_CHECKING:
     from embedlens.analysis.dist import Session
     from embedlens.analysis.lens.blocks import Blocks
+    from embedlens.analysis.lens.jacobian import Transport
     from embedlens.analysis.tune.data import Plan
     from embedlens.progress import Progress
 
@@ -89,16 +90,21 @@ def tune_model(
     seed: int,
     progress: Progress | None = None,
     session: Session | None = None,
+    jacobian: Callable[[nn.Module], Transport] | None = None,
 ) -> Fitted:
     """Fit on the plan's sequences, refine by `recipe` (none with --method affine) and evaluate
-    on those held out (split over the processes of `session`)."""
+    on those held out (split over the processes of `session`); `jacobian` fits the Jacobian lens
+    too (before the evaluation, which reads it beside the tuned lens)."""
     run = Tuning(model, progress, session)
     translators = run.fit(the_plan.fit)
     refined = None
     if recipe is not None:
         refined = run.refine(translators, the_plan.refine, the_plan.check, recipe, seed)
         translators = refined.translators
-    layers = run.evaluate(translators, the_plan.held_out)
+    if jacobian is None:
+        layers = run.evaluate(translators, the_plan.held_out)
+    else:
+        layers = run.evaluate(translators, the_plan.held_out, jacobian(model))
     return Fitted(translators, layers, run.reader.vocab_rows, run.reader.blocks, refined)
 
 
@@ -206,15 +212,19 @@ class Tuning:
                 self.reader, start, data, recipe, seed, progress=self.progress, session=self.session
             )
 
-    def evaluate(self, translators: Translators, data: Sequences) -> list[TuneLayer]:
-        """Per layer, the logit lens and the tuned lens on held-out `data`."""
+    def evaluate(
+        self, translators: Translators, data: Sequences, jacobian: Transport | None = None
+    ) -> list[TuneLayer]:
+        """Per layer, the logit lens and the tuned lens (and the Jacobian lens) on held-out
+        `data`."""
 
         def on_sequence() -> None:
             self._advance("evaluating", data)
 
         return evaluate(
-            self.reader, translators, data, self._share(data), on_sequence, session=self.session
-        )
+            self.reader, translators, data, self._share(data), on_sequence,
+            session=self.session, jacobian=jacobian,
+        )  # fmt: skip
 
 
 def _better(before: float, after: float) -> bool:
