@@ -57,10 +57,15 @@ def main() -> None:
         bridge.eval()
         ids = [bridge.to_tokens(s)[0, :MAX_LEN].tolist() for s in SENTENCES]
         lens = JacobianLens.fit(
-            bridge, SENTENCES, corpus="tests/models.py WORDS, 3 sentences",
-            dim_batch=DIM_BATCH, max_seq_len=MAX_LEN, skip_first_positions=SKIP,
-            show_progress=False, metadata={"token_ids": ids},
-        )  # fmt: skip
+            bridge,
+            SENTENCES,
+            corpus="tests/models.py WORDS, 3 sentences",
+            dim_batch=DIM_BATCH,
+            max_seq_len=MAX_LEN,
+            skip_first_positions=SKIP,
+            show_progress=False,
+            metadata={"token_ids": ids},
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         lens.save(str(out))
         saved = JacobianLens.load(str(out))  # read with the matrices as saved (float16)
@@ -73,8 +78,10 @@ def main() -> None:
     }
     lens.metadata["readout_min_gap"] = gap
     lens.save(str(out))
-    print(f"wrote {out} ({out.stat().st_size} bytes); model_name "
-          f"{lens.metadata['model_name']!r}; smallest 5th-6th logit gap {gap:.3g}")  # fmt: skip
+    print(
+        f"wrote {out} ({out.stat().st_size} bytes); model_name "
+        f"{lens.metadata['model_name']!r}; smallest 5th-6th logit gap {gap:.3g}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,17 @@ def test_read_as_written() -> None:
     assert (lens.source_layers, lens.layers) == ((0, 1), (1, 2))
     assert lens.made_by == "transformer-lens"
     assert lens.metadata == raw["metadata"]
-    wanted = {"transformer_lens_version": "4.3.0", "transformer_lens_fit": True,
-              "target_layer": 2, "skip_first_positions": 4, "max_seq_len": 24, "dim_batch": 8,
-              "fit_dtype": "float32", "model_name": "llama-tied", "n_prompts": 3}  # fmt: skip
+    wanted = {
+        "transformer_lens_version": "4.3.0",
+        "transformer_lens_fit": True,
+        "target_layer": 2,
+        "skip_first_positions": 4,
+        "max_seq_len": 24,
+        "dim_batch": 8,
+        "fit_dtype": "float32",
+        "model_name": "llama-tied",
+        "n_prompts": 3,
+    }
     assert {k: lens.metadata[k] for k in wanted} == wanted
     for layer, digest in SHA256.items():
         stored = lens.matrices[layer]
@@ -60,8 +68,9 @@ def test_read_as_written() -> None:
             lens.fits(width, blocks)
 
 
-def _block_outputs(model: Any, ids: list[int], swap: tuple[int, torch.Tensor] | None = None
-                   ) -> list[torch.Tensor]:  # fmt: skip
+def _block_outputs(
+    model: Any, ids: list[int], swap: tuple[int, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Every block's output [seq, d] for `ids`; `swap` = (block, x) replaces that block's output
     with x first (so later blocks run on x)."""
     outs: list[torch.Tensor] = []
