@@ -102,35 +102,37 @@ def hf_model(folder: str) -> Any:
     return model
 
 
+def write_ids(bridge: Any, out: Path, n: int) -> tuple[list[str], list[list[int]]]:
+    """The prompts and the token ids the Bridge gives them (cut to MAX_LEN): DIR/ids.json."""
+    import embedlens
+
+    texts, source = prompts(n)
+    ids = [bridge.to_tokens(t)[0, :MAX_LEN].tolist() for t in texts]
+    bos = bridge.tokenizer.bos_token_id
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    record = {
+        "source": source,
+        "prompts": texts,
+        "ids": ids,
+        "bos_token_id": bos,
+        "bos_prepended": all(s[0] == bos for s in ids),
+        "max_seq_len": MAX_LEN,
+        "skip_first": SKIP,
+        "dim_batch": DIM_BATCH,
+        "embedlens": embedlens.__file__,
+    }
+    (out / "ids.json").write_text(json.dumps(record, indent=1))
+    return texts, ids
+
+
 def fit(folder: str, out: Path, n: int) -> None:
     """Per prompt: TransformerLens' fit, then embedlens', each timed, each kept as a shard."""
     import torch
     from embedlens.analysis.tune.jacobian import fit_jacobian
     from transformer_lens.tools.analysis import JacobianLens
 
-    import embedlens
-
     bridge, model = boot(folder), hf_model(folder)
-    texts, source = prompts(n)
-    ids = [bridge.to_tokens(t)[0, :MAX_LEN].tolist() for t in texts]
-    bos = bridge.tokenizer.bos_token_id
-    (out / "shards").mkdir(parents=True, exist_ok=True)
-    (out / "ids.json").write_text(
-        json.dumps(
-            {
-                "source": source,
-                "prompts": texts,
-                "ids": ids,
-                "bos_token_id": bos,
-                "bos_prepended": all(s[0] == bos for s in ids),
-                "max_seq_len": MAX_LEN,
-                "skip_first": SKIP,
-                "dim_batch": DIM_BATCH,
-                "embedlens": embedlens.__file__,
-            },
-            indent=1,
-        )
-    )
+    texts, ids = write_ids(bridge, out, n)
     for k, (text, seq) in enumerate(zip(texts, ids, strict=True)):
         shard = out / "shards" / f"{k:02d}.json"
         if shard.exists():
