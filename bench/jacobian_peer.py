@@ -304,22 +304,21 @@ def compare(folder: str, out: Path, n_read: int) -> None:
     counts = {
         name: dict.fromkeys(("cells", "same_order", "same_set", "same_top1"), 0) for name in PAIRS
     }
-    start = time.perf_counter()
-    for k, seq in enumerate(ids):
-        tops = {f"tl:{k}": v for k, v in tl_top10(bridge, seq, lenses).items()}
-        tops |= {f"embedlens:{k}": v for k, v in embedlens_top10(model, seq, transports).items()}
-        for name, (a, b) in PAIRS.items():
-            for key, n in agreement(tops[a], tops[b]).items():
-                counts[name][key] += n
-        print(f"read prompt {k}", flush=True)
-    report["read_prompts"] = len(ids)
-    report["read_seconds"] = time.perf_counter() - start
-    report["top10"] = counts
     values = [v["cosine"] for v in report["layers"].values()]
     report["cosine_min"], report["cosine_max"] = min(values), max(values)
     report["cosine_float32"] = float32
     report["cosine_float32_min"] = min(float32.values())
-    (out / "peer.json").write_text(json.dumps(report, indent=1))
+    report["top10"], report["read_prompts"] = counts, 0
+    start = time.perf_counter()
+    for i, seq in enumerate(ids):
+        tops = {f"tl:{name}": v for name, v in tl_top10(bridge, seq, lenses).items()}
+        tops |= {f"embedlens:{n}": v for n, v in embedlens_top10(model, seq, transports).items()}
+        for name, (a, b) in PAIRS.items():
+            for key, n in agreement(tops[a], tops[b]).items():
+                counts[name][key] += n
+        report["read_prompts"], report["read_seconds"] = i + 1, time.perf_counter() - start
+        (out / "peer.json").write_text(json.dumps(report, indent=1))
+        print(f"read prompt {i}: {json.dumps(counts[next(iter(PAIRS))])}", flush=True)
     print(json.dumps({k: v for k, v in report.items() if k != "layers"}, indent=1))
 
 
