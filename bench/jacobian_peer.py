@@ -21,6 +21,9 @@ transformer-lens==4.3.0, torch and embedlens (`pip install -e .` there). Steps, 
       (flattened, as stored); then each artifact read by both readers, at every layer and
       position of every prompt in ids.json: TransformerLens' `readout` (top 10) and embedlens'
       (`open_jacobian`, `Transport`, then the model's final norm and head). DIR/peer.json.
+  python bench/jacobian_peer.py float32 FOLDER DIR [--prompts N] [--embedlens-src PATH]
+      The two fits before their float16 storage (the shards), both read by embedlens' reader:
+      their top-10 agreement, DIR/peer_float32.json.
 
 `--embedlens-src` puts a checkout's embedlens first on sys.path (a branch not installed).
 """
@@ -322,9 +325,41 @@ def compare(folder: str, out: Path, n_read: int) -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "layers"}, indent=1))
 
 
+def float32_reading(folder: str, out: Path, n_read: int) -> None:
+    """The two fits before float16 storage (the shards, float32: TransformerLens' merged by its
+    `merge`, embedlens' averaged), both read by embedlens' reader; DIR/peer_float32.json."""
+    import torch
+    from transformer_lens.tools.analysis import JacobianLens
+
+    from embedlens.analysis.lens.jacobian import JacobianFile, Transport
+
+    done = sorted((out / "shards").glob("[0-9][0-9].json"))
+    tl = JacobianLens.merge(
+        [JacobianLens.load(str(out / "shards" / f"tl_{p.stem}.pt")) for p in done]
+    )
+    parts = [torch.load(out / "shards" / f"embedlens_{p.stem}.pt", weights_only=True) for p in done]
+    mean = {k: torch.stack([m[k] for m in parts]).sum(0) / len(parts) for k in parts[0]}
+    layers = tuple(sorted(mean))
+    files = {"tl": tl.jacobians, "embedlens": mean}
+    transports = {
+        k: Transport(JacobianFile(out, tl.d_model, len(done), layers, {}, m))
+        for k, m in files.items()
+    }
+    model = hf_model(folder)
+    ids = json.loads((out / "ids.json").read_text())["ids"][:n_read]
+    counts = dict.fromkeys(("cells", "same_order", "same_set", "same_top1"), 0)
+    for seq in ids:
+        tops = embedlens_top10(model, seq, transports)
+        for key, n in agreement(tops["tl"], tops["embedlens"]).items():
+            counts[key] += n
+    report = {"prompts_fitted": len(done), "read_prompts": len(ids), "two_fits_float32": counts}
+    (out / "peer_float32.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["folder", "fit", "compare"])
+    parser.add_argument("step", choices=["folder", "fit", "compare", "float32"])
     parser.add_argument("paths", nargs="+", help="OUT (folder), or FOLDER DIR")
     parser.add_argument(
         "--prompts", type=int, default=20, help="prompts to fit (fit), to read (compare)"
@@ -338,8 +373,10 @@ def main() -> None:
     folder, out = args.paths[0], Path(args.paths[1])
     if args.step == "fit":
         fit(folder, out, args.prompts)
-    else:
+    elif args.step == "compare":
         compare(folder, out, args.prompts)
+    else:
+        float32_reading(folder, out, args.prompts)
 
 
 if __name__ == "__main__":
