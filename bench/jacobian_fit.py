@@ -5,14 +5,15 @@ printed: wall time and backward passes of each, and per layer the cosine of the 
 the exact one's (artifact layer l: block l's output, embedlens' layer l + 1), with the sketch's
 half-split agreement. Run from the repository root:
 
-    OMP_NUM_THREADS=1 python bench/jacobian_fit.py --prompts 6 --seq-len 24 --skip-first 4 \
-        --probes 72 --controls scaled identity none --json out.json
+    python bench/jacobian_fit.py --prompts 16 --seq-len 24 --skip-first 4 --probes 72 \
+        --kinds orthogonal rademacher --controls none scaled --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import sys
 import time
@@ -56,6 +57,8 @@ def main() -> None:
     p.add_argument("--probes", type=int, nargs="*", default=[72])
     p.add_argument("--agree", type=float, default=1.0, help="1: always run to --probes")
     p.add_argument("--controls", nargs="*", default=["scaled"], help="scaled, identity, none")
+    p.add_argument("--kinds", nargs="*", default=["orthogonal"], help="the probes' kinds")
+    p.add_argument("--dim-batch", type=int, default=8, help="cotangents per backward pass")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -72,7 +75,11 @@ def main() -> None:
         print(f"{stage} {done}/{total} {unit} {detail} {time.perf_counter() - t:.0f} s",
               file=sys.stderr, flush=True)  # fmt: skip
 
-    common: dict[str, Any] = {"skip_first": args.skip_first, "progress": progress}
+    common: dict[str, Any] = {
+        "skip_first": args.skip_first,
+        "progress": progress,
+        "dim_batch": args.dim_batch,
+    }
     t = time.perf_counter()
     exact = fit_jacobian(model, ids, **common)
     exact_s = time.perf_counter() - t
@@ -85,30 +92,29 @@ def main() -> None:
         "prompts": exact.n_prompts, "seq_len": args.seq_len, "skip_first": args.skip_first,
         "exact": {"seconds": exact_s, "backward_passes": exact.backward_passes}, "sketch": [],
     }  # fmt: skip
-    for control in args.controls:
-        for probes in args.probes:
-            t = time.perf_counter()
-            sk = fit_jacobian(model, ids, estimator="sketch", probes=probes, agree=args.agree,
-                              control=control, **common)  # fmt: skip
-            s = time.perf_counter() - t
-            assert sk.agreement is not None
-            cos = {layer: cosine(sk.matrices[layer], exact.matrices[layer])
-                   for layer in exact.matrices}  # fmt: skip
-            later = min(v for k, v in cos.items() if k >= 1)
-            print(f"sketch control={control} probes={sk.probes}: {sk.backward_passes} backward "
-                  f"passes ({sk.backward_passes / exact.backward_passes:.3f} of exact), "
-                  f"{sk.forward_passes} forward, {s:.1f} s; cosine to exact: layer 0 "
-                  f"{cos[0]:.4f}, layers 1+ min {later:.4f}", flush=True)  # fmt: skip
-            for layer in sorted(cos):
-                print(
-                    f"  layer {layer:2d}: cosine {cos[layer]:.4f}, halves agree "
-                    f"{sk.agreement[layer]:.4f}"
-                )
-            result["sketch"].append({
-                "control": control, "probes": sk.probes, "seconds": s,
-                "backward_passes": sk.backward_passes, "forward_passes": sk.forward_passes,
-                "cosine": cos, "agreement": sk.agreement,
-            })  # fmt: skip
+    for kind, control, probes in itertools.product(args.kinds, args.controls, args.probes):
+        t = time.perf_counter()
+        sk = fit_jacobian(model, ids, estimator="sketch", probes=probes, agree=args.agree,
+                          control=control, probe_kind=kind, **common)  # fmt: skip
+        s = time.perf_counter() - t
+        assert sk.agreement is not None
+        cos = {layer: cosine(sk.matrices[layer], exact.matrices[layer])
+               for layer in exact.matrices}  # fmt: skip
+        later = min(v for k, v in cos.items() if k >= 1)
+        print(f"sketch {kind} control={control} probes={sk.probes}: {sk.backward_passes} backward "
+              f"passes ({sk.backward_passes / exact.backward_passes:.3f} of exact), "
+              f"{sk.forward_passes} forward, {s:.1f} s; cosine to exact: layer 0 "
+              f"{cos[0]:.4f}, layers 1+ min {later:.4f}", flush=True)  # fmt: skip
+        for layer in sorted(cos):
+            print(
+                f"  layer {layer:2d}: cosine {cos[layer]:.4f}, halves agree "
+                f"{sk.agreement[layer]:.4f}"
+            )
+        result["sketch"].append({
+            "kind": kind, "control": control, "probes": sk.probes, "seconds": s,
+            "backward_passes": sk.backward_passes, "forward_passes": sk.forward_passes,
+            "cosine": cos, "agreement": sk.agreement,
+        })  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -131,8 +131,9 @@ def write_ids(bridge: Any, out: Path, n: int) -> tuple[list[str], list[list[int]
 def fit(folder: str, out: Path, n: int) -> None:
     """Per prompt: TransformerLens' fit, then embedlens', each timed, each kept as a shard."""
     import torch
-    from embedlens.analysis.tune.jacobian import fit_jacobian
     from transformer_lens.tools.analysis import JacobianLens
+
+    from embedlens.analysis.tune.jacobian import fit_jacobian
 
     bridge, model = boot(folder), hf_model(folder)
     texts, ids = write_ids(bridge, out, n)

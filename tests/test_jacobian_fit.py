@@ -115,6 +115,7 @@ def test_the_sketch_approaches_the_exact_fit_and_follows_its_seed(tiny):
     exact = fit_jacobian(model, PROMPTS, skip_first=2)
 
     def sketch(probes: int, **kw: Any) -> Any:
+        kw.setdefault("probe_kind", "rademacher")  # i.i.d. probes: the noise falls with r
         return fit_jacobian(model, PROMPTS, skip_first=2, estimator="sketch", probes=probes,
                             agree=1.0, **kw)  # fmt: skip
 
@@ -134,6 +135,32 @@ def test_the_sketch_approaches_the_exact_fit_and_follows_its_seed(tiny):
     assert not torch.equal(other.matrices[0], with_control.matrices[0])
     gauss = sketch(512, probe_kind="gaussian")
     assert min(_cosine(gauss.matrices[k], exact.matrices[k]) for k in exact.matrices) > 0.98
+
+
+def test_orthogonal_probes_give_the_exact_fit_where_every_prompt_has_one_j(tiny):
+    """Each half's probes are rows of random orthogonal matrices (times sqrt d): every d of them
+    sum v v^T to d I, so where every prompt has the same J (one prompt, repeated) a half with d
+    probes gives it exactly, at a quarter of the exact fit's backward passes here."""
+    from embedlens.analysis.tune.jacobian import fit_jacobian
+
+    model, _ = _load(tiny("llama-tied"))
+    d = model.config.hidden_size
+    same = [PROMPTS[0]] * 8
+    exact = fit_jacobian(model, same[:1], skip_first=2)
+    # 8 prompts x 8 probes a half (2 passes of 8 a prompt) = 64 = 2d probes a half
+    sketch = fit_jacobian(model, same, skip_first=2, estimator="sketch", probes=16, agree=1.0)
+    assert sketch.probe_kind == "orthogonal" and sketch.backward_passes == 8 * 2
+    assert exact.backward_passes == -(-d // 8) == 2 * 16 // 8  # a prompt: 4 passes, the sketch 2
+    for k in exact.matrices:
+        assert _relative(sketch.matrices[k], exact.matrices[k]) < 1e-4, k
+    mixed = fit_jacobian(model, PROMPTS, skip_first=2, estimator="sketch", probes=16, agree=1.0)
+    iid = fit_jacobian(model, PROMPTS, skip_first=2, estimator="sketch", probes=16, agree=1.0,
+                       probe_kind="rademacher")  # fmt: skip
+    truth = fit_jacobian(model, PROMPTS, skip_first=2)
+    for k in truth.matrices:  # prompts with their own J: still closer than i.i.d. probes
+        assert _cosine(mixed.matrices[k], truth.matrices[k]) > _cosine(
+            iid.matrices[k], truth.matrices[k]
+        )
 
 
 def test_the_sketch_stops_when_its_halves_agree(tiny):

@@ -59,7 +59,7 @@ ESTIMATORS = ("exact", "sketch")
 CONTROLS = ("scaled", "identity", "none")
 """The sketch's control variates: a I with a = tr(J)/d (cross-fitted between the halves), I,
 none."""
-PROBE_KINDS = ("rademacher", "gaussian")
+PROBE_KINDS = ("orthogonal", "rademacher", "gaussian")
 DIM_BATCH = 8
 """Output dimensions (or probes) per backward pass, as the reference's default."""
 AGREE = 0.99
@@ -106,7 +106,7 @@ def fit_jacobian(
     agree: float = AGREE,
     seed: int = 0,
     layers: Sequence[int] | None = None,
-    probe_kind: str = "rademacher",
+    probe_kind: str = "orthogonal",
     control: str = "scaled",
     progress: Progress | None = None,
 ) -> JacobianFit:
@@ -185,7 +185,9 @@ def _check(
     if not isinstance(agree, (int, float)) or isinstance(agree, bool) or not 0 < agree <= 1:
         raise UsageError(f"agree must be a cosine in (0, 1], not {agree!r}")
     if kind not in PROBE_KINDS:
-        raise UsageError(f"unknown probe kind {kind!r}", hint="use rademacher or gaussian")
+        raise UsageError(
+            f"unknown probe kind {kind!r}", hint="use orthogonal, rademacher or gaussian"
+        )
     if control not in CONTROLS:
         raise UsageError(f"unknown control {control!r}", hint="use scaled, identity or none")
 
@@ -240,6 +242,8 @@ class _Run:
         """The sketch: per half, the sum of v v^T over its probes (the same at every layer)."""
         self.target = len(blocks.modules) - 1
         self.backward = self.forward = 0
+        self.designs: dict[tuple[int, int, int], torch.Tensor] = {}
+        """The sketch's orthogonal probes: the matrix in use (`_design`)."""
 
     def graph(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One forward pass of `ids` replicated dim_batch times: the last block's output and
@@ -341,7 +345,8 @@ class _Run:
             now = min(max(1, done), passes - done)  # 1, 1, 2, 4, ... passes a round
             for p, ids in enumerate(usable):
                 v = [
-                    _probes((seed, p, i), self.dim_batch, d, kind) for i in range(done, done + now)
+                    self._probes(seed, (p, i, len(usable)), d, kind)
+                    for i in range(done, done + now)
                 ]
                 with threads_for(self.model, len(ids) * self.dim_batch):
                     self._sketch_prompt(ids, skip, v, halves)
@@ -384,6 +389,33 @@ class _Run:
                     part = w.T @ mean[h::2]
                     sums = halves[h]
                     sums[layer] = part if sums[layer].numel() == 0 else sums[layer] + part
+
+    def _probes(self, seed: int, at: tuple[int, int, int], d: int, kind: str) -> torch.Tensor:
+        """The dim_batch probes [m, d] of prompt p's pass i (`at`: p, i, the prompts); half 0's
+        are rows 0, 2, ..., half 1's rows 1, 3, .... 'orthogonal': each half's probes, taken in
+        the order (pass, prompt), are sqrt(d) times the rows of one random orthogonal matrix
+        after another (Haar, seeded), so every d of them sum v v^T to d I exactly."""
+        p, i, n = at
+        m = self.dim_batch
+        if kind != "orthogonal":
+            return _probes((seed, p, i), m, d, kind)
+        out = torch.empty(m, d)
+        first = (i * n + p) * (m // 2)
+        for h in (0, 1):
+            rows = [self._design(seed, h, (first + j) // d)[(first + j) % d] for j in range(m // 2)]
+            out[h::2] = torch.stack(rows) * math.sqrt(d)
+        return out
+
+    def _design(self, seed: int, half: int, cycle: int) -> torch.Tensor:
+        """Half `half`'s random orthogonal matrix number `cycle` [d, d] (Haar: the Q of a
+        Gaussian matrix's QR, its columns' signs fixed by R's diagonal), kept once made."""
+        key = (seed, half, cycle)
+        if key not in self.designs:
+            d = _width(self.model)
+            g = _probes((seed, -1 - half, cycle), d, d, "gaussian")
+            q, r = torch.linalg.qr(g.double())
+            self.designs[key] = (q * torch.sign(torch.diagonal(r))).T.float()
+        return self.designs[key]
 
     def _halves(
         self, halves: list[dict[int, torch.Tensor]], per_half: int, control: str
