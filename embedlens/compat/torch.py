@@ -5,7 +5,10 @@ public path elsewhere and under EMBEDLENS_PLAIN=1 (the same values either way).
   copies, `embedlens.model.prefetch`); else each piece by the public `Tensor.copy_`;
 - `put_tensor`: a module's own parameter or buffer replaced in place by writing the module's
   table of them (`_parameters`, `_buffers`), no registration hooks run; else the public
-  `setattr`, which registers the same tensor under the same name.
+  `setattr`, which registers the same tensor under the same name;
+- `PICKLED_TENSOR`: the global a `torch.save` file's pickle names to rebuild each tensor (a private
+  function of torch's, part of the file format); `io.torchzip` matches it by name, calling
+  nothing of torch's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from embedlens.compat import checked_release
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
+
+PICKLED_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
+"""(module, name) of the global each tensor of a `torch.save` zip is rebuilt by in its pickle."""
 
 TORCH_CHECKED = ((2, 13), (2, 15))
 """The torch releases these were checked on: from the first, up to the second (2.13.x and

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from embedlens.compat.torch import PICKLED_TENSOR
 from embedlens.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        if (module, name) == PICKLED_TENSOR:
             return self._tensor
         if module == "torch" and name in STORAGES:
             return STORAGES[name]

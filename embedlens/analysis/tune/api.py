@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens.tuned_folder import CONFIG, LENS_TYPE, PARAMS
 from embedlens.analysis.tune.data import Plan, check_file, plan_sequences
-from embedlens.analysis.tune.jacobian_tune import JacobianAsk, JacobianRun, jacobian_ask
+from embedlens.analysis.tune.jacobian_tune import JacobianAsk, JacobianRun, check_plan, jacobian_ask
 from embedlens.errors import UsageError
 from embedlens.options import LoadKeywords, LoadOptions, model_and_load, renamed
 
@@ -190,11 +190,8 @@ def tune(
     method: 'kl' (least squares, then tuned-lens's KL refinement on `refine_tokens` of the
         tokens fitted, in `steps` steps at learning rate `lr`) or 'affine' (least squares alone).
     seed: the refinement's order of rows: the same data and seed give the same lens.
-    jacobian: also fit the Jacobian lens, on the first `jacobian_tokens` of the fitted tokens
-        (512 by default; whole sequences, at least one), by `estimator` ('exact', the
-        reference's, by default; or 'sketch': random probes, at most `probes` per sequence),
-        leaving out the first `skip_first` positions (16); written to OUT/jacobian_lens.pt and
-        evaluated beside the tuned lens (the report's `jacobian`, the layers' `jacobian_*`).
+    jacobian: also fit the Jacobian lens (its `estimator`, `probes`, `skip_first` and
+        `jacobian_tokens`: docs/tune.md), written to OUT/jacobian_lens.pt and evaluated too.
     progress: `progress(stage, done, total, unit, detail)` (`Progress`): 'fitting' tokens,
         'solving' layers, 'checking' sequences (detail: which translators), 'refining' steps
         from 0 (detail: KL by bands of layers), then 'evaluating' held-out tokens.
@@ -205,7 +202,6 @@ def tune(
         summed; rank 0 writes the folder, every rank returns the report.
     A loaded model (with its `tokenizer`) runs as it is.
     """
-    from embedlens.analysis.lens.options import loading as checked_loading
     from embedlens.analysis.torchrun import split_session
     from embedlens.progress import progress_of
 
@@ -217,23 +213,36 @@ def tune(
     with nullcontext() if session is None else session.guarded():
         ask = tune_ask(data, out, eval_data, seq_len, tokens, eval_tokens,
                        (refine_tokens, steps, lr), method, seed)  # fmt: skip
-        j_ask = jacobian_ask(jacobian, estimator, probes, skip_first, jacobian_tokens)
-        if j_ask is not None and session is not None:
-            raise UsageError("--jacobian runs in one process: run tune without torchrun")
-        ask = dataclasses.replace(ask, jacobian=j_ask)
-        _one_device(load)
-        loading = checked_loading(model, load)
+        given = (jacobian, estimator, probes, skip_first, jacobian_tokens)
+        ask = dataclasses.replace(ask, jacobian=jacobian_ask(*given, split=session is not None))
+        return _tune_checked(model, tokenizer, load, ask, shown, session)
 
-        def check(tok: Any, config: Any, _template: str) -> Plan:
-            return plan(ask, tok, config)
 
-        with (
-            _opened(model, tokenizer, loading, check) as (opened, the_plan),
-            nullcontext(None) if j_ask is None else _beside(ask.out) as tmp,
-        ):
-            j_run = None if j_ask is None or tmp is None else JacobianRun(j_ask, tmp, opened.name)
-            fitted = _run(opened, ask, the_plan, shown, session, j_run)
-            return _write(opened, ask, the_plan, fitted, load.revision, session, j_run)
+def _tune_checked(
+    model: Any,
+    tokenizer: Any,
+    load: LoadOptions,
+    ask: TuneAsk,
+    shown: Progress | None,
+    session: Session | None,
+) -> TuneReport:
+    """`tune` once what needs no model is checked: the model opened, the lens(es) fitted, written."""
+    from embedlens.analysis.lens.options import loading as checked_loading
+
+    _one_device(load)
+    loading = checked_loading(model, load)
+
+    def check(tok: Any, config: Any, _template: str) -> Plan:
+        return plan(ask, tok, config)
+
+    j_ask = ask.jacobian
+    with (
+        _opened(model, tokenizer, loading, check) as (opened, the_plan),
+        nullcontext(None) if j_ask is None else _beside(ask.out) as tmp,
+    ):
+        j_run = None if j_ask is None or tmp is None else JacobianRun(j_ask, tmp, opened.name)
+        fitted = _run(opened, ask, the_plan, shown, session, j_run)
+        return _write(opened, ask, the_plan, fitted, load.revision, session, j_run)
 
 
 _EVAL_NOW = "the held-out text's file is now"
@@ -254,8 +263,6 @@ def plan(ask: TuneAsk, tokenizer: Any, config: Any) -> Plan:
     files = (ask.data, ask.eval_file)
     planned = plan_sequences(tokenizer, config, files, ask.seq_len, counts, ask.seed)
     if ask.jacobian is not None:
-        from embedlens.analysis.tune.jacobian_tune import check_plan
-
         check_plan(ask.jacobian, planned)
     return planned
 

@@ -48,8 +48,11 @@ def jacobian_ask(
     probes: int | None,
     skip_first: int | None,
     tokens: int | None,
+    *,
+    split: bool = False,
 ) -> JacobianAsk | None:
-    """The Jacobian lens's options checked (None without --jacobian, which refuses them)."""
+    """The Jacobian lens's options checked (None without --jacobian, which refuses them; refused
+    under torchrun, `split`: the fit runs in one process)."""
     from embedlens.analysis.tune.jacobian import AGREE, ESTIMATORS, SKIP_FIRST
 
     given = [name for name, value in (("--estimator", estimator), ("--probes", probes),
@@ -60,6 +63,8 @@ def jacobian_ask(
                 f"{', '.join(given)} apply to the Jacobian lens: add --jacobian, or leave them out"
             )
         return None
+    if split:
+        raise UsageError("--jacobian runs in one process: run tune without torchrun")
     how = "exact" if estimator is None else estimator
     if how not in ESTIMATORS:
         raise UsageError(f"unknown --estimator {how!r}", hint="use one of: exact, sketch")
