@@ -122,13 +122,37 @@ def read_payload(file: IO[bytes], name: str) -> Any:
             raise CheckpointError(f"'{name}' was saved big-endian: embedlens reads little-endian")
         return _Unpickler(archive.read(pkl[0]), archive, prefix).load()
     except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"'{name}' is not a plain file of tensors: its pickle asks for more than tensors "
-            f"({str(e)[:160]}); refused, and nothing in it ran",
-            hint="a Jacobian-lens artifact holds tensors only; get it from a source you trust",
-        ) from None
+        raise refused(name, str(e), "a Jacobian-lens artifact holds tensors only") from None
     except (zipfile.BadZipFile, EOFError, ValueError, KeyError, TypeError, IndexError) as e:
         raise CheckpointError(f"cannot read '{name}': {type(e).__name__}: {str(e)[:160]}") from None
+
+
+def refused(name: str, reason: str, what: str) -> CheckpointError:
+    """The error for a file whose pickle asks for more than tensors (`what`: what it should
+    hold, the hint's start)."""
+    return CheckpointError(
+        f"'{name}' is not a plain file of tensors: its pickle asks for more than tensors "
+        f"({reason[:160]}); refused, and nothing in it ran",
+        hint=f"{what}; get it from a source you trust",
+    )
+
+
+def weights_only(path: str, what: str) -> Any:
+    """A torch file read whole by torch's weights-only unpickler (a legacy file too); a pickle
+    asking for more than tensors and plain containers is refused unread (`refused`)."""
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch's note on a legacy file's pickle protocol
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise refused(path, first, what) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read '{path}': {str(e)[:200]}") from None
 
 
 class RangeFile(io.RawIOBase):

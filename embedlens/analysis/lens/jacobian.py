@@ -111,6 +111,7 @@ class Transport:
                 f"the Jacobian lens's matrices are {self.width} wide; this model's residual "
                 f"stream is {rows.shape[-1]} wide: the lens was fitted on another model"
             )
+
         h = rows.float()
         out = h.clone()
         at = torch.tensor(list(layers), dtype=torch.long)
@@ -204,30 +205,14 @@ def _load(path: Path) -> dict[str, Any]:
     """A local file's payload: a zip `torch.save` wrote read by `io.torchzip` (its tensors lazy,
     its pickle's globals refused but tensors and plain containers), a legacy file by torch's
     weights-only unpickler."""
-    import pickle
-    import warnings
     import zipfile
 
-    from embedlens.io.torchzip import read_payload
+    from embedlens.io.torchzip import read_payload, weights_only
 
     if zipfile.is_zipfile(path):
         payload = read_payload(open(path, "rb"), str(path))  # noqa: SIM115 (read lazily, later)
     else:
-        import torch
-
-        try:
-            with warnings.catch_warnings():  # torch's note on a legacy file's pickle protocol
-                warnings.simplefilter("ignore", UserWarning)
-                payload = torch.load(str(path), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            lines = [x.strip() for x in str(e).splitlines() if "Unsupported global" in x]
-            raise CheckpointError(
-                f"'{path}' is not a plain file of tensors: its pickle asks for more than tensors "
-                f"({(lines or [type(e).__name__])[0][:160]}); refused, and nothing in it ran",
-                hint="a Jacobian-lens artifact holds tensors only; get it from a source you trust",
-            ) from None
-        except (RuntimeError, OSError, EOFError, ValueError) as e:
-            raise CheckpointError(f"cannot read '{path}': {str(e)[:200]}") from None
+        payload = weights_only(str(path), "a Jacobian-lens artifact holds tensors only")
     if not isinstance(payload, dict):
         raise CheckpointError(f"'{path}' is not a Jacobian-lens artifact (not a dict)")
     return payload

@@ -211,21 +211,11 @@ def _read_safetensors(lens: LensFolder) -> dict[str, Any]:
 def _unpickle(lens: LensFolder) -> dict[str, Any]:
     """tuned-lens's params.pt, by torch's weights-only unpickler: only tensors and plain
     containers are built, and a pickle that would call anything else is refused unread."""
-    import pickle
-
     import torch
 
-    try:
-        state = torch.load(str(lens.params), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"'{lens.params}' is not a plain file of tensors: its pickle asks for more than "
-            f"tensors ({first[:160]}); refused, and nothing in it ran",
-            hint="a lens folder holds tensors only; get the lens from a source you trust",
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"cannot read '{lens.params}': {str(e)[:200]}") from None
+    from embedlens.io.torchzip import weights_only
+
+    state = weights_only(str(lens.params), "a lens folder holds tensors only")
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):

@@ -70,12 +70,7 @@ class _Evaluation:
         decoders: list[Decode] = [own.logits] if logit else []
         decoders.append(TunedDecoder(own, translators).logits)
         if jacobian is not None:
-            moved = jacobian
-
-            def through_j(rows: torch.Tensor, layers: list[int]) -> torch.Tensor:
-                return own.logits(moved.apply(rows, layers).to(rows.dtype), layers)
-
-            decoders.append(through_j)
+            decoders.append(TunedDecoder(own, jacobian).logits)
         self.lenses = [(_Sums.zeros(n), decoder) for decoder in decoders]
         self.model_ce = 0.0
         self.n_kl = self.n_ce = 0
