@@ -28,7 +28,7 @@ import embedlens.views  # noqa: F401
 
 if TYPE_CHECKING:
     from embedlens.analysis.addr import addr
-    from embedlens.analysis.lens import lens, lens_prompts, lens_states, lens_text
+    from embedlens.analysis.lens import lens, lens_parity, lens_prompts, lens_states, lens_text
     from embedlens.analysis.lens.decoders import JacobianLens, LogitLens, TunedLens
     from embedlens.analysis.neighbors import neighbors
     from embedlens.analysis.params import params
@@ -56,6 +56,7 @@ _EXPORTS = {
     "neighbors": "embedlens.analysis.neighbors",
     "addr": "embedlens.analysis.addr",
     "lens": "embedlens.analysis.lens",
+    "lens_parity": "embedlens.analysis.lens",
     "lens_prompts": "embedlens.analysis.lens",
     "lens_states": "embedlens.analysis.lens",
     "lens_text": "embedlens.analysis.lens",
@@ -86,7 +87,7 @@ _EXPORTS = {
 
 _FUNCTIONS = frozenset(
     {"params", "tied", "neighbors", "addr", "vocab", "tune"}
-    | {"lens", "lens_prompts", "lens_states", "lens_text"}
+    | {"lens", "lens_parity", "lens_prompts", "lens_states", "lens_text"}
 )
 """The public functions: each runs as a guest (`embedlens.guest`)."""
 
@@ -110,6 +111,7 @@ __all__ = [
     "__version__",
     "addr",
     "lens",
+    "lens_parity",
     "lens_prompts",
     "lens_states",
     "lens_text",

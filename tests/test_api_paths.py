@@ -17,6 +17,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "vocab": ((), {}),
     "lens": (("Hello world",), {"top_k": 2}),
     "lens_prompts": ((["Hello world", "the king"],), {"top_k": 2}),
+    "lens_parity": (("Hello world",), {"against_dtype": "float32"}),
 }
 
 

@@ -91,6 +91,7 @@ def test_every_library_command_is_a_cli_command():
     --text`)."""
     functions = {n for n in embedlens.__all__ if n.islower() and not n.startswith("_")}
     modes = {"lens_prompts": "lens", "lens_states": "lens", "lens_text": "lens"}
+    modes["lens_parity"] = "lens"
     assert {modes.get(name, name) for name in functions} == set(APP_COMMANDS)
 
 

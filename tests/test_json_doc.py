@@ -25,6 +25,7 @@ import embedlens.reports
 from embedlens.reports import PART, Report
 from embedlens.reports.addr import AddrReport
 from embedlens.reports.lens import LensReport, LensSummaryReport
+from embedlens.reports.lens_parity import LensParityReport
 from embedlens.reports.lens_text import LensTextReport
 from embedlens.reports.neighbors import NeighborsReport
 from embedlens.reports.params import ParamsReport
@@ -47,6 +48,7 @@ REPORTS: dict[str, type[Report]] = {
     "lens": LensReport,
     "lens --prompts": LensSummaryReport,
     "lens --text": LensTextReport,
+    "lens --against-states": LensParityReport,
     "tune": TuneReport,
     "vocab": VocabReport,
 }
@@ -185,6 +187,7 @@ ARGS: dict[str, list[str]] = {
         "--against",
         "MODEL",
     ],
+    "lens --against-states": ["--against-states", "STATES", "--layers", "0,1,2"],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "tune --jacobian": (
         "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32 "

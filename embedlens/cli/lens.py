@@ -16,6 +16,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from embedlens.cli._errors import handles_errors
+from embedlens.cli._lens_parity import (
+    AgainstDtypeOpt,
+    AgainstStatesOpt,
+    CapOpt,
+    HeadDtypeOpt,
+    run_parity,
+    wanted,
+)
 from embedlens.cli._lens_states import run_states
 from embedlens.cli._lens_text import (
     AgainstLogitsOpt,
@@ -67,6 +75,7 @@ EXAMPLES = (
     "  $ embedlens lens ./my-model --prompts - --json < prompts.txt > lens.jsonl\n\n"
     '  $ embedlens lens ./big-model "Hello" --save-states hello.safetensors\n\n'
     "  $ embedlens lens ./big-model --states hello.safetensors --position all\n\n"
+    "  $ embedlens lens ./my-model --text wiki.test.raw --dtype bfloat16 --against-dtype float32\n\n"
     '  $ embedlens lens ./my-model "The capital of France is" --site attn_out,mlp_out,resid'
 )
 
@@ -109,7 +118,7 @@ _HELP = {
     "against": "Read another model (B, same vocabulary and layers) on the same ids: per layer, "
     "KL(A ‖ B), whether the top-1 agree, and the residual KL (A's decoder on B's residual).",
     "threshold": "With --against: the KL above which a layer counts as divergent (1e-06 by "
-    "default).",
+    "default); in a parity run, the mean RMS relative difference (1e-03 by default).",
     "tuned": "Read every layer but the last through the tuned lens in DIR (`embedlens tune`'s "
     "folder, or one tuned-lens saved), then the model's own decoder.",
     "jacobian": "Read every layer through the Jacobian lens in FILE (a .pt artifact `embedlens "
@@ -197,6 +206,10 @@ def lens(
     score: ScoreOpt = "half",
     save_logits: SaveLogitsOpt = None,
     against_logits: AgainstLogitsOpt = None,
+    against_states: AgainstStatesOpt = None,
+    against_dtype: AgainstDtypeOpt = None,
+    head_dtype: HeadDtypeOpt = None,
+    cap: CapOpt = None,
 ) -> None:
     """Decode every layer's residual stream with the model's own final norm, head and post-head steps.
 
@@ -213,6 +226,8 @@ def _run(given: dict[str, Any]) -> None:
     from embedlens.analysis.lens import lens as run_lens
 
     model, prompt, plot, against = given["model"], given["prompt"], given["plot"], given["against"]
+    if wanted(given):
+        return run_parity(model, given)
     if any(given[key] is not None for key in ("text", "save_logits", "against_logits")):
         return run_text(model, given)
     load, asked = _options(given)

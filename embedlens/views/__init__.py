@@ -16,6 +16,7 @@ def load_views() -> None:
         addr,
         html,
         lens,
+        lens_parity,
         lens_text,
         neighbors,
         params,

@@ -32,7 +32,7 @@ KL_LINEAR_BELOW = 0.01
 """The symlog KL axis is linear from 0 to this many nats, logarithmic above."""
 
 
-def _layer_axis(ax: Any) -> None:
+def layer_axis(ax: Any) -> None:
     """Layers along x: whole numbers, 0 the embedding output; a light grid."""
     from matplotlib.ticker import MaxNLocator
 
@@ -72,7 +72,7 @@ def figure(report: LensReport | LensSummaryReport) -> Any:
         if len(by_site) > 1:
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=10)
-        _layer_axis(ax)
+        layer_axis(ax)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=KL_LINEAR_BELOW)
             ax.set_ylim(bottom=0)
@@ -99,7 +99,7 @@ def _diff_figure(report: LensReport | LensSummaryReport, d: LensDiff | LensSumma
         linestyle="--",
         label="residual KL (A's decoder on B's residual)",
     )
-    _layer_axis(ax)
+    layer_axis(ax)
     ax.set_yscale("symlog", linthresh=max(d.threshold, 1e-12))
     ax.axhline(d.threshold, color="grey", linewidth=0.8, linestyle=":")
     if d.first_divergent_layer is not None:

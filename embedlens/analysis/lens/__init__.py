@@ -21,6 +21,8 @@ given made into its option objects):
   reports of one prompt, many, a pair);
 - `states`: `lens_states`, the lens on hidden states a file holds (vLLM's, or `lens
   --save-states`'s: `states_file` reads and writes them), decoded by the model's tail alone;
+- `parity`, `parity_run`, `parity_sources`: `lens_parity`, two runs of the same weights (saved
+  states, or a model in two precisions) compared layer by layer and at the output;
 - `decoders`: the decoders as public objects (`LogitLens`, `TunedLens`, the latter's folder read
   and matched to its model in `tuned_folder`), and the model's tail without its blocks
   (`open_tail`) that decodes saved states;
@@ -30,7 +32,8 @@ given made into its option objects):
 
 from embedlens.analysis.lens.api import lens, lens_prompts
 from embedlens.analysis.lens.options import DEVICE_MAPS
+from embedlens.analysis.lens.parity_run import lens_parity
 from embedlens.analysis.lens.states import lens_states
 from embedlens.analysis.lens.text import lens_text
 
-__all__ = ["DEVICE_MAPS", "lens", "lens_prompts", "lens_states", "lens_text"]
+__all__ = ["DEVICE_MAPS", "lens", "lens_parity", "lens_prompts", "lens_states", "lens_text"]
