@@ -84,6 +84,7 @@ MODES: dict[str, tuple[str, ...]] = {
     ),
     "lens --text --site": ("lens --text --site",),
     "tune --jacobian": ("tune --jacobian",),
+    "lens --against-states --site": ("lens --against-states --site",),
 }
 """Each lens mode with parts: the subsections (of its shape's section) naming the parts it holds."""
 EACH_LINE = {
@@ -188,6 +189,14 @@ ARGS: dict[str, list[str]] = {
         "MODEL",
     ],
     "lens --against-states": ["--against-states", "STATES", "--layers", "0,1,2"],
+    "lens --against-states --site": [
+        "--states",
+        "SITES",
+        "--against-states",
+        "SITES",
+        "--site",
+        "attn_out,resid_mid,mlp_out",
+    ],
     "tune": "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32".split(),
     "tune --jacobian": (
         "--data DATA --out OUT --method affine --seq-len 32 --tokens 64 --eval-tokens 32 "
@@ -267,6 +276,8 @@ def shape(mode: str) -> str:
         return mode
     if mode.startswith("tune "):
         return "tune"
+    if "--against-states" in mode:
+        return "lens --against-states"
     return (
         "lens --text" if "--text" in mode else "lens --prompts" if "--prompts" in mode else "lens"
     )

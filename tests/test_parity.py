@@ -348,7 +348,128 @@ def test_options_that_do_not_apply_are_refused(tiny, args, said):
 
 def test_the_library_refuses_what_a_parity_run_does_not_take(tiny):
     folder = tiny("llama-tied")
-    with pytest.raises(UsageError, match="site does not apply"):
-        embedlens.lens_parity(folder, PROMPT, against_dtype="float32", site="mlp_out")
+    with pytest.raises(UsageError, match="jacobian does not apply"):
+        embedlens.lens_parity(folder, PROMPT, against_dtype="float32", jacobian="x.pt")
     with pytest.raises(UsageError, match="either --against-states"):
         embedlens.lens_parity(folder, PROMPT, against_states="x", against_dtype="float32")
+
+
+@pytest.mark.slow
+def test_over_two_processes_it_prints_what_one_prints(tiny, tmp_path):
+    """torchrun: window i on rank i mod 2, every rank's figures gathered in order on rank 0,
+    which prints the same JSON, byte for byte, as one process."""
+    from tests.test_dist import torchrun
+    from tests.test_tune import words_file
+
+    folder = tiny("llama-tied")
+    text = words_file(tmp_path / "words.txt")
+    args = [
+        "lens",
+        folder,
+        "--text",
+        text,
+        "--ctx",
+        "32",
+        "--max-tokens",
+        "200",
+        "--dtype",
+        "bfloat16",
+        "--against-dtype",
+        "float32",
+        "--json",
+    ]
+    one = Runner()(*args)
+    assert one.exit_code == 0, one.stderr
+    two = torchrun(*args)
+    assert two.returncode == 0, two.stderr
+    assert json.loads(one.stdout)["n_sequences"] == 6
+    assert two.stdout == one.stdout
+
+
+def test_the_plain_layout_is_read_from_torch_save_and_safetensors(tiny, tmp_path):
+    """A trainer's states: torch.save's dict, or safetensors, each with its `layers`; the same
+    states give exactly 0."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = tiny("llama-tied")
+    embedlens.lens(folder, PROMPT, save_states=tmp_path / "own.safetensors")
+    with safe_open(str(tmp_path / "own.safetensors"), "pt") as f:
+        ids, hidden = f.get_tensor("token_ids"), f.get_tensor("hidden_states")
+    layers = torch.arange(hidden.shape[1])
+    torch.save({"token_ids": ids, "hidden_states": hidden, "layers": layers}, tmp_path / "a.pt")
+    save_file(
+        {"token_ids": ids, "hidden_states": hidden, "layers": layers},
+        str(tmp_path / "b.safetensors"),
+    )
+    r = embedlens.lens_parity(
+        folder, states=tmp_path / "a.pt", against_states=tmp_path / "b.safetensors"
+    )
+    assert r.first_divergent_layer is None and r.output.delta_max == 0
+    assert len(r.layers) == hidden.shape[1] and r.a.ok is None
+    r = embedlens.lens_parity(folder, against_states=tmp_path / "a.pt")  # the model against it
+    assert r.layers[-1].rms_rel_max == 0 and r.a.ok
+
+
+class Planted:
+    """What a pickle may ask to build besides tensors: refused, never built."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("ran",))
+
+
+def test_a_torch_file_that_asks_for_more_than_tensors_is_refused(tiny, tmp_path):
+    bad = tmp_path / "bad.pt"
+    torch.save({"token_ids": torch.arange(3), "hidden_states": Planted()}, bad)
+    res = Runner()("lens", tiny("llama-tied"), "--against-states", bad)
+    assert res.exit_code != 0 and "Traceback" not in res.stderr
+    assert "nothing in it ran" in res.stderr, res.stderr
+    assert "ran" not in res.stdout
+
+
+def _pieces(folder: Path, dtype: torch.dtype) -> dict[tuple[str, int], torch.Tensor]:
+    """Plain transformers: each block's attention and MLP outputs (what each adds)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    kept: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keeper(key: tuple[str, int]) -> Any:
+        def keep(_m: Any, _a: Any, out: Any) -> None:
+            kept[key] = (out[0] if isinstance(out, tuple) else out)[0].detach().clone()
+
+        return keep
+
+    hooks = []
+    for i, layer in enumerate(model.model.layers, 1):
+        hooks.append(layer.self_attn.register_forward_hook(keeper(("attn_out", i))))
+        hooks.append(layer.mlp.register_forward_hook(keeper(("mlp_out", i))))
+    with torch.no_grad():
+        model(tok(PROMPT, return_tensors="pt")["input_ids"])
+    for h in hooks:
+        h.remove()
+    return kept
+
+
+def test_sites_inside_the_blocks_equal_a_plain_torch_computation(tiny, tmp_path):
+    folder = tiny("llama-tied")
+    r = embedlens.lens_parity(
+        folder, PROMPT, dtype="bfloat16", against_dtype="float32", site="attn_out,mlp_out"
+    )
+    a, b = _pieces(folder, torch.bfloat16), _pieces(folder, torch.float32)
+    n = len(r.layers) - 1
+    assert [(row.layer, row.site) for row in r.sites] == [
+        (i, s) for i in range(1, n + 1) for s in ("attn_out", "mlp_out")
+    ]
+    for row in r.sites:
+        x, y = a[row.site, row.layer].double().numpy(), b[row.site, row.layer].double().numpy()
+        rel = np.linalg.norm(x - y, axis=-1) / np.linalg.norm(y, axis=-1)
+        assert (
+            abs(row.rms_rel_mean - rel.mean()) <= 1e-6 and abs(row.rms_rel_max - rel.max()) <= 1e-6
+        )
+    same = embedlens.lens_parity(folder, PROMPT, against_dtype="float32", site="mlp_out")
+    assert all(row.rms_rel_max == 0 and row.cosine_min == 1 for row in same.sites)
+    embedlens.lens(folder, PROMPT, save_states=tmp_path / "plain.safetensors")
+    with pytest.raises(UsageError, match="does not hold --site mlp_out"):
+        embedlens.lens_parity(folder, against_states=tmp_path / "plain.safetensors", site="mlp_out")

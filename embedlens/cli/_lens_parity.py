@@ -65,7 +65,6 @@ _NOT_WITH = {
     "--compare-logit": "compare_logit",
     "--tuned": "tuned",
     "--jacobian": "jacobian",
-    "--site": "site",
     "--target": "target",
     "--skip-bad": "skip_bad",
 }
@@ -118,6 +117,7 @@ def run_parity(model: str, given: dict[str, Any]) -> None:
         doing="Comparing the runs of",
         check=check,
         say=lambda r: _say(r, plot),
+        split=True,
     )
 
 
@@ -171,6 +171,8 @@ def _call(model: str, given: dict[str, Any]) -> LensParityReport:
         dtype=given["dtype"],
         device=given["device"],
         trust_remote_code=given["trust_remote_code"],
+        dist_backend=given["dist_backend"],
+        site=given["site"],
         layers=given["layers"],
         threshold=given["threshold"],
         chat=given["chat"],

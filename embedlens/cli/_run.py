@@ -10,6 +10,7 @@ from typing import TypeVar
 from embedlens.cli._options import common
 from embedlens.cli._output import emit, note, progress
 from embedlens.reports import Report
+from embedlens.runtime import world
 
 R = TypeVar("R", bound=Report)
 
@@ -32,6 +33,7 @@ def run_report(
     spinner: bool = True,
     check: Callable[[], None] | None = None,
     say: Callable[[R], None] = say_notes,
+    split: bool = False,
 ) -> R:
     """Run a command's work and print its report, as every command does.
 
@@ -39,13 +41,16 @@ def run_report(
     command's own checks before any work), then the work under a spinner ("{doing} {model}",
     none when `spinner` is off); `say` writes what the report has for stderr (its notes), and
     the report goes to stdout (one JSON object with --json, else its tables). Returns the report.
+    `split`: the work splits over torchrun's processes, and rank 0 alone prints.
     """
-    common(quiet=quiet, debug=debug, device=device)
+    common(quiet=quiet, debug=debug, device=device, split=split)
     if check is not None:
         check()
     shown: AbstractContextManager[None] = progress(f"{doing} {model}") if spinner else nullcontext()
     with shown:
         report = work()
+    if split and world()[0] != 0:
+        return report
     say(report)
     emit(report, as_json=as_json)
     return report

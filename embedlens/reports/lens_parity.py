@@ -4,10 +4,10 @@ layer over every position, and at the output token by token."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from embedlens.reports import Report
+from embedlens.reports import Report, part
 from embedlens.text import model_title
 
 
@@ -68,6 +68,20 @@ class ParityLayer:
 
 
 @dataclass(frozen=True)
+class ParitySiteLayer:
+    """A site inside block `layer` (--site) over every position: B's against A's."""
+
+    layer: int
+    site: str
+    """resid_mid (after attention), attn_out or mlp_out (what each adds)."""
+    rms_rel_mean: float
+    rms_rel_median: float
+    rms_rel_max: float
+    cosine_mean: float
+    cosine_min: float
+
+
+@dataclass(frozen=True)
 class ParitySequence:
     """One sequence (a prompt, a window of the text, a states file) at the output."""
 
@@ -125,6 +139,8 @@ class LensParityReport(Report):
     output: ParityOutput | None
     """None when a side holds no last layer (a vLLM file without it)."""
     notes: list[str]
+    sites: list[ParitySiteLayer] | None = field(default=None, metadata=part())
+    """With --site: each site inside each block shown, after `layers`' residual stream."""
 
     @property
     def display_model(self) -> str:

@@ -77,9 +77,32 @@ def render(r: LensParityReport) -> RenderableType:
         f"exceeds {r.threshold:g}: {first} (◀). KL in nats, each side through its own tail.",
     ]
     parts: list[RenderableType] = [table, Text("\n".join(lines), style="dim")]
+    if r.sites is not None:
+        parts.append(_sites(r))
     if r.output is not None:
         parts.append(_output(r))
     return Group(*parts)
+
+
+def _sites(r: LensParityReport) -> RenderableType:
+    """--site: each site inside each block shown."""
+    assert r.sites is not None
+    table = Sheet(title=shown("Inside the blocks (--site)", "table.title"))
+    for c in ("block", "site", "RMS rel mean", "median", "max", "cos mean", "cos min"):
+        table.add_column(c, justify="left" if c == "site" else "right", no_wrap=True)
+    for i, row in enumerate(r.sites):
+        last = i + 1 == len(r.sites) or r.sites[i + 1].layer != row.layer
+        table.add_row(
+            str(row.layer),
+            row.site,
+            _pct(row.rms_rel_mean),
+            _pct(row.rms_rel_median),
+            _pct(row.rms_rel_max),
+            f"{row.cosine_mean:.6f}",
+            f"{row.cosine_min:.6f}",
+            end_section=last,
+        )
+    return table
 
 
 def _output(r: LensParityReport) -> RenderableType:

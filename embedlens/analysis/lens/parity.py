@@ -19,6 +19,7 @@ from embedlens.reports.lens_parity import (
     ParityLayer,
     ParityOutput,
     ParitySequence,
+    ParitySiteLayer,
     Worst,
 )
 
@@ -47,146 +48,158 @@ class Stack:
     layers: list[int]
     rows: Callable[[int], torch.Tensor]
     logits: torch.Tensor | None
+    sites: tuple[str, ...] = ()
+    """The sites inside the blocks it holds (`--site`: resid_mid, attn_out, mlp_out)."""
+    site_rows: Callable[[str, int], torch.Tensor] | None = None
+    """A site's rows at block `layer` (1..L), every position, [T, H]."""
 
 
 @dataclass(frozen=True)
 class Tails:
     """Each side's decoder (the same object when both sides decode through one tail), the
-    model's number of blocks, its real tokens, and the layers whose lens is decoded."""
+    model's number of blocks, its real tokens, and how a token id is shown."""
 
     a: Decoder
     b: Decoder
     num_layers: int
     real_vocab: int
-    decoded: list[int]
     token: Callable[[int], str]
 
 
 @dataclass
-class _Layer:
-    rel: list[np.ndarray] = field(default_factory=list)
-    cos: list[np.ndarray] = field(default_factory=list)
-    kl: list[np.ndarray] = field(default_factory=list)
-    residual_kl: list[np.ndarray] = field(default_factory=list)
-    agree: list[np.ndarray] = field(default_factory=list)
-    where: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+class SeqFigures:
+    """One sequence's figures, per position: what `Tally` reduces (picklable, so that each
+    process under torchrun hands its sequences' to rank 0, which reduces them in order)."""
+
+    index: int
+    name: str
+    positions: list[int]
+    tokens: list[int]
+    rel: dict[int, np.ndarray] = field(default_factory=dict)
+    cos: dict[int, np.ndarray] = field(default_factory=dict)
+    kl: dict[int, np.ndarray] = field(default_factory=dict)
+    residual_kl: dict[int, np.ndarray] = field(default_factory=dict)
+    agree: dict[int, np.ndarray] = field(default_factory=dict)
+    output: _Out | None = None
+    site_rel: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    site_cos: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    checks: list[tuple[float, float]] = field(default_factory=list)
+    """Per side, with its model's own logits: (max |Δ|, tolerance); NaN where not checked."""
 
 
 @dataclass
-class _Check:
-    """The largest distance between a side's decoding of its last layer at the last position
-    and the model's own logits there, over every sequence that kept them."""
-
-    diff: float = 0.0
-    tolerance: float = 0.0
-    made: int = 0
+class _Out:
+    delta: np.ndarray
+    flips: np.ndarray
+    logits_rel: np.ndarray
+    positions: list[int]
+    next_tokens: list[int]
 
 
 class Tally:
-    """What the report needs of every sequence, kept as the two runs are compared."""
+    """The figures of every sequence compared, and their reduction into the report's rows."""
 
-    def __init__(self, tails: Tails, layers: list[int]) -> None:
+    def __init__(
+        self, tails: Tails, layers: list[int], out_layer: int | None, sites: tuple[str, ...] = ()
+    ) -> None:
         self.tails = tails
         self.layers = layers
-        self.per = {layer: _Layer() for layer in layers}
-        self.deltas: list[np.ndarray] = []
-        self.flips: list[np.ndarray] = []
-        self.logits_rel: list[np.ndarray] = []
-        self.sequences: list[ParitySequence] = []
-        self.out_where: list[tuple[str, list[int], list[int]]] = []
-        self.checks = (_Check(), _Check())
-        self.n_tokens = 0
-        self.n_sequences = 0
+        self.sites = sites
+        """The sites inside the blocks compared besides the residual stream."""
+        self.out_layer = out_layer
+        """The last block's output when both sides hold it (the output figures), else None."""
+        self.done: list[SeqFigures] = []
 
-    def add(self, a: Stack, b: Stack, positions: Sequence[int]) -> None:
-        """One sequence's two runs, compared at `positions` (each layer), the output at those
-        with a next token."""
+    def add(self, index: int, a: Stack, b: Stack, positions: Sequence[int]) -> None:
+        """Sequence `index`'s two runs, compared at `positions` at each layer, and at the
+        output at those with a next token."""
         import torch
 
         from embedlens.analysis.lens.blocks import one_thread
 
         pos = list(positions)
-        self.n_tokens += len(pos)
-        self.n_sequences += 1
-        t = self.tails
+        f = SeqFigures(index, a.name, pos, [a.ids[p] for p in pos])
         with torch.inference_mode():
             for layer in self.layers:
                 ra, rb = a.rows(layer)[pos], b.rows(layer)[pos]
-                kept = self.per[layer]
                 with one_thread():
-                    rel, cos = distances(ra, rb)
-                kept.rel.append(rel)
-                kept.cos.append(cos)
-                kept.where.append((a.name, pos, [a.ids[p] for p in pos]))
-                if layer in t.decoded or layer == t.num_layers:
-                    self._decoded(layer, ra, rb, a, pos)
-            for side, stack, decoder in ((0, a, t.a), (1, b, t.b)):
-                self._check(side, stack, decoder)
+                    f.rel[layer], f.cos[layer] = distances(ra, rb)
+                za, zb = self._lenses(f, layer, ra, rb)
+                if layer == self.out_layer:
+                    f.output = _output(za, zb, a.ids, pos, self.tails.real_vocab)
+            if f.output is None and self.out_layer is not None:
+                n = self.out_layer
+                za, zb = decode(self.tails.a, a.rows(n)[pos]), decode(self.tails.b, b.rows(n)[pos])
+                f.output = _output(za, zb, a.ids, pos, self.tails.real_vocab)
+            self._sites(f, a, b, pos)
+            f.checks = [
+                _check(s, d, self.tails.num_layers)
+                for s, d in ((a, self.tails.a), (b, self.tails.b))
+            ]
+        self.done.append(f)
 
-    def _decoded(
-        self, layer: int, ra: torch.Tensor, rb: torch.Tensor, a: Stack, pos: list[int]
-    ) -> None:
-        """A layer's two lenses: KL, residual KL and top-1 (a layer asked for); the output
-        figures at the last layer."""
-        import numpy as np
-
-        t = self.tails
-        za, zb = decode(t.a, ra), decode(t.b, rb)
-        kept = self.per[layer]
-        if layer in t.decoded:
-            kl = kl_each(za, zb)
-            kept.kl.append(kl)
-            same = t.a is t.b
-            kept.residual_kl.append(kl if same else kl_each(za, decode(t.a, rb)))
-            kept.agree.append(top1(za, t.real_vocab) == top1(zb, t.real_vocab))
-        if layer != t.num_layers:
-            return
-        scored = [i for i, p in enumerate(pos) if p + 1 < len(a.ids)]
-        nxt = [a.ids[pos[i] + 1] for i in scored]
-        delta = next_deltas(za[scored], zb[scored], nxt)
-        self.deltas.append(delta)
-        va, vb = top1(za[scored], t.real_vocab), top1(zb[scored], t.real_vocab)
-        self.flips.append(va != vb)
+    def _sites(self, f: SeqFigures, a: Stack, b: Stack, pos: list[int]) -> None:
+        """Each site asked for, at each block shown, compared as the residual stream is."""
         from embedlens.analysis.lens.blocks import one_thread
 
-        with one_thread():
-            self.logits_rel.append(distances(za[scored], zb[scored])[0])
-        log_ratio = float(np.sum(delta))
-        self.sequences.append(ParitySequence(a.name, len(scored), log_ratio, _exp(log_ratio)))
-        self.out_where.append((a.name, [pos[i] for i in scored], nxt))
+        for site in self.sites:
+            assert a.site_rows is not None and b.site_rows is not None
+            for layer in (x for x in self.layers if x >= 1):
+                ra, rb = a.site_rows(site, layer)[pos], b.site_rows(site, layer)[pos]
+                with one_thread():
+                    f.site_rel[site, layer], f.site_cos[site, layer] = distances(ra, rb)
 
-    def _check(self, side: int, stack: Stack, decoder: Decoder) -> None:
-        """The side's decoding of its last layer at the last position against the model's own
-        logits there, when its run kept them."""
-        import torch
-
-        from embedlens.analysis.lens.engine import tolerance
-
-        n = self.tails.num_layers
-        if stack.logits is None or n not in stack.layers:
-            return
-        row = stack.rows(n)[-1:]
-        mine = decode(decoder, row)[0]
-        own = stack.logits.float()
-        dtype = max((row.dtype, _dtype(decoder)), key=lambda d: torch.finfo(d).eps)
-        c = self.checks[side]
-        c.diff = max(c.diff, float((mine - own).abs().max()))
-        c.tolerance = max(c.tolerance, tolerance(dtype, own))
-        c.made += 1
-
-    def layer_rows(self) -> list[ParityLayer]:
-        """Each layer's figures over every position compared."""
+    def site_rows(self) -> list[ParitySiteLayer] | None:
+        """Each site's figures at each block shown (None: no site asked for)."""
         import numpy as np
 
-        out = []
+        if not self.sites:
+            return None
+        done, out = self.ordered(), []
+        for layer in (x for x in self.layers if x >= 1):
+            for site in self.sites:
+                rel = np.concatenate([f.site_rel[site, layer] for f in done])
+                cos = np.concatenate([f.site_cos[site, layer] for f in done])
+                out.append(
+                    ParitySiteLayer(
+                        layer,
+                        site,
+                        float(np.mean(rel)),
+                        float(np.median(rel)),
+                        float(np.max(rel)),
+                        float(np.mean(cos)),
+                        float(np.min(cos)),
+                    )
+                )
+        return out
+
+    def _lenses(
+        self, f: SeqFigures, layer: int, ra: torch.Tensor, rb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's two lenses: their KL, the residual KL and whether their top-1 agree."""
+        t = self.tails
+        za, zb = decode(t.a, ra), decode(t.b, rb)
+        f.kl[layer] = kl_each(za, zb)
+        f.residual_kl[layer] = f.kl[layer] if t.a is t.b else kl_each(za, decode(t.a, rb))
+        f.agree[layer] = top1(za, t.real_vocab) == top1(zb, t.real_vocab)
+        return za, zb
+
+    def ordered(self) -> list[SeqFigures]:
+        return sorted(self.done, key=lambda f: f.index)
+
+    def layer_rows(self) -> list[ParityLayer]:
+        """Each layer's figures over every position compared, in the sequences' order."""
+        import numpy as np
+
+        done, out = self.ordered(), []
+        where = [(f.name, f.positions, f.tokens) for f in done]
         for layer in self.layers:
-            kept = self.per[layer]
-            rel, cos = np.concatenate(kept.rel), np.concatenate(kept.cos)
-            decoded = bool(kept.kl)
-            kl = float(np.mean(np.concatenate(kept.kl))) if decoded else None
-            res = float(np.mean(np.concatenate(kept.residual_kl))) if decoded else None
-            agree = float(np.mean(np.concatenate(kept.agree))) if decoded else None
-            worst = _worst(kept.where, rel, 1, self.tails.token)[0]
+
+            def cat(name: str, layer: int = layer) -> np.ndarray:
+                return np.concatenate([getattr(f, name)[layer] for f in done])
+
+            rel, cos = cat("rel"), cat("cos")
+            worst = _worst(where, rel, 1, self.tails.token)[0]
             out.append(
                 ParityLayer(
                     layer,
@@ -195,39 +208,81 @@ class Tally:
                     float(np.max(rel)),
                     float(np.mean(cos)),
                     float(np.min(cos)),
-                    kl,
-                    res,
-                    agree,
+                    float(np.mean(cat("kl"))),
+                    float(np.mean(cat("residual_kl"))),
+                    float(np.mean(cat("agree"))),
                     worst,
                 )
             )
         return out
 
     def output(self, cap: float) -> ParityOutput | None:
-        """The output figures (None: no sequence gave the last layer, or no scored token)."""
+        """The output figures (None: no last layer on both sides, or no scored token)."""
         import numpy as np
 
-        if not self.deltas or not sum(len(d) for d in self.deltas):
+        outs = [(f, f.output) for f in self.ordered() if f.output is not None]
+        if not outs or not sum(len(o.delta) for _, o in outs):
             return None
-        delta = np.concatenate(self.deltas)
+        delta = np.concatenate([o.delta for _, o in outs])
         size = np.abs(delta)
-        over = sum(1 for s in self.sequences if s.ratio > cap)
-        under = sum(1 for s in self.sequences if s.ratio < 1 / cap)
-        worst = _worst(self.out_where, size, N_WORST, self.tails.token)
+        seqs = [
+            ParitySequence(
+                f.name, len(o.delta), float(np.sum(o.delta)), _exp(float(np.sum(o.delta)))
+            )
+            for f, o in outs
+        ]
+        where = [(f.name, o.positions, o.next_tokens) for f, o in outs]
         return ParityOutput(
             n_tokens=int(delta.size),
             delta_mean=float(np.mean(delta)),
             delta_rms=float(np.sqrt(np.mean(delta * delta))),
             delta_p99=float(np.percentile(size, 99)),
             delta_max=float(np.max(size)),
-            top1_flip=float(np.mean(np.concatenate(self.flips))),
-            logits_rms_rel_mean=float(np.mean(np.concatenate(self.logits_rel))),
+            top1_flip=float(np.mean(np.concatenate([o.flips for _, o in outs]))),
+            logits_rms_rel_mean=float(np.mean(np.concatenate([o.logits_rel for _, o in outs]))),
             cap=cap,
-            n_over_cap=over,
-            n_under_cap=under,
-            sequences=self.sequences,
-            worst=worst,
+            n_over_cap=sum(1 for s in seqs if s.ratio > cap),
+            n_under_cap=sum(1 for s in seqs if s.ratio < 1 / cap),
+            sequences=seqs,
+            worst=_worst(where, size, N_WORST, self.tails.token),
         )
+
+    def check(self, side: int) -> tuple[float, float, int]:
+        """A side's check over every sequence: the largest |Δ|, the largest tolerance, and how
+        many sequences were checked."""
+        made = [f.checks[side] for f in self.done if not math.isnan(f.checks[side][0])]
+        if not made:
+            return math.nan, math.nan, 0
+        return max(d for d, _ in made), max(t for _, t in made), len(made)
+
+
+def _output(za: torch.Tensor, zb: torch.Tensor, ids: list[int], pos: list[int], vocab: int) -> _Out:
+    """The output figures of one sequence from its two runs' output logits at `pos`."""
+    from embedlens.analysis.lens.blocks import one_thread
+
+    scored = [i for i, p in enumerate(pos) if p + 1 < len(ids)]
+    nxt = [ids[pos[i] + 1] for i in scored]
+    delta = next_deltas(za[scored], zb[scored], nxt)
+    flips = top1(za[scored], vocab) != top1(zb[scored], vocab)
+    with one_thread():
+        logits_rel = distances(za[scored], zb[scored])[0]
+    return _Out(delta, flips, logits_rel, [pos[i] for i in scored], nxt)
+
+
+def _check(stack: Stack, decoder: Decoder, n: int) -> tuple[float, float]:
+    """A side's decoding of its last layer at the last position against its model's own
+    logits there: (max |Δ|, tolerance); NaN when its run kept none or holds no last layer."""
+    import torch
+
+    from embedlens.analysis.lens.engine import tolerance
+
+    if stack.logits is None or n not in stack.layers:
+        return math.nan, math.nan
+    row = stack.rows(n)[-1:]
+    mine = decode(decoder, row)[0]
+    own = stack.logits.float()
+    dtype = max((row.dtype, _dtype(decoder)), key=lambda d: torch.finfo(d).eps)
+    return float((mine - own).abs().max()), tolerance(dtype, own)
 
 
 def distances(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

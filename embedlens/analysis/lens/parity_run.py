@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -36,7 +37,8 @@ from embedlens.options import LensKeywords
 from embedlens.options import LensOptions as LensOptionsDefault
 
 if TYPE_CHECKING:
-    from embedlens.analysis.lens.states_file import StatesFile
+    from embedlens.analysis.dist import Session
+    from embedlens.analysis.lens.parity_sources import Held
     from embedlens.model.prompts import PromptSource
     from embedlens.options import LensOptions, LoadOptions
     from embedlens.reports.lens_parity import LensParityReport, ParitySide
@@ -58,12 +60,14 @@ class Ask:
     state_layers: str | None
     cap: float
     inp: Input
+    dist_backend: str = "auto"
+    sites: tuple[str, ...] = ()
+    """--site: the sites inside the blocks compared besides the residual stream."""
 
 
 def lens_parity_run(ask: Ask) -> LensParityReport:
-    """The run: sides opened and checked, sequences made, B's run first, then A's compared."""
-    import torch
-
+    """The run: sides opened and checked, sequences made, B's run first, then A's compared
+    (under torchrun, sequence i on rank i mod N, every rank's figures gathered in order)."""
     from embedlens.analysis.lens.options import layer_items, resolve_layers
     from embedlens.io.source import resolve
     from embedlens.model import loading
@@ -81,22 +85,43 @@ def lens_parity_run(ask: Ask) -> LensParityReport:
         else open_files(ask.against_states, ask.state_layers, "--against-states")
     )
     seqs, pairs = _seqs(ask, fa, fb, tokenizer, config, source)
-    for f in [*(fa.files.values() if fa else ()), *(fb.files.values() if fb else ())]:
-        _fits(f, config, n_layers)
-    b_stacks = _side_b(ask, fb, pairs, seqs)
-    tails = _tails(ask, source, fa, fb, tokenizer, n_layers, config)
-    both = set(b_stacks[0].layers) & set(_a_layers(fa, pairs, n_layers))
+    for side, held_files in (("A", fa), ("B", fb)):
+        for f in held_files.files.values() if held_files else ():
+            _fits(f, config, n_layers, ask.sites, side)
+    both = set(_layers(fa, pairs, n_layers, 0)) & set(_layers(fb, pairs, n_layers, 1))
     items = None if ask.asked.layers is None else layer_items(ask.asked.layers)
     shown = [x for x in resolve_layers(items, n_layers) if x in both]
     if not shown:
         raise UsageError(
             f"the two sides hold none of the layers asked for (both hold {span(sorted(both))})"
         )
-    tally = Tally(dataclasses.replace(tails, decoded=shown), shown)
-    with torch.inference_mode():
-        for seq, a, b in zip(seqs, _side_a(ask, fa, pairs, seqs), b_stacks, strict=True):
-            tally.add(a, b, seq.positions)
+    session = _session(ask)
+    with nullcontext() if session is None else session.guarded():
+        mine = list(range(len(seqs))) if session is None else list(session.share(len(seqs)))
+        b_stacks = _side_b(ask, fb, pairs, seqs, mine)
+        tails = _tails(ask, fa, fb, tokenizer, n_layers, config)
+        tally = Tally(tails, shown, n_layers if n_layers in both else None, ask.sites)
+        for i, a in _side_a(ask, fa, pairs, seqs, mine):
+            tally.add(i, a, b_stacks[i], seqs[i].positions)
+        if session is not None:
+            tally.done = [f for part in session.all_gather(tally.done) for f in part]
     return _report(ask, tally, fa, fb)
+
+
+def _session(ask: Ask) -> Session | None:
+    """Under torchrun, this process's part (the group joined); None alone."""
+    from embedlens.analysis import torchrun
+
+    return torchrun.split_session(ask.dist_backend, ask.load.device)
+
+
+def _layers(
+    files: Files | None, pairs: list[tuple[str, str]], n_layers: int, side: int
+) -> list[int]:
+    """The layers a side holds: its files' (the first's), or every layer of a model run."""
+    if files is None:
+        return list(range(n_layers + 1))
+    return list(files.files[pairs[0][side]].layers)
 
 
 def _seqs(
@@ -128,9 +153,18 @@ def _seqs(
     return out, pairs
 
 
-def _fits(file: StatesFile, config: Any, n_layers: int) -> None:
+def _fits(file: Held, config: Any, n_layers: int, sites: tuple[str, ...], side: str) -> None:
+    """A side's file fits the model (its width, its layers) and holds the sites asked for."""
     from embedlens.analysis.lens.tuned_folder import config_size
 
+    held = tuple(getattr(file, "sites", ("resid",)))
+    lacking = [s for s in sites if s not in held]
+    if lacking:
+        raise UsageError(
+            f"'{file.path.name}' ({side}) does not hold --site {lacking[0]}: it holds "
+            f"{', '.join(held)}",
+            hint="save the sites with `lens MODEL PROMPT --site SITES --save-states FILE`",
+        )
     hidden = config_size(config)[0]
     if hidden is not None and file.hidden_size != hidden:
         raise UsageError(
@@ -146,50 +180,41 @@ def _fits(file: StatesFile, config: Any, n_layers: int) -> None:
 
 
 def _side_b(
-    ask: Ask, fb: Files | None, pairs: list[tuple[str, str]], seqs: list[Seq]
-) -> list[Stack]:
-    """B's stacks: its files, or the model run on every sequence (then freed)."""
+    ask: Ask, fb: Files | None, pairs: list[tuple[str, str]], seqs: list[Seq], mine: list[int]
+) -> dict[int, Stack]:
+    """B's stacks of the sequences `mine`: its files, or the model run on each (then freed)."""
     if fb is not None:
-        return [file_stack(seq.name, fb.files[p[1]]) for seq, p in zip(seqs, pairs, strict=True)]
+        return {i: file_stack(seqs[i].name, fb.files[pairs[i][1]]) for i in mine}
     load = dataclasses.replace(ask.load, dtype=ask.against_dtype, revision=ask.against_revision)
-    stacks = live_stacks(ask.against, load, seqs, ask.against_revision)
-    _same_layers(stacks[0].layers, seqs, "B")
-    return stacks
+    stacks = live_stacks(
+        ask.against, load, [seqs[i] for i in mine], ask.against_revision, ask.sites
+    )
+    return dict(zip(mine, stacks, strict=True))
 
 
-def _side_a(ask: Ask, fa: Files | None, pairs: list[tuple[str, str]], seqs: list[Seq]) -> Any:
-    """A's stacks, one at a time: its files, or the model run on each sequence in turn."""
+def _side_a(
+    ask: Ask, fa: Files | None, pairs: list[tuple[str, str]], seqs: list[Seq], mine: list[int]
+) -> Iterator[tuple[int, Stack]]:
+    """A's stacks of the sequences `mine`, one at a time: its files, or the model run on each."""
     if fa is not None:
-        for seq, p in zip(seqs, pairs, strict=True):
-            yield file_stack(seq.name, fa.files[p[0]])
+        for i in mine:
+            yield i, file_stack(seqs[i].name, fa.files[pairs[i][0]])
+        return
+    if not mine:
         return
     from embedlens.analysis.lens import options as checks
     from embedlens.analysis.lens.opening import open_model
     from embedlens.analysis.lens.states_file import states_of
 
-    with open_model(ask.model, None, checks.loading(ask.model, ask.load), lambda *_: None) as (
-        opened,
-        _,
-    ):
-        for seq in seqs:
-            residual, logits, _, _ = states_of(opened, seq.ids, ask.load.revision, {})
-            yield held(seq, residual, logits)
-
-
-def _same_layers(layers: list[int], seqs: list[Seq], side: str) -> None:
-    if not layers or not seqs:
-        raise UsageError(f"{side} gave no states")
-
-
-def _a_layers(fa: Files | None, pairs: list[tuple[str, str]], n_layers: int) -> list[int]:
-    if fa is None:
-        return list(range(n_layers + 1))
-    return list(fa.files[pairs[0][0]].layers)
+    loading = checks.loading(ask.model, ask.load)
+    with open_model(ask.model, None, loading, lambda *_: None) as (opened, _):
+        for i in mine:
+            states = states_of(opened, seqs[i].ids, ask.load.revision, {}, ask.sites)
+            yield i, held(seqs[i], states[0], states[1], states[3])
 
 
 def _tails(
     ask: Ask,
-    source: Any,
     fa: Files | None,
     fb: Files | None,
     tokenizer: Any,
@@ -221,7 +246,7 @@ def _tails(
     def token(i: int) -> str:
         return str(tokenizer.decode([i]))
 
-    return Tails(made[a_key], made[b_key], n_layers, vocab, [], token)
+    return Tails(made[a_key], made[b_key], n_layers, vocab, token)
 
 
 def _report(ask: Ask, tally: Tally, fa: Files | None, fb: Files | None) -> LensParityReport:
@@ -237,14 +262,15 @@ def _report(ask: Ask, tally: Tally, fa: Files | None, fb: Files | None) -> LensP
         model=ask.model,
         a=a,
         b=b,
-        n_sequences=tally.n_sequences,
-        n_tokens=tally.n_tokens,
+        n_sequences=len(tally.done),
+        n_tokens=sum(len(f.positions) for f in tally.done),
         num_layers=tally.tails.num_layers,
         threshold=threshold,
         first_divergent_layer=first_above(rows, threshold),
         layers=rows,
         output=tally.output(ask.cap),
         notes=[],
+        sites=tally.site_rows(),
     )
 
 
@@ -258,17 +284,17 @@ def tail_dtype(ask: Ask, files: Files | None, run: str) -> str:
 def _side(ask: Ask, name: str, files: Files | None, run: str, tally: Tally, i: int) -> ParitySide:
     from embedlens.reports.lens_parity import ParitySide
 
-    c, tail = tally.checks[i], tail_dtype(ask, files, run)
+    (diff, tol, made), tail = tally.check(i), tail_dtype(ask, files, run)
     kind, dtype = ("model", run) if files is None else ("states", _stored(files))
-    if not c.made:
+    if not made:
         said = "not made: no run kept the model's own logits and its last layer"
         return ParitySide(name, kind, dtype, tail, None, said, None, None)
-    ok = c.diff <= c.tolerance
+    ok = diff <= tol
     said = (
         f"{'made' if ok else 'FAILED'}: the last layer decoded at the last position of "
-        f"{c.made} sequence(s) against the model's own logits (max |Δ| = {c.diff:.2g})"
+        f"{made} sequence(s) against the model's own logits (max |Δ| = {diff:.2g})"
     )
-    return ParitySide(name, kind, dtype, tail, ok, said, c.diff, c.tolerance)
+    return ParitySide(name, kind, dtype, tail, ok, said, diff, tol)
 
 
 def _stored(files: Files) -> str:
@@ -282,7 +308,6 @@ _NOT_TAKEN = {
     "tuned": "parity compares the model's own decoding of the two runs",
     "jacobian": "parity compares the model's own decoding of the two runs",
     "compare_logit": "parity compares two runs, not two lenses",
-    "site": "parity compares the residual stream (the blocks' outputs)",
     "grid": "parity reads every position",
     "skip_bad": "every prompt is compared",
 }
@@ -303,6 +328,7 @@ def lens_parity(
     prompts: Iterable[str | Mapping[str, Any]] | PromptSource | None = None,
     text: TextAsk | str | os.PathLike[str] | None = None,
     cap: float = CAP,
+    dist_backend: str = "auto",
     load: LoadOptions | None = None,
     options: LensOptions | None = None,
     **keywords: Unpack[LensKeywords],
@@ -314,8 +340,11 @@ def lens_parity(
     path, or a `TextAsk` with its window options). Each side decodes through its model's tail
     in `head_dtype` (default: the dtype its blocks ran in; a states side: `dtype`). `threshold`
     (a LensOptions field): the RMS relative difference above which a layer is divergent (1e-3);
-    `cap`: the importance-ratio cap (3.0); `layers`: the layers whose lens KL is taken (all).
+    `cap`: the importance-ratio cap (3.0); `layers`: the layers compared (all). Under torchrun
+    the sequences are split over the processes (`dist_backend`), and every process returns
+    the same report.
     """
+    from embedlens.analysis.lens.options import sites_asked
     from embedlens.model.prompts import PromptSource
     from embedlens.options import lens_given
 
@@ -338,6 +367,8 @@ def lens_parity(
             state_layers,
             float(cap),
             Input(prompt, source, text),
+            dist_backend,
+            tuple(x for x in sites_asked(asked.site, None) if x != "resid"),
         )
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from embedlens.analysis.lens.parity import Stack
 from embedlens.errors import UsageError
@@ -49,27 +49,128 @@ class Input:
     text: TextAsk | None = None
 
 
+Held: TypeAlias = "StatesFile | TorchStates"
+"""A states file a parity side reads: safetensors (embedlens', vLLM's, plain) or torch's."""
+
+
 @dataclass(frozen=True)
 class Files:
     """A side read from states files: one per sequence, paired by name with the other side's."""
 
     where: Path
-    files: dict[str, StatesFile]
+    files: dict[str, Held]
+
+
+TORCH_SUFFIXES = (".pt", ".pth")
+"""A states file by these names is a plain one torch.save wrote (`TorchStates`)."""
 
 
 def open_files(path: str | os.PathLike[str], state_layers: str | None, what: str) -> Files:
-    """A states file, or a folder of them (its `*.safetensors`, by name)."""
-    from embedlens.analysis.lens.states_file import open_states
-
+    """A states file, or a folder of them (its `*.safetensors`, `*.pt` and `*.pth`, by name)."""
     where = Path(path)
     if where.is_dir():
-        names = sorted(p.name for p in where.glob("*.safetensors"))
+        names = sorted(p.name for p in where.iterdir() if _states_name(p))
         if not names:
-            raise UsageError(f"{what} '{where}' holds no .safetensors file")
-        return Files(where, {n: open_states(where / n, state_layers) for n in names})
+            raise UsageError(f"{what} '{where}' holds no .safetensors or .pt file")
+        return Files(where, {n: _open_one(where / n, state_layers) for n in names})
     if not where.is_file():
         raise UsageError(f"{what} '{where}' is not a file or a folder")
-    return Files(where, {where.name: open_states(where, state_layers)})
+    return Files(where, {where.name: _open_one(where, state_layers)})
+
+
+def _states_name(path: Path) -> bool:
+    return path.is_file() and path.suffix in (".safetensors", *TORCH_SUFFIXES)
+
+
+def _open_one(path: Path, state_layers: str | None) -> Held:
+    from embedlens.analysis.lens.states_file import open_states
+
+    if path.suffix in TORCH_SUFFIXES:
+        return open_torch_states(path, state_layers)
+    return open_states(path, state_layers)
+
+
+@dataclass(frozen=True)
+class TorchStates:
+    """A plain states file `torch.save` wrote (docs/parity.md): read whole, weights-only. It
+    answers what a parity run asks of a `StatesFile`."""
+
+    path: Path
+    ids: list[int]
+    hidden: torch.Tensor
+    """[T, N, H]."""
+    layers: list[int]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hidden.shape[-1])
+
+    @property
+    def dtype(self) -> str:
+        return str(self.hidden.dtype).removeprefix("torch.")
+
+    def token_ids(self) -> list[int]:
+        return self.ids
+
+    def finite_rows(self, layer: int, positions: list[int]) -> torch.Tensor:
+        import torch
+
+        rows = self.hidden[positions, self.layers.index(layer)]
+        if not bool(torch.isfinite(rows.float()).all()):
+            raise UsageError(
+                f"'{self.path.name}' holds a state that is not finite at layer {layer}"
+            )
+        return rows
+
+    def logits(self) -> None:
+        return None
+
+
+def open_torch_states(path: Path, state_layers: str | None) -> TorchStates:
+    """A plain torch file: a dict of `token_ids` [T] (integers), `hidden_states` [T, N, H]
+    (floats) and, unless --state-layers gives them, `layers` [N] (integers)."""
+    import torch
+
+    from embedlens.analysis.lens.states_file import parse_layers
+    from embedlens.errors import CheckpointError
+    from embedlens.io.torchzip import weights_only
+
+    what = "a plain states file holds token_ids, hidden_states and layers"
+    data = weights_only(str(path), what)
+    name = path.name
+    ids, hidden = (
+        data.get(k) if isinstance(data, dict) else None for k in ("token_ids", "hidden_states")
+    )
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
+        raise CheckpointError(
+            f"'{name}' is no plain states file: {what}, hidden_states floats [T, N, H]"
+        )
+    ids = torch.as_tensor(ids) if ids is not None else None
+    if ids is None or ids.dim() != 1 or ids.is_floating_point() or len(ids) != hidden.shape[0]:
+        raise CheckpointError(
+            f"'{name}': token_ids must be integers, one per token of hidden_states"
+        )
+    own = data.get("layers")
+    if (own is None) == (state_layers is None):
+        raise UsageError(
+            f"'{name}' "
+            + (
+                "states its layers: --state-layers applies to files that do not"
+                if own is not None
+                else "does not say which layers its states are: give them with --state-layers"
+            )
+        )
+    spec = state_layers or ",".join(str(int(x)) for x in torch.as_tensor(own).tolist())
+    layers = parse_layers(spec, "--state-layers" if state_layers else name)
+    if len(layers) != hidden.shape[1]:
+        raise UsageError(
+            f"'{name}': {len(layers)} layers named, but hidden_states holds {hidden.shape[1]}"
+        )
+    return TorchStates(path, [int(i) for i in ids.tolist()], hidden, layers)
 
 
 def paired(a: Files, b: Files) -> list[tuple[str, str]]:
@@ -88,7 +189,7 @@ def paired(a: Files, b: Files) -> list[tuple[str, str]]:
     return [(n, n) for n in a.files]
 
 
-def check_files(fa: StatesFile, fb: StatesFile) -> None:
+def check_files(fa: Held, fb: Held) -> None:
     """Two files of one sequence: the same ids, width and layers."""
     names = f"'{fa.path.name}' (A) and '{fb.path.name}' (B)"
     if fa.hidden_size != fb.hidden_size:
@@ -121,19 +222,28 @@ def span(layers: list[int]) -> str:
     return f"{min(layers)}..{max(layers)}" if layers else "none"
 
 
-def file_stack(name: str, file: StatesFile) -> Stack:
+def file_stack(name: str, file: Held) -> Stack:
     """A states file's sequence, every layer read when asked for."""
     every = list(range(file.n_tokens))
+    sites = tuple(getattr(file, "sites", ("resid",)))[1:]
+
+    def site_rows(site: str, layer: int) -> torch.Tensor:
+        return file.finite_rows(layer, every, site)  # type: ignore[call-arg]
+
     return Stack(
         name,
         file.token_ids(),
         list(file.layers),
         lambda layer: file.finite_rows(layer, every),
         file.logits(),
+        sites,
+        site_rows if sites else None,
     )
 
 
-def live_stacks(name: str, load: LoadOptions, seqs: list[Seq], revision: str | None) -> list[Stack]:
+def live_stacks(
+    name: str, load: LoadOptions, seqs: list[Seq], revision: str | None, sites: tuple[str, ...]
+) -> list[Stack]:
     """Every sequence run through the model `name` loaded as `load` says: each layer at every
     position and its logits at the last, on the CPU (the model freed afterwards)."""
     from embedlens.analysis.lens import options as checks
@@ -143,14 +253,30 @@ def live_stacks(name: str, load: LoadOptions, seqs: list[Seq], revision: str | N
     out = []
     with open_model(name, None, checks.loading(name, load), lambda *_: None) as (opened, _):
         for seq in seqs:
-            residual, logits, _, _ = states_of(opened, seq.ids, revision, {})
-            out.append(held(seq, residual, logits))
+            residual, logits, _, inner = states_of(opened, seq.ids, revision, {}, sites)
+            out.append(held(seq, residual, logits, inner))
     return out
 
 
-def held(seq: Seq, residual: torch.Tensor, logits: torch.Tensor | None) -> Stack:
+def held(
+    seq: Seq, residual: torch.Tensor, logits: torch.Tensor | None, inner: dict[str, torch.Tensor]
+) -> Stack:
+    """A model run's sequence, kept in memory (`inner`: its sites inside the blocks)."""
     layers = list(range(residual.shape[1]))
-    return Stack(seq.name, seq.ids, layers, lambda layer: residual[:, layer], logits)
+
+    def site_rows(site: str, layer: int) -> torch.Tensor:
+        return inner[site][:, layer - 1]
+
+    sites = tuple(inner)
+    return Stack(
+        seq.name,
+        seq.ids,
+        layers,
+        lambda layer: residual[:, layer],
+        logits,
+        sites,
+        site_rows if sites else None,
+    )
 
 
 def sequences(

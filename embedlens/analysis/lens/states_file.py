@@ -165,6 +165,8 @@ def open_states(path: str | os.PathLike[str], state_layers: str | None) -> State
             f"'{name}': token_ids is {ids.dtype} {list(ids.shape)}, which does not match "
             f"hidden_states' {n_tokens} tokens"
         )
+    if state_layers is None and "layers" in tensors and header.metadata.get("format") != FORMAT:
+        state_layers = _stated_layers(file, tensors["layers"], n_layers)
     layers, layout = _layers(name, header.metadata, state_layers, n_layers)
     sites, splits = _sites(name, header.metadata, tensors, [n_tokens, n_layers - 1, size])
     logits = tensors.get("logits")
@@ -206,6 +208,17 @@ def _sites(
     return ("resid", *held), splits
 
 
+def _stated_layers(file: Path, info: Any, n_layers: int) -> str:
+    """A plain file's own `layers` tensor (integers [N]) as --state-layers would give them."""
+    if info.dtype not in _INTS or list(info.shape) != [n_layers]:
+        raise CheckpointError(
+            f"'{file.name}': layers is {info.dtype} {list(info.shape)}; a plain states file's "
+            f"layers are integers, one per state ({n_layers})"
+        )
+    with _opened(file) as handle:
+        return ",".join(str(int(x)) for x in handle.get_tensor("layers").tolist())
+
+
 def _layers(
     name: str, metadata: dict[str, str], state_layers: str | None, n_layers: int
 ) -> tuple[list[int], str]:
@@ -223,7 +236,7 @@ def _layers(
             "vLLM was given (layer i: the input of block i; 0 the embedding output)",
         )
     spec = metadata.get("layers", "") if own else str(state_layers)
-    layers = _parse_layers(spec, name if own else "--state-layers")
+    layers = parse_layers(spec, name if own else "--state-layers")
     if len(layers) != n_layers:
         raise UsageError(
             f"{'the metadata of ' + repr(name) if own else '--state-layers'} names "
@@ -232,7 +245,7 @@ def _layers(
     return layers, "embedlens" if own else "vllm"
 
 
-def _parse_layers(spec: str, what: str) -> list[int]:
+def parse_layers(spec: str, what: str) -> list[int]:
     """'1,2,3' or '0:31' (stop exclusive) -> layer numbers, each once, none negative."""
     out: list[int] = []
     try:
