@@ -665,6 +665,64 @@ def states_file(model: Path, quick: bool, *, build: bool) -> Path:
     return out
 
 
+def parity_states(model: Path, quick: bool, *, build: bool) -> tuple[Path, Path]:
+    """Two runs' states of the tune text's first windows (`lens --text --save-states`): A in
+    bfloat16, B in float32, a folder each, built on first use."""
+    ctx, n = (64, 4) if quick else (256, 4)
+    out = CACHE / ("parity-tiny-qwen3" if quick else "parity-smollm2")
+    a, b = out / "a", out / "b"
+    for folder, dtype in ((a, "bfloat16"), (b, "float32")):
+        if build and not folder.exists():
+            argv = [
+                *embedlens_argv(),
+                "lens",
+                str(model),
+                "--text",
+                str(CACHE / "tune-text.txt"),
+                "--ctx",
+                str(ctx),
+                "--max-tokens",
+                str(n * ctx),
+                "--dtype",
+                dtype,
+            ]
+            subprocess.run(
+                [*argv, "--save-states", str(folder), "--quiet"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+    return a, b
+
+
+def parity_rows(el: list[str], quick: bool) -> list[Row]:
+    """`lens --states A --against-states B` against reading the two folders and decoding each
+    side once at every layer asked (bench/parity_plain.py)."""
+    model = qwen_checkpoint(quick, build=False) if quick else smollm2_folder(build=False)
+    name = "tiny Qwen3 checkpoint" if quick else "SmolLM2 folder"
+    a, b = parity_states(model, quick, build=False)
+    layers = "0,1,2" if quick else "0,8,16,24,30"
+    return [
+        Row(
+            f"lens --against-states ({name}, 4 windows, bf16 against float32, layers {layers})",
+            [
+                *el,
+                "lens",
+                str(model),
+                "--states",
+                str(a),
+                "--against-states",
+                str(b),
+                "--layers",
+                layers,
+                "--json",
+            ],
+            [sys.executable, str(HERE / "parity_plain.py"), str(model), str(a), str(b), layers],
+            "reading both folders, each side decoded once a layer (plain torch)",
+            budget=1.5,
+        ),
+    ]
+
+
 def hub_transfer_limit(folder: Path) -> int | None:
     """What `neighbors` may receive from the hub: 1.05 x the embedding's bytes, plus the
     tokenizer's files and the config (None before the checkpoint is built)."""
@@ -815,6 +873,7 @@ def rows(quick: bool) -> tuple[list[Row], Path, Path]:
             "--prompts alone", budget=2.2),
         *text_rows(Row, el, lens_model, other, (lens_name, pair_name), CACHE / "tune-text.txt",
                    quick),
+        *parity_rows(el, quick),
     ]  # fmt: skip
     return table, qwen, smol
 
@@ -873,6 +932,8 @@ def main() -> None:
         tuned_lens(lens_model, args.quick, build=True)
         states_file(lens_model, args.quick, build=True)
         big_paths(args.quick, build=True, cache=CACHE, tokenizer=write_word_tokenizer)
+        parity_model = lens_model if args.quick else smollm2_folder(build=False)
+        parity_states(parity_model, args.quick, build=True)
         return
     runs = 1 if args.quick else args.runs
     env = bench_env()

@@ -106,6 +106,7 @@ CALLS: dict[str, Callable[[Path, Path], Any]] = {
     "lens_prompts": lambda m, _: embedlens.lens_prompts(m, ["Hello world", "the king"], top_k=2),
     "lens_states": lambda m, t: embedlens.lens_states(m, _states(t)),
     "lens_text": lambda m, t: embedlens.lens_text(m, _words(t), ctx=16),
+    "lens_parity": lambda m, t: embedlens.lens_parity(m, "Hello world", against_dtype="bfloat16"),
     "tune": lambda m, t: embedlens.tune(
         m, _words(t), t / "lens", tokens=512, eval_tokens=128, method="affine"
     ),

@@ -29,6 +29,7 @@ def test_every_public_load_is_a_load_options():
             annotation = str(inspect.signature(value).parameters["load"].annotation)
             assert annotation.startswith("LoadOptions"), (name, annotation)
     assert set(taking) == {"params", "tied", "lens", "lens_prompts", "lens_states"} | {
+        "lens_parity",
         "lens_text",
         "tune",
         "vocab",

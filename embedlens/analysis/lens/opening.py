@@ -123,7 +123,7 @@ def from_files(
             tokenizer, config = loading.tokenizer_and_config(
                 files, tokenizer, trust_remote_code=trust
             )
-            template = _template_name(source)
+            template = template_name(source)
             with file_tokens.watching_files(
                 files, tokenizer, others, loaded=loaded, model=name, trust_remote_code=trust
             ):
@@ -251,7 +251,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _template_name(source: ModelSource) -> str:
+def template_name(source: ModelSource) -> str:
     """Which file the model's chat template comes from, for messages."""
     if source.is_gguf:
         return f"the chat template in '{source.path}'"

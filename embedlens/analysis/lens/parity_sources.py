@@ -284,9 +284,9 @@ def sequences(
 ) -> list[Seq]:
     """The input's sequences, tokenised as the lens runs them (before any weight is read)."""
     from embedlens.analysis.lens import options as checks
-    from embedlens.analysis.lens.opening import _template_name, make_prompt
+    from embedlens.analysis.lens.opening import make_prompt, template_name
 
-    template = _template_name(source)
+    template = template_name(source)
     if inp.text is not None:
         return _windows(inp.text, tokenizer)
     if inp.prompt is not None:
