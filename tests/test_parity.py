@@ -473,3 +473,27 @@ def test_sites_inside_the_blocks_equal_a_plain_torch_computation(tiny, tmp_path)
     embedlens.lens(folder, PROMPT, save_states=tmp_path / "plain.safetensors")
     with pytest.raises(UsageError, match="does not hold --site mlp_out"):
         embedlens.lens_parity(folder, against_states=tmp_path / "plain.safetensors", site="mlp_out")
+
+
+def test_the_figures_do_not_depend_on_the_thread_count():
+    """Each row's figure on one thread from its row alone: 1 thread or 2, the same bits."""
+    from embedlens.analysis.lens.parity_math import distances, kl_lse
+
+    g = torch.Generator().manual_seed(0)
+    za = torch.randn(300, 5000, generator=g) * 4
+    zb = za + 0.01 * torch.randn(300, 5000, generator=g)
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            kl, la, _ = kl_lse(za, zb)
+            got.append((kl.tobytes(), la.numpy().tobytes(), distances(za, zb)[0].tobytes()))
+            assert torch.get_num_threads() == n  # the caller's setting kept
+    finally:
+        torch.set_num_threads(before)
+    assert got[0] == got[1]
+    p, q = torch.log_softmax(za.double(), -1), torch.log_softmax(zb.double(), -1)
+    plain = (p.exp() * (p - q)).sum(-1).numpy()
+    assert np.abs(kl - plain).max() <= 1e-13  # float64 rounding of either formula
+    assert kl_lse(za, za)[0].max() == 0

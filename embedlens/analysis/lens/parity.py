@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from embedlens.analysis.lens.parity_math import decode, distances, kl_lse, next_deltas, top1
 from embedlens.reports.lens_parity import (
     ParityLayer,
     ParityOutput,
@@ -33,8 +34,6 @@ CAP = 3.0
 """The importance-ratio cap by default: TRL's `vllm_importance_sampling_cap`."""
 THRESHOLD = 1e-3
 """The RMS relative difference (mean over positions) above which a layer counts as divergent."""
-CHUNK = 64
-"""Rows decoded at a time (each [CHUNK, V] float32, and float64 while its KL is taken)."""
 N_WORST = 5
 
 
@@ -115,22 +114,20 @@ class Tally:
         output at those with a next token."""
         import torch
 
-        from embedlens.analysis.lens.blocks import one_thread
-
         pos = list(positions)
         f = SeqFigures(index, a.name, pos, [a.ids[p] for p in pos])
         with torch.inference_mode():
             for layer in self.layers:
                 ra, rb = a.rows(layer)[pos], b.rows(layer)[pos]
-                with one_thread():
-                    f.rel[layer], f.cos[layer] = distances(ra, rb)
-                za, zb = self._lenses(f, layer, ra, rb)
+                f.rel[layer], f.cos[layer] = distances(ra, rb)
+                za, zb, lse = self._lenses(f, layer, ra, rb)
                 if layer == self.out_layer:
-                    f.output = _output(za, zb, a.ids, pos, self.tails.real_vocab)
+                    f.output = _output(za, zb, lse, a.ids, pos, self.tails.real_vocab)
             if f.output is None and self.out_layer is not None:
                 n = self.out_layer
                 za, zb = decode(self.tails.a, a.rows(n)[pos]), decode(self.tails.b, b.rows(n)[pos])
-                f.output = _output(za, zb, a.ids, pos, self.tails.real_vocab)
+                lse = kl_lse(za, zb)[1:]
+                f.output = _output(za, zb, lse, a.ids, pos, self.tails.real_vocab)
             self._sites(f, a, b, pos)
             f.checks = [
                 _check(s, d, self.tails.num_layers)
@@ -140,14 +137,12 @@ class Tally:
 
     def _sites(self, f: SeqFigures, a: Stack, b: Stack, pos: list[int]) -> None:
         """Each site asked for, at each block shown, compared as the residual stream is."""
-        from embedlens.analysis.lens.blocks import one_thread
 
         for site in self.sites:
             assert a.site_rows is not None and b.site_rows is not None
             for layer in (x for x in self.layers if x >= 1):
                 ra, rb = a.site_rows(site, layer)[pos], b.site_rows(site, layer)[pos]
-                with one_thread():
-                    f.site_rel[site, layer], f.site_cos[site, layer] = distances(ra, rb)
+                f.site_rel[site, layer], f.site_cos[site, layer] = distances(ra, rb)
 
     def site_rows(self) -> list[ParitySiteLayer] | None:
         """Each site's figures at each block shown (None: no site asked for)."""
@@ -173,16 +168,15 @@ class Tally:
                 )
         return out
 
-    def _lenses(
-        self, f: SeqFigures, layer: int, ra: torch.Tensor, rb: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's two lenses: their KL, the residual KL and whether their top-1 agree."""
+    def _lenses(self, f: SeqFigures, layer: int, ra: torch.Tensor, rb: torch.Tensor) -> Any:
+        """A layer's two lenses: their KL, the residual KL and whether their top-1 agree; the
+        logits and each row's log-sum-exp (for the output's δ)."""
         t = self.tails
         za, zb = decode(t.a, ra), decode(t.b, rb)
-        f.kl[layer] = kl_each(za, zb)
-        f.residual_kl[layer] = f.kl[layer] if t.a is t.b else kl_each(za, decode(t.a, rb))
+        f.kl[layer], la, lb = kl_lse(za, zb)
+        f.residual_kl[layer] = f.kl[layer] if t.a is t.b else kl_lse(za, decode(t.a, rb))[0]
         f.agree[layer] = top1(za, t.real_vocab) == top1(zb, t.real_vocab)
-        return za, zb
+        return za, zb, (la, lb)
 
     def ordered(self) -> list[SeqFigures]:
         return sorted(self.done, key=lambda f: f.index)
@@ -256,17 +250,22 @@ class Tally:
         return max(d for d, _ in made), max(t for _, t in made), len(made)
 
 
-def _output(za: torch.Tensor, zb: torch.Tensor, ids: list[int], pos: list[int], vocab: int) -> _Out:
-    """The output figures of one sequence from its two runs' output logits at `pos`."""
-    from embedlens.analysis.lens.blocks import one_thread
-
+def _output(
+    za: torch.Tensor,
+    zb: torch.Tensor,
+    lse: tuple[torch.Tensor, torch.Tensor],
+    ids: list[int],
+    pos: list[int],
+    vocab: int,
+) -> _Out:
+    """The output figures of one sequence from its two runs' output logits at `pos` (and each
+    row's log-sum-exp)."""
     scored = [i for i, p in enumerate(pos) if p + 1 < len(ids)]
     nxt = [ids[pos[i] + 1] for i in scored]
-    delta = next_deltas(za[scored], zb[scored], nxt)
-    flips = top1(za[scored], vocab) != top1(zb[scored], vocab)
-    with one_thread():
-        logits_rel = distances(za[scored], zb[scored])[0]
-    return _Out(delta, flips, logits_rel, [pos[i] for i in scored], nxt)
+    za, zb = za[scored], zb[scored]
+    delta = next_deltas(za, zb, (lse[0][scored], lse[1][scored]), nxt)
+    flips = top1(za, vocab) != top1(zb, vocab)
+    return _Out(delta, flips, distances(za, zb)[0], [pos[i] for i in scored], nxt)
 
 
 def _check(stack: Stack, decoder: Decoder, n: int) -> tuple[float, float]:
@@ -283,60 +282,6 @@ def _check(stack: Stack, decoder: Decoder, n: int) -> tuple[float, float]:
     own = stack.logits.float()
     dtype = max((row.dtype, _dtype(decoder)), key=lambda d: torch.finfo(d).eps)
     return float((mine - own).abs().max()), tolerance(dtype, own)
-
-
-def distances(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, in float64: ‖a − b‖ / ‖b‖ (0 where both are 0, inf where only b is) and
-    cos(a, b) = (‖a‖² + ‖b‖² − ‖a − b‖²) / (2 ‖a‖ ‖b‖), which is exactly 1 for equal rows."""
-    import numpy as np
-
-    x, y = a.double(), b.double()
-    sa, sb = (x * x).sum(-1).numpy(), (y * y).sum(-1).numpy()
-    sd = ((x - y) ** 2).sum(-1).numpy()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(sd == 0, 0.0, np.sqrt(sd) / np.sqrt(sb))
-        cos = np.where(sd == 0, 1.0, (sa + sb - sd) / (2 * np.sqrt(sa * sb)))
-    return rel, np.nan_to_num(cos, nan=0.0)
-
-
-def decode(decoder: Decoder, rows: torch.Tensor) -> torch.Tensor:
-    """Float32 logits [P, V] of residual rows [P, H], CHUNK rows at a time."""
-    import torch
-
-    parts = [decoder.logits(rows[i : i + CHUNK], ()).float() for i in range(0, len(rows), CHUNK)]
-    return torch.cat(parts) if parts else rows.new_zeros((0, 0), dtype=torch.float32)
-
-
-def kl_each(p: torch.Tensor, q: torch.Tensor) -> np.ndarray:
-    """KL(softmax p ‖ softmax q) of each pair of rows, float64 (`pairing.kl_rows`)."""
-    import numpy as np
-
-    from embedlens.analysis.lens.pairing import kl_rows
-
-    out = [kl_rows(p[i : i + CHUNK], q[i : i + CHUNK]) for i in range(0, len(p), CHUNK)]
-    return np.array([x for part in out for x in part], dtype=np.float64)
-
-
-def top1(logits: torch.Tensor, vocab: int) -> np.ndarray:
-    """Each row's argmax among the real tokens (the lower id of equal maxima)."""
-    return logits[:, :vocab].argmax(-1).numpy()
-
-
-def next_deltas(za: torch.Tensor, zb: torch.Tensor, nxt: list[int]) -> np.ndarray:
-    """log π_A(t) − log π_B(t) of each row's next token t, from the logits in float64."""
-    import torch
-
-    from embedlens.analysis.lens.blocks import one_thread
-
-    if not nxt:
-        import numpy as np
-
-        return np.zeros(0)
-    index = torch.tensor(nxt).unsqueeze(-1)
-    with one_thread():
-        la = torch.log_softmax(za.double(), -1).gather(-1, index)[:, 0]
-        lb = torch.log_softmax(zb.double(), -1).gather(-1, index)[:, 0]
-    return (la - lb).numpy()
 
 
 def _worst(
