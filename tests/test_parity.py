@@ -497,3 +497,18 @@ def test_the_figures_do_not_depend_on_the_thread_count():
     plain = (p.exp() * (p - q)).sum(-1).numpy()
     assert np.abs(kl - plain).max() <= 1e-13  # float64 rounding of either formula
     assert kl_lse(za, za)[0].max() == 0
+
+
+def test_b_states_past_the_memory_kept_wait_on_disk_and_give_the_same(tiny, monkeypatch):
+    from embedlens.analysis.lens import parity_sources
+
+    folder = tiny("llama-tied")
+    prompts = ["Hello world", "the king of France", "a cat"]
+    kept = embedlens.lens_parity(
+        folder, prompts=prompts, dtype="bfloat16", against_dtype="float32", site="mlp_out"
+    )
+    monkeypatch.setattr(parity_sources, "KEPT_BYTES", 0)  # every sequence's B written out
+    spilled = embedlens.lens_parity(
+        folder, prompts=prompts, dtype="bfloat16", against_dtype="float32", site="mlp_out"
+    )
+    assert spilled.to_json() == kept.to_json()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from embedlens.analysis.lens.parity import CAP, THRESHOLD, Stack, Tails, Tally, first_above
@@ -96,9 +98,10 @@ def lens_parity_run(ask: Ask) -> LensParityReport:
             f"the two sides hold none of the layers asked for (both hold {span(sorted(both))})"
         )
     session = _session(ask)
-    with nullcontext() if session is None else session.guarded():
+    guarded = nullcontext() if session is None else session.guarded()
+    with guarded, tempfile.TemporaryDirectory(prefix="embedlens-parity-") as spill:
         mine = list(range(len(seqs))) if session is None else list(session.share(len(seqs)))
-        b_stacks = _side_b(ask, fb, pairs, seqs, mine)
+        b_stacks = _side_b(ask, fb, pairs, seqs, mine, Path(spill))
         tails = _tails(ask, fa, fb, tokenizer, n_layers, config)
         tally = Tally(tails, shown, n_layers if n_layers in both else None, ask.sites)
         for i, a in _side_a(ask, fa, pairs, seqs, mine):
@@ -180,15 +183,20 @@ def _fits(file: Held, config: Any, n_layers: int, sites: tuple[str, ...], side: 
 
 
 def _side_b(
-    ask: Ask, fb: Files | None, pairs: list[tuple[str, str]], seqs: list[Seq], mine: list[int]
+    ask: Ask,
+    fb: Files | None,
+    pairs: list[tuple[str, str]],
+    seqs: list[Seq],
+    mine: list[int],
+    spill: Path,
 ) -> dict[int, Stack]:
-    """B's stacks of the sequences `mine`: its files, or the model run on each (then freed)."""
+    """B's stacks of the sequences `mine`: its files, or the model run on each (then freed;
+    its states past `live_stacks`' memory kept in the folder `spill`)."""
     if fb is not None:
         return {i: file_stack(seqs[i].name, fb.files[pairs[i][1]]) for i in mine}
     load = dataclasses.replace(ask.load, dtype=ask.against_dtype, revision=ask.against_revision)
-    stacks = live_stacks(
-        ask.against, load, [seqs[i] for i in mine], ask.against_revision, ask.sites
-    )
+    run = [seqs[i] for i in mine]
+    stacks = live_stacks(ask.against, load, run, ask.against_revision, ask.sites, spill)
     return dict(zip(mine, stacks, strict=True))
 
 

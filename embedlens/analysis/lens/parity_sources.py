@@ -241,20 +241,37 @@ def file_stack(name: str, file: Held) -> Stack:
     )
 
 
+KEPT_BYTES = 1 << 30
+"""B's states a model run keeps in memory; past this, they wait in a temporary folder."""
+
+
 def live_stacks(
-    name: str, load: LoadOptions, seqs: list[Seq], revision: str | None, sites: tuple[str, ...]
+    name: str,
+    load: LoadOptions,
+    seqs: list[Seq],
+    revision: str | None,
+    sites: tuple[str, ...],
+    spill: Path,
 ) -> list[Stack]:
     """Every sequence run through the model `name` loaded as `load` says: each layer at every
-    position and its logits at the last, on the CPU (the model freed afterwards)."""
+    position and its logits at the last, on the CPU (the model freed afterwards); held in
+    memory, or once they pass KEPT_BYTES written to the folder `spill` (a file a sequence, read
+    back by row as a states file)."""
     from embedlens.analysis.lens import options as checks
     from embedlens.analysis.lens.opening import open_model
-    from embedlens.analysis.lens.states_file import states_of
+    from embedlens.analysis.lens.states_file import open_states, save_states, states_of
 
-    out = []
+    out, kept = [], 0
     with open_model(name, None, checks.loading(name, load), lambda *_: None) as (opened, _):
-        for seq in seqs:
-            residual, logits, _, inner = states_of(opened, seq.ids, revision, {}, sites)
-            out.append(held(seq, residual, logits, inner))
+        for i, seq in enumerate(seqs):
+            residual, logits, about, inner = states_of(opened, seq.ids, revision, {}, sites)
+            kept += sum(t.numel() * t.element_size() for t in (residual, *inner.values()))
+            if kept <= KEPT_BYTES:
+                out.append(held(seq, residual, logits, inner))
+                continue
+            path = spill / f"{i:06d}.safetensors"
+            save_states(path, residual, seq.ids, logits, about, inner)
+            out.append(file_stack(seq.name, open_states(path, None)))
     return out
 
 
