@@ -147,6 +147,18 @@ def lens_modes(tiny: Any, cli: Any, tmp_path: Path) -> dict[str, list[Any]]:
             "attn_out,resid_mid,mlp_out,resid",
         ],
         "states": ["lens", a, "--states", states, "--target", "queen"],
+        "parity": [
+            "lens",
+            a,
+            *prompt[:1],
+            "--dtype",
+            "bfloat16",
+            "--against-dtype",
+            "float32",
+            "--site",
+            "attn_out,mlp_out",
+        ],
+        "parity-states": ["lens", a, "--against-states", states],
     }
 
 
@@ -161,6 +173,8 @@ MODES = [
     "text-against",
     "text-site",
     "states",
+    "parity",
+    "parity-states",
 ]
 
 
@@ -282,6 +296,42 @@ def _printed(renderable: Any, width: int) -> str:
     buffer = io.StringIO()
     Console(file=buffer, width=width, color_system=None).print(Group(renderable), crop=False)
     return buffer.getvalue()
+
+
+def test_nothing_is_cut_in_the_tune_table_with_the_jacobian_lens(tiny, tmp_path):
+    """The held-out table with its nine figures a layer (logit, tuned and Jacobian lenses) at
+    every width holds the wide table's figures whole."""
+    import io
+
+    from rich.console import Console
+
+    import embedlens
+    from tests.test_tune import words_file
+
+    report = embedlens.tune(
+        tiny("llama-untied"),
+        words_file(tmp_path / "w.txt"),
+        tmp_path / "o",
+        tokens=512,
+        eval_tokens=128,
+        method="affine",
+        jacobian=True,
+        estimator="sketch",
+        probes=8,
+        skip_first=2,
+        jacobian_tokens=64,
+    )
+
+    def shown(width: int) -> str:
+        out = io.StringIO()
+        Console(file=out, width=width, no_color=True).print(report, crop=False)
+        return out.getvalue()
+
+    wide = shown(WIDE)
+    assert "J KL" in wide
+    for width in WIDTHS:
+        missing = figures(wide) - figures(shown(width))
+        assert not missing, (width, sorted(missing))
 
 
 def test_words_break_between_tokens_never_inside_one():

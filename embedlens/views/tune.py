@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 
 from embedlens.reports import register_view
 from embedlens.reports.tune import TuneReport
-from embedlens.views.format import shown
+from embedlens.views.format import Sheet, shown
 
 
 def render(r: TuneReport) -> RenderableType:
@@ -16,8 +15,8 @@ def render(r: TuneReport) -> RenderableType:
         f"Held-out evaluation of the tuned lens of {r.display_model} "
         f"({r.eval_tokens:,} tokens, {r.dtype})"
     )
-    table = Table(title=shown(title, "table.title"))
-    table.add_column("layer", justify="right")
+    table = Sheet(title=shown(title, "table.title"))
+    table.add_column("layer", justify="right", no_wrap=True)
     names = ["logit KL", "tuned KL", "logit CE", "tuned CE", "logit bpb", "tuned bpb"]
     j = r.jacobian is not None
     if j:
@@ -25,7 +24,7 @@ def render(r: TuneReport) -> RenderableType:
         names[5:5] = ["J CE"]
         names.append("J bpb")
     for name in names:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", no_wrap=True)
     for row in r.layers:
         label = f"{row.layer} emb" if row.layer == 0 else str(row.layer)
         if row.layer == r.num_layers:
