@@ -155,17 +155,7 @@ class Tally:
             for site in self.sites:
                 rel = np.concatenate([f.site_rel[site, layer] for f in done])
                 cos = np.concatenate([f.site_cos[site, layer] for f in done])
-                out.append(
-                    ParitySiteLayer(
-                        layer,
-                        site,
-                        float(np.mean(rel)),
-                        float(np.median(rel)),
-                        float(np.max(rel)),
-                        float(np.mean(cos)),
-                        float(np.min(cos)),
-                    )
-                )
+                out.append(ParitySiteLayer(layer, site, *_spread(rel, cos)))
         return out
 
     def _lenses(self, f: SeqFigures, layer: int, ra: torch.Tensor, rb: torch.Tensor) -> Any:
@@ -197,11 +187,7 @@ class Tally:
             out.append(
                 ParityLayer(
                     layer,
-                    float(np.mean(rel)),
-                    float(np.median(rel)),
-                    float(np.max(rel)),
-                    float(np.mean(cos)),
-                    float(np.min(cos)),
+                    *_spread(rel, cos),
                     float(np.mean(cat("kl"))),
                     float(np.mean(cat("residual_kl"))),
                     float(np.mean(cat("agree"))),
@@ -248,6 +234,19 @@ class Tally:
         if not made:
             return math.nan, math.nan, 0
         return max(d for d, _ in made), max(t for _, t in made), len(made)
+
+
+def _spread(rel: np.ndarray, cos: np.ndarray) -> tuple[float, float, float, float, float]:
+    """The RMS relative differences' mean, median and max, and the cosines' mean and min."""
+    import numpy as np
+
+    return (
+        float(np.mean(rel)),
+        float(np.median(rel)),
+        float(np.max(rel)),
+        float(np.mean(cos)),
+        float(np.min(cos)),
+    )
 
 
 def _output(
